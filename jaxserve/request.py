@@ -1,0 +1,59 @@
+"""A request's state inside the engine: WAITING -> RUNNING -> (PREEMPTED -> RUNNING ->) FINISHED."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from jaxserve.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"        # EOS, a stop token id or a stop string
+    FINISHED_LENGTH = "length"       # max_tokens or max_model_len reached
+    FINISHED_ABORTED = "abort"       # cancelled by the caller (or a disconnect)
+    FINISHED_ERROR = "error"         # failed alone (e.g. an exception while handling it)
+
+    @property
+    def finished(self) -> bool:
+        return self.name.startswith("FINISHED")
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.value if self.finished else None
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float = field(default_factory=time.monotonic)
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0             # tokens whose KV is in the cache
+    num_cached_tokens: int = 0               # of the prompt, found in the prefix cache
+    status: RequestStatus = RequestStatus.WAITING
+    stop_reason: int | str | None = None     # the stop token id or stop string that ended it
+    eos_token_ids: tuple[int, ...] = ()
+    first_token_time: float | None = None
+    error: str | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished

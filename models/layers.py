@@ -1,0 +1,95 @@
+"""Building blocks shared by the model families: RMSNorm, rotary embeddings, the paged
+KV-cache write and the plain-XLA paged attention (the reference the Pallas kernel matches).
+
+Legend: T tokens, S sequences, D model dim, N query heads, K kv heads, G = N // K,
+E head dim, P tokens per block, B blocks per sequence, L = B * P context slots.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+
+def rms_norm(x_TD: jax.Array, w_D: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm computed in f32, returned in the input dtype (as HF does)."""
+    x = x_TD.astype(jnp.float32)
+    x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
+    return (x * w_D.astype(jnp.float32)).astype(x_TD.dtype)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> jax.Array:
+    """Inverse frequencies f32[E/2], with HF's `llama3` and `linear` scaling rules."""
+    inv = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    if not scaling:
+        return inv
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind == "linear":
+        return inv / scaling["factor"]
+    if kind == "llama3":
+        factor = scaling["factor"]
+        low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_len = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv
+        smooth = (old_len / wavelen - low) / (high - low)
+        mid = (1 - smooth) * inv / factor + smooth * inv
+        out = jnp.where(wavelen > old_len / low, inv / factor, inv)
+        return jnp.where((wavelen >= old_len / high) & (wavelen <= old_len / low), mid, out)
+    raise ValueError(f"rope_scaling type {kind!r} is not supported; supported: linear, llama3")
+
+
+def apply_rope(x_TNE: jax.Array, positions_T: jax.Array, inv_freq: jax.Array) -> jax.Array:
+    """Rotary embedding in HF's "rotate half" layout (first half / second half pairs)."""
+    angles = positions_T.astype(jnp.float32)[:, None] * inv_freq[None, :]      # [T, E/2]
+    cos, sin = jnp.cos(angles)[:, None, :], jnp.sin(angles)[:, None, :]
+    x = x_TNE.astype(jnp.float32)
+    x1, x2 = jnp.split(x, 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x_TNE.dtype)
+
+
+def write_kv(k_cache_NPKE, v_cache_NPKE, k_TKE, v_TKE, slot_mapping_T):
+    """Scatter this step's keys and values into their cache slots (in place once donated)."""
+    n, p, kh, e = k_cache_NPKE.shape
+    k_flat = k_cache_NPKE.reshape(n * p, kh, e).at[slot_mapping_T].set(k_TKE.astype(k_cache_NPKE.dtype))
+    v_flat = v_cache_NPKE.reshape(n * p, kh, e).at[slot_mapping_T].set(v_TKE.astype(v_cache_NPKE.dtype))
+    return k_flat.reshape(n, p, kh, e), v_flat.reshape(n, p, kh, e)
+
+
+def paged_attention_xla(q_TNE, k_cache_NPKE, v_cache_NPKE, block_tables_SB, token_seq_ids_T,
+                        positions_T, *, sm_scale: float, sliding_window: int | None = None,
+                        soft_cap: float | None = None, token_chunk: int = 64) -> jax.Array:
+    """Causal attention of every token over its own sequence's paged context.
+
+    Token t of sequence s sees the cached keys at positions 0..positions[t] (this step's keys
+    must already be written), restricted to the last `sliding_window` positions if set.
+    Works per token, so decode rows, prefill chunks and mixed batches are all the same case.
+    Memory is bounded by processing `token_chunk` tokens at a time.
+    """
+    t, n, e = q_TNE.shape
+    _, p, kh, _ = k_cache_NPKE.shape
+    g = n // kh
+    ctx_len = block_tables_SB.shape[1] * p
+    slot_pos_L = jnp.arange(ctx_len, dtype=jnp.int32)
+
+    def one_token(args):
+        q_NE, seq, pos = args
+        table_B = block_tables_SB[seq]
+        k_LKE = k_cache_NPKE[table_B].reshape(ctx_len, kh, e).astype(jnp.float32)
+        v_LKE = v_cache_NPKE[table_B].reshape(ctx_len, kh, e).astype(jnp.float32)
+        q_KGE = q_NE.reshape(kh, g, e).astype(jnp.float32)
+        s_KGL = jnp.einsum("kge,lke->kgl", q_KGE, k_LKE) * sm_scale
+        if soft_cap is not None:
+            s_KGL = soft_cap * jnp.tanh(s_KGL / soft_cap)
+        visible_L = slot_pos_L <= pos
+        if sliding_window is not None:
+            visible_L &= slot_pos_L > pos - sliding_window
+        s_KGL = jnp.where(visible_L[None, None, :], s_KGL, -jnp.inf)
+        w_KGL = jax.nn.softmax(s_KGL, axis=-1)
+        o_KGE = jnp.einsum("kgl,lke->kge", w_KGL, v_LKE)
+        return o_KGE.reshape(n, e).astype(q_TNE.dtype)
+
+    return jax.lax.map(one_token, (q_TNE, token_seq_ids_T, positions_T),
+                       batch_size=min(t, token_chunk))

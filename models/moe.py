@@ -1,0 +1,44 @@
+"""Mixture-of-experts MLP (Mixtral, Qwen3-MoE): softmax router, top-k, optional renormalisation.
+
+Parameters of an MoE layer: router f[D, X], w_gate f[X, D, F], w_up f[X, D, F], w_down f[X, F, D].
+Legend: T tokens, D model dim, X experts, F expert MLP dim, k experts per token.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxserve.config import ModelConfig
+
+
+def moe_param_shapes(cfg: ModelConfig) -> dict:
+    d, x, f = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
+    return {"router": (d, x), "w_gate": (x, d, f), "w_up": (x, d, f), "w_down": (x, f, d)}
+
+
+def route(cfg: ModelConfig, router_logits_TX: jax.Array):
+    """Top-k experts per token and their weights f32[T, k] (renormalised if the config says so)."""
+    probs = jax.nn.softmax(router_logits_TX.astype(jnp.float32), axis=-1)
+    weights, experts = jax.lax.top_k(probs, cfg.num_experts_per_tok)
+    if cfg.norm_topk_prob:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return weights, experts
+
+
+def moe_mlp(cfg: ModelConfig, lp: dict, h_TD: jax.Array) -> jax.Array:
+    """Grouped computation: tokens sorted by expert, one ragged matmul per projection."""
+    t, d = h_TD.shape
+    k = cfg.num_experts_per_tok
+    weights_Tk, experts_Tk = route(cfg, h_TD @ lp["router"])
+    flat_expert = experts_Tk.reshape(-1)                        # [T*k]
+    order = jnp.argsort(flat_expert)
+    token_of = order // k
+    x_sorted = h_TD[token_of]                                   # [T*k, D]
+    group_sizes = jnp.bincount(flat_expert, length=cfg.num_experts).astype(jnp.int32)
+    gate = jax.lax.ragged_dot(x_sorted, lp["w_gate"], group_sizes)
+    up = jax.lax.ragged_dot(x_sorted, lp["w_up"], group_sizes)
+    y_sorted = jax.lax.ragged_dot(jax.nn.silu(gate) * up, lp["w_down"], group_sizes)
+    w_sorted = weights_Tk.reshape(-1)[order].astype(jnp.float32)
+    y = jnp.zeros((t, d), jnp.float32).at[token_of].add(y_sorted.astype(jnp.float32) * w_sorted[:, None])
+    return y.astype(h_TD.dtype)
