@@ -39,6 +39,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None     # the stop token id or stop string that ended it
     eos_token_ids: tuple[int, ...] = ()
+    seed: int = 0                            # sampling seed (random when the user gave none)
     first_token_time: float | None = None
     error: str | None = None
 

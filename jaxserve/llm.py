@@ -1,0 +1,115 @@
+"""The offline API: `LLM(...).generate(prompts)` and `LLM(...).chat(messages)`, as in vLLM.
+
+All prompts of a call go through the engine together (continuous batching); outputs come
+back in input order.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from jaxserve.engine import LLMEngine
+from jaxserve.outputs import RequestOutput
+from jaxserve.sampling_params import SamplingParams
+
+PromptType = str | dict[str, Any]
+
+
+class LLM:
+    """An engine for offline use.
+
+    Args:
+        model: a .gguf file, a HF model directory, or None for the embedded default model.
+        dtype: "float32", "bfloat16" or "float16" (default: bfloat16 on GPU, float32 on CPU).
+        **engine_args: engine options such as max_model_len, max_num_seqs,
+            max_num_batched_tokens, block_size, num_kv_blocks, enable_prefix_caching, seed,
+            load_format, tensor_parallel_size, max_logprobs, attention_impl, warmup.
+    """
+
+    def __init__(self, model: str | None = None, *, dtype: str | None = None, **engine_args):
+        self.engine = LLMEngine.from_engine_args(model, dtype=dtype, **engine_args)
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def get_metrics(self) -> dict[str, float]:
+        """Counters and gauges, named as the server's /metrics without the `jaxserve:` prefix."""
+        return self.engine.get_metrics()
+
+    def _to_token_ids(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.engine.tokenizer is None:
+                raise ValueError("this model has no tokenizer: pass {'prompt_token_ids': [...]}")
+            return prompt, self.engine.tokenizer.encode(prompt)
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]]
+            if "prompt" in prompt:
+                return self._to_token_ids(prompt["prompt"])
+        raise ValueError("each prompt must be a string, {'prompt': str} or {'prompt_token_ids': [int, ...]}; "
+                         f"got {type(prompt).__name__}")
+
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(f"sampling_params must be one SamplingParams or one per prompt "
+                             f"({len(prompts)}); got {len(sampling_params)}")
+        encoded = [self._to_token_ids(p) for p in prompts]
+        for (text, ids), params in zip(encoded, sampling_params):
+            self.engine.validate_request(ids, params)   # fail before anything is queued
+        ids_in_order = []
+        for (text, ids), params in zip(encoded, sampling_params):
+            rid = str(next(self._ids))
+            self.engine.add_request(rid, ids, params, prompt=text)
+            ids_in_order.append(rid)
+        return self._run(ids_in_order, use_tqdm)
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True, add_generation_prompt: bool = True,
+             chat_template: str | None = None) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation or a list of them, then generate."""
+        if self.engine.tokenizer is None:
+            raise ValueError("this model has no tokenizer, so no chat template")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = []
+        for conv in conversations:
+            text = self.engine.tokenizer.apply_chat_template(
+                conv, add_generation_prompt=add_generation_prompt, chat_template=chat_template)
+            # The template already carries special tokens such as BOS.
+            prompts.append({"prompt": text,
+                            "prompt_token_ids": self.engine.tokenizer.encode(text, add_special_tokens=False)})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+            bar = tqdm(total=len(request_ids), desc="Processed prompts", dynamic_ncols=True)
+        try:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished:
+                        finished[out.request_id] = out
+                        if bar is not None:
+                            bar.update(1)
+        except BaseException:
+            for rid in request_ids:       # leave nothing behind on Ctrl-C or an error
+                self.engine.abort_request(rid)
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        return [finished[rid] for rid in request_ids]

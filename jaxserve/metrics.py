@@ -1,0 +1,47 @@
+"""Engine metrics as Prometheus collectors (the server's /metrics) and as a plain dict
+(`LLM.get_metrics()`), under the same names without the `jaxserve:` prefix."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+
+GAUGES = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "num_used_blocks",
+          "num_free_blocks")
+COUNTERS = ("prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "prompt_tokens",
+            "generation_tokens", "request_success", "request_failure", "request_abort")
+HISTOGRAMS = ("time_to_first_token_seconds", "inter_token_latency_seconds",
+              "e2e_request_latency_seconds")
+
+
+class EngineMetrics:
+    def __init__(self):
+        self.registry = CollectorRegistry()
+        self.gauges = {n: Gauge(f"jaxserve:{n}", n.replace("_", " "), registry=self.registry)
+                       for n in GAUGES}
+        # prometheus_client appends `_total` to counter names itself.
+        self.counters = {n: Counter(f"jaxserve:{n}", n.replace("_", " "), registry=self.registry)
+                         for n in COUNTERS}
+        self.histograms = {n: Histogram(f"jaxserve:{n}", n.replace("_", " "), registry=self.registry,
+                                        buckets=_LATENCY_BUCKETS) for n in HISTOGRAMS}
+
+    def set(self, name: str, value: float) -> None:
+        self.gauges[name].set(value)
+
+    def inc(self, name: str, amount: float = 1) -> None:
+        if amount:
+            self.counters[name].inc(amount)
+
+    def observe(self, name: str, value: float) -> None:
+        self.histograms[name].observe(value)
+
+    def as_dict(self) -> dict[str, float]:
+        out = {n: g._value.get() for n, g in self.gauges.items()}
+        out.update({f"{n}_total": c._value.get() for n, c in self.counters.items()})
+        for n, h in self.histograms.items():
+            samples = {s.name: s.value for s in h.collect()[0].samples}
+            out[f"{n}_count"] = samples.get(f"jaxserve:{n}_count", 0.0)
+            out[f"{n}_sum"] = samples.get(f"jaxserve:{n}_sum", 0.0)
+        return out

@@ -1,0 +1,227 @@
+"""The scheduler: decides, each step, which requests run and how many tokens each computes.
+
+There is no prefill/decode split. Each request has `num_computed_tokens` catching up with
+`num_tokens`; one token budget per step is filled with running requests first (oldest
+first), then waiting ones, chunking long prompts. A prefix-cache hit simply starts
+`num_computed_tokens` further on. When blocks run out the newest running request is
+preempted: its blocks are freed and it recomputes later.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from jaxserve.config import CacheConfig, SchedulerConfig
+from jaxserve.kv_cache.block_pool import BlockPool
+from jaxserve.kv_cache.prefix_cache import extend_block_hashes
+from jaxserve.request import Request, RequestStatus
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    request: Request            # read-only downstream: the runner reads its tokens and params
+    token_ids: list[int]        # tokens whose KV this step computes
+    start_position: int         # position of token_ids[0] (num_computed_tokens before the step)
+    block_ids: list[int]        # the request's whole block table after this step's allocation
+    sample: bool                # the chunk reaches the last known token: sample the next one
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    chunks: list[ScheduledChunk]    # in step order (running requests first)
+    num_tokens: int                 # total tokens computed this step
+    preempted_ids: list[str]        # requests preempted while building this step
+    new_ids: list[str]              # requests that started (or restarted) this step
+    num_cached_tokens: int          # prompt tokens this step's new requests found in the cache
+
+
+@dataclass(frozen=True)
+class RequestUpdate:
+    request: Request
+    new_token_ids: list[int]    # tokens appended this step (0 or 1 per request here)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, cache: CacheConfig, num_blocks: int):
+        self.config = config
+        self.block_size = cache.block_size
+        self.pool = BlockPool(num_blocks, cache.enable_prefix_caching)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.blocks: dict[str, list[int]] = {}
+        self.hashes: dict[str, list[bytes]] = {}
+        # Counters (cumulative) for metrics.
+        self.prefix_queries = 0     # prompt tokens looked up in the prefix cache
+        self.prefix_hits = 0        # of those, found
+        self.num_preemptions = 0
+
+    # -- requests in and out -------------------------------------------------------------
+    def add_request(self, req: Request) -> None:
+        if req.request_id in self.requests:
+            raise ValueError(f"request_id {req.request_id!r} is already in use")
+        self.requests[req.request_id] = req
+        self.hashes[req.request_id] = []
+        self.waiting.append(req)
+
+    def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
+        """End a request (abort, stop string, error): free its blocks, forget it."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        req.status = status
+        self._free_blocks(req)
+        self.hashes.pop(request_id, None)
+        return req
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.requests)
+
+    # -- one step --------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        chunks: list[ScheduledChunk] = []
+        preempted: list[str] = []
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if n <= 0:          # nothing to compute (should not happen): skip
+                i += 1
+                continue
+            need = self._blocks_needed(req, req.num_computed_tokens + n)
+            while self.pool.num_free < need and self.running[-1] is not req:
+                preempted.append(self._preempt(self.running.pop()).request_id)
+            if self.pool.num_free < need:      # even alone it does not fit: preempt itself
+                preempted.append(self._preempt(self.running.pop()).request_id)
+                break
+            self.blocks[req.request_id] += self.pool.allocate(need)
+            chunks.append(self._chunk(req, n))
+            budget -= n
+            i += 1
+
+        new_ids: list[str] = []
+        cached_tokens = 0
+        while (self.waiting and budget > 0 and not preempted
+               and len(self.running) < self.config.max_num_seqs):
+            req = self.waiting[0]
+            hits = self._prefix_hits(req) if req.num_computed_tokens == 0 else []
+            computed = len(hits) * self.block_size if hits else req.num_computed_tokens
+            n = min(req.num_tokens - computed, budget)
+            need = -(-(computed + n) // self.block_size) - len(hits)
+            if self.pool.num_free - self.pool.num_reclaimable(hits) < need:
+                break
+            self.waiting.popleft()
+            self.pool.touch(hits)
+            self.blocks[req.request_id] = hits + self.pool.allocate(need)
+            if req.status == RequestStatus.WAITING:       # first admission: count the lookup
+                self.prefix_queries += req.num_prompt_tokens
+                self.prefix_hits += min(computed, req.num_prompt_tokens)
+                req.num_cached_tokens = min(computed, req.num_prompt_tokens)
+                cached_tokens += req.num_cached_tokens
+            req.num_computed_tokens = computed
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            new_ids.append(req.request_id)
+            chunks.append(self._chunk(req, n))
+            budget -= n
+
+        return SchedulerOutput(chunks=chunks, num_tokens=self.config.max_num_batched_tokens - budget,
+                               preempted_ids=preempted, new_ids=new_ids, num_cached_tokens=cached_tokens)
+
+    def update(self, out: SchedulerOutput, sampled: list[int | None]) -> list[RequestUpdate]:
+        """Apply a step's results: advance computed tokens, append sampled tokens, check the
+        token-level stop conditions (EOS, stop_token_ids, max_tokens, max_model_len).
+
+        `sampled[i]` is the token sampled for `out.chunks[i]` (None where the chunk did not sample).
+        Returns one entry per request that is still known, with the tokens appended."""
+        results = []
+        for chunk, token in zip(out.chunks, sampled):
+            req = chunk.request
+            if req.request_id not in self.requests:      # aborted while the step ran
+                continue
+            req.num_computed_tokens += len(chunk.token_ids)
+            self._cache_full_blocks(req)
+            new = []
+            if chunk.sample and token is not None:
+                req.output_token_ids.append(token)
+                if req.first_token_time is None:
+                    req.first_token_time = time.monotonic()
+                new.append(token)
+                status = self._check_stop(req, token)
+                if status is not None:
+                    self.finish_request(req.request_id, status)
+            results.append(RequestUpdate(req, new))
+        return results
+
+    # -- helpers ---------------------------------------------------------------------------
+    def _chunk(self, req: Request, n: int) -> ScheduledChunk:
+        start = req.num_computed_tokens
+        tokens = req.all_token_ids[start:start + n]
+        return ScheduledChunk(request=req, token_ids=tokens, start_position=start,
+                              block_ids=list(self.blocks[req.request_id]),
+                              sample=start + n == req.num_tokens)
+
+    def _blocks_needed(self, req: Request, num_tokens: int) -> int:
+        return max(0, -(-num_tokens // self.block_size) - len(self.blocks[req.request_id]))
+
+    def _prefix_hits(self, req: Request) -> list[int]:
+        """Cached blocks matching the request's leading full blocks. At least one token is
+        always left to compute, so the step still produces logits for it."""
+        hashes = self.hashes[req.request_id]
+        extend_block_hashes(hashes, req.all_token_ids, self.block_size)
+        limit = (req.num_tokens - 1) // self.block_size
+        hits = []
+        for h in hashes[:limit]:
+            block = self.pool.lookup(h)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def _cache_full_blocks(self, req: Request) -> None:
+        if not self.pool.enable_caching:
+            return
+        hashes = self.hashes[req.request_id]
+        full = req.num_computed_tokens // self.block_size
+        if len(hashes) < full:
+            extend_block_hashes(hashes, req.all_token_ids, self.block_size)
+        blocks = self.blocks[req.request_id]
+        for j in range(min(full, len(hashes), len(blocks))):
+            self.pool.cache_block(blocks[j], hashes[j])
+
+    def _preempt(self, req: Request) -> Request:
+        self._free_blocks(req)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.PREEMPTED
+        self.waiting.appendleft(req)
+        self.num_preemptions += 1
+        return req
+
+    def _free_blocks(self, req: Request) -> None:
+        blocks = self.blocks.pop(req.request_id, None)
+        if blocks:
+            self.pool.free(blocks)
+
+    def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
+        p = req.sampling_params
+        n_out = len(req.output_token_ids)
+        if n_out >= p.min_tokens:
+            if not p.ignore_eos and token in req.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if token in p.stop_token_ids:
+                req.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+        if p.max_tokens is not None and n_out >= p.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if req.num_tokens >= self.config.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
