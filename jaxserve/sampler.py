@@ -1,6 +1,16 @@
-"""On-device sampling, batched over sequences with per-sequence parameter arrays.
+"""On-device sampling and logprobs, batched over sequences with per-sequence parameter arrays.
 
-Legend: S sequences, V vocabulary, N logprobs returned per sequence (static, max_logprobs).
+Legend: S sequences, V vocabulary, L max_model_len, M logit_bias entries per sequence,
+N logprobs returned per sequence (static: the engine's max_logprobs), T prompt positions.
+
+Order of operations, as vLLM V1's sampler:
+  allowed_token_ids and min_tokens bans (-inf) -> logit_bias -> penalties (repetition over
+  prompt + output, presence / frequency over output) -> greedy argmax for greedy rows ->
+  temperature -> min_p -> top_k -> top_p -> Gumbel-max draw.
+Logprobs are those of the raw model distribution (vLLM's default "raw_logprobs").
+
+NOTE: everything runs for every row, with neutral values on rows that don't use a feature:
+a `lax.cond` on a data-dependent predicate would make the GPU wait for the host mid-step.
 """
 
 from __future__ import annotations
@@ -9,22 +19,12 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
+from jaxserve.sampling_params import GREEDY_TEMPERATURE
+from jaxserve.sampling_tensors import SamplingRow, SamplingTensors, make_sampling_tensors
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class SamplingTensors:
-    temperature: jax.Array   # f32[S]; 0 = greedy
-    top_k: jax.Array         # i32[S]; 0 = off
-    top_p: jax.Array         # f32[S]; 1 = off
-    rng_keys: jax.Array      # u32[S, 2]; per-request key for this token (seed, output index)
-
-    @classmethod
-    def host(cls, num_seqs: int) -> "SamplingTensors":
-        """Greedy defaults as numpy arrays, filled in row by row by the runner."""
-        return cls(temperature=np.zeros(num_seqs, np.float32), top_k=np.zeros(num_seqs, np.int32),
-                   top_p=np.ones(num_seqs, np.float32), rng_keys=np.zeros((num_seqs, 2), np.uint32))
+__all__ = ["SamplerOutput", "SamplingRow", "SamplingTensors", "make_sampling_tensors", "sample",
+           "prompt_logprobs", "processed_logits", "row_keys"]
 
 
 @jax.tree_util.register_dataclass
@@ -32,31 +32,90 @@ class SamplingTensors:
 class SamplerOutput:
     token_ids: jax.Array     # i32[S] sampled token
     logprobs: jax.Array      # f32[S] log-probability of the sampled token (raw model distribution)
+    ranks: jax.Array         # i32[S] 1 + number of tokens strictly more likely than the sampled one
     top_ids: jax.Array       # i32[S, N] most likely tokens
     top_logprobs: jax.Array  # f32[S, N] their log-probabilities
 
 
 def sample(logits_SV: jax.Array, t: SamplingTensors, num_top: int) -> SamplerOutput:
+    """Draw one token per row; call inside jit (`num_top` is static)."""
     logits_SV = logits_SV.astype(jnp.float32)
+    x_SV = processed_logits(logits_SV, t)
+    greedy_S = jnp.argmax(x_SV, axis=-1).astype(jnp.int32)
+    is_greedy_S = t.temperature < GREEDY_TEMPERATURE
+    temp_S = jnp.where(is_greedy_S, 1.0, t.temperature)
+    x_SV = _truncate(x_SV / temp_S[:, None], t)
+    noise_SV = jax.vmap(lambda key: jax.random.gumbel(key, x_SV.shape[-1:], jnp.float32))(
+        row_keys(t.seeds, t.offsets))
+    drawn_S = jnp.argmax(x_SV + noise_SV, axis=-1).astype(jnp.int32)
+    ids_S = jnp.where(is_greedy_S, greedy_S, drawn_S)
+    logp_S, ranks_S, top_ids_SN, top_lp_SN = _logprobs(logits_SV, ids_S, num_top)
+    return SamplerOutput(token_ids=ids_S, logprobs=logp_S, ranks=ranks_S, top_ids=top_ids_SN,
+                         top_logprobs=top_lp_SN)
+
+
+def prompt_logprobs(logits_TV: jax.Array, next_ids_T: jax.Array, num_top: int):
+    """(logprob f32[T] of each next prompt token, top ids i32[T, N], top logprobs f32[T, N])."""
+    logp_T, _, top_ids_TN, top_lp_TN = _logprobs(logits_TV.astype(jnp.float32), next_ids_T, num_top)
+    return logp_T, top_ids_TN, top_lp_TN
+
+
+def row_keys(seeds_S2: jax.Array, offsets_S: jax.Array) -> jax.Array:
+    """One threefry key per row from (seed, offset): independent of the other rows."""
+    keys = jax.random.wrap_key_data(seeds_S2.astype(jnp.uint32), impl="threefry2x32")
+    return jax.vmap(jax.random.fold_in)(keys, offsets_S.astype(jnp.uint32))
+
+
+def processed_logits(logits_SV: jax.Array, t: SamplingTensors) -> jax.Array:
+    """Logits after the argmax-changing steps: bans, logit_bias and penalties."""
+    S, V = logits_SV.shape
+    allowed_SV = jnp.unpackbits(t.allowed_mask, axis=-1, count=V, bitorder="little").astype(bool)
+    x_SV = jnp.where(allowed_SV, logits_SV, -jnp.inf)
+    rows_S1 = jnp.arange(S)[:, None]
+    x_SV = x_SV.at[rows_S1, t.bias_ids].add(t.bias_values, mode="drop")   # padding id V is dropped
+    return _apply_penalties(x_SV, t)
+
+
+def _apply_penalties(x_SV: jax.Array, t: SamplingTensors) -> jax.Array:
+    S, V = x_SV.shape
+    rows_S1 = jnp.arange(S)[:, None]
+    hist_SL = t.token_history
+    is_output_SL = jnp.arange(hist_SL.shape[1])[None, :] >= t.num_prompt_tokens[:, None]
+    out_counts_SV = jnp.zeros((S, V), jnp.float32).at[rows_S1, hist_SL].add(
+        is_output_SL.astype(jnp.float32), mode="drop")
+    seen_SV = jnp.zeros((S, V), bool).at[rows_S1, hist_SL].set(True, mode="drop")
+    rep_S1 = t.repetition_penalty[:, None]
+    x_SV = jnp.where(seen_SV, jnp.where(x_SV > 0, x_SV / rep_S1, x_SV * rep_S1), x_SV)
+    x_SV = x_SV - t.frequency_penalty[:, None] * out_counts_SV
+    return x_SV - t.presence_penalty[:, None] * (out_counts_SV > 0)
+
+
+def _truncate(x_SV: jax.Array, t: SamplingTensors) -> jax.Array:
+    """min_p, then top_k, then top_p (over what top_k kept); dropped tokens become -inf."""
+    V = x_SV.shape[-1]
+    # min_p: p >= min_p * p_max  <=>  logit >= max logit + log(min_p)
+    max_S1 = jnp.max(x_SV, axis=-1, keepdims=True)
+    x_SV = jnp.where(x_SV >= max_S1 + jnp.log(t.min_p)[:, None], x_SV, -jnp.inf)
+    sorted_SV = -jnp.sort(-x_SV, axis=-1)   # descending
+    k_S = jnp.where(t.top_k > 0, jnp.minimum(t.top_k, V), V)
+    kth_S1 = jnp.take_along_axis(sorted_SV, (k_S - 1)[:, None], axis=-1)
+    sorted_SV = jnp.where(jnp.arange(V)[None, :] < k_S[:, None], sorted_SV, -jnp.inf)
+    probs_SV = jax.nn.softmax(sorted_SV, axis=-1)
+    mass_before_SV = jnp.cumsum(probs_SV, axis=-1) - probs_SV
+    # NOTE: top_p = 1 keeps everything even where float rounding lets the cumsum reach 1.
+    in_nucleus_SV = (mass_before_SV < t.top_p[:, None]) | (t.top_p[:, None] >= 1.0)
+    cutoff_S1 = jnp.min(jnp.where(in_nucleus_SV, sorted_SV, jnp.inf), axis=-1, keepdims=True)
+    keep_SV = (x_SV >= kth_S1) & (x_SV >= cutoff_S1)
+    return jnp.where(keep_SV, x_SV, -jnp.inf)
+
+
+def _logprobs(logits_SV: jax.Array, ids_S: jax.Array, num_top: int):
     logp_SV = jax.nn.log_softmax(logits_SV, axis=-1)
-    greedy = jnp.argmax(logits_SV, axis=-1).astype(jnp.int32)
-    temp = jnp.where(t.temperature > 0, t.temperature, 1.0)[:, None]
-    scaled = logits_SV / temp
-    v = logits_SV.shape[-1]
-    # top-k and top-p over the sorted row: keep ranks below k and the nucleus mass.
-    sorted_desc = -jnp.sort(-scaled, axis=-1)
-    k = jnp.where(t.top_k > 0, jnp.minimum(t.top_k, v), v)
-    kth = jnp.take_along_axis(sorted_desc, (k - 1)[:, None], axis=-1)
-    probs_sorted = jax.nn.softmax(sorted_desc, axis=-1)
-    cum_before = jnp.cumsum(probs_sorted, axis=-1) - probs_sorted
-    in_nucleus = cum_before < t.top_p[:, None]
-    cutoff = jnp.min(jnp.where(in_nucleus, sorted_desc, jnp.inf), axis=-1, keepdims=True)
-    keep = (scaled >= kth) & (scaled >= cutoff)
-    masked = jnp.where(keep, scaled, -jnp.inf)
-    drawn = jax.vmap(lambda key, row: jax.random.categorical(key, row))(t.rng_keys, masked)
-    ids = jnp.where(t.temperature > 0, drawn.astype(jnp.int32), greedy)
-    chosen = jnp.take_along_axis(logp_SV, ids[:, None], axis=-1)[:, 0]
-    top_lp, top_ids = jax.lax.top_k(logp_SV, num_top) if num_top else (
-        jnp.zeros((logits_SV.shape[0], 0), jnp.float32), jnp.zeros((logits_SV.shape[0], 0), jnp.int32))
-    return SamplerOutput(token_ids=ids, logprobs=chosen, top_ids=top_ids.astype(jnp.int32),
-                         top_logprobs=top_lp)
+    chosen_S = jnp.take_along_axis(logp_SV, ids_S[:, None].astype(jnp.int32), axis=-1)[:, 0]
+    ranks_S = 1 + jnp.sum(logp_SV > chosen_S[:, None], axis=-1, dtype=jnp.int32)
+    if num_top:
+        top_lp_SN, top_ids_SN = jax.lax.top_k(logp_SV, num_top)
+    else:
+        top_lp_SN = jnp.zeros((logits_SV.shape[0], 0), jnp.float32)
+        top_ids_SN = jnp.zeros((logits_SV.shape[0], 0), jnp.int32)
+    return chosen_S, ranks_S, top_ids_SN.astype(jnp.int32), top_lp_SN
