@@ -64,7 +64,10 @@ class ModelConfig:
         head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
         eos = hf.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
-        rs = hf.get("rope_scaling")
+        # transformers >= 5 writes `rope_parameters` (theta and scaling together) instead.
+        rope_params = dict(hf.get("rope_parameters") or {})
+        rope_theta = hf.get("rope_theta", rope_params.pop("rope_theta", 10000.0))
+        rs = hf.get("rope_scaling") or rope_params or None
         if rs and rs.get("rope_type", rs.get("type")) == "default":
             rs = None
         sliding = hf.get("sliding_window") if hf.get("use_sliding_window", True) else None
@@ -79,7 +82,7 @@ class ModelConfig:
             num_kv_heads=hf.get("num_key_value_heads") or heads,
             head_dim=head_dim,
             rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
-            rope_theta=hf.get("rope_theta", 10000.0),
+            rope_theta=rope_theta,
             rope_scaling=tuple(sorted(rs.items())) if rs else None,
             max_position_embeddings=hf.get("max_position_embeddings", 4096),
             tie_word_embeddings=hf.get("tie_word_embeddings", False),

@@ -28,19 +28,42 @@ def resolve_model_path(model: str | None) -> str:
     return model
 
 
-def load_model(model: str | None, load_format: str = "auto", dtype: str = "float32"
-               ) -> tuple[ModelConfig, dict, Tokenizer]:
-    from jaxserve.models import gguf_loader
+def load_model(model: str | None, load_format: str = "auto", dtype: str = "float32", *,
+               mesh=None, seed: int = 0) -> tuple[ModelConfig, dict, Tokenizer | None]:
+    """(config, params on the device or sharded over `mesh`, tokenizer).
 
-    path = resolve_model_path(model)
+    The tokenizer is None when there is nothing to build it from (a HF directory without
+    tokenizer files, or dummy weights from a bare config): the engine then accepts only
+    `prompt_token_ids`, and anything that needs text must say so.
+    For `load_format="dummy"`, `model` may also be a config.json path or the name of a ready
+    config in models/configs/ (e.g. "Qwen3-30B-A3B").
+    """
+    from jaxserve.models import dummy, gguf_loader, hf_loader
+
     if load_format not in ("auto", "gguf", "safetensors", "dummy"):
         raise ValueError(f"load_format must be one of auto, gguf, safetensors, dummy; got {load_format!r}")
+    if load_format == "dummy":
+        cfg, params = dummy.load_dummy(model if model is not None else "Llama-3.1-8B", dtype, mesh, seed)
+        tokenizer = None
+        if isinstance(model, str) and hf_loader.is_hf_dir(model) and hf_loader.has_tokenizer_files(model):
+            tokenizer = Tokenizer.from_pretrained(model, cfg.eos_token_ids)
+        return cfg, params, tokenizer
+    path = resolve_model_path(model)
     jdtype = jnp.dtype(dtype)
     if load_format == "gguf" or (load_format == "auto" and path.endswith(".gguf")):
         cfg, params, meta = gguf_loader.load_gguf(path)
         tokenizer = Tokenizer.from_gguf_metadata(meta, cfg.eos_token_ids)
+        if mesh is not None:
+            from jaxserve.sharding import rules
+            return cfg, rules.shard_params(params, cfg, mesh, jdtype), tokenizer
         return cfg, to_device(params, jdtype), tokenizer
-    raise ValueError(f"cannot load {path!r} with load_format={load_format!r}")
+    if load_format == "safetensors" or (load_format == "auto" and hf_loader.is_hf_dir(path)):
+        cfg, params = hf_loader.load_hf(path, dtype, mesh)
+        tokenizer = (Tokenizer.from_pretrained(path, cfg.eos_token_ids)
+                     if hf_loader.has_tokenizer_files(path) else None)
+        return cfg, params, tokenizer
+    raise ValueError(f"cannot load {path!r} with load_format={load_format!r}: expected a .gguf file "
+                     f"or a directory with config.json and *.safetensors")
 
 
 def to_device(params: dict, dtype) -> dict:

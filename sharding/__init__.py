@@ -1,0 +1,1 @@
+"""Device mesh, logical-axis rules and partition specs (see mesh.py and rules.py)."""

@@ -1,0 +1,131 @@
+"""Logical axes -> mesh axes, and the partition spec of every parameter and KV-cache array.
+
+Model code never names mesh axes. Each parameter dimension gets a logical name (`vocab`,
+`heads`, ...); `LOGICAL_AXIS_RULES` — the one table — says which mesh axis splits it.
+Dimensions that must split evenly (heads, kv heads, MLP columns, experts) raise a ValueError
+naming the dimension when they don't; the vocabulary is replicated instead (an uneven vocab
+is common and only costs memory).
+"""
+
+from __future__ import annotations
+
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jaxserve.config import ModelConfig
+from jaxserve.sharding.mesh import EXPERT_AXIS, MODEL_AXIS
+
+LOGICAL_AXIS_RULES: dict[str, str | None] = {
+    "vocab": MODEL_AXIS,
+    "embed": None,          # D stays whole: activations between blocks are replicated
+    "heads": MODEL_AXIS,    # N*E columns of wq / rows of wo, in whole heads
+    "kv_heads": MODEL_AXIS,  # K*E columns of wk, wv; K of the KV cache
+    "head_dim": None,
+    "mlp": MODEL_AXIS,      # F columns of w_gate / w_up, rows of w_down (expert F too)
+    "experts": EXPERT_AXIS,
+    "router": None,         # router output columns: every device scores every expert
+    "kv_blocks": None,
+    "block_tokens": None,
+}
+
+# Dimensions whose sizes must divide their mesh axis; (size attribute of ModelConfig).
+_MUST_DIVIDE = {"heads": "num_heads", "kv_heads": "num_kv_heads", "experts": "num_experts"}
+
+# Our parameter name -> logical axis of each dimension (see models/llama.py, models/moe.py).
+_DENSE_AXES = {
+    "embed": ("vocab", "embed"),
+    "lm_head": ("embed", "vocab"),
+    "final_norm": ("embed",),
+    "attn_norm": ("embed",), "mlp_norm": ("embed",),
+    "wq": ("embed", "heads"), "wk": ("embed", "kv_heads"), "wv": ("embed", "kv_heads"),
+    "wo": ("heads", "embed"),
+    "bq": ("heads",), "bk": ("kv_heads",), "bv": ("kv_heads",),
+    "q_norm": ("head_dim",), "k_norm": ("head_dim",),
+    "w_gate": ("embed", "mlp"), "w_up": ("embed", "mlp"), "w_down": ("mlp", "embed"),
+}
+_MOE_AXES = {
+    "router": ("embed", "router"),
+    "w_gate": ("experts", "embed", "mlp"), "w_up": ("experts", "embed", "mlp"),
+    "w_down": ("experts", "mlp", "embed"),
+}
+KV_CACHE_AXES = ("kv_blocks", "block_tokens", "kv_heads", "head_dim")
+
+
+def param_logical_axes(cfg: ModelConfig) -> dict:
+    """The parameter tree with a tuple of logical axis names at every leaf."""
+    from jaxserve.models.llama import param_shapes
+
+    table = dict(_DENSE_AXES, **(_MOE_AXES if cfg.is_moe else {}))
+    shapes = param_shapes(cfg)
+    top = {name: table[name] for name in shapes if name != "layers"}
+    top["layers"] = [{name: table[name] for name in layer} for layer in shapes["layers"]]
+    return top
+
+
+def _mesh_size(mesh: Mesh, axis: str | None) -> int:
+    return 1 if axis is None else mesh.shape[axis]
+
+
+def check_divisible(cfg: ModelConfig, mesh: Mesh) -> None:
+    """Raise a ValueError naming the first dimension that cannot be split over its mesh axis."""
+    sizes = {"heads": cfg.num_heads, "kv_heads": cfg.num_kv_heads, "experts": cfg.num_experts,
+             "mlp": cfg.moe_intermediate_size if cfg.is_moe else cfg.intermediate_size}
+    for logical, size in sizes.items():
+        axis = LOGICAL_AXIS_RULES[logical]
+        n = _mesh_size(mesh, axis)
+        if logical == "experts" and not cfg.is_moe:
+            continue
+        if size % n:
+            field = _MUST_DIVIDE.get(logical, "intermediate_size")
+            raise ValueError(
+                f"{field} = {size} ({logical}) must be divisible by the '{axis}' mesh axis size {n}; "
+                f"choose a {'expert' if axis == EXPERT_AXIS else 'tensor'}_parallel_size that divides {size}")
+
+
+def logical_to_spec(axes: tuple, shape: tuple, mesh: Mesh) -> PartitionSpec:
+    """PartitionSpec of one array from its logical axes (uneven vocab splits fall back to None)."""
+    out = []
+    for name, size in zip(axes, shape):
+        axis = LOGICAL_AXIS_RULES[name]
+        if axis is not None and size % _mesh_size(mesh, axis):
+            if name != "vocab":
+                raise ValueError(f"dimension {name!r} of size {size} does not divide mesh axis "
+                                 f"{axis!r} of size {_mesh_size(mesh, axis)}")
+            axis = None
+        out.append(axis)
+    return PartitionSpec(*out)
+
+
+def param_shardings(cfg: ModelConfig, mesh: Mesh) -> dict:
+    """NamedSharding for every parameter, in the tree layout of `param_shapes`."""
+    from jaxserve.models.llama import param_shapes
+
+    check_divisible(cfg, mesh)
+    return jax.tree.map(lambda axes, shape: NamedSharding(mesh, logical_to_spec(axes, shape, mesh)),
+                        param_logical_axes(cfg), param_shapes(cfg),
+                        is_leaf=lambda x: isinstance(x, tuple))
+
+
+def kv_cache_sharding(cfg: ModelConfig, mesh: Mesh) -> NamedSharding:
+    """Sharding of each k / v cache array f[num_blocks, P, K, E]: split by kv heads."""
+    check_divisible(cfg, mesh)
+    return NamedSharding(mesh, PartitionSpec(*(LOGICAL_AXIS_RULES[a] for a in KV_CACHE_AXES)))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    """For step inputs and anything else every device needs whole."""
+    return NamedSharding(mesh, PartitionSpec())
+
+
+def shard_params(params: dict, cfg: ModelConfig, mesh: Mesh, dtype=None) -> dict:
+    """device_put an existing (numpy or jax) parameter tree onto the mesh, array by array."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    def put(a, sharding):
+        a = np.asarray(a) if not isinstance(a, jax.Array) else a
+        if dtype is not None:
+            a = a.astype(jnp.dtype(dtype))
+        return jax.device_put(a, sharding)
+
+    return jax.tree.map(put, params, param_shardings(cfg, mesh))

@@ -1,0 +1,17 @@
+# --- tiny HF checkpoints (tests/golden/ckpt, made by tests/golden/make_golden.py) ---
+import os as _os
+
+import pytest as _pytest
+
+GOLDEN_DIR = _os.path.join(_os.path.dirname(_os.path.abspath(__file__)), "golden")
+TINY_CHECKPOINTS = ("llama", "llama_tied", "llama3_rope", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe")
+
+
+@_pytest.fixture
+def tiny_checkpoint():
+    """Factory: tiny_checkpoint("qwen3") -> path of that tiny random-weight HF checkpoint dir."""
+    def path(name: str) -> str:
+        if name not in TINY_CHECKPOINTS:
+            raise ValueError(f"no tiny checkpoint {name!r}; have: {', '.join(TINY_CHECKPOINTS)}")
+        return _os.path.join(GOLDEN_DIR, "ckpt", name)
+    return path
