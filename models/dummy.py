@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 from typing import Any
 
@@ -40,12 +41,32 @@ def read_config(source: str | dict[str, Any]) -> dict[str, Any]:
 
 
 @functools.lru_cache(maxsize=None)
-def _drawer(shape: tuple, dtype: str, is_norm: bool, sharding):
+def _dict_drawer(spec: tuple, dtype: str, shardings: tuple):
+    """A jitted key -> {name: array} for one flat group of parameters (the top level, or a layer).
+
+    Cached on shapes, so the layers of a model (all alike) share one compilation.
+    """
+    sizes = [math.prod(shape) for _, shape in spec]
+
     def draw(key):
-        if is_norm:
-            return jnp.ones(shape, dtype)
-        return (INIT_STD * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
-    return jax.jit(draw, out_shardings=sharding)
+        # NOTE: one normal draw for the whole group, then slices: each random op is a large
+        # unrolled program to compile, so one per group compiles several times faster.
+        flat = INIT_STD * jax.random.normal(key, (sum(sizes),), jnp.float32)
+        out, at = {}, 0
+        for (name, shape), size in zip(spec, sizes):
+            if name.endswith("norm"):
+                out[name] = jnp.ones(shape, dtype)
+            else:
+                out[name] = flat[at:at + size].reshape(shape).astype(dtype)
+            at += size
+        return out
+    return jax.jit(draw, out_shardings={name: sh for (name, _), sh in zip(spec, shardings)})
+
+
+def _draw(key, shapes: dict, shardings: dict, dtype: str) -> dict:
+    names = sorted(shapes)
+    spec = tuple((n, tuple(shapes[n])) for n in names)
+    return _dict_drawer(spec, dtype, tuple(shardings[n] for n in names))(key)
 
 
 def dummy_params(cfg: ModelConfig, dtype: str = "float32", mesh=None, seed: int = 0) -> dict:
@@ -54,21 +75,18 @@ def dummy_params(cfg: ModelConfig, dtype: str = "float32", mesh=None, seed: int 
     from jaxserve.sharding import rules
 
     shapes = param_shapes(cfg)
-    is_shape = lambda x: isinstance(x, tuple)  # noqa: E731
     if mesh is not None:
         shardings = rules.param_shardings(cfg, mesh)
     else:
         one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-        shardings = jax.tree.map(lambda _: one, shapes, is_leaf=is_shape)
-    paths_and_shapes, treedef = jax.tree_util.tree_flatten_with_path(shapes, is_leaf=is_shape)
-    flat_shardings = treedef.flatten_up_to(shardings)
+        shardings = jax.tree.map(lambda _: one, shapes, is_leaf=lambda x: isinstance(x, tuple))
+    dtype = jnp.dtype(dtype).name
     root = jax.random.key(seed)
-    leaves = []
-    for i, ((path, shape), sharding) in enumerate(zip(paths_and_shapes, flat_shardings)):
-        name = str(path[-1].key)
-        draw = _drawer(tuple(shape), jnp.dtype(dtype).name, name.endswith("norm"), sharding)
-        leaves.append(draw(jax.random.fold_in(root, i)))
-    return treedef.unflatten(leaves)
+    top = {k: v for k, v in shapes.items() if k != "layers"}
+    params = _draw(root, top, shardings, dtype)
+    params["layers"] = [_draw(jax.random.fold_in(root, i + 1), layer, layer_sh, dtype)
+                        for i, (layer, layer_sh) in enumerate(zip(shapes["layers"], shardings["layers"]))]
+    return params
 
 
 def load_dummy(source: str | dict[str, Any], dtype: str = "float32", mesh=None,

@@ -1,0 +1,112 @@
+"""Run by test_models_sharding.py in a subprocess with 8 fake CPU devices (XLA_FLAGS must be
+set before jax is imported, which would disturb every other test in the same process).
+
+For each case, logits of a chunked ragged prefill and two decode steps with parameters and
+KV cache sharded over an (expert, model) mesh must match the unsharded run.
+Exits non-zero with a message on the first mismatch.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+os.environ["JAX_PLATFORMS"] = "cpu"
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+from jaxserve.models import llama  # noqa: E402
+from jaxserve.models.loader import load_model  # noqa: E402
+from jaxserve.sharding import mesh as mesh_lib, rules  # noqa: E402
+from model_step_builder import Chunk, build_step, empty_kv_cache, scattered_block_tables  # noqa: E402
+
+GOLDEN = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "golden")
+DENSE_KV4 = {"architectures": ["Qwen3ForCausalLM"], "vocab_size": 250, "hidden_size": 64,
+             "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 8,
+             "num_key_value_heads": 4, "head_dim": 16}
+BLOCK, NUM_BLOCKS = 8, 16
+
+
+def _run(cfg, params, mesh):
+    """Logits of every step: prefill in two chunks, then two batched decode steps."""
+    sharding = rules.kv_cache_sharding(cfg, mesh) if mesh is not None else None
+    kv = empty_kv_cache(cfg, NUM_BLOCKS, BLOCK, sharding=sharding)
+    tables = scattered_block_tables(3, 4, NUM_BLOCKS, seed=1)
+    prompts = [[5, 9, 3], list(range(10, 19)), list(range(30, 50))]
+    steps = [[Chunk(0, prompts[0], 0), Chunk(1, prompts[1], 0), Chunk(2, prompts[2][:8], 0)],
+             [Chunk(2, prompts[2][8:], 8)],
+             [Chunk(i, [7 + i], len(p)) for i, p in enumerate(prompts)],
+             [Chunk(i, [11 + i], len(p) + 1) for i, p in enumerate(prompts)]]
+    step_fn = jax.jit(lambda p, kv, x: _forward_logits(cfg, p, kv, x))
+    out = []
+    for chunks in steps:
+        x = build_step(chunks, tables, BLOCK, 24, 4)
+        if mesh is not None:
+            x = jax.device_put(x, rules.replicated(mesh))
+        kv, logits = step_fn(params, kv, x)
+        out.append(np.asarray(logits)[: sum(len(c.token_ids) for c in chunks)])
+    if mesh is not None:
+        want = rules.kv_cache_sharding(cfg, mesh)
+        assert kv[0][0].sharding.is_equivalent_to(want, 4), (kv[0][0].sharding, want)
+    return out
+
+
+def _forward_logits(cfg, params, kv, x):
+    kv, hidden = llama.forward(cfg, params, kv, x)
+    return kv, llama.compute_logits(cfg, params, hidden)
+
+
+def check_matches(source, tp, ep, load_format="auto", atol=2e-5):
+    cfg, ref_params, _ = load_model(source, load_format)
+    want = _run(cfg, ref_params, None)
+    mesh = mesh_lib.make_mesh(tp, ep)
+    cfg, params, _ = load_model(source, load_format, mesh=mesh)
+    wq = params["layers"][0]["wq"]
+    assert wq.sharding.spec == jax.sharding.PartitionSpec(None, "model"), wq.sharding
+    assert wq.addressable_shards[0].data.shape[1] == wq.shape[1] // tp
+    if cfg.is_moe:
+        w_up = params["layers"][0]["w_up"]
+        assert w_up.addressable_shards[0].data.shape == (cfg.num_experts // ep, cfg.hidden_size,
+                                                        cfg.moe_intermediate_size // tp)
+    got = _run(cfg, params, mesh)
+    for i, (g, w) in enumerate(zip(got, want)):
+        err = float(np.max(np.abs(g - w)))
+        if err > atol:
+            sys.exit(f"{source} TP={tp} EP={ep}: step {i} logits differ by {err} (> {atol})")
+    print(f"ok {os.path.basename(str(source)) if isinstance(source, str) else 'dict'} TP={tp} EP={ep}")
+
+
+def check_errors():
+    cfg, _, _ = load_model(os.path.join(GOLDEN, "ckpt", "llama"), "dummy")   # 4 heads, 2 kv heads
+    for tp, field in ((4, "num_kv_heads"), (8, "num_heads")):
+        try:
+            rules.param_shardings(cfg, mesh_lib.make_mesh(tp))
+        except ValueError as e:
+            assert field in str(e) and str(tp) in str(e), str(e)
+        else:
+            sys.exit(f"TP={tp} with 4 heads / 2 kv heads should raise a ValueError naming {field}")
+    try:
+        mesh_lib.make_mesh(4, 4)
+    except ValueError as e:
+        assert "16" in str(e) and "8" in str(e), str(e)
+    else:
+        sys.exit("a 16-device mesh on 8 devices should raise")
+    print("ok errors")
+
+
+def main():
+    assert len(jax.devices()) == 8, jax.devices()
+    ckpt = lambda name: os.path.join(GOLDEN, "ckpt", name)  # noqa: E731
+    check_errors()
+    check_matches(ckpt("qwen2"), tp=2, ep=1)                      # qkv bias, f32 checkpoint
+    check_matches(DENSE_KV4, tp=4, ep=1, load_format="dummy")     # uneven vocab: replicated
+    check_matches(ckpt("mixtral"), tp=1, ep=2)
+    check_matches(ckpt("qwen3_moe"), tp=1, ep=4)
+    check_matches(ckpt("mixtral"), tp=2, ep=2)
+    check_matches(os.path.join(GOLDEN, "ckpt", "llama_tied"), tp=2, ep=1)
+
+
+if __name__ == "__main__":
+    main()
