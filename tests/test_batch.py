@@ -1,0 +1,91 @@
+"""`jaxserve generate`: OpenAI batch files through the CLI, on the default model."""
+
+import asyncio
+import json
+
+from jaxserve import cli
+from jaxserve.batch import BatchLine, parse_line, run_line
+from jaxserve.default_model import DEFAULT_MODEL_NAME
+
+MALFORMED_AT, INVALID_AT = 4, 11
+
+
+def _batch_lines() -> list[str]:
+    lines = []
+    for i in range(20):
+        if i % 2:
+            url = "/v1/chat/completions"
+            body = {"messages": [{"role": "user", "content": f"Name a color, {i}."}],
+                    "max_tokens": 4 + i % 5, "temperature": 0}
+        else:
+            url = "/v1/completions"
+            body = {"prompt": f"Counting: {i}, {i + 1},", "max_tokens": 8, "temperature": 0.7,
+                    "seed": i}
+        if i % 3 == 0:
+            body["model"] = DEFAULT_MODEL_NAME
+        if i == INVALID_AT:
+            body["temperature"] = -1
+        line = json.dumps({"custom_id": f"req-{i}", "method": "POST", "url": url, "body": body})
+        lines.append(line[:-7] if i == MALFORMED_AT else line)
+    return lines
+
+
+def test_generate_batch_file_keeps_order_and_reports_bad_lines(tmp_path):
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("\n".join(_batch_lines()) + "\n")
+    rc = cli.main(["generate", "--input", str(src), "--output", str(dst), "--max-num-seqs", "16",
+                   "--max-num-batched-tokens", "32", "--max-model-len", "256", "--num-kv-blocks", "64",
+                   "--no-warmup"])
+    assert rc == 0
+    out = [json.loads(t) for t in dst.read_text().splitlines()]
+    assert len(out) == 20
+    errors = [i for i, o in enumerate(out) if o["error"] is not None]
+    assert errors == [MALFORMED_AT, INVALID_AT]
+    assert out[MALFORMED_AT]["custom_id"] is None          # unreadable line: no custom_id to echo
+    assert out[INVALID_AT]["custom_id"] == f"req-{INVALID_AT}"
+    for i in errors:
+        assert out[i]["response"]["status_code"] == 400 and out[i]["response"]["body"] is None
+        assert out[i]["error"]["type"] == "BadRequestError"
+    assert out[INVALID_AT]["error"]["param"] == "temperature"
+    for i, o in enumerate(out):
+        if i in errors:
+            continue
+        assert o["custom_id"] == f"req-{i}"
+        resp = o["response"]
+        assert resp["status_code"] == 200
+        body = resp["body"]
+        assert resp["request_id"] == body["id"]
+        assert body["model"] == DEFAULT_MODEL_NAME
+        (choice,) = body["choices"]
+        if i % 2:
+            assert body["object"] == "chat.completion"
+            assert choice["message"]["role"] == "assistant"
+            assert body["usage"]["completion_tokens"] <= 4 + i % 5
+        else:
+            assert body["object"] == "text_completion"
+            assert isinstance(choice["text"], str)
+            assert body["usage"]["completion_tokens"] <= 8
+        assert choice["finish_reason"] in ("stop", "length")
+
+
+def test_parse_line_names_the_problem():
+    assert parse_line(0, "[1, 2]").error.status == 400
+    assert parse_line(0, '{"url": "/v1/completions", "body": {}}').error.param == "custom_id"
+    get = parse_line(0, '{"custom_id": "a", "method": "GET", "url": "/v1/completions", "body": {}}')
+    assert get.error.param == "method" and get.custom_id == "a"
+    embed = parse_line(0, '{"custom_id": "a", "method": "POST", "url": "/v1/embeddings", "body": {}}')
+    assert embed.error.param == "url"
+    ok = parse_line(3, '{"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x"}}')
+    assert ok.error is None and ok.index == 3 and ok.body == {"prompt": "x"}
+
+
+def test_run_line_refuses_streams_and_invalid_bodies_before_the_engine():
+    def run(body):   # ctx=None: these must fail before anything touches the engine
+        line = BatchLine(0, "a", "/v1/completions", body)
+        return asyncio.run(run_line(None, line))
+
+    stream = run({"prompt": "x", "stream": True})
+    assert stream["error"]["param"] == "stream" and stream["response"]["status_code"] == 400
+    wrong_type = run({"prompt": "x", "max_tokens": "8"})
+    assert wrong_type["error"]["param"] == "max_tokens"
+    assert wrong_type["custom_id"] == "a"
