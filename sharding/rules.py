@@ -28,9 +28,6 @@ LOGICAL_AXIS_RULES: dict[str, str | None] = {
     "block_tokens": None,
 }
 
-# Dimensions whose sizes must divide their mesh axis; (size attribute of ModelConfig).
-_MUST_DIVIDE = {"heads": "num_heads", "kv_heads": "num_kv_heads", "experts": "num_experts"}
-
 # Our parameter name -> logical axis of each dimension (see models/llama.py, models/moe.py).
 _DENSE_AXES = {
     "embed": ("vocab", "embed"),
@@ -68,18 +65,19 @@ def _mesh_size(mesh: Mesh, axis: str | None) -> int:
 
 def check_divisible(cfg: ModelConfig, mesh: Mesh) -> None:
     """Raise a ValueError naming the first dimension that cannot be split over its mesh axis."""
-    sizes = {"heads": cfg.num_heads, "kv_heads": cfg.num_kv_heads, "experts": cfg.num_experts,
-             "mlp": cfg.moe_intermediate_size if cfg.is_moe else cfg.intermediate_size}
-    for logical, size in sizes.items():
+    dims = [("num_heads", cfg.num_heads, "heads"), ("num_kv_heads", cfg.num_kv_heads, "kv_heads")]
+    if cfg.is_moe:
+        dims += [("moe_intermediate_size", cfg.moe_intermediate_size, "mlp"),
+                 ("num_experts", cfg.num_experts, "experts")]
+    else:
+        dims += [("intermediate_size", cfg.intermediate_size, "mlp")]
+    for field, size, logical in dims:
         axis = LOGICAL_AXIS_RULES[logical]
         n = _mesh_size(mesh, axis)
-        if logical == "experts" and not cfg.is_moe:
-            continue
         if size % n:
-            field = _MUST_DIVIDE.get(logical, "intermediate_size")
-            raise ValueError(
-                f"{field} = {size} ({logical}) must be divisible by the '{axis}' mesh axis size {n}; "
-                f"choose a {'expert' if axis == EXPERT_AXIS else 'tensor'}_parallel_size that divides {size}")
+            knob = "expert_parallel_size" if axis == EXPERT_AXIS else "tensor_parallel_size"
+            raise ValueError(f"{field} = {size} must be divisible by the {axis!r} mesh axis size {n} "
+                             f"({knob}); choose a {knob} that divides {size}")
 
 
 def logical_to_spec(axes: tuple, shape: tuple, mesh: Mesh) -> PartitionSpec:

@@ -96,10 +96,23 @@ def check_errors():
     print("ok errors")
 
 
+def check_shard_params():
+    """The GGUF path: a host parameter tree put onto the mesh array by array."""
+    cfg, params, _ = load_model(os.path.join(GOLDEN, "ckpt", "llama"))
+    host = jax.tree.map(np.asarray, params)
+    sharded = rules.shard_params(host, cfg, mesh_lib.make_mesh(2), dtype="float32")
+    spec = sharded["layers"][1]["w_down"].sharding.spec
+    assert spec == jax.sharding.PartitionSpec("model", None), spec
+    assert sharded["lm_head"].addressable_shards[0].data.shape == (64, 128)
+    jax.tree.map(np.testing.assert_array_equal, sharded, host)
+    print("ok shard_params")
+
+
 def main():
     assert len(jax.devices()) == 8, jax.devices()
     ckpt = lambda name: os.path.join(GOLDEN, "ckpt", name)  # noqa: E731
     check_errors()
+    check_shard_params()
     check_matches(ckpt("qwen2"), tp=2, ep=1)                      # qkv bias, f32 checkpoint
     check_matches(DENSE_KV4, tp=4, ep=1, load_format="dummy")     # uneven vocab: replicated
     check_matches(ckpt("mixtral"), tp=1, ep=2)
