@@ -1,0 +1,162 @@
+"""The FastAPI app: OpenAI-compatible routes plus tokenize / health / version / metrics.
+
+Bodies are read and parsed here (not by FastAPI's own body binding) so that the size limit,
+invalid JSON and wrong types all come back as OpenAI-shaped 400s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import logging
+import os
+from typing import TypeVar
+
+import pydantic
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from jaxserve.server.auth import DEFAULT_OPEN_PATHS, APIKeyMiddleware
+from jaxserve.server.context import ServerContext
+from jaxserve.server.errors import APIError, bad_request, from_validation_error, install_error_handlers
+from jaxserve.server.inputs import check_token_ids, render_chat
+from jaxserve.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                      TokenizeRequest)
+from jaxserve.server.serving_chat import create_chat_completion
+from jaxserve.server.serving_completions import create_completion
+
+Body = TypeVar("Body", bound=pydantic.BaseModel)
+logger = logging.getLogger("jaxserve.server")
+
+API_KEY_ENV = "JAXSERVE_API_KEY"
+# On SIGTERM, open streams get this long to finish before they are cut (and aborted).
+GRACEFUL_SHUTDOWN_S = 5
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("jaxserve")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+async def read_body(ctx: ServerContext, request: Request, model: type[Body]) -> Body:
+    limit = ctx.max_request_body_bytes
+    too_big = APIError(413, f"request body is larger than the server's limit of {limit} bytes "
+                            f"(--max-request-body-bytes)", code="request_too_large")
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise too_big
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_big
+        chunks.append(chunk)
+    try:
+        return model.model_validate_json(b"".join(chunks))
+    except pydantic.ValidationError as e:
+        raise from_validation_error(e) from None
+
+
+def _model_card(ctx: ServerContext, name: str) -> dict:
+    return {"id": name, "object": "model", "created": ctx.created, "owned_by": "jaxserve",
+            "root": ctx.model_name, "max_model_len": ctx.max_model_len}
+
+
+def build_app(ctx: ServerContext, open_paths: tuple[str, ...] = DEFAULT_OPEN_PATHS) -> FastAPI:
+    """The app for one engine. It does not own the engine: whoever made it shuts it down."""
+    app = FastAPI(title="jaxserve", version=_version(), docs_url=None, redoc_url=None)
+    app.state.ctx = ctx
+    install_error_handlers(app)
+    if ctx.api_keys:
+        app.add_middleware(APIKeyMiddleware, api_keys=ctx.api_keys, open_paths=open_paths)
+
+    @app.get("/v1/models")
+    async def list_models():
+        return {"object": "list", "data": [_model_card(ctx, n) for n in ctx.served_model_names]}
+
+    @app.get("/v1/models/{model:path}")
+    async def retrieve_model(model: str):
+        ctx.check_model(model)
+        return _model_card(ctx, model)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await create_completion(ctx, request, await read_body(ctx, request, CompletionRequest))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await create_chat_completion(ctx, request, await read_body(ctx, request, ChatCompletionRequest))
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        req = await read_body(ctx, request, TokenizeRequest)
+        ctx.check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise bad_request("give exactly one of prompt or messages", param="prompt")
+
+        def encode() -> list[int]:
+            if req.messages is not None:
+                text = render_chat(ctx, req.messages, req.add_generation_prompt)
+                return ctx.tokenizer.encode(text, add_special_tokens=False)
+            return ctx.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+
+        tokens = await ctx.in_tokenizer_thread(encode)
+        return {"count": len(tokens), "max_model_len": ctx.max_model_len, "tokens": tokens}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        req = await read_body(ctx, request, DetokenizeRequest)
+        ctx.check_model(req.model)
+        check_token_ids(ctx, req.tokens, "tokens")
+        return {"prompt": await ctx.in_tokenizer_thread(ctx.tokenizer.decode, req.tokens,
+                                                         skip_special_tokens=False)}
+
+    @app.get("/health")
+    async def health():
+        if not ctx.engine.is_healthy:
+            raise APIError(503, "the engine is not running", code="engine_dead")
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/version")
+    async def version():
+        return {"version": _version()}
+
+    @app.get("/metrics")
+    async def metrics():
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        registry = getattr(getattr(ctx.engine, "metrics", None), "registry", None)
+        text = generate_latest(registry) if registry is not None else b""
+        return Response(text, media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+def run_server(args: argparse.Namespace) -> None:
+    """`jaxserve serve`: loads the model, serves until SIGINT/SIGTERM, then stops the engine thread.
+
+    `args` carries the flags of jaxserve.engine_args.add_engine_arguments and
+    jaxserve.server_args.add_server_arguments.
+    """
+    from jaxserve.engine import AsyncEngine
+    from jaxserve.engine_args import engine_kwargs
+
+    keys = tuple(args.api_key or ([os.environ[API_KEY_ENV]] if os.environ.get(API_KEY_ENV) else []))
+    if any(not k for k in keys):
+        raise SystemExit("--api-key must not be empty")
+    engine = AsyncEngine.from_engine_args(**engine_kwargs(args))
+    try:
+        ctx = ServerContext(engine, served_model_names=(engine.model_name,), api_keys=keys,
+                            max_request_body_bytes=args.max_request_body_bytes)
+        open_paths = () if getattr(args, "protect_health_and_metrics", False) else DEFAULT_OPEN_PATHS
+        log_level = getattr(args, "log_level", "info")
+        config = uvicorn.Config(build_app(ctx, open_paths), host=args.host, port=args.port,
+                                log_level=log_level, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+        logger.info("serving %s on http://%s:%d (API keys: %s)", ctx.model_name, args.host, args.port,
+                    len(keys) or "off")
+        uvicorn.Server(config).run()   # handles SIGINT / SIGTERM: stops accepting, drains, returns
+    finally:
+        engine.shutdown()

@@ -1,0 +1,48 @@
+"""API keys: `Authorization: Bearer <key>`, checked in constant time against every key.
+
+A pure ASGI middleware (not starlette's BaseHTTPMiddleware, which gets in the way of
+streaming responses and of the cancellation that aborts a disconnected client's request).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+
+from jaxserve.server.errors import APIError
+
+# Liveness and scraping stay open by default, so that probes need no secret.
+DEFAULT_OPEN_PATHS = ("/health", "/metrics")
+
+
+def _digest(key: str | bytes) -> bytes:
+    # Comparing fixed-size digests hides the keys' lengths as well as their contents.
+    return hashlib.sha256(key if isinstance(key, bytes) else key.encode("utf-8")).digest()
+
+
+class APIKeyMiddleware:
+    def __init__(self, app, api_keys: tuple[str, ...], open_paths: tuple[str, ...] = DEFAULT_OPEN_PATHS):
+        self.app = app
+        self.key_digests = tuple(_digest(k) for k in api_keys)
+        self.open_paths = frozenset(open_paths)
+
+    def authorized(self, authorization: bytes | None) -> bool:
+        if authorization is None or not authorization[:7].lower() == b"bearer ":
+            return False
+        offered = _digest(authorization[7:].strip())
+        ok = False
+        for key in self.key_digests:   # no early exit: every key is compared every time
+            ok |= hmac.compare_digest(offered, key)
+        return ok
+
+    async def __call__(self, scope, receive, send):
+        if (scope["type"] != "http" or not self.key_digests or scope["path"] in self.open_paths
+                or scope["method"] == "OPTIONS"):
+            return await self.app(scope, receive, send)
+        authorization = next((v for k, v in scope["headers"] if k == b"authorization"), None)
+        if not self.authorized(authorization):
+            error = APIError(401, "missing or invalid API key: send 'Authorization: Bearer <key>' "
+                                  "with one of the server's --api-key values",
+                             code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+            return await error.response()(scope, receive, send)
+        return await self.app(scope, receive, send)

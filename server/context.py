@@ -1,0 +1,57 @@
+"""What every route needs: the engine, the served names, the limits, the tokenizer thread."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from jaxserve.server.errors import APIError
+
+DEFAULT_MAX_REQUEST_BODY_BYTES = 4 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class ServerContext:
+    engine: Any                          # jaxserve.engine.AsyncEngine (or a test double)
+    served_model_names: tuple[str, ...]  # the first is the name responses carry
+    api_keys: tuple[str, ...] = ()       # empty = no authentication
+    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
+    created: int = field(default_factory=lambda: int(time.time()))
+    # NOTE: one thread, so that tokenization never blocks the event loop and the (not
+    # re-entrant) HF tokenizer is never used from two threads at once.
+    tokenizer_pool: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="jaxserve-tokenize"))
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_names[0]
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.config.scheduler.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.config.model.vocab_size
+
+    @property
+    def max_logprobs(self) -> int:
+        return self.engine.config.max_logprobs
+
+    def check_model(self, name: str | None) -> None:
+        """A request may leave `model` out; if it names one, it must be one we serve."""
+        if name is not None and name not in self.served_model_names:
+            raise APIError(404, f"model {name!r} does not exist; this server serves "
+                                f"{', '.join(repr(n) for n in self.served_model_names)}",
+                           param="model", code="model_not_found")
+
+    async def in_tokenizer_thread(self, fn: Callable, *args, **kwargs):
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.tokenizer_pool, lambda: fn(*args, **kwargs))

@@ -1,0 +1,112 @@
+"""Request bodies of the OpenAI-compatible API (pydantic, strict types).
+
+Strict mode: a string where a number belongs is a 400, not a silent conversion; NaN and
+infinities are refused. Unknown fields are ignored (clients send fields such as `user` or
+`metadata` that change nothing here). vLLM's sampling extensions (top_k, min_p,
+repetition_penalty, ...) are accepted as extra body fields, as the `openai` client's
+`extra_body` sends them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+# Limits that keep one request from asking for absurd work; each is far above real use.
+MAX_N = 128
+MAX_STOP_STRINGS = 64
+MAX_SEED = 2**63 - 1
+
+# Token ids are range-checked against the vocabulary later (inputs.check_token_ids).
+TokenIds = list[int]
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class SamplingFields(_Body):
+    """Fields shared by /v1/completions and /v1/chat/completions (OpenAI + vLLM extras)."""
+
+    model: str | None = None
+    n: int = Field(1, ge=1, le=MAX_N)
+    temperature: float | None = Field(None, ge=0.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(None, gt=0.0)
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)
+    stop: str | list[str] | None = None
+    stop_token_ids: TokenIds | None = None
+    ignore_eos: bool = False
+    min_tokens: int = Field(0, ge=0)
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    logit_bias: dict[str, float] | None = None
+    allowed_token_ids: TokenIds | None = None
+    prompt_logprobs: int | None = Field(None, ge=0)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    echo: bool = False
+    user: str | None = None
+
+
+class CompletionRequest(SamplingFields):
+    # str | batch of str | token ids | batch of token ids
+    prompt: str | list[str] | TokenIds | list[TokenIds]
+    max_tokens: int | None = Field(16, ge=1)
+    logprobs: int | None = Field(None, ge=0)
+    suffix: str | None = None
+    best_of: int | None = Field(None, ge=1)
+    add_special_tokens: bool = True
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Body):
+    # Any string is parsed so that an unknown role gets a message naming the allowed ones.
+    role: str
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+
+class ResponseFormat(_Body):
+    type: str
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage]
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_special_tokens: bool = False     # the chat template already places special tokens
+    tools: list[Any] | None = None
+    response_format: ResponseFormat | None = None
+
+
+class TokenizeRequest(_Body):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(_Body):
+    model: str | None = None
+    tokens: TokenIds

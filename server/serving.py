@@ -1,0 +1,41 @@
+"""What completions and chat share: run the prompts, answer whole or as a stream."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from fastapi.responses import JSONResponse, Response
+
+from jaxserve.outputs import RequestOutput
+from jaxserve.sampling_params import SamplingParams
+from jaxserve.server.context import ServerContext
+from jaxserve.server.generation import (ClientDisconnected, ClosingStreamingResponse, GenerationSet,
+                                        until_disconnect)
+from jaxserve.server.streaming import StreamFormatter, sse_events
+
+# nginx's "client closed request": never seen by the client, but visible in access logs.
+CLIENT_CLOSED_REQUEST = 499
+
+
+async def run_generation(ctx: ServerContext, request, request_id: str,
+                         prompts: list[tuple[list[int], str | None]], params: list[SamplingParams],
+                         stream: StreamFormatter | None,
+                         body: Callable[[list[RequestOutput]], dict]) -> Response:
+    generation = GenerationSet(ctx.engine, request_id, prompts, params)
+    handed_to_stream = False
+    try:
+        if stream is not None:
+            # NOTE: wait for the first output before answering 200, so that a refusal by the
+            # engine (overloaded, dead, invalid) still gets its own status code.
+            first = await until_disconnect(request, generation.next_outputs())
+            handed_to_stream = True
+            return ClosingStreamingResponse(sse_events(stream, generation, first),
+                                            on_close=generation.close, media_type="text/event-stream",
+                                            headers={"Cache-Control": "no-cache"})
+        outputs = await until_disconnect(request, generation.wait_all_finished())
+        return JSONResponse(body(outputs))
+    except ClientDisconnected:
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+    finally:
+        if not handed_to_stream:
+            generation.close()
