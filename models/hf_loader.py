@@ -68,6 +68,8 @@ def model_config_from_hf(hf: dict[str, Any]) -> ModelConfig:
         raise ValueError(f"{arch}: dense layers between MoE layers (mlp_only_layers="
                          f"{hf.get('mlp_only_layers')}, decoder_sparse_step="
                          f"{hf.get('decoder_sparse_step')}) are not supported")
+    if hf.get("mlp_bias"):
+        raise ValueError(f"{arch}: mlp_bias=true is not supported")
     if hf.get("hidden_act", "silu") != "silu":
         raise ValueError(f"{arch}: hidden_act {hf['hidden_act']!r} is not supported; supported: silu")
     return ModelConfig.from_hf(hf)

@@ -43,7 +43,10 @@ def load_model(model: str | None, load_format: str = "auto", dtype: str = "float
     if load_format not in ("auto", "gguf", "safetensors", "dummy"):
         raise ValueError(f"load_format must be one of auto, gguf, safetensors, dummy; got {load_format!r}")
     if load_format == "dummy":
-        cfg, params = dummy.load_dummy(model if model is not None else "Llama-3.1-8B", dtype, mesh, seed)
+        if model is None:
+            raise ValueError(f"load_format='dummy' needs a model config: a config.json, a HF directory "
+                             f"or one of {', '.join(dummy.known_configs())}")
+        cfg, params = dummy.load_dummy(model, dtype, mesh, seed)
         tokenizer = None
         if isinstance(model, str) and hf_loader.is_hf_dir(model) and hf_loader.has_tokenizer_files(model):
             tokenizer = Tokenizer.from_pretrained(model, cfg.eos_token_ids)

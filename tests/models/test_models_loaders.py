@@ -121,3 +121,8 @@ def test_dummy_weights_run(tiny_checkpoint):
     x = build_step([Chunk(0, [5, 6, 7], 0)], tables, 8, 4, 1)
     _, hidden = jax.jit(llama.forward, static_argnums=0)(cfg, params, empty_kv_cache(cfg, 4, 8), x)
     assert np.isfinite(np.asarray(llama.compute_logits(cfg, params, hidden))).all()
+
+
+def test_dummy_needs_a_config():
+    with pytest.raises(ValueError, match="Qwen3-30B-A3B"):
+        load_model(None, load_format="dummy")
