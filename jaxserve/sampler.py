@@ -21,10 +21,10 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.sampling_params import GREEDY_TEMPERATURE
-from jaxserve.sampling_tensors import SamplingRow, SamplingTensors, make_sampling_tensors
+from jaxserve.sampling_tensors import SamplingRow, SamplingTensors, make_sampling_tensors, needs_extras
 
 __all__ = ["SamplerOutput", "SamplingRow", "SamplingTensors", "make_sampling_tensors", "sample",
-           "prompt_logprobs", "processed_logits", "row_keys"]
+           "prompt_logprobs", "processed_logits", "row_keys", "needs_extras"]
 
 
 @jax.tree_util.register_dataclass
@@ -69,11 +69,17 @@ def row_keys(seeds_S2: jax.Array, offsets_S: jax.Array) -> jax.Array:
 def processed_logits(logits_SV: jax.Array, t: SamplingTensors) -> jax.Array:
     """Logits after the argmax-changing steps: bans, logit_bias and penalties."""
     S, V = logits_SV.shape
-    allowed_SV = jnp.unpackbits(t.allowed_mask, axis=-1, count=V, bitorder="little").astype(bool)
-    x_SV = jnp.where(allowed_SV, logits_SV, -jnp.inf)
     rows_S1 = jnp.arange(S)[:, None]
-    x_SV = x_SV.at[rows_S1, t.bias_ids].add(t.bias_values, mode="drop")   # padding id V is dropped
-    return _apply_penalties(x_SV, t)
+    x_SV = logits_SV
+    # Width-0 arrays (with_extras=False) are static: their work is left out of the program.
+    if t.allowed_mask.shape[1]:
+        allowed_SV = jnp.unpackbits(t.allowed_mask, axis=-1, count=V, bitorder="little").astype(bool)
+        x_SV = jnp.where(allowed_SV, x_SV, -jnp.inf)
+    if t.bias_ids.shape[1]:
+        x_SV = x_SV.at[rows_S1, t.bias_ids].add(t.bias_values, mode="drop")   # padding id V is dropped
+    if t.token_history.shape[1]:
+        x_SV = _apply_penalties(x_SV, t)
+    return x_SV
 
 
 def _apply_penalties(x_SV: jax.Array, t: SamplingTensors) -> jax.Array:

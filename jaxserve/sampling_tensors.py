@@ -5,6 +5,9 @@ W = ceil(V / 8) bytes of a packed token bitmask.
 
 NOTE: every array's shape depends only on S and on constants (V, L, M): a new shape would
 be a recompilation of the jitted step. Padding rows are greedy with no penalties.
+With `with_extras=False` the penalty, logit_bias and token-mask arrays have width 0 and
+the sampler skips that work (a second compiled variant a runner may choose for steps in
+which no row uses them: `needs_extras(rows)`).
 Random keys are not built here: the device derives them from (seed, offset), so a seeded
 request draws the same tokens whatever else is in the batch.
 """
@@ -32,6 +35,7 @@ class SamplingTensors:
     frequency_penalty: jax.Array   # f32[S]; 0 = off
     seeds: jax.Array               # u32[S, 2] request seed as (high, low) 32-bit words
     offsets: jax.Array             # i32[S] index of the token being sampled (0 = first output)
+    # The extras (width 0 when built with with_extras=False):
     token_history: jax.Array       # i32[S, L] prompt then output ids, padded with V; only for rows with penalties
     num_prompt_tokens: jax.Array   # i32[S] how many leading history entries are prompt
     allowed_mask: jax.Array        # u8[S, W] packed (little-endian bits) tokens that may be sampled
@@ -59,12 +63,22 @@ def mask_width(vocab_size: int) -> int:
     return (vocab_size + 7) // 8
 
 
+def needs_extras(rows: Sequence[SamplingRow]) -> bool:
+    """Whether any row uses penalties, logit_bias, allowed_token_ids or a min_tokens ban."""
+    return any(r.params.uses_penalties or r.params.logit_bias or r.params.allowed_token_ids is not None
+               or _banned_until_min_tokens(r) for r in rows)
+
+
 def make_sampling_tensors(rows: Sequence[SamplingRow], num_seqs: int, vocab_size: int,
-                          max_model_len: int) -> SamplingTensors:
+                          max_model_len: int, *, with_extras: bool = True) -> SamplingTensors:
     """Numpy SamplingTensors for `rows`, padded with greedy rows to `num_seqs`."""
     if len(rows) > num_seqs:
         raise ValueError(f"rows must be at most num_seqs ({num_seqs}); got {len(rows)} rows")
-    S, V, L, M = num_seqs, vocab_size, max_model_len, MAX_LOGIT_BIAS_ENTRIES
+    if not with_extras and needs_extras(rows):
+        raise ValueError("with_extras=False, but a row uses penalties, logit_bias, allowed_token_ids "
+                         "or min_tokens: build with with_extras=True (see needs_extras)")
+    S, V = num_seqs, vocab_size
+    L, M, W = (max_model_len, MAX_LOGIT_BIAS_ENTRIES, mask_width(V)) if with_extras else (0, 0, 0)
     temperature = np.zeros(S, np.float32)
     top_k = np.zeros(S, np.int32)
     top_p = np.ones(S, np.float32)
@@ -76,7 +90,7 @@ def make_sampling_tensors(rows: Sequence[SamplingRow], num_seqs: int, vocab_size
     offsets = np.zeros(S, np.int32)
     history = np.full((S, L), V, np.int32)
     num_prompt = np.zeros(S, np.int32)
-    allowed = np.full((S, mask_width(V)), 0xFF, np.uint8)
+    allowed = np.full((S, W), 0xFF, np.uint8)
     bias_ids = np.full((S, M), V, np.int32)
     bias_values = np.zeros((S, M), np.float32)
 

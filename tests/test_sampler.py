@@ -6,7 +6,8 @@ import jax
 import numpy as np
 import pytest
 
-from jaxserve.sampler import SamplingRow, make_sampling_tensors, processed_logits, prompt_logprobs, sample
+from jaxserve.sampler import (SamplingRow, make_sampling_tensors, needs_extras, processed_logits,
+                              prompt_logprobs, sample)
 from jaxserve.sampling_params import SamplingParams
 
 V, L = 8, 16                   # tiny vocabulary and max_model_len for the distribution tests
@@ -190,3 +191,23 @@ def test_tensor_shapes_depend_only_on_num_seqs_and_constants():
     assert shapes(few) == shapes(many)
     with pytest.raises(ValueError, match="rows must be at most num_seqs"):
         make_sampling_tensors(rows_for(SamplingParams(), 5), 4, 100, 32)
+
+
+def test_without_extras_same_draws_and_refuses_rows_that_need_them():
+    vocab, n = 64, 16
+    logits = np.random.default_rng(5).standard_normal((n, vocab)).astype(np.float32)
+    rows = rows_for(SamplingParams(temperature=0.9, top_p=0.9, min_tokens=1), 6, output=[3]) \
+        + rows_for(SamplingParams(temperature=0.0), 4, seed0=50)
+    assert not needs_extras(rows)
+    full = sample_jit(logits, make_sampling_tensors(rows, n, vocab, L), 5)
+    lean_tensors = make_sampling_tensors(rows, n, vocab, L, with_extras=False)
+    assert lean_tensors.token_history.shape == (n, 0) and lean_tensors.allowed_mask.shape == (n, 0)
+    lean = sample_jit(logits, lean_tensors, 5)
+    for a, b in zip(jax.tree_util.tree_leaves(full), jax.tree_util.tree_leaves(lean)):
+        np.testing.assert_array_equal(a, b)
+    for params in [SamplingParams(frequency_penalty=0.1), SamplingParams(logit_bias={1: 1.0}),
+                   SamplingParams(allowed_token_ids=[1]), SamplingParams(min_tokens=2)]:
+        row = rows_for(params, 1, eos=(0,))
+        assert needs_extras(row)
+        with pytest.raises(ValueError, match="with_extras=False"):
+            make_sampling_tensors(row, n, vocab, L, with_extras=False)
