@@ -72,7 +72,12 @@ def model_config_from_hf(hf: dict[str, Any]) -> ModelConfig:
         raise ValueError(f"{arch}: mlp_bias=true is not supported")
     if hf.get("hidden_act", "silu") != "silu":
         raise ValueError(f"{arch}: hidden_act {hf['hidden_act']!r} is not supported; supported: silu")
-    return ModelConfig.from_hf(hf)
+    cfg = ModelConfig.from_hf(hf)
+    rope = cfg.rope_scaling_dict or {}
+    kind = rope.get("rope_type", rope.get("type"))
+    if kind not in (None, "default", "linear", "llama3"):
+        raise ValueError(f"{arch}: rope scaling {kind!r} is not supported; supported: linear, llama3")
+    return cfg
 
 
 def _weight_map(path: str) -> dict[str, str]:

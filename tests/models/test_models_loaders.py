@@ -126,3 +126,10 @@ def test_dummy_weights_run(tiny_checkpoint):
 def test_dummy_needs_a_config():
     with pytest.raises(ValueError, match="Qwen3-30B-A3B"):
         load_model(None, load_format="dummy")
+
+
+def test_unsupported_rope_scaling_is_named(tiny_checkpoint, tmp_path):
+    shutil.copy(os.path.join(tiny_checkpoint("qwen2"), "model.safetensors"), tmp_path)
+    _copy_config(tiny_checkpoint("qwen2"), tmp_path, rope_scaling={"rope_type": "yarn", "factor": 4.0})
+    with pytest.raises(ValueError, match="'yarn'"):
+        load_model(str(tmp_path))
