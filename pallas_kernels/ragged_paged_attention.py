@@ -1,0 +1,401 @@
+"""Ragged paged attention: one kernel for decode rows and prefill chunks in the same batch.
+
+Every sequence s owns the query tokens query_start_loc[s] : query_start_loc[s+1] of the step
+(qlen_s of them) and a context of seq_lens[s] keys in the paged cache, this step's keys
+included. Query token i of sequence s sits at absolute position seq_lens[s] - qlen_s + i and
+sees the keys at positions 0..that position (the last `sliding_window` of them if set). Decode
+rows are simply sequences with qlen 1; GQA shares each kv head among G = N // K query heads.
+
+Layouts (per layer):
+    q_TNE           f[T, N, E]     this step's queries (tokens after query_start_loc[-1] are
+                                   padding: their output is written as zeros)
+    k_cache_NPKE    f[NB, P, K, E] paged keys   (NB cache blocks of P slots; block 0 = null)
+    v_cache_NPKE    f[NB, P, K, E] paged values
+    query_start_loc i32[S+1]       first token of each sequence; padding sequences repeat it
+    seq_lens        i32[S]         context length after this step (0 for padding sequences)
+    block_tables    i32[S, B]      physical block of each logical block of each sequence
+    -> o_TNE        f[T, N, E]
+
+Legend: T tokens, S sequences, N query heads, K kv heads, G = N // K, E head dim, NB cache
+blocks, P slots per block, B blocks per sequence, J query tiles, BQ tokens per query tile,
+R = BQ * Gp rows of one tile (Gp = G rounded up to a power of two), BK keys per inner step,
+X context splits (flash-decoding: partial softmaxes merged afterwards).
+
+How the GPU kernel (Triton lowering of pallas_call) is laid out: the grid is (J, K, X); program
+j finds its (sequence, query tile) by a binary search over query_start_loc (no extra XLA
+kernels before the launch, which matters for small decode steps). A program loads its R query rows
+(BQ tokens x the G heads that share kv head k: GQA costs one read of K/V per group, not per
+head), walks its causal key range BK keys at a time, gathering the slots through the block
+table, and keeps an online softmax (exp2; masks only on the causal and window edges). With X > 1 each program covers 1/X of the key range and
+writes a normalised partial output and its log-sum-exp; a small XLA epilogue merges them.
+This is what keeps a batch of one or a few long decodes from leaving most SMs idle.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from jaxserve.pallas_kernels.dispatch import resolve_impl
+
+# ---------------------------------------------------------------------------------------------
+# Reference (plain jnp, dense per sequence; slow but obviously right)
+# ---------------------------------------------------------------------------------------------
+
+
+def _token_positions(query_start_loc_S1, seq_lens_S, num_tokens: int):
+    """(sequence i32[T], absolute position i32[T], is-real bool[T]) of every token."""
+    s_count = seq_lens_S.shape[0]
+    tok_T = jnp.arange(num_tokens, dtype=jnp.int32)
+    seq_T = jnp.searchsorted(query_start_loc_S1[1:], tok_T, side="right").astype(jnp.int32)
+    real_T = seq_T < s_count      # tokens past query_start_loc[-1] are padding
+    seq_T = jnp.minimum(seq_T, s_count - 1)
+    qlen_T = query_start_loc_S1[seq_T + 1] - query_start_loc_S1[seq_T]
+    pos_T = seq_lens_S[seq_T] - qlen_T + (tok_T - query_start_loc_S1[seq_T])
+    return seq_T, jnp.where(real_T, pos_T, -1), real_T
+
+
+def _visible_scores(s_KGL, slot_L, pos, *, soft_cap, sliding_window):
+    """Soft-capped scores with the keys a token at `pos` may not see set to -inf."""
+    if soft_cap is not None:
+        s_KGL = soft_cap * jnp.tanh(s_KGL / soft_cap)
+    vis_L = slot_L <= pos
+    if sliding_window is not None:
+        vis_L &= slot_L > pos - sliding_window
+    return jnp.where(vis_L, s_KGL, -jnp.inf)
+
+
+def ref_ragged_paged_attention(q_TNE, k_cache_NPKE, v_cache_NPKE, query_start_loc_S1, seq_lens_S,
+                               block_tables_SB, *, sm_scale: float, sliding_window: int | None = None,
+                               soft_cap: float | None = None) -> jax.Array:
+    """Token-by-token reference in f32 over densely gathered contexts; padding tokens get 0."""
+    t, n, e = q_TNE.shape
+    _, p, kh, _ = k_cache_NPKE.shape
+    g = n // kh
+    s_count = seq_lens_S.shape[0]
+    seq_T, pos_T, real_T = _token_positions(query_start_loc_S1, seq_lens_S, t)
+    ctx = block_tables_SB.shape[1] * p
+    k_SLKE = k_cache_NPKE[block_tables_SB].reshape(s_count, ctx, kh, e).astype(jnp.float32)
+    v_SLKE = v_cache_NPKE[block_tables_SB].reshape(s_count, ctx, kh, e).astype(jnp.float32)
+    slot_L = jnp.arange(ctx)
+
+    def one(q_NE, seq, pos, real):
+        s_KGL = jnp.einsum("kge,lke->kgl", q_NE.reshape(kh, g, e).astype(jnp.float32), k_SLKE[seq])
+        s_KGL = _visible_scores(s_KGL * sm_scale, slot_L, pos, soft_cap=soft_cap,
+                                sliding_window=sliding_window)
+        w_KGL = jax.nn.softmax(s_KGL, axis=-1)
+        o_NE = jnp.einsum("kgl,lke->kge", w_KGL, v_SLKE[seq]).reshape(n, e)
+        return jnp.where(real & (pos >= 0), o_NE, 0.0).astype(q_TNE.dtype)
+
+    return jax.vmap(one)(q_TNE, seq_T, pos_T, real_T)
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation and tiling
+# ---------------------------------------------------------------------------------------------
+
+
+def _validate(q_TNE, k_cache, v_cache, qsl, seq_lens, block_tables):
+    if q_TNE.ndim != 3:
+        raise ValueError(f"q_TNE must be [T, N, E]; got shape {q_TNE.shape}")
+    if k_cache.ndim != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(f"k_cache and v_cache must both be [NB, P, K, E] with equal shapes; got "
+                         f"{k_cache.shape} and {v_cache.shape}")
+    t, n, e = q_TNE.shape
+    kh, ce = k_cache.shape[2], k_cache.shape[3]
+    if ce != e:
+        raise ValueError(f"head dim of q ({e}) and of the cache ({ce}) must match")
+    if n % kh:
+        raise ValueError(f"query heads N={n} must be a multiple of kv heads K={kh} (GQA)")
+    s = seq_lens.shape[0]
+    if qsl.shape != (s + 1,) or block_tables.ndim != 2 or block_tables.shape[0] != s:
+        raise ValueError(f"query_start_loc must be i32[S+1] and block_tables i32[S, B] with "
+                         f"S = len(seq_lens) = {s}; got {qsl.shape} and {block_tables.shape}")
+
+
+LOG2E = math.log2(math.e)
+
+
+def _num_tiles(num_tokens: int, num_seqs: int, block_q: int) -> int:
+    """Grid size along query tiles. Sequence s owns tiles start(s) .. start(s+1) - 1 with
+    start(s) = query_start_loc[s] // BQ + s: never fewer than ceil(qlen_s / BQ) tiles, and the
+    padding tokens past query_start_loc[S] form a last pseudo-sequence S."""
+    return num_tokens // block_q + num_seqs + 1
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernel body
+# ---------------------------------------------------------------------------------------------
+
+
+def _rpa_kernel(
+    # inputs
+    qsl_ref, seq_lens_ref, bt_ref, q_ref, k_ref, v_ref,
+    # outputs
+    o_ref, lse_ref,
+    *, sm_scale, sliding_window, soft_cap, block_q, g, gp, kv_heads, head_dim, block_size,
+    blocks_per_seq, block_k, num_splits, num_tokens, num_seqs, fast_exp2, mask_all_steps):
+    j, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    rows = block_q * gp
+    n = kv_heads * g
+
+    # --- which sequence and query tile: binary search for the last s with start(s) <= j
+    def start(s):
+        return qsl_ref[s] // block_q + s
+
+    def search(_, lo_hi):
+        lo, hi = lo_hi
+        mid = (lo + hi + 1) // 2
+        go_up = start(mid) <= j
+        return jnp.where(go_up, mid, lo), jnp.where(go_up, hi, mid - 1)
+
+    seq, _ = jax.lax.fori_loop(0, max(1, (num_seqs + 1).bit_length()), search,
+                               (jnp.int32(0), jnp.int32(num_seqs)))
+    is_pad = seq == num_seqs          # the padding pseudo-sequence: empty context, zero output
+    q_begin = qsl_ref[seq]
+    q_end = jnp.where(is_pad, num_tokens, qsl_ref[jnp.minimum(seq + 1, num_seqs)])
+    qlen = q_end - q_begin
+    qblk = j - start(seq)
+    seq_len = jnp.where(is_pad, qlen, seq_lens_ref[jnp.minimum(seq, num_seqs - 1)])
+
+    r = jnp.arange(rows, dtype=jnp.int32)
+    tok_R = q_begin + qblk * block_q + r // gp
+    head_R = h * g + r % gp
+    valid_R = (tok_R < q_end) & (r % gp < g)
+    pos_R = seq_len - qlen + (tok_R - q_begin)
+
+    # --- key range: causal end of the tile, window start, then this split's share (in steps)
+    first_pos = seq_len - qlen + qblk * block_q
+    last_pos = jnp.minimum(first_pos + block_q, seq_len) - 1
+    kv_end = jnp.where(is_pad | (qblk * block_q >= qlen), 0, last_pos + 1)
+    kv_begin = 0
+    if sliding_window is not None:
+        kv_begin = jnp.maximum(first_pos - sliding_window + 1, 0) // block_k * block_k
+    steps = jnp.maximum(pl.cdiv(kv_end - kv_begin, block_k), 0)
+    per_split = pl.cdiv(steps, num_splits)
+    step_lo = jnp.minimum(split * per_split, steps)
+    step_hi = jnp.minimum(step_lo + per_split, steps)
+    # steps whose keys every row sees: no mask needed there (most of a long context)
+    full_hi = jnp.clip((first_pos + 1 - kv_begin) // block_k, step_lo, step_hi)
+    full_lo = step_lo
+    if sliding_window is not None:
+        full_lo = jnp.clip(pl.cdiv(last_pos - sliding_window + 1 - kv_begin, block_k), step_lo,
+                           full_hi)
+
+    # NOTE: every index is an integer array (no pl.ds mixed in) because interpret mode only
+    # discharges all-array (or all-slice) indexers; Triton makes the same pointers of both.
+    e_1E = jnp.arange(head_dim, dtype=jnp.int32)[None, :]
+    q = plgpu.load(q_ref.at[jnp.minimum(tok_R, num_tokens - 1)[:, None],
+                            jnp.minimum(head_R, n - 1)[:, None], e_1E])       # [R, E]
+    cols_1E = h * head_dim + e_1E
+    # scores are kept in log2 units so the softmax uses exp2 (one MUFU op on the GPU)
+    score_scale = sm_scale * LOG2E if soft_cap is None else sm_scale
+
+    def exp2(x):
+        if not fast_exp2:
+            return jnp.exp2(x)
+        return plgpu.elementwise_inline_asm(
+            "ex2.approx.f32 $0, $1;", args=[x], constraints="=r,r", pack=1,
+            result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, x.dtype)])[0]
+
+    def body(step, carry, *, masked):
+        acc, m_R, l_R = carry
+        kpos = kv_begin + step * block_k + jnp.arange(block_k, dtype=jnp.int32)
+        lblk = jnp.minimum(kpos // block_size, blocks_per_seq - 1)
+        page = plgpu.load(bt_ref.at[seq * blocks_per_seq + lblk])
+        slot = page * block_size + kpos % block_size
+        k = plgpu.load(k_ref.at[slot[:, None], cols_1E])                      # [BK, E]
+        s = plgpu.dot(q, k, trans_b=True).astype(jnp.float32) * score_scale   # [R, BK]
+        if soft_cap is not None:
+            s = (soft_cap * LOG2E) * jnp.tanh(s / soft_cap)
+        if masked:
+            vis = (kpos[None, :] <= pos_R[:, None]) & (kpos[None, :] < kv_end)
+            if sliding_window is not None:
+                vis &= kpos[None, :] > pos_R[:, None] - sliding_window
+            s = jnp.where(vis, s, -jnp.inf)
+        m_new = jnp.maximum(m_R, s.max(axis=1))
+        # NOTE: rows that have seen no visible key keep m = -inf; shifting by 0 there keeps
+        # exp2() at exactly 0 instead of NaN.
+        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+        p = exp2(s - m_safe[:, None])
+        corr = exp2(m_R - m_safe)
+        v = plgpu.load(v_ref.at[slot[:, None], cols_1E])                      # [BK, E]
+        acc = acc * corr[:, None] + plgpu.dot(p.astype(v.dtype), v).astype(jnp.float32)
+        return acc, m_new, l_R * corr + p.sum(axis=1)
+
+    carry = (jnp.zeros((rows, head_dim), jnp.float32), jnp.full((rows,), -jnp.inf, jnp.float32),
+             jnp.zeros((rows,), jnp.float32))
+    masked_body = functools.partial(body, masked=True)
+    if mask_all_steps:   # one loop: a third of the code to compile (used in interpret mode)
+        acc, m_R, l_R = jax.lax.fori_loop(step_lo, step_hi, masked_body, carry)
+    else:
+        carry = jax.lax.fori_loop(step_lo, full_lo, masked_body, carry)       # window edge
+        carry = jax.lax.fori_loop(full_lo, full_hi, functools.partial(body, masked=False), carry)
+        acc, m_R, l_R = jax.lax.fori_loop(full_hi, step_hi, masked_body, carry)  # causal edge
+
+    empty = l_R == 0.0
+    o = acc / jnp.where(empty, 1.0, l_R)[:, None]
+    # NOTE: stores use the unclamped (token, head) of each row: masked-off rows then never
+    # alias a real row (interpret mode would otherwise write back stale values over it).
+    plgpu.store(o_ref.at[tok_R[:, None], head_R[:, None], e_1E], o.astype(o_ref.dtype),
+                mask=valid_R[:, None])
+    if lse_ref is not None:   # log2-sum-exp2 of the split, -inf when it saw no key
+        lse = jnp.where(empty, -jnp.inf, m_R + jnp.log2(jnp.where(empty, 1.0, l_R)))
+        plgpu.store(lse_ref.at[tok_R, head_R], lse, mask=valid_R)
+
+
+# ---------------------------------------------------------------------------------------------
+# Public wrapper
+# ---------------------------------------------------------------------------------------------
+
+
+def default_block_q(num_tokens: int, num_seqs: int, group: int) -> int:
+    """Tokens per query tile: about the mean query length, so decode tiles stay small, with
+    at least 16 rows (the smallest tensor-core tile) and at most 64 rows."""
+    gp = pl.next_power_of_2(group)
+    bq = pl.next_power_of_2(max(1, num_tokens // max(num_seqs, 1)))
+    return max(1, min(max(bq, 16 // gp), max(1, 64 // gp)))
+
+
+def default_block_k(block_q: int, group: int, context: int) -> int:
+    """Keys per step: 128 for decode-like tiles (fewer, longer loads), 64 for prefill tiles."""
+    rows = block_q * pl.next_power_of_2(group)
+    return max(16, min(128 if rows <= 16 else 64, pl.next_power_of_2(context)))
+
+
+def default_num_splits(num_tokens: int, num_seqs: int, kv_heads: int, block_q: int,
+                       context: int) -> int:
+    """Split the key range until the grid has about four programs per SM (132 on an H200),
+    keeping at least 256 keys per split; prefill-heavy batches already fill the GPU."""
+    if num_tokens > 2 * num_seqs:
+        return 1
+    programs = min(num_tokens, num_seqs) * kv_heads
+    return int(max(1, min(pl.cdiv(528, max(programs, 1)), context // 256, 32)))
+
+
+@functools.partial(jax.jit, static_argnames=(
+    "sm_scale", "sliding_window", "soft_cap", "impl", "block_q", "block_k", "num_splits",
+    "num_warps", "num_stages", "interpret", "mask_all_steps"))
+def ragged_paged_attention(q_TNE, k_cache_NPKE, v_cache_NPKE, query_start_loc_S1, seq_lens_S,
+                           block_tables_SB, *, sm_scale: float, sliding_window: int | None = None,
+                           soft_cap: float | None = None, impl: str = "auto",
+                           block_q: int | None = None, block_k: int | None = None,
+                           num_splits: int | None = None, num_warps: int | None = None,
+                           num_stages: int = 2, interpret: bool | None = None,
+                           mask_all_steps: bool | None = None) -> jax.Array:
+    """Attention of a mixed prefill/decode batch over a paged KV cache -> o f[T, N, E].
+
+    impl: "pallas" (Triton kernel; interpreted on CPU), "xla" (plain XLA, memory-bounded) or
+    "auto" (pallas on GPU, xla elsewhere). Tuning options are picked from the shapes if None.
+    mask_all_steps: apply the causal/window mask on every key step instead of only on the edge
+    steps (same result; default True only in interpret mode, where it compiles 3x faster).
+    """
+    _validate(q_TNE, k_cache_NPKE, v_cache_NPKE, query_start_loc_S1, seq_lens_S, block_tables_SB)
+    impl, on_gpu = resolve_impl(impl)
+    if impl == "xla":
+        return xla_ragged_paged_attention(q_TNE, k_cache_NPKE, v_cache_NPKE, query_start_loc_S1,
+                                          seq_lens_S, block_tables_SB, sm_scale=sm_scale,
+                                          sliding_window=sliding_window, soft_cap=soft_cap)
+    t, n, e = q_TNE.shape
+    nb, p, kh, _ = k_cache_NPKE.shape
+    s, b = block_tables_SB.shape
+    g = n // kh
+    gp = pl.next_power_of_2(g)
+    if e != pl.next_power_of_2(e) or e < 16:
+        raise ValueError(f"the pallas kernel needs a power-of-two head dim >= 16; got E={e}; "
+                         f"use impl='xla'")
+    block_q = block_q or default_block_q(t, s, g)
+    block_k = block_k or default_block_k(block_q, g, b * p)
+    num_splits = num_splits or default_num_splits(t, s, kh, block_q, b * p)
+    interpret = (not on_gpu) if interpret is None else interpret
+    rows = block_q * gp
+    num_warps = num_warps or (4 if rows <= 64 else 8)
+
+    kernel = functools.partial(
+        _rpa_kernel, sm_scale=float(sm_scale), sliding_window=sliding_window, soft_cap=soft_cap,
+        block_q=block_q, g=g, gp=gp, kv_heads=kh, head_dim=e, block_size=p, blocks_per_seq=b,
+        block_k=block_k, num_splits=num_splits, num_tokens=t, num_seqs=s,
+        fast_exp2=not interpret,
+        mask_all_steps=interpret if mask_all_steps is None else mask_all_steps)
+    split_out = num_splits > 1
+    if split_out:
+        out_shape = (jax.ShapeDtypeStruct((num_splits, t, n, e), jnp.float32),
+                     jax.ShapeDtypeStruct((num_splits, t, n), jnp.float32))
+        out_specs = (pl.BlockSpec((None, t, n, e), lambda j, h, x: (x, 0, 0, 0)),
+                     pl.BlockSpec((None, t, n), lambda j, h, x: (x, 0, 0)))
+    else:
+        out_shape = (jax.ShapeDtypeStruct((t, n, e), q_TNE.dtype),)
+        out_specs = (pl.BlockSpec((t, n, e), lambda j, h, x: (0, 0, 0)),)
+        kernel = _without_lse(kernel)
+    whole = lambda *shape: pl.BlockSpec(shape, lambda j, h, x: (0,) * len(shape))  # noqa: E731
+    outs = pl.pallas_call(
+        kernel,
+        grid=(_num_tiles(t, s, block_q), kh, num_splits),
+        in_specs=[whole(s + 1), whole(s), whole(s * b), whole(t, n, e), whole(nb * p, kh * e),
+                  whole(nb * p, kh * e)],
+        out_specs=out_specs,
+        out_shape=out_shape,
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name=f"ragged_paged_attention_bq{block_q}_bk{block_k}_x{num_splits}",
+    )(query_start_loc_S1.astype(jnp.int32), seq_lens_S.astype(jnp.int32),
+      block_tables_SB.astype(jnp.int32).reshape(s * b), q_TNE,
+      k_cache_NPKE.reshape(nb * p, kh * e), v_cache_NPKE.reshape(nb * p, kh * e))
+    if not split_out:
+        return outs[0]
+    return _merge_splits(*outs).astype(q_TNE.dtype)
+
+
+def _without_lse(kernel):
+    def k(*refs):
+        return kernel(*refs, None)
+    return k
+
+
+def _merge_splits(o_XTNE, lse_XTN):
+    """Combine normalised partial outputs by their log2-sum-exp2 weights (empty splits: -inf)."""
+    m_TN = lse_XTN.max(axis=0)
+    w_XTN = jnp.exp2(lse_XTN - jnp.where(m_TN == -jnp.inf, 0.0, m_TN)[None])
+    den_TN = w_XTN.sum(axis=0)
+    return (o_XTNE * w_XTN[..., None]).sum(axis=0) / jnp.where(den_TN == 0, 1.0, den_TN)[..., None]
+
+
+# ---------------------------------------------------------------------------------------------
+# XLA fallback (no Pallas): per-token gather of the sequence's context, chunked for memory
+# ---------------------------------------------------------------------------------------------
+
+
+def xla_ragged_paged_attention(q_TNE, k_cache_NPKE, v_cache_NPKE, query_start_loc_S1, seq_lens_S,
+                               block_tables_SB, *, sm_scale: float, sliding_window: int | None = None,
+                               soft_cap: float | None = None, token_chunk: int = 64) -> jax.Array:
+    """Token-at-a-time XLA attention (each token gathers its sequence's context), in chunks of
+    `token_chunk` tokens to bound memory; cache-dtype operands with f32 accumulation."""
+    t, n, e = q_TNE.shape
+    _, p, kh, _ = k_cache_NPKE.shape
+    g = n // kh
+    ctx = block_tables_SB.shape[1] * p
+    seq_T, pos_T, _ = _token_positions(query_start_loc_S1, seq_lens_S, t)
+    slot_L = jnp.arange(ctx, dtype=jnp.int32)
+
+    def one_token(args):
+        q_NE, seq, pos = args
+        table_B = block_tables_SB[seq]
+        k_LKE = k_cache_NPKE[table_B].reshape(ctx, kh, e)
+        v_LKE = v_cache_NPKE[table_B].reshape(ctx, kh, e)
+        s_KGL = jnp.einsum("kge,lke->kgl", q_NE.reshape(kh, g, e), k_LKE,
+                           preferred_element_type=jnp.float32) * sm_scale
+        s_KGL = _visible_scores(s_KGL, slot_L, pos, soft_cap=soft_cap,
+                                sliding_window=sliding_window)
+        m = jnp.max(s_KGL, axis=-1, keepdims=True)
+        w = jnp.exp(s_KGL - jnp.where(m == -jnp.inf, 0.0, m))   # padding rows: all zero
+        den = jnp.maximum(w.sum(axis=-1, keepdims=True), 1e-30)
+        o = jnp.einsum("kgl,lke->kge", (w / den).astype(v_LKE.dtype), v_LKE,
+                       preferred_element_type=jnp.float32)
+        return o.reshape(n, e).astype(q_TNE.dtype)
+
+    return jax.lax.map(one_token, (q_TNE, seq_T, pos_T), batch_size=min(t, token_chunk))

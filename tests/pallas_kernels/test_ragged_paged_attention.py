@@ -1,0 +1,110 @@
+"""Ragged paged attention: Pallas kernel (interpret mode) and XLA fallback against the reference."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxserve.models import layers
+from jaxserve.pallas_kernels import ragged_paged_attention as rpa
+from jaxserve.pallas_kernels.cuda_lowering import export_for_cuda, triton_kernel_names
+
+from kernel_batches import paged_batch
+
+SCALE = 0.17
+
+
+def check(args, *, impl="pallas", atol=2e-5, **kw):
+    opts = {k: kw.pop(k) for k in ("sliding_window", "soft_cap") if k in kw}
+    ref = np.asarray(rpa.ref_ragged_paged_attention(*args, sm_scale=SCALE, **opts))
+    out = np.asarray(rpa.ragged_paged_attention(*args, sm_scale=SCALE, impl=impl, **opts, **kw))
+    real = int(args[3][-1])
+    # interpret mode starts every output buffer as NaN: finite means every element was written
+    assert np.isfinite(out).all(), "some output element was never written"
+    np.testing.assert_allclose(out[:real], ref[:real], atol=atol, rtol=1e-4)
+    np.testing.assert_array_equal(out[real:], 0.0)   # padding tokens: zeros, never NaN
+    return out
+
+
+@pytest.mark.parametrize("n,kh", [(4, 4), (8, 2), (16, 2)])   # GQA ratios 1, 4, 8
+def test_decode_only_gqa(n, kh):
+    check(paged_batch([1] * 5, [1, 9, 16, 23, 40], n=n, kh=kh, seed=n))
+
+
+def test_prefill_only_odd_lengths():
+    check(paged_batch([7, 13, 1, 30], [7, 13, 1, 30], seed=1), block_k=8, mask_all_steps=False)
+
+
+def test_mixed_chunked_prefill_decode_and_padding_sequences():
+    # chunk of a longer prompt, decodes, a padding sequence (qlen 0, seq_len 0) in between
+    args = paged_batch([9, 1, 0, 1, 17, 0], [25, 33, 0, 8, 17, 0], seed=2)
+    check(args)
+    check(args, num_splits=3, block_k=8, mask_all_steps=False)   # split + merge; edge masks
+    check(args, block_q=16, block_k=32)          # larger tiles than the sequences
+
+
+def test_sliding_window_and_soft_cap():
+    args = paged_batch([6, 1, 11], [40, 37, 30], seed=3)
+    check(args, sliding_window=10)
+    check(args, sliding_window=10, num_splits=2, block_k=8, mask_all_steps=False)
+    check(args, soft_cap=5.0)
+
+
+def test_group_not_power_of_two():
+    # SmolLM2: 9 query heads over 3 kv heads (G = 3 is padded to 4 rows per token)
+    check(paged_batch([3, 1, 5], [3, 20, 12], n=9, kh=3, e=16, seed=4))
+
+
+def test_xla_fallback_matches_reference():
+    args = paged_batch([9, 1, 0, 1], [25, 33, 0, 8], seed=5)
+    check(args, impl="xla")
+    check(args, impl="xla", sliding_window=6)
+
+
+def test_matches_model_reference_paged_attention_xla():
+    """Same numbers as models/layers.py's per-token reference (token_seq_ids/positions API)."""
+    q, k, v, qsl, seq_lens, bt = args = paged_batch([4, 1, 6], [10, 21, 6], pad_tokens=0, seed=6)
+    qlens = np.diff(np.asarray(qsl))
+    seq_T = np.repeat(np.arange(len(qlens)), qlens)
+    pos_T = np.concatenate([np.arange(c - ql, c) for ql, c in zip(qlens, np.asarray(seq_lens))])
+    want = layers.paged_attention_xla(q, k, v, bt, jnp.asarray(seq_T), jnp.asarray(pos_T),
+                                      sm_scale=SCALE)
+    got = rpa.ragged_paged_attention(*args, sm_scale=SCALE, impl="pallas")
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=1e-4)
+
+
+def test_bf16_inputs():
+    args = paged_batch([5, 1], [12, 30], dtype=jnp.bfloat16, seed=7)
+    ref = rpa.ref_ragged_paged_attention(*args, sm_scale=SCALE).astype(jnp.float32)
+    out = rpa.ragged_paged_attention(*args, sm_scale=SCALE, impl="pallas").astype(jnp.float32)
+    real = int(args[3][-1])
+    err = jnp.linalg.norm(out[:real] - ref[:real]) / jnp.linalg.norm(ref[:real])
+    assert float(err) < 1e-2
+
+
+def test_validation_errors_name_the_field():
+    q, k, v, qsl, seq_lens, bt = paged_batch([1], [4], n=6, kh=4)
+    with pytest.raises(ValueError, match="multiple of kv heads"):
+        rpa.ragged_paged_attention(q, k, v, qsl, seq_lens, bt, sm_scale=1.0, impl="pallas")
+    q, k, v, qsl, seq_lens, bt = paged_batch([1], [4])
+    with pytest.raises(ValueError, match="impl"):
+        rpa.ragged_paged_attention(q, k, v, qsl, seq_lens, bt, sm_scale=1.0, impl="cuda")
+    with pytest.raises(ValueError, match="query_start_loc"):
+        rpa.ragged_paged_attention(q, k, v, qsl[:1], seq_lens, bt, sm_scale=1.0)
+
+
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_lowers_for_cuda(num_splits):
+    sds = jax.ShapeDtypeStruct
+    t, n, kh, e, nb, p, s, b = 64, 32, 8, 128, 256, 16, 8, 32
+    args = (sds((t, n, e), jnp.bfloat16), sds((nb, p, kh, e), jnp.bfloat16),
+            sds((nb, p, kh, e), jnp.bfloat16), sds((s + 1,), jnp.int32), sds((s,), jnp.int32),
+            sds((s, b), jnp.int32))
+    exported = export_for_cuda(lambda *a: rpa.ragged_paged_attention(
+        *a, sm_scale=0.1, impl="pallas", num_splits=num_splits, interpret=False,
+        sliding_window=128), *args)
+    names = triton_kernel_names(exported)
+    assert len(names) == 1 and names[0].startswith("ragged_paged_attention")
+    assert exported.out_avals[0].shape == (t, n, e)
