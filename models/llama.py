@@ -54,7 +54,15 @@ def dense_mlp(lp: dict, h_TD: jax.Array) -> jax.Array:
 
 
 def make_attention_fn(cfg: ModelConfig, impl: str = "xla"):
-    """The paged attention used by the step: plain XLA, or the Pallas kernel when available."""
+    """The paged attention used by the step.
+
+    impl: "xla" (plain XLA per-token reference), "pallas" (the ragged paged attention kernel;
+    interpreted on CPU: slow, for tests) or "auto" (pallas on a GPU when the head dim is a
+    power of two, else xla). The Pallas path reads x.query_start_loc, x.seq_lens and
+    x.block_tables (x.token_seq_ids and x.positions are not needed by it).
+    """
+    if impl not in ("xla", "pallas", "auto"):
+        raise ValueError(f"attention_impl must be 'xla', 'pallas' or 'auto'; got {impl!r}")
     scale = cfg.head_dim ** -0.5
 
     def xla(q_TNE, k_cache, v_cache, x: StepInput):
@@ -62,14 +70,15 @@ def make_attention_fn(cfg: ModelConfig, impl: str = "xla"):
             q_TNE, k_cache, v_cache, x.block_tables, x.token_seq_ids, x.positions,
             sm_scale=scale, sliding_window=cfg.sliding_window)
 
-    if impl in ("xla", "auto"):
+    pow2_head = cfg.head_dim >= 16 and cfg.head_dim & (cfg.head_dim - 1) == 0
+    if impl == "xla" or (impl == "auto" and not (jax.default_backend() == "gpu" and pow2_head)):
         return xla
     from jaxserve.pallas_kernels import ragged_paged_attention as rpa
 
     def pallas(q_TNE, k_cache, v_cache, x: StepInput):
         return rpa.ragged_paged_attention(
             q_TNE, k_cache, v_cache, x.query_start_loc, x.seq_lens, x.block_tables,
-            sm_scale=scale, sliding_window=cfg.sliding_window)
+            sm_scale=scale, sliding_window=cfg.sliding_window, impl="pallas")
 
     return pallas
 

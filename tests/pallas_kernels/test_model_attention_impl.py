@@ -1,0 +1,54 @@
+"""models/llama.py with attention_impl="pallas": the Pallas attention kernel (interpret mode)
+inside the real model step gives the transformers golden logits, like the XLA path."""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from jaxserve.models import llama
+from jaxserve.models.loader import load_model
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "models"))
+from model_step_builder import Chunk, build_step, empty_kv_cache, scattered_block_tables  # noqa: E402
+
+GOLDEN_DIR = os.path.join(os.path.dirname(__file__), os.pardir, "golden")
+BLOCK_SIZE, NUM_BLOCKS, BLOCKS_PER_SEQ, STEP_T, S = 8, 32, 6, 24, 4
+
+
+@functools.partial(jax.jit, static_argnums=(0, 4))
+def _step(cfg, params, kv_cache, x, impl):
+    kv_cache, hidden_TD = llama.forward(cfg, params, kv_cache, x, attention_impl=impl)
+    return kv_cache, llama.compute_logits(cfg, params, hidden_TD)
+
+
+@pytest.mark.parametrize("name", ["mistral"])     # sliding window + GQA
+def test_pallas_attention_in_model_matches_golden(name, tiny_checkpoint):
+    golden = np.load(os.path.join(GOLDEN_DIR, f"{name}.npz"))
+    cfg, params, _ = load_model(tiny_checkpoint(name))
+    prompts = [golden[f"prompt_{i}"].tolist() for i in range(3)]
+    tables = scattered_block_tables(3, BLOCKS_PER_SEQ, NUM_BLOCKS, seed=1)
+    kv = empty_kv_cache(cfg, NUM_BLOCKS, BLOCK_SIZE)
+    # mixed step: whole short prompts + the head of the long one; then its tail + 2 decodes
+    first = [Chunk(0, prompts[0], 0), Chunk(1, prompts[1], 0), Chunk(2, prompts[2][:12], 0)]
+    x = build_step(first, tables, BLOCK_SIZE, STEP_T, S)
+    kv, logits = _step(cfg, params, kv, x, "pallas")
+    for i in range(2):
+        got = np.asarray(logits)[int(x.query_start_loc[i]):int(x.query_start_loc[i + 1])]
+        np.testing.assert_allclose(got, golden[f"prefill_logits_{i}"], atol=1e-4, rtol=0)
+    nxt = [int(np.argmax(golden[f"prefill_logits_{i}"][-1])) for i in range(2)]
+    second = [Chunk(2, prompts[2][12:], 12), Chunk(0, [nxt[0]], len(prompts[0])),
+              Chunk(1, [nxt[1]], len(prompts[1]))]
+    x = build_step(second, tables, BLOCK_SIZE, STEP_T, S)
+    kv, logits = _step(cfg, params, kv, x, "pallas")
+    logits = np.asarray(logits)
+    np.testing.assert_allclose(logits[:len(prompts[2]) - 12], golden["prefill_logits_2"][12:],
+                               atol=1e-4, rtol=0)
+    for i in range(2):
+        np.testing.assert_allclose(logits[int(x.logits_indices[i + 1])],
+                                   golden[f"decode_logits_{i}"][0], atol=1e-4, rtol=0)
