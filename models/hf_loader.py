@@ -139,7 +139,7 @@ class _Checkpoint:
 
 
 def _plan(cfg: ModelConfig, ckpt: _Checkpoint) -> dict:
-    """Our parameter tree with (hf description, expected shape, source) at every leaf."""
+    """Our parameter tree with (HF tensor name, source) at every leaf; checks names and shapes."""
     shapes = param_shapes(cfg)
 
     def leaf(hf_name: str, transpose: bool, want: tuple):
@@ -172,7 +172,7 @@ def _plan(cfg: ModelConfig, ckpt: _Checkpoint) -> dict:
                 names = [prefix + expert_prefix.format(j=j) + hf_suffix for j in range(cfg.num_experts)]
                 for name in names:
                     leaf(name, True, layer_shapes[ours][1:])      # presence and shape of each
-                layer[ours] = (names[0].replace(".0.", ".*.", 1), ckpt.stacked_source(names))
+                layer[ours] = (prefix + expert_prefix.format(j="*") + hf_suffix, ckpt.stacked_source(names))
         plan["layers"].append(layer)
     return plan
 

@@ -2,6 +2,8 @@
 
 `model` may be None (the embedded default model), a `.gguf` file, or a HF directory
 (config.json + safetensors). `load_format` is "auto", "gguf", "safetensors" or "dummy".
+With a `mesh` (jaxserve.sharding.mesh.make_mesh), parameters are placed sharded as they load.
+The tokenizer is None when the source has no tokenizer (see `load_model`).
 """
 
 from __future__ import annotations
