@@ -96,6 +96,17 @@ def check_errors():
     print("ok errors")
 
 
+def check_ready_configs():
+    """The benchmark shapes split over a full 8-device mesh (specs only: nothing allocated)."""
+    from jaxserve.models import dummy, hf_loader
+
+    for name, tp, ep in (("Llama-3.1-8B", 8, 1), ("Qwen3-8B", 8, 1), ("Qwen3-30B-A3B", 4, 2)):
+        cfg = hf_loader.model_config_from_hf(dummy.read_config(name))
+        specs = rules.param_shardings(cfg, mesh_lib.make_mesh(tp, ep))
+        assert specs["layers"][0]["wk"].spec == jax.sharding.PartitionSpec(None, "model"), name
+    print("ok ready configs")
+
+
 def check_shard_params():
     """The GGUF path: a host parameter tree put onto the mesh array by array."""
     cfg, params, _ = load_model(os.path.join(GOLDEN, "ckpt", "llama"))
@@ -113,6 +124,7 @@ def main():
     ckpt = lambda name: os.path.join(GOLDEN, "ckpt", name)  # noqa: E731
     check_errors()
     check_shard_params()
+    check_ready_configs()
     check_matches(ckpt("qwen2"), tp=2, ep=1)                      # qkv bias, f32 checkpoint
     check_matches(DENSE_KV4, tp=4, ep=1, load_format="dummy")     # uneven vocab: replicated
     check_matches(ckpt("qwen3_moe"), tp=1, ep=4)
