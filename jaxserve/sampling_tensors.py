@@ -94,12 +94,18 @@ def make_sampling_tensors(rows: Sequence[SamplingRow], num_seqs: int, vocab_size
     bias_ids = np.full((S, M), V, np.int32)
     bias_values = np.zeros((S, M), np.float32)
 
+    n = len(rows)
+    params = [r.params for r in rows]
+    # Whole columns at once: the common rows need no per-row numpy work.
+    temperature[:n] = [p.temperature for p in params]
+    top_k[:n] = [p.top_k for p in params]
+    top_p[:n] = [p.top_p for p in params]
+    min_p[:n] = [p.min_p for p in params]
+    seed_n = np.array([r.seed & 0xFFFF_FFFF_FFFF_FFFF for r in rows], np.uint64)   # negative seeds wrap
+    seeds[:n, 0], seeds[:n, 1] = seed_n >> np.uint64(32), seed_n & np.uint64(0xFFFF_FFFF)
+    offsets[:n] = [r.offset for r in rows]
     for i, row in enumerate(rows):
-        p = row.params
-        temperature[i], top_k[i], top_p[i], min_p[i] = p.temperature, p.top_k, p.top_p, p.min_p
-        seed = row.seed & 0xFFFF_FFFF_FFFF_FFFF   # negative seeds wrap, as in numpy
-        seeds[i] = (seed >> 32, seed & 0xFFFF_FFFF)
-        offsets[i] = row.offset
+        p = params[i]
         if p.uses_penalties:
             repetition[i], presence[i], frequency[i] = (
                 p.repetition_penalty, p.presence_penalty, p.frequency_penalty)
@@ -110,9 +116,10 @@ def make_sampling_tensors(rows: Sequence[SamplingRow], num_seqs: int, vocab_size
             history[i, :n_p] = row.prompt_token_ids
             history[i, n_p:n_p + n_o] = row.output_token_ids
             num_prompt[i] = n_p
-        banned = _banned_until_min_tokens(row)
-        if p.allowed_token_ids is not None or banned:
-            allowed[i] = _packed_mask(V, p.allowed_token_ids, banned)
+        if p.min_tokens or p.allowed_token_ids is not None:
+            banned = _banned_until_min_tokens(row)
+            if p.allowed_token_ids is not None or banned:
+                allowed[i] = _packed_mask(V, p.allowed_token_ids, banned)
         if p.logit_bias:
             bias_ids[i, :len(p.logit_bias)] = list(p.logit_bias)
             bias_values[i, :len(p.logit_bias)] = list(p.logit_bias.values())
