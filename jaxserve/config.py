@@ -107,8 +107,8 @@ class CacheConfig:
     enable_prefix_caching: bool = True
 
     def __post_init__(self):
-        _check(self.block_size in (8, 16, 32, 64, 128), "block_size", "one of 8, 16, 32, 64, 128",
-               self.block_size)
+        _check(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128), "block_size",
+               "a power of two from 1 to 128", self.block_size)
         _check(self.num_kv_blocks is None or self.num_kv_blocks >= 2, "num_kv_blocks", ">= 2",
                self.num_kv_blocks)
         _check(0.0 < self.kv_cache_memory_fraction <= 1.0, "kv_cache_memory_fraction", "in (0, 1]",

@@ -32,6 +32,14 @@ class LLM:
         self.engine = LLMEngine.from_engine_args(model, dtype=dtype, **engine_args)
         self._ids = itertools.count()
 
+    @classmethod
+    def from_engine(cls, engine: LLMEngine) -> "LLM":
+        """Wrap an engine built elsewhere (e.g. sharing loaded weights between engines)."""
+        llm = cls.__new__(cls)
+        llm.engine = engine
+        llm._ids = itertools.count()
+        return llm
+
     def get_tokenizer(self):
         return self.engine.tokenizer
 

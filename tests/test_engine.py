@@ -1,0 +1,165 @@
+"""The engine end to end on the real default model (f32): batching invariance, preemption,
+prefix caching, aborts, and no compilation after warm-up."""
+
+import asyncio
+
+import jax
+import pytest
+
+from jaxserve import SamplingParams
+from jaxserve.config import CacheConfig, EngineConfig, SchedulerConfig
+from jaxserve.engine import AsyncEngine, LLMEngine
+from jaxserve.llm import LLM
+from jaxserve.models import llama, loader
+
+GREEDY = SamplingParams(temperature=0, max_tokens=6)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return loader.load_model(None, dtype="float32")
+
+
+def make_llm(model, *, max_num_seqs=16, max_tokens=128, max_len=256, num_kv_blocks=None,
+             block_size=16, prefix=True, warmup=False):
+    cfg, params, tok = model
+    config = EngineConfig(
+        model=cfg,
+        cache=CacheConfig(block_size=block_size, num_kv_blocks=num_kv_blocks, enable_prefix_caching=prefix),
+        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_tokens,
+                                  max_model_len=max_len),
+        dtype="float32", warmup=warmup)
+    return LLM.from_engine(LLMEngine(config, params, tok, llama))
+
+
+def prompts(n):
+    words = "the cat sat on a warm mat while rain fell over quiet hills and rivers".split()
+    return [" ".join(words[: 2 + (i * 7) % 13]) + f" {i}" for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def alone(model):
+    llm = make_llm(model)
+    return {p: llm.generate(p, GREEDY, use_tqdm=False)[0].outputs[0].token_ids for p in prompts(32)}
+
+
+def test_batch_equals_alone(model, alone):
+    llm = make_llm(model, max_tokens=64)            # forces chunking and several steps
+    outs = llm.generate(prompts(32), GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [alone[p] for p in prompts(32)]
+    assert [o.prompt for o in outs] == prompts(32)  # input order
+    assert llm.engine.scheduler.pool.num_used == 0
+
+
+def test_preemption_keeps_outputs_and_frees_everything(model, alone):
+    llm = make_llm(model, num_kv_blocks=8, block_size=4, max_len=64)
+    outs = llm.generate(prompts(12), GREEDY, use_tqdm=False)
+    m = llm.get_metrics()
+    assert m["num_preemptions_total"] > 0
+    assert [o.outputs[0].token_ids for o in outs] == [alone[p] for p in prompts(12)]
+    assert llm.engine.scheduler.pool.num_used == 0 and m["num_requests_running"] == 0
+
+
+def test_shared_prefix_computes_only_new_tokens(model):
+    llm = make_llm(model)
+    tok = llm.get_tokenizer()
+    base = tok.encode("In a quiet village by the sea there lived an old fisherman who " * 3)
+    assert len(base) >= 40
+    first = llm.generate({"prompt_token_ids": base[:40]}, GREEDY, use_tqdm=False)[0]
+    assert first.num_cached_tokens == 0
+    hits_before = llm.get_metrics()["prefix_cache_hits_total"]
+    second = llm.generate({"prompt_token_ids": base[:32] + [11, 12, 13, 14]}, GREEDY, use_tqdm=False)[0]
+    assert second.num_cached_tokens == 32          # two full 16-token blocks reused
+    assert llm.get_metrics()["prefix_cache_hits_total"] - hits_before == 32
+    fresh = make_llm(model, prefix=False).generate(
+        {"prompt_token_ids": base[:32] + [11, 12, 13, 14]}, GREEDY, use_tqdm=False)[0]
+    assert second.outputs[0].token_ids == fresh.outputs[0].token_ids
+
+
+def test_chat_answers_paris(model):
+    llm = make_llm(model)
+    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                   SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)[0]
+    assert "Paris" in out.outputs[0].text
+
+
+def test_abort_frees_blocks(model):
+    llm = make_llm(model)
+    eng = llm.engine
+    eng.add_request("x", list(range(100, 140)), SamplingParams(max_tokens=50, temperature=0))
+    eng.step()
+    eng.step()
+    assert eng.scheduler.pool.num_used > 0
+    assert eng.abort_request("x")
+    assert eng.scheduler.pool.num_used == 0 and not eng.has_unfinished_requests()
+
+
+def test_invalid_requests_name_the_field(model):
+    llm = make_llm(model, max_len=64)
+    with pytest.raises(ValueError, match="max_model_len"):
+        llm.generate({"prompt_token_ids": [5] * 64}, GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError, match="max_tokens"):
+        llm.generate({"prompt_token_ids": [5] * 10}, SamplingParams(max_tokens=60), use_tqdm=False)
+    with pytest.raises(ValueError, match="token ids"):
+        llm.generate({"prompt_token_ids": [10**7]}, GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate({"prompt_token_ids": []}, GREEDY, use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_n_samples_share_the_prompt(model):
+    llm = make_llm(model)
+    out = llm.generate("A story about a dragon:", SamplingParams(n=3, temperature=1.0, seed=1, max_tokens=5),
+                       use_tqdm=False)[0]
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    assert all(len(c.token_ids) == 5 for c in out.outputs)
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1
+
+
+def test_no_compilation_after_warmup(model):
+    llm = make_llm(model, max_tokens=32, max_num_seqs=4, max_len=128, warmup=True)
+    compiles = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, secs, **kw: compiles.append(event) if event == "/jax/core/compile/backend_compile_duration" else None)
+    llm.generate(prompts(6), GREEDY, use_tqdm=False)
+    llm.generate(["x" * 50, "y"], [SamplingParams(temperature=0.7, seed=3, max_tokens=4, logprobs=3),
+                                    SamplingParams(temperature=0, max_tokens=9, stop=["."], top_k=5)],
+                 use_tqdm=False)
+    llm.generate("z", SamplingParams(n=2, temperature=1, max_tokens=3, repetition_penalty=1.2,
+                                     logit_bias={5: 1.0}), use_tqdm=False)
+    assert compiles == []
+
+
+def test_async_engine_streams_and_cancels(model):
+    cfg, params, tok = model
+    engine = AsyncEngine(make_llm(model).engine)
+
+    async def full(prompt):
+        last = None
+        async for out in engine.generate(tok.encode(prompt), SamplingParams(temperature=0, max_tokens=8)):
+            last = out
+        return last
+
+    async def cut(prompt):
+        agen = engine.generate(tok.encode(prompt), SamplingParams(temperature=0, max_tokens=200,
+                                                                 ignore_eos=True))
+        async for out in agen:
+            if len(out.outputs[0].token_ids) >= 2:
+                break
+        await agen.aclose()
+
+    async def main():
+        results = await asyncio.gather(full("Hello there"), cut("Tell me a long story"), full("Why is the sky"))
+        for _ in range(100):
+            if engine.get_metrics()["num_requests_running"] == 0:
+                break
+            await asyncio.sleep(0.05)
+        return results
+
+    try:
+        a, _, c = asyncio.run(main())
+        assert a.finished and c.finished and len(a.outputs[0].token_ids) <= 8
+        m = engine.get_metrics()
+        assert m["num_requests_running"] == 0 and m["num_used_blocks"] == 0
+    finally:
+        engine.shutdown()

@@ -1,0 +1,120 @@
+"""Scheduler: token budget, chunked prefill, prefix hits, preemption, stop checks."""
+
+from jaxserve.config import CacheConfig, SchedulerConfig
+from jaxserve.request import Request, RequestStatus
+from jaxserve.sampling_params import SamplingParams
+from jaxserve.scheduler import Scheduler
+
+
+def make(max_tokens=64, max_seqs=4, blocks=32, block_size=4, max_len=64, caching=True):
+    return Scheduler(SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=max_tokens,
+                                     max_model_len=max_len),
+                     CacheConfig(block_size=block_size, enable_prefix_caching=caching), blocks)
+
+
+def req(rid, n, max_tokens=4, **kw):
+    return Request(rid, list(range(100, 100 + n)), SamplingParams(max_tokens=max_tokens, **kw),
+                   eos_token_ids=(2,))
+
+
+def run_step(s, token=7):
+    out = s.schedule()
+    s.update(out, [token if c.sample else None for c in out.chunks])
+    return out
+
+
+def test_long_prompt_is_chunked_and_samples_only_at_the_end():
+    s = make(max_tokens=8)
+    s.add_request(req("a", 20))
+    outs = [run_step(s) for _ in range(3)]
+    assert [len(o.chunks[0].token_ids) for o in outs] == [8, 8, 4]
+    assert [o.chunks[0].sample for o in outs] == [False, False, True]
+    assert s.requests["a"].output_token_ids == [7]
+
+
+def test_running_requests_come_before_waiting_ones():
+    s = make(max_tokens=10)
+    s.add_request(req("a", 8))
+    run_step(s)                       # a prefilled, now decoding
+    s.add_request(req("b", 30))
+    out = s.schedule()
+    assert [c.request.request_id for c in out.chunks] == ["a", "b"]
+    assert [len(c.token_ids) for c in out.chunks] == [1, 9]
+
+
+def test_max_num_seqs_limits_admission():
+    s = make(max_seqs=2)
+    for r in "abc":
+        s.add_request(req(r, 3))
+    out = s.schedule()
+    assert len(out.chunks) == 2 and len(s.waiting) == 1
+
+
+def test_prefix_hit_starts_further_on():
+    s = make()
+    s.add_request(req("a", 10, max_tokens=1))
+    run_step(s)                       # computes 10 tokens, caches 2 full blocks, finishes
+    assert "a" not in s.requests
+    s.add_request(req("b", 10, max_tokens=1))
+    out = s.schedule()
+    assert out.chunks[0].start_position == 8 and len(out.chunks[0].token_ids) == 2
+    assert s.prefix_hits == 8 and s.prefix_queries == 20
+
+
+def test_fully_cached_prompt_still_computes_one_token():
+    s = make()
+    s.add_request(req("a", 8, max_tokens=1))
+    run_step(s)
+    s.add_request(req("b", 8, max_tokens=1))
+    out = s.schedule()
+    assert out.chunks[0].start_position == 4 and out.chunks[0].sample
+
+
+def test_preemption_frees_newest_and_recomputes():
+    s = make(max_tokens=64, blocks=7, block_size=4)    # 6 usable blocks
+    # Each fits alone (11 + 12 tokens = 6 blocks), not both together.
+    s.add_request(req("old", 11, max_tokens=12))
+    s.add_request(req("new", 11, max_tokens=12))
+    run_step(s)                                          # 3 blocks each: pool full
+    for _ in range(3):
+        run_step(s)
+    assert s.num_preemptions >= 1
+    assert s.requests["new"].status in (RequestStatus.PREEMPTED, RequestStatus.RUNNING)
+    assert s.requests["old"].status == RequestStatus.RUNNING
+    for _ in range(100):
+        if not s.requests:
+            break
+        run_step(s)
+    assert not s.requests and s.pool.num_used == 0
+
+
+def test_stop_conditions():
+    s = make()
+    s.add_request(req("eos", 3, max_tokens=10))
+    s.add_request(req("ign", 3, max_tokens=2, ignore_eos=True))
+    run_step(s, token=2)
+    assert s.requests.keys() == {"ign"}
+    s.add_request(req("len", 3, max_tokens=2))
+    run_step(s, token=5)
+    assert s.requests.keys() == {"len"}            # ign reached max_tokens
+    run_step(s, token=5)
+    assert not s.requests and s.pool.num_used == 0
+
+
+def test_min_tokens_defers_eos_and_stop_token_ids():
+    s = make()
+    r = req("m", 3, max_tokens=10, min_tokens=2, stop_token_ids=[9])
+    s.add_request(r)
+    run_step(s, token=9)
+    assert "m" in s.requests
+    run_step(s, token=9)
+    assert r.status == RequestStatus.FINISHED_STOPPED and r.stop_reason == 9
+
+
+def test_abort_frees_blocks():
+    s = make()
+    s.add_request(req("a", 9))
+    run_step(s)
+    assert s.pool.num_used == 3
+    s.finish_request("a", RequestStatus.FINISHED_ABORTED)
+    assert s.pool.num_used == 0 and not s.running
