@@ -19,7 +19,7 @@ import pytest
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams
 
-ENGINE_ARGS = dict(dtype="float32", max_model_len=512, max_num_seqs=8, max_num_batched_tokens=32,
+ENGINE_ARGS = dict(dtype="float32", max_model_len=512, max_num_seqs=8, max_num_batched_tokens=16,
                    max_logprobs=5, seed=0)
 AUTH_KEYS = ("first-secret-key", "second-secret-key")
 

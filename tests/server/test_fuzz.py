@@ -1,0 +1,137 @@
+"""Fuzz: hypothesis-generated bodies against completions and chat; no 5xx, server alive.
+
+Hypothesis draws the bodies (deterministically: derandomized, no example database), then
+they are sent 16 at a time, so that the valid ones batch in the engine as real traffic
+does. Field values are mostly plausible and sometimes of any JSON type; generation is always
+kept tiny (max_tokens 1-2, short prompts) so the run stays fast.
+"""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+NUM_BODIES = 250          # per endpoint: 500 in all
+VOCAB = 49152
+
+any_json = st.recursive(
+    st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=6),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner, max_size=3),
+    max_leaves=5)
+
+
+def sometimes_wrong(valid: st.SearchStrategy, *wrong) -> st.SearchStrategy:
+    """A valid value in a valid body; in a wild body, now and then an out-of-range one or any JSON."""
+    wrong_values = st.sampled_from(wrong) if wrong else st.nothing()
+    return st.shared(st.booleans(), key="wild").flatmap(
+        lambda wild: st.one_of(valid, wrong_values, any_json) if wild else valid)
+
+
+short_text = st.text(st.characters(codec="utf-8"), min_size=1, max_size=12) | st.sampled_from(
+    ["Hello", "<|im_start|>", "<|endoftext|>", " ", "\n\n", "日本語", "🙂", "a b c"])
+in_vocab = st.integers(0, VOCAB - 1)
+token_ids = st.lists(in_vocab, min_size=1, max_size=6)
+# Never a long generation: no valid count above 2, and no null (= the rest of the context).
+tiny_max_tokens = sometimes_wrong(st.integers(1, 2), 0, -1, "1", 1.5).filter(
+    lambda v: v is not None and not (isinstance(v, int) and not isinstance(v, bool) and v > 2))
+
+SAMPLING = dict(
+    n=sometimes_wrong(st.integers(1, 2), 0, -1, 1000),
+    temperature=sometimes_wrong(st.sampled_from([0, 0.0, 1e-300, 1e-8, 0.5, 1, 2.5, 1e300]), -1, -0.0),
+    top_p=sometimes_wrong(st.floats(1e-6, 1), 0, -0.5, 1.5),
+    top_k=sometimes_wrong(st.integers(-1, 60000), -2),
+    min_p=sometimes_wrong(st.floats(0, 1), -0.5, 1.5),
+    presence_penalty=sometimes_wrong(st.floats(-2, 2), 3),
+    frequency_penalty=sometimes_wrong(st.floats(-2, 2), -3),
+    repetition_penalty=sometimes_wrong(st.floats(1e-3, 3), 0, -1),
+    seed=sometimes_wrong(st.integers(0, 2**63 - 1), -1, 2**64),
+    stop=sometimes_wrong(short_text | st.lists(short_text, max_size=3), "", [""]),
+    stop_token_ids=sometimes_wrong(st.lists(in_vocab, max_size=3), [-1], [VOCAB]),
+    ignore_eos=sometimes_wrong(st.booleans()),
+    min_tokens=sometimes_wrong(st.integers(0, 2), -1, 3),
+    skip_special_tokens=sometimes_wrong(st.booleans()),
+    include_stop_str_in_output=sometimes_wrong(st.booleans()),
+    logit_bias=sometimes_wrong(st.dictionaries(in_vocab.map(str), st.floats(-100, 100), max_size=3),
+                               {"x": 1}, {"-1": 1}, {"5": 101}),
+    allowed_token_ids=sometimes_wrong(token_ids, [], [VOCAB]),
+    stream=sometimes_wrong(st.booleans()),
+    stream_options=sometimes_wrong(st.fixed_dictionaries({"include_usage": st.booleans()})),
+    echo=sometimes_wrong(st.booleans()),
+    model=sometimes_wrong(st.just("SmolLM2-135M-Instruct"), "other"),
+)
+completion_bodies = st.fixed_dictionaries(
+    {"max_tokens": tiny_max_tokens,
+     "prompt": sometimes_wrong(short_text | st.lists(short_text, min_size=1, max_size=3) | token_ids
+                               | st.lists(token_ids, min_size=1, max_size=2), "", [], [[]], [-1], [VOCAB])},
+    optional={"logprobs": sometimes_wrong(st.integers(0, 5), -1, 6), **SAMPLING})
+message = st.fixed_dictionaries(
+    {"role": sometimes_wrong(st.sampled_from(["system", "user", "assistant", "developer"]), "tool", "wizard"),
+     "content": sometimes_wrong(short_text | st.lists(
+         st.fixed_dictionaries({"type": st.just("text"), "text": short_text}), max_size=2), None,
+         [{"type": "image_url"}])},
+    optional={"name": short_text})
+chat_bodies = st.fixed_dictionaries(
+    {"max_completion_tokens": tiny_max_tokens,
+     "messages": sometimes_wrong(st.lists(message, min_size=1, max_size=3), [])},
+    optional={"logprobs": sometimes_wrong(st.booleans()), "top_logprobs": sometimes_wrong(st.integers(0, 5), -1, 6),
+              "add_generation_prompt": sometimes_wrong(st.booleans()),
+              "continue_final_message": sometimes_wrong(st.booleans()), **SAMPLING})
+
+
+def _draw(strategy: st.SearchStrategy, count: int) -> list[dict]:
+    bodies: list[dict] = []
+
+    @settings(max_examples=count, deadline=None, derandomize=True, database=None,
+              suppress_health_check=list(HealthCheck))
+    @given(strategy)
+    def collect(body):
+        bodies.append(body)
+
+    collect()
+    return bodies
+
+
+def _check(http: httpx.Client, path: str, body: dict) -> str | None:
+    """Sends one body; returns a complaint, or None when the answer is well-formed and not 5xx."""
+    r = http.post(path, content=json.dumps(body).encode(), headers={"content-type": "application/json"})
+    if r.status_code >= 500:
+        return f"{r.status_code} {r.text[:300]}"
+    if r.status_code != 200:
+        error = r.json().get("error", {})
+        return None if error.get("message") else f"{r.status_code} without an error message: {r.text[:300]}"
+    if r.headers["content-type"].startswith("text/event-stream"):
+        events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+        if events[-1] != "[DONE]":
+            return f"stream did not end in [DONE]: {r.text[-300:]}"
+        if any("error" in json.loads(e) for e in events[:-1]):
+            return f"stream carried an error: {r.text[-300:]}"
+        return None
+    return None if r.json().get("choices") else f"200 without choices: {r.text[:300]}"
+
+
+def _fuzz(served, path: str, bodies: list[dict]) -> None:
+    with httpx.Client(base_url=served.url, timeout=120,
+                      limits=httpx.Limits(max_connections=16)) as http, ThreadPoolExecutor(16) as pool:
+        complaints = list(pool.map(lambda b: _check(http, path, b), bodies))
+    bad = [(b, c) for b, c in zip(bodies, complaints) if c is not None]
+    assert not bad, "\n".join(f"{json.dumps(b)[:300]} -> {c}" for b, c in bad[:10])
+    assert httpx.get(served.url + "/health").status_code == 200
+
+
+def test_fuzz_completions(served):
+    bodies = _draw(completion_bodies, NUM_BODIES)
+    assert len(bodies) == NUM_BODIES
+    _fuzz(served, "/v1/completions", bodies)
+
+
+def test_fuzz_chat_completions(served):
+    bodies = _draw(chat_bodies, NUM_BODIES)
+    assert len(bodies) == NUM_BODIES
+    _fuzz(served, "/v1/chat/completions", bodies)
+    m = served.wait_idle()
+    assert m["jaxserve:num_requests_running"] == 0 and m["jaxserve:num_used_blocks"] == 0
