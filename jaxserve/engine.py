@@ -77,6 +77,7 @@ class _Group:
     error: str | None = None
     num_cached_tokens: int = 0
     child_ids: list[str] = field(default_factory=list)
+    prompt_logprobs: list | None = None
 
     @property
     def finished(self) -> bool:
@@ -87,6 +88,7 @@ class _Group:
                              prompt_token_ids=self.prompt_token_ids,
                              outputs=[s.output() for s in self.samples], finished=self.finished,
                              num_cached_tokens=self.num_cached_tokens, metrics=self.metrics,
+                             prompt_logprobs=self.prompt_logprobs,
                              error=self.error)
 
 
@@ -166,15 +168,11 @@ class LLMEngine:
         if len(prompt_token_ids) >= limit:
             raise ValueError(f"prompt is {len(prompt_token_ids)} tokens; this model's max_model_len is "
                              f"{limit}, so the prompt must be at most {limit - 1} tokens")
-        params.validate(max_logprobs=self.config.max_logprobs)
+        params.validate(max_logprobs=self.config.max_logprobs, vocab_size=vocab)
         if params.max_tokens is not None and len(prompt_token_ids) + params.max_tokens > limit:
             raise ValueError(f"max_tokens is {params.max_tokens} but the prompt is {len(prompt_token_ids)} "
                              f"tokens and max_model_len is {limit}: max_tokens must be at most "
                              f"{limit - len(prompt_token_ids)}")
-        if params.logit_bias and any(not 0 <= int(t) < vocab for t in params.logit_bias):
-            raise ValueError(f"logit_bias keys must be token ids in [0, {vocab - 1}]")
-        if params.allowed_token_ids and any(not 0 <= t < vocab for t in params.allowed_token_ids):
-            raise ValueError(f"allowed_token_ids must be token ids in [0, {vocab - 1}]")
         longest = min(limit, len(prompt_token_ids) + (params.max_tokens or limit))
         blocks = -(-longest // self.config.cache.block_size)
         if blocks > self.runner.num_blocks - 1:
@@ -187,13 +185,14 @@ class LLMEngine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         self.validate_request(prompt_token_ids, params)
         arrival = arrival_time or time.monotonic()
-        group = _Group(request_id, prompt, list(prompt_token_ids), [], RequestMetrics(arrival))
+        group = _Group(request_id, prompt, list(prompt_token_ids), [], RequestMetrics(arrival),
+                       prompt_logprobs=[None] if params.prompt_logprobs is not None else None)
         base_seed = params.seed if params.seed is not None else self._rng.getrandbits(31)
         eos = self.tokenizer.eos_token_ids if self.tokenizer else self.config.model.eos_token_ids
         for i in range(params.n):
             child_id = request_id if params.n == 1 else f"{request_id}#{i}"
             req = Request(child_id, list(prompt_token_ids), params, arrival_time=arrival,
-                          eos_token_ids=tuple(eos), seed=(base_seed + i) % (1 << 31))
+                          eos_token_ids=tuple(eos), seed=base_seed + i)
             detok = (IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.skip_special_tokens)
                      if self.tokenizer else None)
             stops = StopStrings.of(params.stop, params.include_stop_str_in_output) if params.stop else None
@@ -243,6 +242,9 @@ class LLMEngine:
             group.num_cached_tokens = max(group.num_cached_tokens, up.request.num_cached_tokens)
             if group.metrics.first_scheduled_time is None:
                 group.metrics.first_scheduled_time = now
+            if result.prompt_logprobs and row_of[sample.request.request_id] in result.prompt_logprobs \
+                    and sample.index == 0:
+                self._append_prompt_logprobs(group, result.prompt_logprobs[row_of[sample.request.request_id]])
             if up.new_token_ids:
                 try:
                     self._process_tokens(group, sample, up.new_token_ids, result, row_of[sample.request.request_id], now)
@@ -287,15 +289,35 @@ class LLMEngine:
         top_ids = result.top_ids[row][:k].tolist()
         top_lps = result.top_logprobs[row][:k].tolist()
         entry: dict[int, Logprob] = {}
-        decode = (lambda t: self.tokenizer.decode([t], skip_special_tokens=False)) if self.tokenizer else (lambda t: None)
-        rank = next((i + 1 for i, t in enumerate(result.top_ids[row].tolist()) if t == token),
-                    1 + int((result.top_logprobs[row] > chosen).sum()))
-        entry[token] = Logprob(chosen, rank, decode(token))
+        decode = self._decode_one
+        entry[token] = Logprob(chosen, int(result.ranks[row]), decode(token))
         for i, (t, lp) in enumerate(zip(top_ids, top_lps)):
             if t not in entry:
                 entry[t] = Logprob(float(lp), i + 1, decode(t))
         sample.logprobs.append(entry)
         sample.cumulative_logprob += chosen
+
+    def _append_prompt_logprobs(self, group: _Group, chunk: tuple) -> None:
+        """Record logprobs of prompt tokens 1.. from a chunk's positions (each once, even if a
+        preempted request recomputes them)."""
+        start, chosen, top_ids, top_lps = chunk
+        k = group.samples[0].request.sampling_params.prompt_logprobs
+        prompt = group.prompt_token_ids
+        for j in range(len(chosen)):
+            target = start + j + 1                      # the prompt token these logits predict
+            if target < len(group.prompt_logprobs):
+                continue
+            token = prompt[target]
+            entry = {token: Logprob(float(chosen[j]), None, self._decode_one(token))}
+            for r, (t, lp) in enumerate(zip(top_ids[j][:k].tolist(), top_lps[j][:k].tolist())):
+                if t == token:
+                    entry[token] = Logprob(float(chosen[j]), r + 1, entry[token].decoded_token)
+                else:
+                    entry.setdefault(t, Logprob(float(lp), r + 1, self._decode_one(t)))
+            group.prompt_logprobs.append(entry)
+
+    def _decode_one(self, token: int) -> str | None:
+        return self.tokenizer.decode([token], skip_special_tokens=False) if self.tokenizer else None
 
     def _fail(self, group: _Group, sample: _Sample, message: str) -> None:
         """Fail the whole user request (all its samples); the rest of the batch runs on."""

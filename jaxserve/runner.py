@@ -12,10 +12,10 @@ N logprobs returned per sequence.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import math
-from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
@@ -23,19 +23,35 @@ import numpy as np
 
 from jaxserve import sampler
 from jaxserve.config import EngineConfig, ModelConfig
-from jaxserve.sampling_tensors import SamplingRow, make_sampling_tensors
+from jaxserve.sampling_tensors import SamplingRow, make_sampling_tensors, needs_extras
 from jaxserve.scheduler import SchedulerOutput
 from jaxserve.step_input import StepInput
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
+class StepVariant:
+    """What a step computes besides the next tokens; each variant is its own compiled program.
+
+    `lean` (no logprobs, no penalties/bias/masks, no top-k/top-p/min-p sort) is the common
+    case; `full` adds all of that. Warm-up compiles both for every bucket. Prompt logprobs
+    (logits at every position) are rare and compile on first use.
+    """
+    num_top: int = 0                # logprobs returned per sequence (0 or max_logprobs)
+    full: bool = False              # penalties, logit_bias, masks and truncation in the program
+    prompt_logprobs: bool = False   # also log-softmax every position's logits
+
+
+@dataclasses.dataclass(frozen=True)
 class StepResult:
     token_ids: list[int | None]           # sampled token per chunk (None: the chunk did not sample)
     logprobs: np.ndarray | None           # f32[S] chosen token's logprob (when asked)
+    ranks: np.ndarray | None              # i32[S] its rank under the model's distribution
     top_ids: np.ndarray | None            # i32[S, N]
     top_logprobs: np.ndarray | None       # f32[S, N]
+    # Per chunk asking prompt logprobs: (first position, logprob f32[n], top ids i32[n, N], top f32[n, N])
+    prompt_logprobs: dict[int, tuple] | None = None
 
 
 def token_buckets(max_tokens: int, smallest: int = 16) -> list[int]:
@@ -46,10 +62,16 @@ def token_buckets(max_tokens: int, smallest: int = 16) -> list[int]:
     return buckets + [max_tokens]
 
 
-def _step(params, kv_cache, x: StepInput, *, model, cfg: ModelConfig, attention_impl: str, num_top: int):
+def _step(params, kv_cache, x: StepInput, *, model, cfg: ModelConfig, attention_impl: str,
+          variant: StepVariant):
     kv_cache, hidden_TD = model.forward(cfg, params, kv_cache, x, attention_impl)
     logits_SV = model.compute_logits(cfg, params, hidden_TD[x.logits_indices])
-    return kv_cache, sampler.sample(logits_SV, x.sampling, num_top)
+    out = sampler.sample(logits_SV, x.sampling, variant.num_top, truncate=variant.full)
+    prompt = None
+    if variant.prompt_logprobs:
+        prompt = sampler.prompt_logprobs(model.compute_logits(cfg, params, hidden_TD),
+                                         x.next_token_ids, variant.num_top)
+    return kv_cache, out, prompt
 
 
 class ModelRunner:
@@ -70,10 +92,9 @@ class ModelRunner:
         if impl == "auto":
             impl = "pallas" if jax.default_backend() == "gpu" else "xla"
         self.attention_impl = impl
-        self._steps = {}
-        for num_top in sorted({0, config.max_logprobs}):
-            fn = functools.partial(_step, model=model, cfg=self.cfg, attention_impl=impl, num_top=num_top)
-            self._steps[num_top] = jax.jit(fn, donate_argnums=(1,))
+        self._step = jax.jit(functools.partial(_step, model=model, cfg=self.cfg, attention_impl=impl),
+                             donate_argnums=(1,), static_argnames=("variant",))
+        self.warmup_variants = (StepVariant(), StepVariant(config.max_logprobs, full=True))
 
     # -- sizing --------------------------------------------------------------------------
     @property
@@ -97,67 +118,94 @@ class ModelRunner:
         return t, min(t, self.config.scheduler.max_num_seqs)
 
     # -- one step ------------------------------------------------------------------------
-    def prepare(self, out: SchedulerOutput) -> tuple[StepInput, int]:
-        """Host-side numpy StepInput for the step, and the static logprobs width it needs."""
+    def prepare(self, out: SchedulerOutput) -> tuple[StepInput, StepVariant]:
+        """Host-side numpy StepInput for the step, and the program variant it needs."""
         t_pad, s_pad = self.bucket(max(out.num_tokens, 1))
         p, b = self.block_size, self.max_blocks_per_seq
         token_ids = np.zeros(t_pad, np.int32)
         positions = np.zeros(t_pad, np.int32)
         slots = np.zeros(t_pad, np.int32)
         seq_ids = np.zeros(t_pad, np.int32)
+        next_ids = np.zeros(t_pad, np.int32)
         qsl = np.zeros(s_pad + 1, np.int32)
         seq_lens = np.zeros(s_pad, np.int32)
         tables = np.zeros((s_pad, b), np.int32)
         logits_idx = np.zeros(s_pad, np.int32)
         rows = []
+        full = prompt_lp = False
         t = 0
         for s, ch in enumerate(out.chunks):
-            n = len(ch.token_ids)
-            pos = np.arange(ch.start_position, ch.start_position + n, dtype=np.int32)
+            req, n, start = ch.request, len(ch.token_ids), ch.start_position
+            params = req.sampling_params
+            pos = np.arange(start, start + n, dtype=np.int32)
             blocks = np.asarray(ch.block_ids, np.int32)
             token_ids[t:t + n] = ch.token_ids
             positions[t:t + n] = pos
             slots[t:t + n] = blocks[pos // p] * p + pos % p
             seq_ids[t:t + n] = s
             qsl[s + 1] = t + n
-            seq_lens[s] = ch.start_position + n
+            seq_lens[s] = start + n
             tables[s, :len(blocks)] = blocks
             logits_idx[s] = t + n - 1
-            req = ch.request
-            rows.append(SamplingRow(params=req.sampling_params, prompt_token_ids=req.prompt_token_ids,
+            if params.prompt_logprobs is not None and start < req.num_prompt_tokens:
+                prompt_lp = True
+                nxt = req.prompt_token_ids[start + 1:min(start + n, req.num_prompt_tokens - 1) + 1]
+                next_ids[t:t + len(nxt)] = nxt
+            rows.append(SamplingRow(params=params, prompt_token_ids=req.prompt_token_ids,
                                     output_token_ids=req.output_token_ids, seed=req.seed,
                                     offset=len(req.output_token_ids), eos_token_ids=req.eos_token_ids))
+            full = full or params.logprobs is not None or params.uses_truncation
             t += n
         qsl[len(out.chunks) + 1:] = t
+        full = full or prompt_lp or needs_extras(rows)
         tensors = make_sampling_tensors(rows, s_pad, self.cfg.vocab_size,
-                                                self.config.scheduler.max_model_len)
-        wants_logprobs = any(ch.sample and ch.request.sampling_params.logprobs is not None
-                             for ch in out.chunks)
+                                        self.config.scheduler.max_model_len, with_extras=full)
         x = StepInput(token_ids=token_ids, positions=positions, slot_mapping=slots,
                       token_seq_ids=seq_ids, query_start_loc=qsl, seq_lens=seq_lens,
-                      block_tables=tables, logits_indices=logits_idx, sampling=tensors)
-        return x, (self.config.max_logprobs if wants_logprobs else 0)
+                      block_tables=tables, logits_indices=logits_idx, next_token_ids=next_ids,
+                      sampling=tensors)
+        variant = StepVariant(self.config.max_logprobs if full else 0, full, prompt_lp)
+        return x, variant
 
-    def run(self, x: StepInput, num_top: int) -> sampler.SamplerOutput:
+    def run(self, x: StepInput, variant: StepVariant):
         """Dispatch one step (asynchronously); the cache is donated and replaced."""
-        self.kv_cache, result = self._steps[num_top](self.params, self.kv_cache, jax.device_put(x))
-        return result
+        self.kv_cache, result, prompt = self._step(self.params, self.kv_cache, jax.device_put(x),
+                                                   variant=variant)
+        return result, prompt
 
     def execute(self, out: SchedulerOutput) -> StepResult:
-        x, num_top = self.prepare(out)
-        result = jax.device_get(self.run(x, num_top))
+        x, variant = self.prepare(out)
+        result, prompt = jax.device_get(self.run(x, variant))
         ids = result.token_ids.tolist()
+        prompt_lps = None
+        if prompt is not None:
+            prompt_lps = {}
+            qsl = x.query_start_loc
+            for i, ch in enumerate(out.chunks):
+                req = ch.request
+                if req.sampling_params.prompt_logprobs is None or ch.start_position >= req.num_prompt_tokens:
+                    continue
+                # Position p's logits predict prompt token p + 1: keep p < num_prompt_tokens - 1.
+                n = min(len(ch.token_ids), req.num_prompt_tokens - 1 - ch.start_position)
+                sl = slice(qsl[i], qsl[i] + max(n, 0))
+                prompt_lps[i] = (ch.start_position, prompt[0][sl], prompt[1][sl], prompt[2][sl])
+        has_top = variant.num_top > 0
         return StepResult(
             token_ids=[ids[i] if ch.sample else None for i, ch in enumerate(out.chunks)],
-            logprobs=result.logprobs if num_top else None,
-            top_ids=result.top_ids if num_top else None,
-            top_logprobs=result.top_logprobs if num_top else None)
+            logprobs=result.logprobs if has_top else None,
+            ranks=result.ranks if has_top else None,
+            top_ids=result.top_ids if has_top else None,
+            top_logprobs=result.top_logprobs if has_top else None,
+            prompt_logprobs=prompt_lps)
 
     def warmup(self) -> None:
-        """Compile every (bucket, logprobs width) program with an all-padding step."""
+        """Compile the lean and full program of every bucket with all-padding steps."""
         empty = SchedulerOutput(chunks=[], num_tokens=0, preempted_ids=[], new_ids=[], num_cached_tokens=0)
         for t in self.buckets:
             x, _ = self.prepare(SchedulerOutput(**{**empty.__dict__, "num_tokens": t}))
-            for num_top in self._steps:
-                jax.block_until_ready(self.run(x, num_top))
-        logger.info("compiled %d step programs", len(self.buckets) * len(self._steps))
+            for variant in self.warmup_variants:
+                if variant.full:
+                    x = dataclasses.replace(x, sampling=make_sampling_tensors(
+                        [], x.num_seqs, self.cfg.vocab_size, self.config.scheduler.max_model_len))
+                jax.block_until_ready(self.run(x, variant))
+        logger.info("compiled %d step programs", len(self.buckets) * len(self.warmup_variants))

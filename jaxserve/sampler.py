@@ -37,14 +37,19 @@ class SamplerOutput:
     top_logprobs: jax.Array  # f32[S, N] their log-probabilities
 
 
-def sample(logits_SV: jax.Array, t: SamplingTensors, num_top: int) -> SamplerOutput:
-    """Draw one token per row; call inside jit (`num_top` is static)."""
+def sample(logits_SV: jax.Array, t: SamplingTensors, num_top: int, truncate: bool = True) -> SamplerOutput:
+    """Draw one token per row; call inside jit (`num_top` and `truncate` are static).
+
+    `truncate=False` leaves min_p / top_k / top_p out of the program (no sort over the
+    vocabulary): the runner passes it when no row of the step uses them."""
     logits_SV = logits_SV.astype(jnp.float32)
     x_SV = processed_logits(logits_SV, t)
     greedy_S = jnp.argmax(x_SV, axis=-1).astype(jnp.int32)
     is_greedy_S = t.temperature < GREEDY_TEMPERATURE
     temp_S = jnp.where(is_greedy_S, 1.0, t.temperature)
-    x_SV = _truncate(x_SV / temp_S[:, None], t)
+    x_SV = x_SV / temp_S[:, None]
+    if truncate:
+        x_SV = _truncate(x_SV, t)
     noise_SV = jax.vmap(lambda key: jax.random.gumbel(key, x_SV.shape[-1:], jnp.float32))(
         row_keys(t.seeds, t.offsets))
     drawn_S = jnp.argmax(x_SV + noise_SV, axis=-1).astype(jnp.int32)

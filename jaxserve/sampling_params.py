@@ -106,6 +106,11 @@ class SamplingParams:
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
                 or self.frequency_penalty != 0.0)
 
+    @property
+    def uses_truncation(self) -> bool:
+        """Whether min_p, top_k or top_p cut the distribution (a sort over the vocabulary)."""
+        return not self.greedy and (self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0)
+
     def clone(self, **changes) -> "SamplingParams":
         return dataclasses.replace(self, **changes)
 

@@ -113,7 +113,9 @@ class Scheduler:
         while (self.waiting and budget > 0 and not preempted
                and len(self.running) < self.config.max_num_seqs):
             req = self.waiting[0]
-            hits = self._prefix_hits(req) if req.num_computed_tokens == 0 else []
+            # Prompt logprobs need every prompt position's logits: no cache hits for those.
+            wants_prompt_lp = req.sampling_params.prompt_logprobs is not None
+            hits = self._prefix_hits(req) if req.num_computed_tokens == 0 and not wants_prompt_lp else []
             computed = len(hits) * self.block_size if hits else req.num_computed_tokens
             n = min(req.num_tokens - computed, budget)
             need = -(-(computed + n) // self.block_size) - len(hits)

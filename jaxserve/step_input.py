@@ -31,6 +31,7 @@ class StepInput:
     block_tables: jax.Array     # i32[S, B] physical KV block of each logical block (0 = null)
     logits_indices: jax.Array   # i32[S] token whose hidden state gives each sequence's logits
     sampling: SamplingTensors   # per-sequence sampling parameters (see sampler.py)
+    next_token_ids: jax.Array | None = None  # i32[T] prompt token after each position (prompt logprobs)
 
     @property
     def num_tokens(self) -> int:

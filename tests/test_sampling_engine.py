@@ -109,3 +109,17 @@ def test_allowed_token_ids_bias_and_penalties_reach_the_sampler(llm):
     repeats = completion(llm, PROMPT, plain).token_ids
     penalized = completion(llm, PROMPT, plain.clone(presence_penalty=2.0, frequency_penalty=2.0)).token_ids
     assert len(set(repeats)) < len(repeats) and len(set(penalized)) == len(penalized)
+
+
+def test_prompt_logprobs_match_a_reference_forward(llm):
+    # Long enough to be computed in several chunks (max_num_batched_tokens=32).
+    prompt = "In the beginning the universe was created. This has made a lot of people very angry " * 2
+    out = generate(llm, [prompt], SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=2))[0]
+    ids = out.prompt_token_ids
+    assert len(ids) > 32 and out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(ids)
+    ref = reference_logprobs(llm, ids)
+    for p in range(1, len(ids)):
+        entry = out.prompt_logprobs[p]
+        np.testing.assert_allclose(entry[ids[p]].logprob, ref[p - 1][ids[p]], atol=1e-4)
+        best = int(np.argmax(ref[p - 1]))
+        assert entry[best].rank == 1
