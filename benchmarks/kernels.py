@@ -143,9 +143,9 @@ def bench_attention(rng, quick: bool, sweep: bool):
         out = f(*args)
         record("attention", case, "pallas (default)", gpu_time_ms(f, *args), bytes_=byts,
                err=rel_err(out, ref))
-        if sweep and ctx == 8192:
-            for splits in (1, 2, 4, 8, 16):
-                for bk in (32, 64, 128):
+        if sweep and (s, ctx) in ((1, 8192), (32, 1024)):
+            for splits in (2, 4, 8, 16, 32):
+                for bk in (64, 128):
                     for nw in (4,):
                         g = jax.jit(functools.partial(rpa.ragged_paged_attention, sm_scale=scale,
                                                       impl="pallas", num_splits=splits, block_k=bk,
@@ -207,8 +207,8 @@ def bench_attention(rng, quick: bool, sweep: bool):
                err=rel_err(out, ref))
         if sweep and s == 1:
             for bq in (16, 32):
-                for bk in (32, 64, 128):
-                    for nw, ns in ((4, 2), (8, 2), (8, 3)):
+                for bk in (64, 128):
+                    for nw, ns in ((4, 2), (4, 3), (8, 2), (8, 3)):
                         g = jax.jit(functools.partial(
                             rpa.ragged_paged_attention, sm_scale=scale, impl="pallas",
                             block_q=bq, block_k=bk, num_warps=nw, num_stages=ns))
@@ -260,7 +260,7 @@ def bench_rmsnorm(rng, quick: bool):
 # ---------------------------------------------------------------------------------------------
 
 
-def bench_moe(rng, quick: bool):
+def bench_moe(rng, quick: bool, only_auto: bool = False):
     d, f, n_exp, top = 2048, 768, 128, 8
     key = jax.random.key(int(rng.integers(1 << 30)))
     kw, kx = jax.random.split(key)
@@ -278,6 +278,13 @@ def bench_moe(rng, quick: bool):
         ref = fr(x, w_gu, gs)
         record("moe", case, "lax.ragged_dot", gpu_time_ms(fr, x, w_gu, gs), bytes_=byts,
                flops=flops)
+        from jaxserve.pallas_kernels import grouped_matmul as gm
+        fa = jax.jit(functools.partial(gm.grouped_matmul, impl="auto"))
+        out = fa(x, w_gu, gs)
+        record("moe", case, "grouped_matmul auto", gpu_time_ms(fa, x, w_gu, gs), bytes_=byts,
+               flops=flops, err=rel_err(out, ref))
+        if only_auto:
+            continue
 
         def mgpu():
             from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu as rdm
@@ -297,25 +304,93 @@ def bench_moe(rng, quick: bool):
 
 
 # ---------------------------------------------------------------------------------------------
+# fused QK-norm + RoPE + KV write (Qwen3-like: q/k norms; Llama-3.1-8B head layout)
+# ---------------------------------------------------------------------------------------------
+
+
+def loop_time_ms(step, carry, reps: int = 20) -> float:
+    """Per-iteration time of `step` run `reps` times in one jitted loop (for kernels whose
+    in-place cache update needs the buffer carried, not re-passed: donation)."""
+    run = jax.jit(lambda c: jax.lax.fori_loop(0, reps, lambda i, c: step(c), c))
+    return gpu_time_ms(run, carry, iters=10) / reps
+
+
+def bench_rope(rng, quick: bool):
+    from jaxserve.models import layers
+    from jaxserve.pallas_kernels import qk_norm_rope_kv_write as qrk
+    nb, p = 4096, 16
+    inv = layers.rope_inv_freq(E, 500000.0, None)
+    for t in ((2048,) if quick else (32, 2048, 8192)):
+        key = jax.random.key(int(rng.integers(1 << 30)))
+        ks = jax.random.split(key, 6)
+        q = jax.random.normal(ks[0], (t, N, E), jnp.bfloat16)
+        k = jax.random.normal(ks[1], (t, KH, E), jnp.bfloat16)
+        v = jax.random.normal(ks[2], (t, KH, E), jnp.bfloat16)
+        qn = jax.random.normal(ks[3], (E,), jnp.bfloat16)
+        kn = jax.random.normal(ks[4], (E,), jnp.bfloat16)
+        pos = jnp.arange(t, dtype=jnp.int32) + 100
+        slots = jnp.asarray(rng.permutation(np.arange(p, nb * p))[:t].astype(np.int32))
+        kc = jnp.zeros((nb, p, KH, E), jnp.bfloat16)
+        vc = jnp.zeros((nb, p, KH, E), jnp.bfloat16)
+        byts = 2 * t * (N + 2 * KH) * E * 2
+        want = qrk.qk_norm_rope_kv_write(q, k, v, pos, slots, kc, vc, inv, qn, kn, impl="xla")
+        got = qrk.qk_norm_rope_kv_write(q, k, v, pos, slots, kc, vc, inv, qn, kn, impl="pallas")
+        err = max(rel_err(got[0], want[0]), rel_err(got[1], want[1]), rel_err(got[2], want[2]))
+        for impl in ("pallas", "xla"):
+            def step(c, impl=impl):
+                q_, kc_, vc_ = c
+                return qrk.qk_norm_rope_kv_write(q_, k, v, pos, slots, kc_, vc_, inv, qn, kn,
+                                                 impl=impl)
+            ms = loop_time_ms(step, (q, kc, vc))
+            record("qk-rope-kv", f"qknorm+rope+kv write T={t}", impl, ms, bytes_=byts,
+                   err=err if impl == "pallas" else None)
+
+
+# ---------------------------------------------------------------------------------------------
+# top-k threshold (sampling) over a Llama-3 vocabulary
+# ---------------------------------------------------------------------------------------------
+
+
+def bench_topk(rng, quick: bool):
+    from jaxserve.pallas_kernels import topk_threshold as tk
+    v = 128256
+    for s in ((32,) if quick else (1, 32, 128)):
+        x = jax.random.normal(jax.random.key(int(rng.integers(1 << 30))), (s, v), jnp.float32)
+        for kk in (50, 2048):
+            k = jnp.full((s,), kk, jnp.int32)
+            want = tk.topk_threshold(x, k, impl="sort")
+            case = f"S={s} V={v} k={kk}"
+            for impl in ("pallas", "xla", "sort"):
+                f = jax.jit(functools.partial(tk.topk_threshold, impl=impl))
+                out = f(x, k)
+                err = float(np.abs(np.asarray(out) - np.asarray(want)).max())
+                record("topk", case, impl if impl != "xla" else "lax.top_k(2048)",
+                       gpu_time_ms(f, x, k), bytes_=s * v * 4, err=err)
+
+
+# ---------------------------------------------------------------------------------------------
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer shapes")
     ap.add_argument("--sweep", action="store_true", help="also sweep tuning options")
-    ap.add_argument("--only", default="attention,rmsnorm,moe",
-                    help="comma list of: attention, rmsnorm, moe")
+    ap.add_argument("--only", default="attention,rmsnorm,rope,topk,moe",
+                    help="comma list of: attention, rmsnorm, rope, topk, moe")
+    ap.add_argument("--moe-auto-only", action="store_true",
+                    help="MoE: only lax.ragged_dot and grouped_matmul(auto), no tile sweep")
     ap.add_argument("--json", default=None, help="write all rows to this JSON file")
     args = ap.parse_args()
     print(f"# jax {jax.__version__}, devices {jax.devices()}", flush=True)
     rng = np.random.default_rng(0)
     groups = args.only.split(",")
-    if "attention" in groups:
-        bench_attention(rng, args.quick, args.sweep)
-    if "rmsnorm" in groups:
-        bench_rmsnorm(rng, args.quick)
-    if "moe" in groups:
-        bench_moe(rng, args.quick)
+    benches = dict(attention=lambda: bench_attention(rng, args.quick, args.sweep),
+                   rmsnorm=lambda: bench_rmsnorm(rng, args.quick),
+                   rope=lambda: bench_rope(rng, args.quick),
+                   topk=lambda: bench_topk(rng, args.quick),
+                   moe=lambda: bench_moe(rng, args.quick, args.moe_auto_only))
+    for name in groups:
+        try_run(name, benches[name])   # one failing group does not hide the others
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(ROWS, fh, indent=1)
