@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# The H200 measurements behind BENCHMARKS.md, in two stages (each fits one device call):
+#   bash benchmarks/h200_suite.sh latency   # HBM copy rate; decode latency of the 8B shape
+#                                           # (Pallas and XLA attention), HF generate, the
+#                                           # default model's shape; cold start-up
+#   bash benchmarks/h200_suite.sh serving   # ShareGPT offline throughput; the HTTP server
+#                                           # under load (needs fastapi & co. as wheels in .whl/)
+# Results land in $OUT (default ./bench-out); every step has its own time limit, so one
+# failure or hang leaves the others' figures.
+set -u
+OUT=${OUT:-bench-out}
+mkdir -p "$OUT"
+LOG="$OUT/log.txt"
+export PYTHONUNBUFFERED=1 TF_CPP_MIN_LOG_LEVEL=2
+SHAREGPT=${SHAREGPT:-.benchdata/sharegpt1000.jsonl}
+JS=(python3 -m jaxserve.cli)
+LLAMA=(Llama-3.1-8B --load-format dummy --dtype bfloat16 --max-logprobs 0)
+
+step() {   # step SECONDS NAME CMD...: run with a limit, log everything, never stop the suite
+  local limit=$1 name=$2; shift 2
+  echo "=== $name: $* ($(date -u +%H:%M:%S))" | tee -a "$LOG"
+  timeout "$limit" "$@" 2>&1 | grep -v -E "it/s\]|s/it\]" | tee -a "$LOG"
+  echo "=== $name exit ${PIPESTATUS[0]} ($(date -u +%H:%M:%S))" | tee -a "$LOG"
+}
+
+setup() {
+  if ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+      && export PYTHONPATH=/tmp/site
+  fi
+  python3 -m pip install -q --no-deps --no-build-isolation -e . >>"$LOG" 2>&1 || echo "pip install -e . failed" | tee -a "$LOG"
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv | tee -a "$LOG"
+  python3 -c "import jax; print('jax', jax.__version__, jax.devices())" 2>&1 | tee -a "$LOG"
+}
+
+latency() {
+  step 60 hbm python3 benchmarks/hbm_bandwidth.py
+  # (a) + (e): the first engine of a fresh machine is the cold start-up.
+  step 150 lat_8b_pallas "${JS[@]}" bench latency "${LLAMA[@]}" --attention-impl pallas \
+    --batch-size 1 64 --input-len 128 --output-len 128 --num-iters 3 --max-num-batched-tokens 1024 \
+    --profile-dir /tmp/prof --disable-tqdm --output-json "$OUT/lat_8b_pallas.json"
+  cp "$(ls -t /tmp/prof/batch1-*/plugins/profile/*/perfetto_trace.json.gz | head -1)" "$OUT/trace_8b_b1.json.gz" 2>/dev/null
+  # (c) HF transformers generate, same shape, bf16, torch
+  step 100 hf_8b python3 benchmarks/hf_generate_baseline.py models/configs/Llama-3.1-8B.json \
+    --batch-size 1 64 --input-len 128 --output-len 128 --num-iters 2 --output-json "$OUT/hf_8b.json"
+  # (b) the same with plain-XLA attention
+  step 120 lat_8b_xla "${JS[@]}" bench latency "${LLAMA[@]}" --attention-impl xla \
+    --batch-size 1 64 --input-len 128 --output-len 128 --num-iters 3 --max-num-batched-tokens 1024 \
+    --disable-tqdm --output-json "$OUT/lat_8b_xla.json"
+  # (d) the default model's shape (SmolLM2-135M; the GGUF itself is over the carry limit)
+  step 90 lat_smollm2 "${JS[@]}" bench latency benchmarks/configs/SmolLM2-135M.json --load-format dummy \
+    --dtype bfloat16 --max-logprobs 0 --batch-size 1 64 --input-len 128 --output-len 128 --num-iters 3 \
+    --max-num-batched-tokens 1024 --profile-dir /tmp/prof_smol --disable-tqdm --output-json "$OUT/lat_smollm2.json"
+}
+
+serving() {
+  step 240 tput_sharegpt "${JS[@]}" bench throughput "${LLAMA[@]}" --dataset-name jsonl --dataset-path "$SHAREGPT" \
+    --num-prompts "${NUM_PROMPTS:-500}" --max-num-seqs 256 --max-num-batched-tokens 2048 --max-model-len 2048 \
+    --disable-tqdm --output-json "$OUT/tput_sharegpt.json"
+  "${JS[@]}" serve "${LLAMA[@]}" --max-model-len 2048 --port 8011 --log-level warning >"$OUT/server.log" 2>&1 &
+  local server=$!
+  step 240 serve_sharegpt "${JS[@]}" bench serve --base-url http://127.0.0.1:8011 --wait-for-server 150 \
+    --dataset-name jsonl --dataset-path "$SHAREGPT" --num-prompts "${SERVE_PROMPTS:-100}" \
+    --request-rate ${RATES:-4 16} --goodput ttft:100 tpot:50 --disable-tqdm --output-json "$OUT/serve_sharegpt.json"
+  kill "$server" 2>/dev/null; wait "$server" 2>/dev/null
+}
+
+setup
+for stage in "$@"; do "$stage"; done
+echo "=== done ($(date -u +%H:%M:%S))" | tee -a "$LOG"

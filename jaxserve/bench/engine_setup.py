@@ -1,0 +1,46 @@
+"""Building the engine for the in-process benchmarks (latency, throughput), and timing its
+start-up from the moment the process began."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+from jaxserve.engine_args import add_engine_arguments, engine_kwargs
+
+
+def add_bench_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    add_engine_arguments(parser)
+    parser.add_argument("--hbm-bandwidth", type=float, default=None,
+                        help="bytes/s for the roofline (default: 4.24e12, the H200's measured copy rate)")
+    parser.add_argument("--output-json", default=None, help="write every figure to this JSON file")
+    parser.add_argument("--disable-tqdm", action="store_true")
+
+
+def seconds_since_process_start() -> float | None:
+    """Wall seconds since this process was created (Linux /proc), or None elsewhere."""
+    try:
+        with open("/proc/self/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        start_ticks = int(fields[19])        # field 22 (starttime), counted after the ")"
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return uptime - start_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def build_llm(args: argparse.Namespace, **overrides):
+    """An LLM from the parsed engine flags; `overrides` fill flags the user left unset.
+    Returns (llm, seconds the constructor took: load + KV allocation + warm-up compile)."""
+    from jaxserve import LLM
+
+    kwargs = engine_kwargs(args)
+    for key, value in overrides.items():
+        if kwargs.get(key) is None:
+            kwargs[key] = value
+    model = kwargs.pop("model")
+    t0 = time.perf_counter()
+    llm = LLM(model, **kwargs)
+    return llm, time.perf_counter() - t0

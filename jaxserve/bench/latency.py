@@ -1,0 +1,161 @@
+"""`jaxserve bench latency`: time a batch of requests end to end and per decode step.
+
+For each batch size, `--num-iters` times: submit `batch` requests of `--input-len` random
+tokens and generate exactly `--output-len` tokens each (ignore_eos). Reports the end-to-end
+latency, the median decode step (= ms per output token of every sequence), tokens/s, the
+fraction of the HBM roofline (weights + KV context read per step over the bandwidth), the
+split of a step into host and device time, and the step replayed on the device alone.
+
+The first request's first token after process start is the cold start-up time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import statistics
+import time
+
+from jaxserve.bench import report, roofline
+from jaxserve.bench.datasets import random_requests
+from jaxserve.bench.engine_setup import add_bench_engine_arguments, build_llm, seconds_since_process_start
+from jaxserve.bench.step_timer import StepTimer, device_only_step_seconds
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="jaxserve bench latency", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_bench_engine_arguments(p)
+    g = p.add_argument_group("latency")
+    g.add_argument("--batch-size", type=int, nargs="+", default=[1, 8, 64])
+    g.add_argument("--input-len", type=int, default=128)
+    g.add_argument("--output-len", type=int, default=128)
+    g.add_argument("--num-iters", type=int, default=3, help="timed iterations per batch size")
+    g.add_argument("--num-iters-warmup", type=int, default=1, help="untimed iterations per batch size")
+    g.add_argument("--device-only-iters", type=int, default=20,
+                   help="back-to-back replays of one decode step (0: skip)")
+    g.add_argument("--profile-dir", default=None,
+                   help="also trace a few decode steps with jax.profiler into this folder and "
+                        "summarise device kernels against the step's wall time")
+    return p
+
+
+_ids = itertools.count()
+
+
+def generate_once(engine, requests, params) -> tuple[float, float | None]:
+    """Run `requests` to completion on the engine's own step loop.
+    Returns (seconds, seconds until the first token of any request)."""
+    from jaxserve.sampling_params import SamplingParams
+
+    rids = []
+    t0 = time.perf_counter()
+    for r in requests:
+        rid = f"bench-{next(_ids)}"
+        engine.add_request(rid, r.prompt_token_ids,
+                           SamplingParams(**{**params, "max_tokens": r.output_len}))
+        rids.append(rid)
+    first = None
+    while engine.has_unfinished_requests():
+        outs = engine.step()
+        if first is None and any(o.outputs and o.outputs[0].token_ids for o in outs):
+            first = time.perf_counter() - t0
+    return time.perf_counter() - t0, first
+
+
+def bench_batch(llm, batch: int, args, bar=None) -> dict:
+    engine = llm.engine
+    cfg = engine.config.model
+    vocab = cfg.vocab_size
+    params = dict(temperature=1.0, top_p=1.0, ignore_eos=True)
+    reqs = lambda seed: random_requests(batch, args.input_len, args.output_len, vocab, seed=seed)  # noqa: E731
+    for i in range(args.num_iters_warmup):
+        generate_once(engine, reqs(1000 + i), params)
+        if bar is not None:
+            bar.update(1)
+    timer = StepTimer(engine)
+    latencies = []
+    try:
+        for i in range(args.num_iters):
+            latencies.append(generate_once(engine, reqs(i), params)[0])
+            if bar is not None:
+                bar.update(1)
+    finally:
+        timer.detach()
+    steps = timer.summary(decode_only=True)
+    row = {"batch_size": batch, "input_len": args.input_len, "output_len": args.output_len,
+           "latency_mean_s": statistics.mean(latencies), "latency_p50_s": report.percentile(latencies, 50),
+           "latency_p99_s": report.percentile(latencies, 99),
+           "output_tok_per_s_e2e": batch * args.output_len / statistics.mean(latencies)}
+    if steps["num_steps"]:
+        step_s = steps["total"]
+        row.update(ms_per_output_token=1e3 * step_s, decode_tok_per_s=batch / step_s,
+                   step_host_ms=1e3 * steps["host"], num_decode_steps=steps["num_steps"],
+                   **{f"step_{k}_ms": 1e3 * steps[k] for k in ("schedule", "prepare", "dispatch", "device",
+                                                              "to_host", "update", "outputs")})
+        # Roofline at the mean context of the decode steps (prompt + half the outputs).
+        weight_bytes = roofline.param_bytes(engine.runner.params)
+        kv_tok = roofline.kv_bytes_per_token(cfg, engine.runner.dtype.itemsize)
+        mean_ctx = args.input_len + args.output_len / 2
+        step_bytes = roofline.decode_step_bytes(weight_bytes, kv_tok, [mean_ctx] * batch)
+        bw = args.hbm_bandwidth or roofline.H200_HBM_BYTES_PER_S
+        floor_s = roofline.roofline_seconds(step_bytes, bw)
+        row.update(weight_gb=weight_bytes / 1e9, step_bytes_gb=step_bytes / 1e9, roofline_ms=1e3 * floor_s,
+                   roofline_fraction=floor_s / step_s)
+        captured = timer.decode_inputs.get(batch)
+        if args.device_only_iters and captured is not None:
+            dev_s = device_only_step_seconds(engine.runner, *captured, iters=args.device_only_iters)
+            row.update(device_only_step_ms=1e3 * dev_s, device_only_roofline_fraction=floor_s / dev_s,
+                       host_overhead_fraction=1 - dev_s / step_s)
+    if args.profile_dir:
+        from jaxserve.bench.profile import profile_decode_steps
+        row["profile"] = profile_decode_steps(engine, batch, args, params)
+    return row
+
+
+def startup_row(build_s: float, before_build: float | None, first_token_s: float | None,
+                after_build: float | None) -> dict:
+    return {"process_to_engine_ready_s": after_build, "engine_build_s": build_s,
+            "process_start_to_build_s": before_build,
+            "process_to_first_token_s": None if after_build is None or first_token_s is None
+            else after_build + first_token_s}
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    before_build = seconds_since_process_start()
+    block = args.block_size
+    max_len = -(-(args.input_len + args.output_len) // block) * block
+    llm, build_s = build_llm(args, max_num_seqs=max(args.batch_size), max_model_len=max_len)
+    after_build = seconds_since_process_start()
+    # Cold start: the first token of the very first request this process serves.
+    _, first_s = generate_once(llm.engine, random_requests(1, args.input_len, 1, llm.engine.config.model.vocab_size),
+                               dict(temperature=1.0, ignore_eos=True))
+    startup = startup_row(build_s, before_build, first_s, after_build)
+    bar = None
+    if not args.disable_tqdm:
+        from tqdm.auto import tqdm
+        bar = tqdm(total=len(args.batch_size) * (args.num_iters + args.num_iters_warmup),
+                   desc="latency iterations", dynamic_ncols=True)
+    try:
+        rows = [bench_batch(llm, b, args, bar) for b in args.batch_size]
+    finally:
+        if bar is not None:
+            bar.close()
+    result = {"benchmark": "latency", "environment": report.environment(),
+              "engine": {"model": args.model, "dtype": llm.engine.config.dtype,
+                         "attention_impl": llm.engine.runner.attention_impl,
+                         "max_model_len": llm.engine.config.scheduler.max_model_len,
+                         "max_num_seqs": llm.engine.config.scheduler.max_num_seqs,
+                         "num_kv_blocks": llm.engine.runner.num_blocks},
+              "startup": startup, "results": rows}
+    report.print_table("start-up", [startup])
+    report.print_table("latency", [{k: v for k, v in r.items() if not isinstance(v, dict)} for r in rows],
+                       ["batch_size", "latency_mean_s", "ms_per_output_token", "decode_tok_per_s",
+                        "roofline_ms", "roofline_fraction", "step_host_ms", "step_device_ms",
+                        "device_only_step_ms", "device_only_roofline_fraction"])
+    for r in rows:
+        if "profile" in r:
+            report.print_table(f"profile, batch {r['batch_size']}", [r["profile"]["summary"]])
+    report.write_json(args.output_json, result)
+    return 0

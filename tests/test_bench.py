@@ -1,0 +1,166 @@
+"""Smoke tests of `jaxserve bench` on CPU: the dataset reader, the statistics, and each
+benchmark run for real on the default model at tiny sizes (one engine for all of them;
+serve talks to that engine behind the real HTTP app on a loopback port)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+
+import pytest
+
+from jaxserve.bench import datasets, report
+from jaxserve.bench.serve import parse_goodput, run_load, summarize
+
+ENGINE_ARGS = dict(dtype="float32", max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32,
+                   num_kv_blocks=64, max_logprobs=0, warmup=False)
+
+
+# -- datasets -------------------------------------------------------------------------------
+def _conversation(i: int, human: str, gpt: str, turns: int = 2) -> dict:
+    convs = [{"from": "human", "value": human}, {"from": "gpt", "value": gpt}][:turns]
+    return {"id": f"c{i}", "conversations": convs}
+
+
+def test_json_array_reader_keeps_complete_records_of_a_cut_file(tmp_path):
+    records = [_conversation(i, f"question {i} " * 3, "answer " * 5) for i in range(50)]
+    text = json.dumps(records, indent=2)
+    cut = text[: int(len(text) * 0.7)]          # ends in the middle of a record
+    path = tmp_path / "cut.json"
+    path.write_text(cut)
+    got = list(datasets.iter_json_array(str(path)))
+    assert 0 < len(got) < 50
+    assert got == records[: len(got)]
+    whole = tmp_path / "whole.json"
+    whole.write_text(text)
+    assert list(datasets.iter_json_array(str(whole))) == records
+
+
+def test_json_array_reader_refuses_non_arrays(tmp_path):
+    path = tmp_path / "obj.json"
+    path.write_text('{"a": 1}')
+    with pytest.raises(ValueError, match="JSON array"):
+        list(datasets.iter_json_array(str(path)))
+
+
+class _WordTokenizer:
+    """One token per word, ids from a running vocabulary."""
+
+    def __init__(self):
+        self.vocab: dict[str, int] = {}
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [self.vocab.setdefault(w, len(self.vocab) + 100) for w in text.split()]
+
+
+def test_sharegpt_sampling_applies_vllms_filter(tmp_path):
+    records = [
+        _conversation(0, "one two three four five", "a b c d e f"),      # kept
+        _conversation(1, "too short", "a b c d e f"),                      # prompt < 4
+        _conversation(2, "one two three four five", "a b"),               # output < 4
+        _conversation(3, "w " * 1100, "a b c d e"),                        # prompt > 1024
+        _conversation(4, "w " * 1000, "x " * 1100),                        # total > 2048
+        _conversation(5, "one two three four five", "a b c d", turns=1),   # < 2 turns
+        _conversation(6, "six seven eight nine", "g h i j"),               # kept
+    ]
+    path = tmp_path / "sharegpt.json"
+    path.write_text(json.dumps(records))
+    reqs = datasets.sample_sharegpt(str(path), _WordTokenizer(), 2, vocab_size=200)
+    assert sorted((r.prompt_len, r.output_len) for r in reqs) == [(4, 4), (5, 6)]
+    assert all(0 <= t < 200 for r in reqs for t in r.prompt_token_ids)
+    with pytest.raises(ValueError, match="num_prompts=3"):
+        datasets.sample_sharegpt(str(path), _WordTokenizer(), 3)
+
+
+def test_random_requests_and_jsonl_round_trip(tmp_path):
+    reqs = datasets.random_requests(20, 16, 8, vocab_size=5000, range_ratio=0.5, seed=3)
+    assert all(8 <= r.prompt_len <= 24 and 4 <= r.output_len <= 12 for r in reqs)
+    assert all(0 <= t < 5000 for r in reqs for t in r.prompt_token_ids)
+    path = str(tmp_path / "reqs.jsonl")
+    datasets.save_requests(path, reqs)
+    back = datasets.load_requests(path, 20)
+    assert [(r.prompt_token_ids, r.output_len) for r in back] == [(r.prompt_token_ids, r.output_len) for r in reqs]
+    with pytest.raises(ValueError, match="range_ratio"):
+        datasets.random_requests(1, 4, 4, 100, range_ratio=1.5)
+
+
+# -- statistics ------------------------------------------------------------------------------
+def test_percentile_and_goodput_parsing():
+    assert report.percentile([3.0, 1.0, 2.0], 50) == 2.0
+    assert report.percentile([0.0, 10.0], 99) == pytest.approx(9.9)
+    assert math.isnan(report.percentile([], 50))
+    assert parse_goodput(["ttft:100", "tpot:50"]) == {"ttft": 0.1, "tpot": 0.05}
+    with pytest.raises(SystemExit, match="NAME:MILLISECONDS"):
+        parse_goodput(["latency:5"])
+
+
+def test_bench_cli_dispatch(capsys):
+    from jaxserve.bench import main
+
+    assert main(["--help"]) == 0
+    assert "latency" in capsys.readouterr().out
+    assert main(["nonsense"]) == 2
+
+
+# -- the benchmarks, on the real default model ----------------------------------------------
+@pytest.fixture(scope="module")
+def llm():
+    from jaxserve import LLM
+
+    return LLM(None, **ENGINE_ARGS)
+
+
+def test_latency_bench_runs_in_process(llm):
+    from jaxserve.bench.latency import bench_batch
+
+    args = argparse.Namespace(input_len=8, output_len=4, num_iters=1, num_iters_warmup=0,
+                              device_only_iters=2, hbm_bandwidth=None, profile_dir=None)
+    row = bench_batch(llm, 2, args)
+    assert row["batch_size"] == 2 and row["latency_mean_s"] > 0
+    assert row["num_decode_steps"] >= 1 and row["ms_per_output_token"] > 0
+    assert row["decode_tok_per_s"] == pytest.approx(2e3 / row["ms_per_output_token"])
+    assert row["step_host_ms"] + row["step_device_ms"] == pytest.approx(row["ms_per_output_token"], rel=1e-6)
+    assert 0 < row["roofline_fraction"] and row["device_only_step_ms"] > 0
+    assert 0.1 < row["weight_gb"] < 1.0                  # 135M parameters in f32
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_throughput_bench_runs_in_process(llm):
+    from jaxserve.bench.throughput import run_throughput
+
+    reqs = datasets.random_requests(5, 10, 3, llm.engine.config.model.vocab_size, range_ratio=0.3)
+    row = run_throughput(llm, reqs, use_tqdm=False)
+    assert row["num_requests"] == 5
+    assert row["output_tokens"] == sum(r.output_len for r in reqs)
+    assert row["requests_per_s"] > 0 and row["output_tok_per_s"] > 0
+    assert row["num_steps"] >= max(r.output_len for r in reqs)
+
+
+def test_serve_bench_against_the_real_http_app(llm):
+    pytest.importorskip("fastapi")
+    pytest.importorskip("aiohttp")
+    from jaxserve.engine import AsyncEngine
+    from jaxserve.server.app import build_app
+    from jaxserve.server.background import BackgroundServer
+    from jaxserve.server.context import ServerContext
+
+    engine = AsyncEngine(llm.engine)        # last test: the engine thread owns it from here on
+    try:
+        with BackgroundServer(build_app(ServerContext(engine, (engine.model_name,)))) as server:
+            reqs = datasets.random_requests(4, 6, 3, vocab_size=llm.engine.config.model.vocab_size, seed=1)
+            results, duration = asyncio.run(run_load(server.url, engine.model_name, reqs, request_rate=50.0,
+                                                     max_concurrency=2, use_tqdm=False))
+            bad = asyncio.run(run_load(server.url, "no-such-model", reqs[:1], request_rate=math.inf,
+                                       max_concurrency=None, use_tqdm=False))[0]
+    finally:
+        engine.shutdown()
+    assert all(r.success for r in results), [r.error for r in results]
+    assert [r.output_tokens for r in results] == [r.output_len for r in reqs]
+    assert all(r.ttft > 0 and r.e2el >= r.ttft for r in results)
+    row = summarize(results, duration, {"ttft": 60.0})
+    assert row["completed"] == 4 and row["failed"] == 0
+    assert row["goodput_req_per_s"] == pytest.approx(row["requests_per_s"])
+    assert row["ttft_p50_ms"] > 0 and row["tpot_p50_ms"] > 0
+    assert not bad[0].success and "404" in bad[0].error
