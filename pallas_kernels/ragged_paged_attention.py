@@ -21,13 +21,14 @@ blocks, P slots per block, B blocks per sequence, J query tiles, BQ tokens per q
 R = BQ * Gp rows of one tile (Gp = G rounded up to a power of two), BK keys per inner step,
 X context splits (flash-decoding: partial softmaxes merged afterwards).
 
-How the GPU kernel (Triton lowering of pallas_call) is laid out: the grid is (J, K, X); program
-j finds its (sequence, query tile) by a binary search over query_start_loc (no extra XLA
-kernels before the launch, which matters for small decode steps). A program loads its R query rows
-(BQ tokens x the G heads that share kv head k: GQA costs one read of K/V per group, not per
-head), walks its causal key range BK keys at a time, gathering the slots through the block
-table, and keeps an online softmax (exp2; masks only on the causal and window edges). With X > 1 each program covers 1/X of the key range and
-writes a normalised partial output and its log-sum-exp; a small XLA epilogue merges them.
+How the GPU kernel (Triton lowering of pallas_call) is laid out: the grid is (J, K, X);
+program j finds its (sequence, query tile) by a binary search over query_start_loc (no extra
+XLA kernels before the launch, which matters for small decode steps). A program loads its R
+query rows (BQ tokens x the G heads that share kv head k: GQA costs one read of K/V per group,
+not per head), walks its causal key range BK keys at a time, gathering the slots through the
+block table, and keeps an online softmax (exp2; masks only on the causal and window edge
+steps). With X > 1 each program covers 1/X of the key range and writes a normalised partial
+output and its log-sum-exp; a small XLA epilogue merges them.
 This is what keeps a batch of one or a few long decodes from leaving most SMs idle.
 """
 

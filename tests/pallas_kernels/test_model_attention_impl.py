@@ -52,3 +52,11 @@ def test_pallas_attention_in_model_matches_golden(name, tiny_checkpoint):
     for i in range(2):
         np.testing.assert_allclose(logits[int(x.logits_indices[i + 1])],
                                    golden[f"decode_logits_{i}"][0], atol=1e-4, rtol=0)
+
+
+def test_auto_is_xla_on_cpu_and_bad_impl_is_refused(tiny_checkpoint):
+    cfg, _, _ = load_model(tiny_checkpoint("llama"))
+    assert llama.make_attention_fn(cfg, "auto").__name__ == "xla"
+    assert llama.make_attention_fn(cfg, "pallas").__name__ == "pallas"
+    with pytest.raises(ValueError, match="attention_impl"):
+        llama.make_attention_fn(cfg, "cudnn")
