@@ -6,6 +6,8 @@ import json
 from jaxserve import cli
 from jaxserve.batch import BatchLine, parse_line, run_line
 from jaxserve.default_model import DEFAULT_MODEL_NAME
+from jaxserve.engine import AsyncEngine
+from jaxserve.trace import StepTrace
 
 MALFORMED_AT, INVALID_AT = 4, 11
 
@@ -30,7 +32,16 @@ def _batch_lines() -> list[str]:
     return lines
 
 
-def test_generate_batch_file_keeps_order_and_reports_bad_lines(tmp_path):
+def test_generate_batch_file_keeps_order_and_reports_bad_lines(tmp_path, monkeypatch):
+    traces = []
+    make_engine = AsyncEngine.from_engine_args.__func__
+
+    def traced_engine(cls, *args, **kwargs):      # watch the steps of the engine the CLI makes
+        engine = make_engine(cls, *args, **kwargs)
+        traces.append(StepTrace.attach(engine.engine))
+        return engine
+
+    monkeypatch.setattr(AsyncEngine, "from_engine_args", classmethod(traced_engine))
     src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     src.write_text("\n".join(_batch_lines()) + "\n")
     rc = cli.main(["generate", "--input", str(src), "--output", str(dst), "--max-num-seqs", "16",
@@ -66,6 +77,10 @@ def test_generate_batch_file_keeps_order_and_reports_bad_lines(tmp_path):
             assert isinstance(choice["text"], str)
             assert body["usage"]["completion_tokens"] <= 8
         assert choice["finish_reason"] in ("stop", "length")
+    # the lines ran together, not one after another
+    (trace,) = traces
+    assert max(len(step.chunks) for step in trace.steps) >= 4
+    assert len(trace.request_ids()) == 18
 
 
 def test_parse_line_names_the_problem():
