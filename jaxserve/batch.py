@@ -171,7 +171,7 @@ def run_batch_file(args) -> int:
     except OSError as e:
         print(f"jaxserve generate: {e}", file=sys.stderr)
         return 1
-    engine = None
+    engine = ctx = None
     try:
         engine = AsyncEngine.from_engine_args(**engine_kwargs(args))
         ctx = ServerContext(engine, served_model_names=(engine.model_name,))
@@ -187,9 +187,10 @@ def run_batch_file(args) -> int:
         with bar, open(args.input, encoding="utf-8") as in_file:
             asyncio.run(run_batch(ctx, in_file, write, max_in_flight=max_in_flight,
                                   on_done=lambda: bar.update(1)))
-        ctx.tokenizer_pool.shutdown(wait=False)
     finally:
         out_file.close()
+        if ctx is not None:
+            ctx.tokenizer_pool.shutdown(wait=False)
         if engine is not None:
             engine.shutdown()
     return 0
