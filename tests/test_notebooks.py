@@ -1,13 +1,12 @@
 """Every notebook in notebooks/ runs top to bottom without an error (on the CPU here).
 
 The notebooks run in a fresh `python3` kernel of this interpreter (ipykernel from the test
-extra; nothing is registered globally), with the working directory set to notebooks/.
+extra; nothing is registered globally), with the working directory set to notebooks/ and this
+process's environment (so JAX_PLATFORMS=cpu, as scripts/test.sh sets it, holds there too).
 Committed notebooks carry no outputs: the second test keeps it that way.
 """
 
-import os
 import pathlib
-import sys
 
 import pytest
 
@@ -18,14 +17,6 @@ NOTEBOOK_DIR = pathlib.Path(__file__).resolve().parent.parent / "notebooks"
 NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("*.ipynb"))
 # Seconds one cell may take; each notebook aims at well under a minute and a half on a CPU.
 CELL_TIMEOUT_S = 300
-
-
-def _kernel_env() -> dict:
-    env = dict(os.environ)
-    env.setdefault("JAX_PLATFORMS", "cpu")
-    # The kernel must be this interpreter (the project's venv), whatever PATH says.
-    env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
-    return env
 
 
 def test_there_are_notebooks():
@@ -50,6 +41,6 @@ def test_notebook_runs(path):
     # NOTE: jupyter_client launches a kernel spec whose command is "python" with
     # sys.executable, so the kernel is this venv's interpreter.
     try:
-        client.execute(env=_kernel_env())
+        client.execute()
     except nbclient.exceptions.CellExecutionError as err:
         pytest.fail(f"{path.name} failed:\n{err}", pytrace=False)
