@@ -1,18 +1,12 @@
-"""Fuzz: hypothesis-generated bodies against completions and chat; no 5xx, server alive.
+"""Hypothesis strategies for request bodies of /v1/completions and /v1/chat/completions.
 
-Hypothesis draws the bodies (deterministically: derandomized, no example database), then
-they are sent 16 at a time, so that the valid ones batch in the engine as real traffic
-does. Field values are mostly plausible and sometimes of any JSON type; generation is always
-kept tiny (max_tokens 1-2, short prompts) so the run stays fast.
+Each body is either valid (every field in range) or wild (now and then a value out of range,
+or any JSON at all), so that about half reach the engine. Generation is always kept tiny
+(max_tokens 1-2, short prompts) so the fuzz run stays fast.
 """
 
 from __future__ import annotations
 
-import json
-from concurrent.futures import ThreadPoolExecutor
-
-import httpx
-from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 # 500 bodies in all; fewer chat ones, as the chat template makes their prompts longer.
@@ -83,57 +77,3 @@ chat_bodies = st.fixed_dictionaries(
     optional={"logprobs": sometimes_wrong(st.booleans()), "top_logprobs": sometimes_wrong(st.integers(0, 5), -1, 6),
               "add_generation_prompt": sometimes_wrong(st.booleans()),
               "continue_final_message": sometimes_wrong(st.booleans()), **SAMPLING})
-
-
-def _draw(strategy: st.SearchStrategy, count: int) -> list[dict]:
-    bodies: list[dict] = []
-
-    @settings(max_examples=count, deadline=None, derandomize=True, database=None,
-              suppress_health_check=list(HealthCheck))
-    @given(strategy)
-    def collect(body):
-        bodies.append(body)
-
-    collect()
-    return bodies
-
-
-def _check(http: httpx.Client, path: str, body: dict) -> str | None:
-    """Sends one body; returns a complaint, or None when the answer is well-formed and not 5xx."""
-    r = http.post(path, content=json.dumps(body).encode(), headers={"content-type": "application/json"})
-    if r.status_code >= 500:
-        return f"{r.status_code} {r.text[:300]}"
-    if r.status_code != 200:
-        error = r.json().get("error", {})
-        return None if error.get("message") else f"{r.status_code} without an error message: {r.text[:300]}"
-    if r.headers["content-type"].startswith("text/event-stream"):
-        events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
-        if events[-1] != "[DONE]":
-            return f"stream did not end in [DONE]: {r.text[-300:]}"
-        if any("error" in json.loads(e) for e in events[:-1]):
-            return f"stream carried an error: {r.text[-300:]}"
-        return None
-    return None if r.json().get("choices") else f"200 without choices: {r.text[:300]}"
-
-
-def _fuzz(served, path: str, bodies: list[dict]) -> None:
-    with httpx.Client(base_url=served.url, timeout=120,
-                      limits=httpx.Limits(max_connections=16)) as http, ThreadPoolExecutor(16) as pool:
-        complaints = list(pool.map(lambda b: _check(http, path, b), bodies))
-    bad = [(b, c) for b, c in zip(bodies, complaints) if c is not None]
-    assert not bad, "\n".join(f"{json.dumps(b)[:300]} -> {c}" for b, c in bad[:10])
-    assert httpx.get(served.url + "/health").status_code == 200
-
-
-def test_fuzz_completions(served):
-    bodies = _draw(completion_bodies, NUM_COMPLETION_BODIES)
-    assert len(bodies) == NUM_COMPLETION_BODIES
-    _fuzz(served, "/v1/completions", bodies)
-
-
-def test_fuzz_chat_completions(served):
-    bodies = _draw(chat_bodies, NUM_CHAT_BODIES)
-    assert len(bodies) == NUM_CHAT_BODIES
-    _fuzz(served, "/v1/chat/completions", bodies)
-    m = served.wait_idle()
-    assert m["jaxserve:num_requests_running"] == 0 and m["jaxserve:num_used_blocks"] == 0
