@@ -35,14 +35,14 @@ class StepRecord:
     seconds: float                  # host wall time of runner.execute + scheduler.update
     chunks: tuple[ChunkRecord, ...]  # in step order: running requests first, then new ones
     num_tokens: int                 # tokens computed this step (<= max_num_batched_tokens)
-    kv_blocks_used: int             # blocks referenced by some request after the step
+    kv_blocks_used: int             # distinct blocks in the block tables of the step's requests
     kv_blocks_total: int            # usable blocks (block 0, the null block, excluded)
     prefix_cache_hit_tokens: int    # tokens the step's new requests found in the prefix cache
                                     # (re-admissions after a preemption included)
     new_ids: tuple[str, ...]        # requests admitted (or re-admitted) this step
     preempted_ids: tuple[str, ...]  # requests preempted while building this step
-    num_waiting: int                # requests waiting after the step
-    num_running: int                # requests running after the step
+    num_waiting: int                # requests waiting when the step's results came back
+    num_running: int                # requests running then (the next step may be scheduled already)
 
     @property
     def request_ids(self) -> tuple[str, ...]:
@@ -101,7 +101,10 @@ class StepTrace:
         self.steps.append(StepRecord(
             step=len(self.steps), seconds=seconds,
             chunks=tuple(_chunk_record(ch, tok) for ch, tok in zip(out.chunks, tokens)),
-            num_tokens=out.num_tokens, kv_blocks_used=pool.num_used,
+            num_tokens=out.num_tokens,
+            # NOTE: counted from the step itself, not from the pool: with a pipelined engine the
+            # next step has already allocated its blocks by the time this listener runs.
+            kv_blocks_used=len({b for ch in out.chunks for b in ch.block_ids}),
             kv_blocks_total=pool.num_blocks - 1,
             # NOTE: a (re-)admitted request starts at the first token the cache did not have;
             # out.num_cached_tokens counts only first admissions' prompt tokens.

@@ -37,8 +37,9 @@ def test_steps_account_for_every_token(traced):
     for s in trace.steps:
         assert s.num_tokens == sum(c.num_tokens for c in s.chunks) <= BUDGET
         assert s.num_tokens == s.num_prefill_tokens + s.num_decode_tokens
-        assert 0 <= s.kv_blocks_used <= s.kv_blocks_total == 11
-    assert trace.steps[-1].kv_blocks_used == 0 and trace.steps[-1].num_waiting == 0
+        assert 1 <= s.kv_blocks_used <= s.kv_blocks_total == 11
+        assert s.kv_blocks_used == len({b for c in s.chunks for b in c.block_ids})
+    assert trace.steps[-1].num_waiting == 0 and engine.scheduler.pool.num_used == 0
     # every output token was sampled once, preemptions or not
     sampled = {rid: 0 for rid in trace.request_ids()}
     for s in trace.steps:
