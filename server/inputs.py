@@ -180,43 +180,18 @@ def check_logprobs_limit(ctx: ServerContext, value: int | None, param: str) -> N
                           f"got {value}", param=param)
 
 
-def _logit_bias(ctx: ServerContext, bias: dict[str, float] | None) -> dict[int, float] | None:
-    if not bias:
-        return None
-    out = {}
-    for key, value in bias.items():
-        try:
-            token = int(key)
-        except ValueError:
-            raise bad_request(f"logit_bias keys must be token ids; got {key!r}", param="logit_bias") from None
-        check_token_ids(ctx, [token], "logit_bias")
-        if not -100 <= value <= 100:
-            raise bad_request(f"logit_bias values must be in [-100, 100]; got {value} for token {token}",
-                              param="logit_bias")
-        out[token] = value
-    return out
-
-
 def build_sampling_params(ctx: ServerContext, req: SamplingFields, *, max_tokens: int,
                           logprobs: int | None) -> SamplingParams:
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-    if len(stop) > MAX_STOP_STRINGS or any(not s for s in stop):
-        raise bad_request(f"stop must be a string or a list of at most {MAX_STOP_STRINGS} non-empty "
-                          f"strings", param="stop")
-    for name in ("stop_token_ids", "allowed_token_ids"):
-        ids = getattr(req, name)
-        if ids is not None:
-            check_token_ids(ctx, ids, name)
-    if req.allowed_token_ids is not None and not req.allowed_token_ids:
-        raise bad_request("allowed_token_ids is empty; give at least one token id or leave it out",
-                          param="allowed_token_ids")
+    if len(stop) > MAX_STOP_STRINGS:
+        raise bad_request(f"stop may hold at most {MAX_STOP_STRINGS} strings; got {len(stop)}", param="stop")
     if req.prompt_logprobs is not None:
         # NOTE: the engine does not compute prompt logprobs yet; say so rather than drop them.
         raise bad_request("prompt_logprobs is not supported by this server yet", param="prompt_logprobs")
     fields = dict(
         n=req.n, max_tokens=max_tokens, min_tokens=req.min_tokens, stop=stop,
         stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos, seed=req.seed,
-        logprobs=logprobs, logit_bias=_logit_bias(ctx, req.logit_bias),
+        logprobs=logprobs, logit_bias=req.logit_bias,
         allowed_token_ids=req.allowed_token_ids, skip_special_tokens=req.skip_special_tokens,
         spaces_between_special_tokens=req.spaces_between_special_tokens,
         include_stop_str_in_output=req.include_stop_str_in_output)
@@ -226,9 +201,9 @@ def build_sampling_params(ctx: ServerContext, req: SamplingFields, *, max_tokens
         value = getattr(req, name)
         if value is not None:
             fields[name] = value
-    try:
+    try:   # SamplingParams names the field, the allowed range and the value in its errors
         params = SamplingParams(**fields)
-        params.validate(max_logprobs=ctx.max_logprobs)
+        params.validate(max_logprobs=ctx.max_logprobs, vocab_size=ctx.vocab_size)
     except ValueError as e:
         param = str(e).split(" ", 1)[0]
         raise bad_request(str(e), param=param if param in fields else None) from e
