@@ -7,10 +7,11 @@ invalid JSON and wrong types all come back as OpenAI-shaped 400s.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.metadata
 import logging
 import os
-from typing import TypeVar
+from typing import Callable, TypeVar
 
 import pydantic
 import uvicorn
@@ -27,7 +28,8 @@ from jaxserve.server.serving_chat import create_chat_completion
 from jaxserve.server.serving_completions import create_completion
 
 Body = TypeVar("Body", bound=pydantic.BaseModel)
-logger = logging.getLogger("jaxserve.server")
+# Lifecycle messages go where uvicorn's own go (it configures this logger at --log-level).
+logger = logging.getLogger("uvicorn.error")
 
 API_KEY_ENV = "JAXSERVE_API_KEY"
 # On SIGTERM, open streams get this long to finish before they are cut (and aborted).
@@ -65,9 +67,18 @@ def _model_card(ctx: ServerContext, name: str) -> dict:
             "root": ctx.model_name, "max_model_len": ctx.max_model_len}
 
 
-def build_app(ctx: ServerContext, open_paths: tuple[str, ...] = DEFAULT_OPEN_PATHS) -> FastAPI:
-    """The app for one engine. It does not own the engine: whoever made it shuts it down."""
-    app = FastAPI(title="jaxserve", version=_version(), docs_url=None, redoc_url=None)
+def build_app(ctx: ServerContext, open_paths: tuple[str, ...] = DEFAULT_OPEN_PATHS,
+              on_shutdown: Callable[[], None] | None = None) -> FastAPI:
+    """The app for one engine. It does not own the engine: whoever made it shuts it down
+    (`on_shutdown` runs when the server stops, after the last connection closed)."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI):
+        yield
+        if on_shutdown is not None:
+            on_shutdown()
+
+    app = FastAPI(title="jaxserve", version=_version(), docs_url=None, redoc_url=None, lifespan=lifespan)
     app.state.ctx = ctx
     install_error_handlers(app)
     if ctx.api_keys:
@@ -148,15 +159,22 @@ def run_server(args: argparse.Namespace) -> None:
     if any(not k for k in keys):
         raise SystemExit("--api-key must not be empty")
     engine = AsyncEngine.from_engine_args(**engine_kwargs(args))
+
+    def stop_engine() -> None:
+        engine.shutdown()
+        logger.info("engine stopped")
+
     try:
         ctx = ServerContext(engine, served_model_names=(engine.model_name,), api_keys=keys,
                             max_request_body_bytes=args.max_request_body_bytes)
         open_paths = () if getattr(args, "protect_health_and_metrics", False) else DEFAULT_OPEN_PATHS
-        log_level = getattr(args, "log_level", "info")
-        config = uvicorn.Config(build_app(ctx, open_paths), host=args.host, port=args.port,
-                                log_level=log_level, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+        # NOTE: the engine stops in the app's shutdown, not after `run()`: on SIGTERM uvicorn
+        # re-raises the signal once it has shut down, which ends the process right there.
+        app = build_app(ctx, open_paths, on_shutdown=stop_engine)
+        config = uvicorn.Config(app, host=args.host, port=args.port, log_level=getattr(args, "log_level", "info"),
+                                timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
         logger.info("serving %s on http://%s:%d (API keys: %s)", ctx.model_name, args.host, args.port,
                     len(keys) or "off")
-        uvicorn.Server(config).run()   # handles SIGINT / SIGTERM: stops accepting, drains, returns
+        uvicorn.Server(config).run()   # SIGINT / SIGTERM: stop accepting, drain, shut down
     finally:
-        engine.shutdown()
+        engine.shutdown()   # for every other way out (no-op if already stopped)
