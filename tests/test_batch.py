@@ -104,3 +104,9 @@ def test_run_line_refuses_streams_and_invalid_bodies_before_the_engine():
     wrong_type = run({"prompt": "x", "max_tokens": "8"})
     assert wrong_type["error"]["param"] == "max_tokens"
     assert wrong_type["custom_id"] == "a"
+
+
+def test_unreadable_input_is_exit_code_1(tmp_path, capsys):
+    rc = cli.main(["generate", "--input", str(tmp_path / "missing.jsonl"),
+                   "--output", str(tmp_path / "out.jsonl")])
+    assert rc == 1 and "missing.jsonl" in capsys.readouterr().err
