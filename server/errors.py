@@ -59,7 +59,7 @@ def overloaded(message: str) -> APIError:
     return APIError(503, message, code="overloaded", headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
-def _loc_to_param(loc) -> str:
+def loc_to_param(loc) -> str:
     """pydantic's error location ('messages', 0, 'role') -> 'messages[0].role'."""
     out = ""
     for part in loc:
@@ -80,13 +80,13 @@ def from_validation_error(err: pydantic.ValidationError | RequestValidationError
     errors = err.errors()
     parts = []
     for e in errors[:3]:
-        param = _loc_to_param(e.get("loc", ()))
+        param = loc_to_param(e.get("loc", ()))
         if e.get("type") == "json_invalid":
             return bad_request(f"request body is not valid JSON: {e.get('ctx', {}).get('error', e['msg'])}",
                                code="invalid_json")
         parts.append(f"{param or 'body'}: {e['msg']}" if param else e["msg"])
     more = f" (and {len(errors) - 3} more errors)" if len(errors) > 3 else ""
-    first_param = _loc_to_param(errors[0].get("loc", ())) if errors else None
+    first_param = loc_to_param(errors[0].get("loc", ())) if errors else None
     return bad_request("invalid request: " + "; ".join(parts) + more, param=first_param or None)
 
 

@@ -8,12 +8,15 @@ the cumulative text only ever grows.
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from typing import AsyncIterator
 
 from jaxserve.outputs import CompletionOutput, RequestOutput
 from jaxserve.server.errors import APIError
 from jaxserve.server.generation import GenerationSet
+
+logger = logging.getLogger("jaxserve.server")
 
 DONE = "data: [DONE]\n\n"
 
@@ -28,7 +31,7 @@ def usage(outputs: list[RequestOutput]) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-@dataclass
+@dataclass(frozen=True)
 class ChoiceDelta:
     text: str                            # new text
     token_start: int                     # new tokens are token_ids[token_start:token_end]
@@ -121,4 +124,7 @@ async def sse_events(formatter: StreamFormatter, generation: GenerationSet,
             yield sse(chunk)
     except APIError as e:
         yield sse(e.body())
+    except Exception as e:   # a bug here must still end the stream in the documented way
+        logger.exception("stream failed")
+        yield sse(APIError(500, f"the stream failed: {type(e).__name__}", code="internal_error").body())
     yield DONE
