@@ -235,7 +235,9 @@ def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     slos = parse_goodput(args.goodput)
     if args.wait_for_server:
+        t0 = time.perf_counter()
         asyncio.run(wait_for_server(args.base_url, args.wait_for_server))
+        print(f"server healthy after {time.perf_counter() - t0:.1f} s of waiting")
     model = args.model or asyncio.run(first_model(args.base_url, args.api_key))
     tokenizer = None
     if args.dataset_name == "sharegpt":

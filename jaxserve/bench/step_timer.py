@@ -1,5 +1,9 @@
-"""Where an engine step's wall time goes: host work (schedule, prepare, update, outputs)
-against the device (dispatch, then waiting for the step's results).
+"""Where an engine step's wall time goes: host work (schedule, prepare, dispatch, update,
+outputs) against waiting for the device.
+
+With a pipelined engine (the runner has `dispatch`/`collect`), one `engine.step()` schedules
+and dispatches step N+1, then waits for step N's results: "device" is that wait alone, the
+time the host had nothing to do, and the phases of one record belong to two device steps.
 
 `StepTimer(engine)` wraps the engine's own objects' methods (instance attributes, nothing
 global) and records one `StepRecord` per step. `device_only_step_seconds` replays one
@@ -27,8 +31,8 @@ class StepRecord:
     schedule: float = 0.0       # scheduler.schedule()
     prepare: float = 0.0        # runner.prepare(): numpy StepInput + sampling tensors
     dispatch: float = 0.0       # runner.run() until it returns (device_put + jit dispatch)
-    device: float = 0.0         # then until the results are ready (the device still working)
-    to_host: float = 0.0        # execute() rest: device_get of sampled ids, tolist
+    device: float = 0.0         # waiting for a step's results to be ready (the device working)
+    to_host: float = 0.0        # then reading them: device_get of sampled ids, tolist
     update: float = 0.0         # scheduler.update()
     outputs: float = 0.0        # the rest of step(): detokenize, stop strings, RequestOutputs
 
@@ -54,7 +58,10 @@ class StepTimer:
         self._wrap(sched, "update", self._timed("update"))
         self._wrap(runner, "prepare", self._timed("prepare", self._on_prepare))
         self._wrap(runner, "run", self._timed_run)
-        self._wrap(runner, "execute", self._timed_execute)
+        if hasattr(runner, "collect"):       # dispatch now, collect a step later (pipelined)
+            self._wrap(runner, "collect", self._timed_collect)
+        else:
+            self._wrap(runner, "execute", self._timed_execute)
 
     def _wrap(self, obj, name: str, make):
         original = getattr(obj, name)
@@ -97,15 +104,32 @@ class StepTimer:
             self.decode_inputs[rec.num_seqs] = result
 
     def _timed_run(self, fn):
+        # A pipelined runner (one with `collect`) must not be waited on here: that would
+        # serialise the very overlap being measured. Its wait is timed in `collect`.
+        blocking = not hasattr(self.engine.runner, "collect")
+
         def wrapper(*args, **kwargs):
             t0 = time.perf_counter()
             result = fn(*args, **kwargs)
             t1 = time.perf_counter()
-            jax.block_until_ready(result)
+            if blocking:
+                jax.block_until_ready(result)
             t2 = time.perf_counter()
             if self._current is not None:
                 self._current.dispatch += t1 - t0
                 self._current.device += t2 - t1
+            return result
+        return wrapper
+
+    def _timed_collect(self, fn):
+        def wrapper(step, *args, **kwargs):
+            t0 = time.perf_counter()
+            jax.block_until_ready((step.result, step.prompt))
+            t1 = time.perf_counter()
+            result = fn(step, *args, **kwargs)
+            if self._current is not None:
+                self._current.device += t1 - t0
+                self._current.to_host += time.perf_counter() - t1
             return result
         return wrapper
 
