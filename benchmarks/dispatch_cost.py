@@ -38,11 +38,13 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, nargs="+", default=[1, 64])
     args = p.parse_args()
     llm = LLM(args.config, load_format="dummy", dtype="bfloat16", max_num_seqs=max(args.batch_size),
-              max_num_batched_tokens=8 * max(args.batch_size), max_model_len=64, max_logprobs=0)
+              max_num_batched_tokens=8 * max(args.batch_size), max_model_len=64, max_logprobs=0,
+              warmup=False)   # compile only the buckets used
     engine, runner = llm.engine, llm.engine.runner
     timer = StepTimer(engine)
     for b in args.batch_size:
-        generate_once(engine, random_requests(b, 8, 8, engine.config.model.vocab_size), dict(temperature=1.0, ignore_eos=True))
+        reqs = random_requests(b, 8, 8, engine.config.model.vocab_size)
+        generate_once(engine, reqs, dict(temperature=1.0, ignore_eos=True))
     timer.detach()
     rows = []
     for b in args.batch_size:
@@ -61,7 +63,8 @@ def main() -> None:
 
         packed = np.concatenate([np.asarray(a).view(np.uint8).ravel() for a in leaves])
         row = {"batch_size": b, "step_input_leaves": len(leaves), "step_input_bytes": int(packed.nbytes),
-               "param_leaves": len(jax.tree.leaves(runner.params)), "kv_leaves": len(jax.tree.leaves(runner.kv_cache)),
+               "param_leaves": len(jax.tree.leaves(runner.params)),
+               "kv_leaves": len(jax.tree.leaves(runner.kv_cache)),
                "device_put_per_leaf_ms": median_ms(lambda: jax.block_until_ready(jax.device_put(x))),
                "device_put_packed_ms": median_ms(lambda: jax.block_until_ready(jax.device_put(packed))),
                "jit_call_dispatch_ms": median_ms(call_only),

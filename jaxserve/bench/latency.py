@@ -129,7 +129,8 @@ def main(argv: list[str]) -> int:
     llm, build_s = build_llm(args, max_num_seqs=max(args.batch_size), max_model_len=max_len)
     after_build = seconds_since_process_start()
     # Cold start: the first token of the very first request this process serves.
-    _, first_s = generate_once(llm.engine, random_requests(1, args.input_len, 1, llm.engine.config.model.vocab_size),
+    vocab = llm.engine.config.model.vocab_size
+    _, first_s = generate_once(llm.engine, random_requests(1, args.input_len, 1, vocab),
                                dict(temperature=1.0, ignore_eos=True))
     startup = startup_row(build_s, before_build, first_s, after_build)
     bar = None

@@ -103,7 +103,8 @@ async def send_one(session, url: str, payload: dict, headers: dict, result: Requ
 
 async def run_load(base_url: str, model: str, requests: list[BenchRequest], *, request_rate: float,
                    max_concurrency: int | None, api_key: str | None = None, use_text: bool = False,
-                   seed: int = 0, use_tqdm: bool = True, endpoint: str = "/v1/completions") -> tuple[list[RequestResult], float]:
+                   seed: int = 0, use_tqdm: bool = True, endpoint: str = "/v1/completions",
+                   ) -> tuple[list[RequestResult], float]:
     """Send every request (Poisson arrivals at `request_rate`/s; inf = all at once). Returns
     (results in request order, seconds from the first send to the last completion)."""
     import aiohttp
@@ -207,7 +208,6 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="jaxserve bench serve", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--base-url", default="http://127.0.0.1:8000")
-    p.add_argument("--endpoint", default="/v1/completions")
     p.add_argument("--model", default=None, help="model name to ask for (default: the server's first)")
     p.add_argument("--api-key", default=None)
     p.add_argument("--request-rate", type=float, nargs="+", default=[math.inf],
@@ -250,7 +250,7 @@ def main(argv: list[str]) -> int:
             results, duration = asyncio.run(run_load(
                 args.base_url, model, requests, request_rate=rate, max_concurrency=conc or None,
                 api_key=args.api_key, use_text=args.text_prompts, seed=args.seed,
-                use_tqdm=not args.disable_tqdm, endpoint=args.endpoint))
+                use_tqdm=not args.disable_tqdm))
             rows.append({"request_rate": rate, "max_concurrency": conc or None,
                          **summarize(results, duration, slos)})
     result = {"benchmark": "serve", "environment": report.environment(), "base_url": args.base_url,
