@@ -100,17 +100,18 @@ def _default(value, gpu, cpu):
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, params, tokenizer: Tokenizer | None, model_module,
-                 model_name: str = "default"):
+                 model_name: str = "default", mesh=None):
         self.config = config
         self.tokenizer = tokenizer
         self.model_name = model_name
-        self.runner = ModelRunner(config, params, model_module)
+        self.runner = ModelRunner(config, params, model_module, mesh=mesh)
         self.scheduler = Scheduler(config.scheduler, config.cache, self.runner.num_blocks)
         self.metrics = EngineMetrics()
         self.groups: dict[str, _Group] = {}
         self.samples: dict[str, tuple[_Group, _Sample]] = {}   # child request id -> its state
         self._rng = random.Random(config.seed)
-        self.step_listeners: list = []      # callables(StepTrace), e.g. for notebooks
+        self.step_listeners: list = []      # callables(SchedulerOutput, StepResult, seconds)
+        self._inflight = None               # the dispatched step whose tokens are not read yet
         self.num_steps = 0
         if config.warmup:
             t0 = time.perf_counter()
@@ -131,7 +132,14 @@ class LLMEngine:
         from jaxserve.models import loader, registry
 
         dtype = _default(dtype, "bfloat16", "float32")
-        cfg, params, tokenizer = loader.load_model(model, load_format=load_format, dtype=dtype)
+        parallel = ParallelConfig(tensor_parallel_size=tensor_parallel_size,
+                                  expert_parallel_size=expert_parallel_size)
+        mesh = None
+        if tensor_parallel_size * expert_parallel_size > 1:
+            from jaxserve.sharding.mesh import mesh_from_parallel_config
+            mesh = mesh_from_parallel_config(parallel)
+        cfg, params, tokenizer = loader.load_model(model, load_format=load_format, dtype=dtype,
+                                                   mesh=mesh, seed=seed)
         max_model_len = max_model_len or min(cfg.max_position_embeddings, _default(None, 8192, 2048))
         if max_model_len > cfg.max_position_embeddings:
             raise ValueError(f"max_model_len must be <= the model's max_position_embeddings "
@@ -148,13 +156,12 @@ class LLMEngine:
                                       max_num_batched_tokens=max(max_num_batched_tokens, max_num_seqs),
                                       max_model_len=max_model_len,
                                       max_waiting_requests=max_waiting_requests),
-            parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size,
-                                    expert_parallel_size=expert_parallel_size),
+            parallel=parallel,
             dtype=dtype, seed=seed, max_logprobs=max_logprobs, attention_impl=attention_impl,
             warmup=warmup)
         from jaxserve import default_model
         name = served_model_name or (default_model.DEFAULT_MODEL_NAME if model is None else model)
-        return cls(config, params, tokenizer, registry.get_model_module(cfg.architecture), name)
+        return cls(config, params, tokenizer, registry.get_model_module(cfg.architecture), name, mesh=mesh)
 
     # -- requests ------------------------------------------------------------------------
     def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -223,12 +230,27 @@ class LLMEngine:
 
     # -- the step ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        out = self.scheduler.schedule()
-        if not out.chunks:
-            self._update_gauges()
-            return []
+        """Finish one step and return the outputs of the requests it advanced.
+
+        Pipelined: before waiting for step N's tokens, step N+1 is scheduled and dispatched,
+        taking N's sampled tokens straight from the device; N's tokens are then read and
+        applied one step late. Requests that finish at N waste one token of N+1. Requests
+        with penalties need their full token history on the host, so while one runs the
+        engine waits for each step before scheduling the next."""
+        if self._inflight is None:
+            out = self.scheduler.schedule()
+            if not out.chunks:
+                self._update_gauges()
+                return []
+            self._inflight = self.runner.dispatch(out)
+        current, self._inflight = self._inflight, None
         t0 = time.perf_counter()
-        result = self.runner.execute(out)
+        if not any(r.sampling_params.uses_penalties for r in self.scheduler.running):
+            upcoming = self.scheduler.schedule()
+            if upcoming.chunks:
+                self._inflight = self.runner.dispatch(upcoming)
+        out = current.out
+        result = self.runner.collect(current)
         now = time.monotonic()
         self.num_steps += 1
         updates = self.scheduler.update(out, result.token_ids)

@@ -34,7 +34,8 @@ class Request:
     sampling_params: SamplingParams
     arrival_time: float = field(default_factory=time.monotonic)
     output_token_ids: list[int] = field(default_factory=list)
-    num_computed_tokens: int = 0             # tokens whose KV is in the cache
+    num_computed_tokens: int = 0             # tokens whose KV is in the cache (or being computed)
+    num_pending_tokens: int = 0              # sampled on the device, not yet seen by the host (0 or 1)
     num_cached_tokens: int = 0               # of the prompt, found in the prefix cache
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None     # the stop token id or stop string that ended it
@@ -50,6 +51,11 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_generated(self) -> int:
+        """Output tokens so far, counting the one still on its way back from the device."""
+        return len(self.output_token_ids) + self.num_pending_tokens
 
     @property
     def all_token_ids(self) -> list[int]:

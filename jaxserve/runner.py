@@ -24,7 +24,7 @@ import numpy as np
 from jaxserve import sampler
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.sampling_tensors import SamplingRow, make_sampling_tensors, needs_extras
-from jaxserve.scheduler import SchedulerOutput
+from jaxserve.scheduler import PENDING_TOKEN, SchedulerOutput
 from jaxserve.step_input import StepInput
 
 logger = logging.getLogger(__name__)
@@ -62,8 +62,13 @@ def token_buckets(max_tokens: int, smallest: int = 16) -> list[int]:
     return buckets + [max_tokens]
 
 
-def _step(params, kv_cache, x: StepInput, *, model, cfg: ModelConfig, attention_impl: str,
+def _step(params, kv_cache, x: StepInput, prev_ids_M, *, model, cfg: ModelConfig, attention_impl: str,
           variant: StepVariant):
+    # Tokens sampled by the previous step come straight from its device output: the host
+    # need not have read them (DESIGN.md §6: step N+1 never waits for step N's tokens).
+    from_prev_T = x.prev_token_rows >= 0
+    token_ids_T = jnp.where(from_prev_T, prev_ids_M[jnp.maximum(x.prev_token_rows, 0)], x.token_ids)
+    x = dataclasses.replace(x, token_ids=token_ids_T)
     kv_cache, hidden_TD = model.forward(cfg, params, kv_cache, x, attention_impl)
     logits_SV = model.compute_logits(cfg, params, hidden_TD[x.logits_indices])
     out = sampler.sample(logits_SV, x.sampling, variant.num_top, truncate=variant.full)
@@ -71,11 +76,22 @@ def _step(params, kv_cache, x: StepInput, *, model, cfg: ModelConfig, attention_
     if variant.prompt_logprobs:
         prompt = sampler.prompt_logprobs(model.compute_logits(cfg, params, hidden_TD),
                                          x.next_token_ids, variant.num_top)
-    return kv_cache, out, prompt
+    ids_M = jnp.zeros_like(prev_ids_M).at[:out.token_ids.shape[0]].set(out.token_ids)
+    return kv_cache, out, prompt, ids_M
+
+
+@dataclasses.dataclass(frozen=True)
+class InFlightStep:
+    """A dispatched step whose results are still on the device."""
+    out: SchedulerOutput
+    x: StepInput                  # host copy of its input (query_start_loc is needed to unpack)
+    variant: StepVariant
+    result: sampler.SamplerOutput
+    prompt: tuple | None
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, params, model, num_blocks: int | None = None):
+    def __init__(self, config: EngineConfig, params, model, num_blocks: int | None = None, mesh=None):
         self.config = config
         self.cfg = config.model
         self.params = params
@@ -86,21 +102,34 @@ class ModelRunner:
         self.dtype = jnp.dtype(config.dtype)
         self.num_blocks = num_blocks or config.cache.num_kv_blocks or self._blocks_from_budget()
         shape = (self.num_blocks, self.block_size, self.cfg.num_kv_heads, self.cfg.head_dim)
-        self.kv_cache = [(jnp.zeros(shape, self.dtype), jnp.zeros(shape, self.dtype))
-                         for _ in range(self.cfg.num_layers)]
-        impl = config.attention_impl
-        if impl == "auto":
-            impl = "pallas" if jax.default_backend() == "gpu" else "xla"
-        self.attention_impl = impl
+        # With a mesh (tensor / expert parallel) the cache is split by kv heads and step inputs
+        # are replicated; jit partitions the step from the parameters' shardings.
+        self.mesh = mesh
+        self.input_sharding = None
+        kv_sharding = None
+        if mesh is not None:
+            from jaxserve.sharding import rules
+            self.input_sharding = rules.replicated(mesh)
+            kv_sharding = rules.kv_cache_sharding(self.cfg, mesh)
+        zeros = jax.jit(lambda: jnp.zeros(shape, self.dtype), out_shardings=kv_sharding)
+        self.kv_cache = [(zeros(), zeros()) for _ in range(self.cfg.num_layers)]
+        # "auto": the model picks the Pallas kernels on a GPU where they apply, XLA elsewhere.
+        # NOTE: the kernels are not wrapped in shard_map yet, so a mesh runs the XLA path.
+        impl = self.attention_impl = "xla" if mesh is not None else config.attention_impl
         self._step = jax.jit(functools.partial(_step, model=model, cfg=self.cfg, attention_impl=impl),
                              donate_argnums=(1,), static_argnames=("variant",))
         self.warmup_variants = (StepVariant(), StepVariant(config.max_logprobs, full=True))
+        # The previous step's sampled ids (padded to max_num_seqs) and its row of each request.
+        self._prev_ids = jax.device_put(jnp.zeros(config.scheduler.max_num_seqs, jnp.int32),
+                                        self.input_sharding)
+        self._prev_rows: dict[str, int] = {}
 
     # -- sizing --------------------------------------------------------------------------
     @property
     def bytes_per_block(self) -> int:
+        """Bytes one block takes on each device (the cache is split over the tensor-parallel ones)."""
         return 2 * self.cfg.num_layers * self.block_size * self.cfg.num_kv_heads * self.cfg.head_dim \
-            * self.dtype.itemsize
+            * self.dtype.itemsize // self.config.parallel.tensor_parallel_size
 
     def _blocks_from_budget(self) -> int:
         stats = jax.devices()[0].memory_stats() if jax.default_backend() != "cpu" else None
@@ -127,6 +156,7 @@ class ModelRunner:
         slots = np.zeros(t_pad, np.int32)
         seq_ids = np.zeros(t_pad, np.int32)
         next_ids = np.zeros(t_pad, np.int32)
+        prev_rows = np.full(t_pad, -1, np.int32)
         qsl = np.zeros(s_pad + 1, np.int32)
         seq_lens = np.zeros(s_pad, np.int32)
         tables = np.zeros((s_pad, b), np.int32)
@@ -140,6 +170,9 @@ class ModelRunner:
             pos = np.arange(start, start + n, dtype=np.int32)
             blocks = np.asarray(ch.block_ids, np.int32)
             token_ids[t:t + n] = ch.token_ids
+            if ch.token_ids[-1] == PENDING_TOKEN:         # only ever the last one
+                prev_rows[t + n - 1] = self._prev_rows[req.request_id]
+                token_ids[t + n - 1] = 0
             positions[t:t + n] = pos
             slots[t:t + n] = blocks[pos // p] * p + pos % p
             seq_ids[t:t + n] = s
@@ -151,9 +184,11 @@ class ModelRunner:
                 prompt_lp = True
                 nxt = req.prompt_token_ids[start + 1:min(start + n, req.num_prompt_tokens - 1) + 1]
                 next_ids[t:t + len(nxt)] = nxt
+            # This step samples output token number `offset` (its predecessor may be pending).
+            offset = req.num_generated - int(ch.sample)
             rows.append(SamplingRow(params=params, prompt_token_ids=req.prompt_token_ids,
                                     output_token_ids=req.output_token_ids, seed=req.seed,
-                                    offset=len(req.output_token_ids), eos_token_ids=req.eos_token_ids))
+                                    offset=offset, eos_token_ids=req.eos_token_ids))
             full = full or params.logprobs is not None or params.uses_truncation
             t += n
         qsl[len(out.chunks) + 1:] = t
@@ -163,24 +198,33 @@ class ModelRunner:
         x = StepInput(token_ids=token_ids, positions=positions, slot_mapping=slots,
                       token_seq_ids=seq_ids, query_start_loc=qsl, seq_lens=seq_lens,
                       block_tables=tables, logits_indices=logits_idx, next_token_ids=next_ids,
-                      sampling=tensors)
+                      prev_token_rows=prev_rows, sampling=tensors)
         variant = StepVariant(self.config.max_logprobs if full else 0, full, prompt_lp)
         return x, variant
 
     def run(self, x: StepInput, variant: StepVariant):
         """Dispatch one step (asynchronously); the cache is donated and replaced."""
-        self.kv_cache, result, prompt = self._step(self.params, self.kv_cache, jax.device_put(x),
-                                                   variant=variant)
+        self.kv_cache, result, prompt, self._prev_ids = self._step(
+            self.params, self.kv_cache, jax.device_put(x, self.input_sharding), self._prev_ids,
+            variant=variant)
         return result, prompt
 
-    def execute(self, out: SchedulerOutput) -> StepResult:
+    def dispatch(self, out: SchedulerOutput) -> InFlightStep:
+        """Build and launch the step without waiting for the device."""
         x, variant = self.prepare(out)
-        result, prompt = jax.device_get(self.run(x, variant))
+        result, prompt = self.run(x, variant)
+        self._prev_rows = {ch.request.request_id: i for i, ch in enumerate(out.chunks) if ch.sample}
+        return InFlightStep(out, x, variant, result, prompt)
+
+    def collect(self, step: InFlightStep) -> StepResult:
+        """Wait for a dispatched step and bring its sampled tokens (and logprobs) to the host."""
+        out, variant = step.out, step.variant
+        result, prompt = jax.device_get((step.result, step.prompt))
         ids = result.token_ids.tolist()
         prompt_lps = None
         if prompt is not None:
             prompt_lps = {}
-            qsl = x.query_start_loc
+            qsl = step.x.query_start_loc
             for i, ch in enumerate(out.chunks):
                 req = ch.request
                 if req.sampling_params.prompt_logprobs is None or ch.start_position >= req.num_prompt_tokens:
@@ -197,6 +241,9 @@ class ModelRunner:
             top_ids=result.top_ids if has_top else None,
             top_logprobs=result.top_logprobs if has_top else None,
             prompt_logprobs=prompt_lps)
+
+    def execute(self, out: SchedulerOutput) -> StepResult:
+        return self.collect(self.dispatch(out))
 
     def warmup(self) -> None:
         """Compile the lean and full program of every bucket with all-padding steps."""

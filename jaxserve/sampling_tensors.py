@@ -134,7 +134,7 @@ def make_sampling_tensors(rows: Sequence[SamplingRow], num_seqs: int, vocab_size
 def _banned_until_min_tokens(row: SamplingRow) -> list[int]:
     """EOS (unless ignore_eos) and stop_token_ids while fewer than min_tokens are generated."""
     p = row.params
-    if len(row.output_token_ids) >= p.min_tokens:
+    if row.offset >= p.min_tokens:     # offset counts tokens generated so far, pending ones too
         return []
     eos = [] if p.ignore_eos else list(row.eos_token_ids)
     return eos + list(p.stop_token_ids)

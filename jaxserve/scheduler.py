@@ -19,10 +19,13 @@ from jaxserve.kv_cache.prefix_cache import extend_block_hashes
 from jaxserve.request import Request, RequestStatus
 
 
+PENDING_TOKEN = -1   # a token id not yet known on the host: the runner takes it from the device
+
+
 @dataclass(frozen=True)
 class ScheduledChunk:
     request: Request            # read-only downstream: the runner reads its tokens and params
-    token_ids: list[int]        # tokens whose KV this step computes
+    token_ids: list[int]        # tokens whose KV this step computes (PENDING_TOKEN: from the device)
     start_position: int         # position of token_ids[0] (num_computed_tokens before the step)
     block_ids: list[int]        # the request's whole block table after this step's allocation
     sample: bool                # the chunk reaches the last known token: sample the next one
@@ -93,8 +96,8 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            if n <= 0:          # nothing to compute (should not happen): skip
+            n = min(req.num_tokens + req.num_pending_tokens - req.num_computed_tokens, budget)
+            if n <= 0 or self._ends_with_pending_token(req):
                 i += 1
                 continue
             need = self._blocks_needed(req, req.num_computed_tokens + n)
@@ -140,18 +143,21 @@ class Scheduler:
                                preempted_ids=preempted, new_ids=new_ids, num_cached_tokens=cached_tokens)
 
     def update(self, out: SchedulerOutput, sampled: list[int | None]) -> list[RequestUpdate]:
-        """Apply a step's results: advance computed tokens, append sampled tokens, check the
+        """Apply a step's results: append sampled tokens, cache newly full blocks, check the
         token-level stop conditions (EOS, stop_token_ids, max_tokens, max_model_len).
 
-        `sampled[i]` is the token sampled for `out.chunks[i]` (None where the chunk did not sample).
-        Returns one entry per request that is still known, with the tokens appended."""
+        `sampled[i]` is the token sampled for `out.chunks[i]` (None where the chunk did not
+        sample). The next step may already have been scheduled (and dispatched): its chunks
+        count this step's tokens as pending. Returns one entry per request still known."""
         results = []
         for chunk, token in zip(out.chunks, sampled):
             req = chunk.request
-            if req.request_id not in self.requests:      # aborted while the step ran
+            if chunk.sample:
+                req.num_pending_tokens -= 1
+            if req.request_id not in self.requests:      # finished or aborted meanwhile
                 continue
-            req.num_computed_tokens += len(chunk.token_ids)
-            self._cache_full_blocks(req)
+            if req.status == RequestStatus.RUNNING:
+                self._cache_full_blocks(req, chunk.start_position + len(chunk.token_ids))
             new = []
             if chunk.sample and token is not None:
                 req.output_token_ids.append(token)
@@ -166,11 +172,25 @@ class Scheduler:
 
     # -- helpers ---------------------------------------------------------------------------
     def _chunk(self, req: Request, n: int) -> ScheduledChunk:
+        """Schedule n tokens of `req`: they count as computed from now on, and the token the
+        step samples counts as pending until update() sees it."""
         start = req.num_computed_tokens
         tokens = req.all_token_ids[start:start + n]
+        tokens += [PENDING_TOKEN] * (n - len(tokens))     # sampled by the previous step
+        sample = start + n == req.num_tokens + req.num_pending_tokens
+        req.num_computed_tokens += n
+        req.num_pending_tokens += int(sample)
         return ScheduledChunk(request=req, token_ids=tokens, start_position=start,
-                              block_ids=list(self.blocks[req.request_id]),
-                              sample=start + n == req.num_tokens)
+                              block_ids=list(self.blocks[req.request_id]), sample=sample)
+
+    def _ends_with_pending_token(self, req: Request) -> bool:
+        """The token on its way back will end the request (max_tokens / max_model_len): don't
+        compute past it."""
+        if not req.num_pending_tokens:
+            return False
+        p = req.sampling_params
+        return ((p.max_tokens is not None and req.num_generated >= p.max_tokens)
+                or req.num_tokens + req.num_pending_tokens >= self.config.max_model_len)
 
     def _blocks_needed(self, req: Request, num_tokens: int) -> int:
         return max(0, -(-num_tokens // self.block_size) - len(self.blocks[req.request_id]))
@@ -189,13 +209,14 @@ class Scheduler:
             hits.append(block)
         return hits
 
-    def _cache_full_blocks(self, req: Request) -> None:
+    def _cache_full_blocks(self, req: Request, computed: int) -> None:
+        """Register the blocks that the first `computed` tokens fill (their KV is now written)."""
         if not self.pool.enable_caching:
             return
         hashes = self.hashes[req.request_id]
-        full = req.num_computed_tokens // self.block_size
+        full = computed // self.block_size
         if len(hashes) < full:
-            extend_block_hashes(hashes, req.all_token_ids, self.block_size)
+            extend_block_hashes(hashes, req.all_token_ids[:computed], self.block_size)
         blocks = self.blocks[req.request_id]
         for j in range(min(full, len(hashes), len(blocks))):
             self.pool.cache_block(blocks[j], hashes[j])

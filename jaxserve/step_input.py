@@ -32,6 +32,8 @@ class StepInput:
     logits_indices: jax.Array   # i32[S] token whose hidden state gives each sequence's logits
     sampling: SamplingTensors   # per-sequence sampling parameters (see sampler.py)
     next_token_ids: jax.Array | None = None  # i32[T] prompt token after each position (prompt logprobs)
+    prev_token_rows: jax.Array | None = None  # i32[T] row of the previous step's output holding this
+                                              # token (it was sampled there); -1: token_ids has it
 
     @property
     def num_tokens(self) -> int:

@@ -75,11 +75,7 @@ def dummy_params(cfg: ModelConfig, dtype: str = "float32", mesh=None, seed: int 
     from jaxserve.sharding import rules
 
     shapes = param_shapes(cfg)
-    if mesh is not None:
-        shardings = rules.param_shardings(cfg, mesh)
-    else:
-        one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-        shardings = jax.tree.map(lambda _: one, shapes, is_leaf=lambda x: isinstance(x, tuple))
+    shardings = rules.param_placements(cfg, mesh)
     dtype = jnp.dtype(dtype).name
     root = jax.random.key(seed)
     top = {k: v for k, v in shapes.items() if k != "layers"}

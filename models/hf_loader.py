@@ -184,11 +184,7 @@ def load_hf(path: str, dtype: str = "float32", mesh=None) -> tuple[ModelConfig, 
     cfg = model_config_from_hf(read_hf_config(path))
     jdtype = jnp.dtype(dtype)
     shapes = param_shapes(cfg)
-    if mesh is not None:
-        shardings = rules.param_shardings(cfg, mesh)
-    else:
-        one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-        shardings = jax.tree.map(lambda _: one, shapes, is_leaf=lambda x: isinstance(x, tuple))
+    shardings = rules.param_placements(cfg, mesh)
     with contextlib.ExitStack() as stack:
         plan = _plan(cfg, _Checkpoint(path, stack))
 

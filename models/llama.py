@@ -98,7 +98,7 @@ def forward(cfg: ModelConfig, params: dict, kv_cache: KVCache, x: StepInput,
         new_cache.append(kv)
         h_TD = h_TD + attn_TD
         normed = layers.rms_norm(h_TD, lp["mlp_norm"], cfg.rms_norm_eps)
-        h_TD = h_TD + (moe.moe_mlp(cfg, lp, normed) if cfg.is_moe else dense_mlp(lp, normed))
+        h_TD = h_TD + (moe.moe_mlp(cfg, lp, normed, attention_impl) if cfg.is_moe else dense_mlp(lp, normed))
     return new_cache, layers.rms_norm(h_TD, params["final_norm"], cfg.rms_norm_eps)
 
 

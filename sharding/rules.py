@@ -104,6 +104,16 @@ def param_shardings(cfg: ModelConfig, mesh: Mesh) -> dict:
                         is_leaf=lambda x: isinstance(x, tuple))
 
 
+def param_placements(cfg: ModelConfig, mesh: Mesh | None) -> dict:
+    """Where each parameter goes: its mesh sharding, or the first device when there is no mesh."""
+    from jaxserve.models.llama import param_shapes
+
+    if mesh is not None:
+        return param_shardings(cfg, mesh)
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    return jax.tree.map(lambda _: one, param_shapes(cfg), is_leaf=lambda x: isinstance(x, tuple))
+
+
 def kv_cache_sharding(cfg: ModelConfig, mesh: Mesh) -> NamedSharding:
     """Sharding of each k / v cache array f[num_blocks, P, K, E]: split by kv heads."""
     check_divisible(cfg, mesh)

@@ -118,3 +118,33 @@ def test_abort_frees_blocks():
     assert s.pool.num_used == 3
     s.finish_request("a", RequestStatus.FINISHED_ABORTED)
     assert s.pool.num_used == 0 and not s.running
+
+
+def test_next_step_is_scheduled_before_the_tokens_arrive():
+    from jaxserve.scheduler import PENDING_TOKEN
+    s = make()
+    s.add_request(req("a", 5, max_tokens=3))
+    first = s.schedule()                       # prefill, samples token 1 (pending)
+    second = s.schedule()                      # decode of the pending token
+    assert second.chunks[0].token_ids == [PENDING_TOKEN] and second.chunks[0].start_position == 5
+    assert s.requests["a"].num_pending_tokens == 2
+    s.update(first, [11])
+    third = s.schedule()                       # token 11 known, token 2 pending
+    assert third.chunks[0].token_ids == [PENDING_TOKEN] and third.chunks[0].start_position == 6
+    s.update(second, [12])
+    # max_tokens=3: the token now pending ends the request, so nothing more is computed.
+    assert s.schedule().chunks == []
+    s.update(third, [13])
+    assert not s.requests and s.pool.num_used == 0
+
+
+def test_tokens_after_a_finish_are_dropped():
+    s = make()
+    r = req("a", 5, max_tokens=10)
+    s.add_request(r)
+    first = s.schedule()
+    second = s.schedule()
+    s.update(first, [2])                       # EOS: finished while `second` is in flight
+    assert r.status == RequestStatus.FINISHED_STOPPED and s.pool.num_used == 0
+    s.update(second, [42])
+    assert r.output_token_ids == [2]
