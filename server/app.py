@@ -17,6 +17,7 @@ import pydantic
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from starlette.requests import ClientDisconnect
 
 from jaxserve.server.auth import DEFAULT_OPEN_PATHS, APIKeyMiddleware
 from jaxserve.server.context import ServerContext
@@ -51,11 +52,14 @@ async def read_body(ctx: ServerContext, request: Request, model: type[Body]) -> 
     if declared.isdigit() and int(declared) > limit:
         raise too_big
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise too_big
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_big
+            chunks.append(chunk)
+    except ClientDisconnect:   # gone before the body was sent: no one reads the answer
+        raise bad_request("the client disconnected while sending the request body") from None
     try:
         return model.model_validate_json(b"".join(chunks))
     except pydantic.ValidationError as e:
@@ -112,7 +116,7 @@ def build_app(ctx: ServerContext, open_paths: tuple[str, ...] = DEFAULT_OPEN_PAT
             if req.messages is not None:
                 text = render_chat(ctx, req.messages, req.add_generation_prompt)
                 return ctx.tokenizer.encode(text, add_special_tokens=False)
-            return ctx.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+            return ctx.require_tokenizer("prompt").encode(req.prompt, add_special_tokens=req.add_special_tokens)
 
         tokens = await ctx.in_tokenizer_thread(encode)
         return {"count": len(tokens), "max_model_len": ctx.max_model_len, "tokens": tokens}
@@ -122,8 +126,8 @@ def build_app(ctx: ServerContext, open_paths: tuple[str, ...] = DEFAULT_OPEN_PAT
         req = await read_body(ctx, request, DetokenizeRequest)
         ctx.check_model(req.model)
         check_token_ids(ctx, req.tokens, "tokens")
-        return {"prompt": await ctx.in_tokenizer_thread(ctx.tokenizer.decode, req.tokens,
-                                                         skip_special_tokens=False)}
+        tokenizer = ctx.require_tokenizer("tokens")
+        return {"prompt": await ctx.in_tokenizer_thread(tokenizer.decode, req.tokens, skip_special_tokens=False)}
 
     @app.get("/health")
     async def health():

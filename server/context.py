@@ -20,8 +20,8 @@ class ServerContext:
     api_keys: tuple[str, ...] = ()       # empty = no authentication
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
     created: int = field(default_factory=lambda: int(time.time()))
-    # NOTE: one thread, so that tokenization never blocks the event loop and the (not
-    # re-entrant) HF tokenizer is never used from two threads at once.
+    # NOTE: tokenizing and chat templates run here, off the event loop; one thread, so that
+    # requests never tokenize concurrently with each other.
     tokenizer_pool: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="jaxserve-tokenize"))
 
@@ -31,6 +31,13 @@ class ServerContext:
 
     @property
     def tokenizer(self):
+        """The engine's tokenizer; None for a model without one (dummy weights, bare config)."""
+        return self.engine.tokenizer
+
+    def require_tokenizer(self, param: str):
+        if self.engine.tokenizer is None:
+            raise APIError(400, f"this model has no tokenizer, so {param} cannot be text; send token ids",
+                           param=param, code="no_tokenizer")
         return self.engine.tokenizer
 
     @property

@@ -63,9 +63,7 @@ class GenerationSet:
         try:
             async for out in self.engine.generate(token_ids, params, self.request_ids[index], prompt=text):
                 self._queue.put_nowait((index, out))
-        except asyncio.CancelledError:
-            raise
-        except BaseException as e:   # noqa: BLE001 - handed to the route, which maps it
+        except Exception as e:   # handed to the route, which maps it to a status (cancellation passes)
             self._queue.put_nowait((index, e))
 
     @property
@@ -79,7 +77,7 @@ class GenerationSet:
             items.append(self._queue.get_nowait())
         news = {}
         for index, item in items:
-            if isinstance(item, BaseException):
+            if isinstance(item, Exception):
                 raise engine_error(item)
             if item.error is not None or any(c.finish_reason == "error" for c in item.outputs):
                 raise APIError(500, f"the request failed: {item.error or 'error in the engine'}",

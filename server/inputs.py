@@ -77,8 +77,8 @@ def completion_prompts(ctx: ServerContext, req: CompletionRequest) -> list[Promp
         if isinstance(item, str):
             if not item:
                 raise bad_request(f"{name} is an empty string", param="prompt")
-            out.append(PromptInput(ctx.tokenizer.encode(item, add_special_tokens=req.add_special_tokens),
-                                   item))
+            tokenizer = ctx.require_tokenizer("prompt")
+            out.append(PromptInput(tokenizer.encode(item, add_special_tokens=req.add_special_tokens), item))
         else:
             if not item:
                 raise bad_request(f"{name} is an empty list of token ids", param="prompt")
@@ -138,9 +138,10 @@ def render_chat(ctx: ServerContext, messages: list[ChatMessage], add_generation_
                           param="chat_template_kwargs")
     if continue_final_message:
         kwargs["continue_final_message"] = True
+    tokenizer = ctx.require_tokenizer("messages")
     try:
-        return ctx.tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
-                                                 **kwargs)
+        return tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
+                                             **kwargs)
     except APIError:
         raise
     except Exception as e:   # jinja errors, bad kwargs, a model without a template
@@ -201,6 +202,10 @@ def build_sampling_params(ctx: ServerContext, req: SamplingFields, *, max_tokens
         value = getattr(req, name)
         if value is not None:
             fields[name] = value
+    if fields.get("top_k", 0) >= ctx.vocab_size:
+        # NOTE: keeping every token means no top-k at all; and the engine's int32 sampling
+        # arrays could not hold an arbitrarily large integer.
+        fields["top_k"] = 0
     try:   # SamplingParams names the field, the allowed range and the value in its errors
         params = SamplingParams(**fields)
         params.validate(max_logprobs=ctx.max_logprobs, vocab_size=ctx.vocab_size)

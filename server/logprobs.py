@@ -21,6 +21,8 @@ def _finite(x: float) -> float:
 def _token_str(tokenizer, token_id: int, lp: Logprob | None) -> str:
     if lp is not None and lp.decoded_token is not None:
         return lp.decoded_token
+    if tokenizer is None:   # a model without a tokenizer: name the token by its id (as vLLM does)
+        return f"token_id:{token_id}"
     return tokenizer.decode([token_id], skip_special_tokens=False)
 
 

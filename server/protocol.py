@@ -18,7 +18,8 @@ MAX_N = 128
 MAX_STOP_STRINGS = 64
 MAX_SEED = 2**63 - 1
 
-# Token ids are range-checked against the vocabulary later (inputs.check_token_ids).
+# Token ids are range-checked against the vocabulary later (inputs.check_token_ids and
+# SamplingParams.validate).
 TokenIds = list[int]
 
 

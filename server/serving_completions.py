@@ -17,6 +17,8 @@ from jaxserve.server.streaming import ChoiceDelta, StreamFormatter, usage
 def _prompt_text(ctx: ServerContext, prompt: PromptInput) -> str:
     if prompt.text is not None:
         return prompt.text
+    if ctx.tokenizer is None:   # token ids in, no tokenizer: there is no text to echo
+        return ""
     return ctx.tokenizer.decode(prompt.token_ids, skip_special_tokens=False)
 
 

@@ -1,7 +1,5 @@
-"""How engine failures map to HTTP: overloaded / dead -> 503 + Retry-After, failed alone -> 500.
-
-These states cannot be produced on demand with the real engine, so a stand-in engine that
-fails in each way is put behind the real app (protocol conversion only).
+"""States the real engine cannot be put in on demand, behind the real app (protocol only):
+overloaded / dead -> 503 + Retry-After, failed alone -> 500; a model without a tokenizer.
 """
 
 from __future__ import annotations
@@ -12,7 +10,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from jaxserve.engine import EngineDeadError, EngineOverloadedError
-from jaxserve.outputs import CompletionOutput, RequestOutput
+from jaxserve.outputs import CompletionOutput, Logprob, RequestOutput
 from jaxserve.server.app import build_app
 from jaxserve.server.context import ServerContext
 
@@ -74,3 +72,30 @@ def test_health_is_503_when_the_engine_is_dead():
     with _client(_FailingEngine("dead", healthy=False)) as client:
         assert client.get("/health").status_code == 503
         assert client.get("/version").status_code == 200
+
+
+class _NoTokenizerEngine(_FailingEngine):
+    """Dummy weights without a tokenizer: answers token ids with token ids (and logprobs)."""
+
+    tokenizer = None
+
+    def __init__(self):
+        super().__init__("none")
+
+    async def generate(self, prompt_token_ids, sampling_params, request_id, prompt=None):
+        lps = [{7: Logprob(-0.5, 1, None)}] if sampling_params.logprobs is not None else None
+        yield RequestOutput(request_id, prompt, list(prompt_token_ids),
+                            [CompletionOutput(0, "", [7], logprobs=lps, finish_reason="length")], finished=True)
+
+
+def test_a_model_without_tokenizer_takes_token_ids_only():
+    with _client(_NoTokenizerEngine()) as client:
+        r = client.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 1, "logprobs": 0, "echo": True})
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        assert choice["text"] == "" and choice["logprobs"]["tokens"][-1] == "token_id:7"
+        for path, body in (("/v1/completions", {"prompt": "text"}),
+                           ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+                           ("/tokenize", {"prompt": "text"}), ("/detokenize", {"tokens": [1]})):
+            r = client.post(path, json=body)
+            assert r.status_code == 400 and "no tokenizer" in r.json()["error"]["message"], (path, r.text)
