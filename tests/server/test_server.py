@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -188,12 +189,23 @@ def test_32_concurrent_streaming_clients_all_finish(served):
                 finish = c.finish_reason or finish
         return text, finish
 
-    async def main():
-        async with served.async_client() as client:
-            return await asyncio.gather(*(one(client, i) for i in range(32)))
+    async def health_latencies(http) -> list[float]:
+        # The event loop must stay free while the engine works: /health answers at once.
+        latencies = []
+        for _ in range(10):
+            t0 = time.perf_counter()
+            assert (await http.get(served.url + "/health")).status_code == 200
+            latencies.append(time.perf_counter() - t0)
+            await asyncio.sleep(0.2)
+        return latencies
 
-    results = asyncio.run(main())
+    async def main():
+        async with served.async_client() as client, httpx.AsyncClient() as http:
+            return await asyncio.gather(health_latencies(http), *(one(client, i) for i in range(32)))
+
+    latencies, *results = asyncio.run(main())
     assert all(finish == "length" and text for text, finish in results), results
+    assert max(latencies) < 2.0, latencies
     m = served.wait_idle()
     assert m["jaxserve:num_requests_running"] == 0
 
