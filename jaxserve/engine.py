@@ -92,6 +92,18 @@ class _Group:
                              error=self.error)
 
 
+def enable_compilation_cache() -> None:
+    """Turn on JAX's persistent compilation cache (step programs, Pallas kernels included), so a
+    restart skips most of warm-up. JAX_COMPILATION_CACHE_DIR, if set, wins."""
+    import os
+
+    from jaxserve.default_model import cache_dir
+
+    if not jax.config.jax_compilation_cache_dir:
+        jax.config.update("jax_compilation_cache_dir",
+                          os.environ.get("JAX_COMPILATION_CACHE_DIR") or os.path.join(cache_dir(), "xla"))
+
+
 def _default(value, gpu, cpu):
     if value is not None:
         return value
@@ -131,6 +143,7 @@ class LLMEngine:
                          attention_impl: str = "auto", warmup: bool = True) -> "LLMEngine":
         from jaxserve.models import loader, registry
 
+        enable_compilation_cache()
         dtype = _default(dtype, "bfloat16", "float32")
         parallel = ParallelConfig(tensor_parallel_size=tensor_parallel_size,
                                   expert_parallel_size=expert_parallel_size)

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve import sampler
+from jaxserve import packing, sampler
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.sampling_tensors import SamplingRow, make_sampling_tensors, needs_extras
 from jaxserve.scheduler import PENDING_TOKEN, SchedulerOutput
@@ -62,8 +62,9 @@ def token_buckets(max_tokens: int, smallest: int = 16) -> list[int]:
     return buckets + [max_tokens]
 
 
-def _step(params, kv_cache, x: StepInput, prev_ids_M, *, model, cfg: ModelConfig, attention_impl: str,
-          variant: StepVariant):
+def _step(params, kv_cache, packed_W, prev_ids_M, *, model, cfg: ModelConfig, attention_impl: str,
+          variant: StepVariant, layout: packing.Layout):
+    x: StepInput = packing.unpack(packed_W, layout)
     # Tokens sampled by the previous step come straight from its device output: the host
     # need not have read them (DESIGN.md §6: step N+1 never waits for step N's tokens).
     from_prev_T = x.prev_token_rows >= 0
@@ -117,7 +118,7 @@ class ModelRunner:
         # NOTE: the kernels are not wrapped in shard_map yet, so a mesh runs the XLA path.
         impl = self.attention_impl = "xla" if mesh is not None else config.attention_impl
         self._step = jax.jit(functools.partial(_step, model=model, cfg=self.cfg, attention_impl=impl),
-                             donate_argnums=(1,), static_argnames=("variant",))
+                             donate_argnums=(1,), static_argnames=("variant", "layout"))
         self.warmup_variants = (StepVariant(), StepVariant(config.max_logprobs, full=True))
         # The previous step's sampled ids (padded to max_num_seqs) and its row of each request.
         self._prev_ids = jax.device_put(jnp.zeros(config.scheduler.max_num_seqs, jnp.int32),
@@ -204,9 +205,10 @@ class ModelRunner:
 
     def run(self, x: StepInput, variant: StepVariant):
         """Dispatch one step (asynchronously); the cache is donated and replaced."""
+        packed, layout = packing.pack(x)
         self.kv_cache, result, prompt, self._prev_ids = self._step(
-            self.params, self.kv_cache, jax.device_put(x, self.input_sharding), self._prev_ids,
-            variant=variant)
+            self.params, self.kv_cache, jax.device_put(packed, self.input_sharding), self._prev_ids,
+            variant=variant, layout=layout)
         return result, prompt
 
     def dispatch(self, out: SchedulerOutput) -> InFlightStep:
@@ -219,8 +221,12 @@ class ModelRunner:
     def collect(self, step: InFlightStep) -> StepResult:
         """Wait for a dispatched step and bring its sampled tokens (and logprobs) to the host."""
         out, variant = step.out, step.variant
-        result, prompt = jax.device_get((step.result, step.prompt))
-        ids = result.token_ids.tolist()
+        if variant.num_top or variant.prompt_logprobs:
+            result, prompt = jax.device_get((step.result, step.prompt))
+            ids = result.token_ids.tolist()
+        else:                            # lean step: only the sampled ids come back
+            result, prompt = None, None
+            ids = np.asarray(step.result.token_ids).tolist()
         prompt_lps = None
         if prompt is not None:
             prompt_lps = {}
