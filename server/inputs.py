@@ -96,7 +96,10 @@ def completion_sampling_params(ctx: ServerContext, req: CompletionRequest,
                           param="best_of")
     check_logprobs_limit(ctx, req.logprobs, "logprobs")
     max_tokens = check_prompt_length(ctx, len(prompt.token_ids), req.max_tokens, "prompt", "max_tokens")
-    return build_sampling_params(ctx, req, max_tokens=max_tokens, logprobs=req.logprobs)
+    # echo + logprobs lists the prompt's tokens with their logprobs too (as vLLM does).
+    prompt_lp = req.logprobs if req.echo and req.logprobs is not None else None
+    return build_sampling_params(ctx, req, max_tokens=max_tokens, logprobs=req.logprobs,
+                                 prompt_logprobs=prompt_lp)
 
 
 # ---- chat ---------------------------------------------------------------------------------
@@ -182,17 +185,17 @@ def check_logprobs_limit(ctx: ServerContext, value: int | None, param: str) -> N
 
 
 def build_sampling_params(ctx: ServerContext, req: SamplingFields, *, max_tokens: int,
-                          logprobs: int | None) -> SamplingParams:
+                          logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     if len(stop) > MAX_STOP_STRINGS:
         raise bad_request(f"stop may hold at most {MAX_STOP_STRINGS} strings; got {len(stop)}", param="stop")
+    check_logprobs_limit(ctx, req.prompt_logprobs, "prompt_logprobs")
     if req.prompt_logprobs is not None:
-        # NOTE: the engine does not compute prompt logprobs yet; say so rather than drop them.
-        raise bad_request("prompt_logprobs is not supported by this server yet", param="prompt_logprobs")
+        prompt_logprobs = req.prompt_logprobs
     fields = dict(
         n=req.n, max_tokens=max_tokens, min_tokens=req.min_tokens, stop=stop,
         stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos, seed=req.seed,
-        logprobs=logprobs, logit_bias=req.logit_bias,
+        logprobs=logprobs, prompt_logprobs=prompt_logprobs, logit_bias=req.logit_bias,
         allowed_token_ids=req.allowed_token_ids, skip_special_tokens=req.skip_special_tokens,
         spaces_between_special_tokens=req.spaces_between_special_tokens,
         include_stop_str_in_output=req.include_stop_str_in_output)

@@ -75,9 +75,16 @@ def completion_body(ctx: ServerContext, req: CompletionRequest, echo: _Echo, req
                 parts = echo.logprobs(prompt_index, out, fmt)
                 parts.append(fmt.format(c.token_ids, c.logprobs or []))
                 logprobs = merge_completion_logprobs(parts)
-            choices.append({"index": prompt_index * req.n + c.index,
-                            "text": echo.text(prompt_index) + c.text, "logprobs": logprobs,
-                            "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+            choice = {"index": prompt_index * req.n + c.index,
+                      "text": echo.text(prompt_index) + c.text, "logprobs": logprobs,
+                      "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+            if req.prompt_logprobs is not None:      # vLLM's extension: per prompt position
+                choice["prompt_logprobs"] = [
+                    None if pos is None else {str(t): {"logprob": lp.logprob, "rank": lp.rank,
+                                                       "decoded_token": lp.decoded_token}
+                                              for t, lp in pos.items()}
+                    for pos in (out.prompt_logprobs or [])]
+            choices.append(choice)
     return {"id": request_id, "object": "text_completion", "created": created,
             "model": ctx.model_name, "choices": choices, "usage": usage(outputs)}
 

@@ -122,7 +122,6 @@ def test_latency_bench_runs_in_process(llm):
     assert row["num_decode_steps"] >= 1 and row["ms_per_output_token"] > 0
     assert row["decode_tok_per_s"] == pytest.approx(2e3 / row["ms_per_output_token"])
     assert row["step_host_ms"] > 0 and row["step_device_ms"] >= 0     # medians: need not add up
-    assert row["step_host_ms"] <= row["ms_per_output_token"] * 1.5
     assert 0 < row["roofline_fraction"] and row["device_only_step_ms"] > 0
     assert 0.1 < row["weight_gb"] < 1.0                  # 135M parameters in f32
     assert not llm.engine.has_unfinished_requests()

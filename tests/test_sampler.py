@@ -131,7 +131,7 @@ def reference_processed(logits_V: np.ndarray, row: SamplingRow) -> np.ndarray:
     p, x = row.params, logits_V.astype(np.float64).copy()
     if p.allowed_token_ids is not None:
         x[np.setdiff1d(np.arange(len(x)), p.allowed_token_ids)] = -np.inf
-    if len(row.output_token_ids) < p.min_tokens:
+    if row.offset < p.min_tokens:      # offset = tokens generated so far (pending ones too)
         x[list(p.stop_token_ids) + ([] if p.ignore_eos else list(row.eos_token_ids))] = -np.inf
     for tok, bias in (p.logit_bias or {}).items():
         x[tok] += bias
@@ -166,7 +166,7 @@ def test_penalties_bias_allowed_and_min_tokens_match_numpy():
                                    err_msg=f"row {i}")
     # Greedy rows pick the argmax of the processed logits, not of the raw ones.
     greedy_rows = [SamplingRow(r.params.clone(temperature=0.0), r.prompt_token_ids, r.output_token_ids,
-                               0, 0, r.eos_token_ids) for r in rows]
+                               r.seed, r.offset, r.eos_token_ids) for r in rows]
     out = sample_jit(logits, make_sampling_tensors(greedy_rows, 8, vocab, L), 0)
     want = [int(np.argmax(reference_processed(logits[i], r))) for i, r in enumerate(rows)]
     assert np.asarray(out.token_ids).tolist() == want

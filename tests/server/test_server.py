@@ -151,6 +151,23 @@ def test_batch_prompts_token_ids_and_echo(served):
     assert by_ids.choices[0].text == prompt + first
 
 
+def test_prompt_logprobs_and_echoed_logprobs(served):
+    client = served.client()
+    ids = served.reference["completion"].prompt_token_ids
+    out = client.completions.create(model=served.model, prompt=ids, max_tokens=2, temperature=0,
+                                    extra_body={"prompt_logprobs": 2})
+    positions = out.choices[0].model_extra["prompt_logprobs"]
+    assert len(positions) == len(ids) and positions[0] is None
+    assert all(str(t) in pos for t, pos in zip(ids[1:], positions[1:]))
+    echoed = client.completions.create(model=served.model, prompt=ids, max_tokens=2, temperature=0,
+                                       echo=True, logprobs=1)
+    lps = echoed.choices[0].logprobs.token_logprobs
+    assert lps[0] is None and len(lps) == len(ids) + 2
+    assert all(isinstance(x, float) for x in lps[1:])
+    for t, pos, lp in zip(ids[1:], positions[1:], lps[1:]):
+        assert abs(pos[str(t)]["logprob"] - lp) < 1e-4
+
+
 def test_sampling_extras_and_seed(served):
     client = served.client()
     kwargs = dict(model=served.model, prompt="Once upon a time", max_tokens=5, temperature=1.0, seed=1234,
@@ -251,6 +268,42 @@ def test_disconnecting_clients_leave_no_request_and_no_block(served):
     # ...and the server still answers.
     out = served.client().completions.create(model=served.model, prompt="Hi", max_tokens=1)
     assert out.choices[0].finish_reason == "length"
+
+
+def test_load_64_clients_5_requests_a_third_disconnect(served):
+    """Issue 10's loopback load: 64 clients x 5 streamed requests; every third client drops
+    each stream after its first chunk. The others get exactly the greedy answer; nothing stays."""
+    prompts = [f"List item {i}:" for i in range(4)]
+    client = served.client()
+    expected = [client.completions.create(model=served.model, prompt=p, max_tokens=3, temperature=0,
+                                          extra_body={"ignore_eos": True}).choices[0].text for p in prompts]
+
+    async def one_client(ac, i: int) -> list[str | None]:
+        texts = []
+        for j in range(5):
+            stream = await ac.completions.create(model=served.model, prompt=prompts[(i + j) % 4], max_tokens=3,
+                                                 temperature=0, stream=True, extra_body={"ignore_eos": True})
+            text = ""
+            async for chunk in stream:
+                text += "".join(c.text for c in chunk.choices)
+                if i % 3 == 0:
+                    break
+            await stream.close()
+            texts.append(None if i % 3 == 0 else text)
+        return texts
+
+    async def main():
+        async with served.async_client() as ac:
+            return await asyncio.gather(*(one_client(ac, i) for i in range(64)))
+
+    results = asyncio.run(main())
+    for i, texts in enumerate(results):
+        for j, text in enumerate(texts):
+            if text is not None:
+                assert text == expected[(i + j) % 4], (i, j, text)
+    m = served.wait_idle()
+    assert m["jaxserve:num_requests_running"] == 0 and m["jaxserve:num_requests_waiting"] == 0
+    assert m["jaxserve:num_used_blocks"] == 0
 
 
 # ---- invalid requests and API keys ---------------------------------------------------------
