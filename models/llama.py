@@ -18,6 +18,9 @@ V vocabulary.
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 
@@ -29,7 +32,7 @@ KVCache = list[tuple[jax.Array, jax.Array]]
 
 
 def attention_block(cfg: ModelConfig, lp: dict, kv: tuple, h_TD: jax.Array, x: StepInput,
-                    inv_freq: jax.Array, attention_fn):
+                    inv_freq: jax.Array, kernels: "Kernels"):
     """Pre-norm attention sub-block; returns (new (k, v) cache, attention output f[T, D])."""
     t = h_TD.shape[0]
     n, kh, e = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -38,19 +41,28 @@ def attention_block(cfg: ModelConfig, lp: dict, kv: tuple, h_TD: jax.Array, x: S
     v = h_TD @ lp["wv"]
     if cfg.attention_bias:
         q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
-    q_TNE, k_TKE, v_TKE = q.reshape(t, n, e), k.reshape(t, kh, e), v.reshape(t, kh, e)
-    if cfg.qk_norm:
-        q_TNE = layers.rms_norm(q_TNE, lp["q_norm"], cfg.rms_norm_eps)
-        k_TKE = layers.rms_norm(k_TKE, lp["k_norm"], cfg.rms_norm_eps)
-    q_TNE = layers.apply_rope(q_TNE, x.positions, inv_freq)
-    k_TKE = layers.apply_rope(k_TKE, x.positions, inv_freq)
-    k_cache, v_cache = layers.write_kv(kv[0], kv[1], k_TKE, v_TKE, x.slot_mapping)
-    o_TNE = attention_fn(q_TNE, k_cache, v_cache, x)
+    q_TNE, k_cache, v_cache = kernels.rope_write(
+        q.reshape(t, n, e), k.reshape(t, kh, e), v.reshape(t, kh, e), x.positions, x.slot_mapping,
+        kv[0], kv[1], inv_freq, lp.get("q_norm"), lp.get("k_norm"))
+    o_TNE = kernels.attention(q_TNE, k_cache, v_cache, x)
     return (k_cache, v_cache), o_TNE.reshape(t, n * e) @ lp["wo"]
 
 
 def dense_mlp(lp: dict, h_TD: jax.Array) -> jax.Array:
     return (jax.nn.silu(h_TD @ lp["w_gate"]) * (h_TD @ lp["w_up"])) @ lp["w_down"]
+
+
+def _pow2(n: int, least: int) -> bool:
+    return n >= least and n & (n - 1) == 0
+
+
+def kernel_impl(cfg: ModelConfig, impl: str) -> str:
+    """Resolve "auto": the Pallas kernels on a GPU when the head dim is a power of two."""
+    if impl not in ("xla", "pallas", "auto"):
+        raise ValueError(f"attention_impl must be 'xla', 'pallas' or 'auto'; got {impl!r}")
+    if impl == "auto":
+        return "pallas" if jax.default_backend() == "gpu" and _pow2(cfg.head_dim, 16) else "xla"
+    return impl
 
 
 def make_attention_fn(cfg: ModelConfig, impl: str = "xla"):
@@ -61,8 +73,7 @@ def make_attention_fn(cfg: ModelConfig, impl: str = "xla"):
     power of two, else xla). The Pallas path reads x.query_start_loc, x.seq_lens and
     x.block_tables (x.token_seq_ids and x.positions are not needed by it).
     """
-    if impl not in ("xla", "pallas", "auto"):
-        raise ValueError(f"attention_impl must be 'xla', 'pallas' or 'auto'; got {impl!r}")
+    impl = kernel_impl(cfg, impl)
     scale = cfg.head_dim ** -0.5
 
     def xla(q_TNE, k_cache, v_cache, x: StepInput):
@@ -70,8 +81,7 @@ def make_attention_fn(cfg: ModelConfig, impl: str = "xla"):
             q_TNE, k_cache, v_cache, x.block_tables, x.token_seq_ids, x.positions,
             sm_scale=scale, sliding_window=cfg.sliding_window)
 
-    pow2_head = cfg.head_dim >= 16 and cfg.head_dim & (cfg.head_dim - 1) == 0
-    if impl == "xla" or (impl == "auto" and not (jax.default_backend() == "gpu" and pow2_head)):
+    if impl == "xla":
         return xla
     from jaxserve.pallas_kernels import ragged_paged_attention as rpa
 
@@ -83,23 +93,76 @@ def make_attention_fn(cfg: ModelConfig, impl: str = "xla"):
     return pallas
 
 
+@dataclasses.dataclass(frozen=True)
+class Kernels:
+    """The step's building blocks, plain XLA or Pallas, chosen once per compiled step."""
+    attention: Callable        # (q_TNE, k_cache, v_cache, x) -> o_TNE
+    add_norm: Callable         # (x_TD, residual_TD | None, w_D) -> (x + residual, RMSNorm(x + residual) * w)
+    rope_write: Callable       # (q, k, v, positions, slots, k_cache, v_cache, inv_freq, q_norm, k_norm)
+                               #   -> (q', k_cache, v_cache): q/k norm, RoPE, KV write
+    impl: str                  # "xla" | "pallas": also picks the MoE grouped matmul
+
+
+def make_kernels(cfg: ModelConfig, impl: str = "xla") -> Kernels:
+    """impl "xla", "pallas", or "auto" (Pallas on a GPU when the head dim suits the kernels)."""
+    impl = kernel_impl(cfg, impl)
+    attention = make_attention_fn(cfg, impl)
+    eps = cfg.rms_norm_eps
+
+    def add_norm(x_TD, res_TD, w_D):
+        h_TD = x_TD if res_TD is None else x_TD + res_TD
+        return h_TD, layers.rms_norm(h_TD, w_D, eps)
+
+    def rope_write(q_TNE, k_TKE, v_TKE, positions, slots, k_cache, v_cache, inv_freq, q_norm, k_norm):
+        if q_norm is not None:
+            q_TNE = layers.rms_norm(q_TNE, q_norm, eps)
+            k_TKE = layers.rms_norm(k_TKE, k_norm, eps)
+        q_TNE = layers.apply_rope(q_TNE, positions, inv_freq)
+        k_TKE = layers.apply_rope(k_TKE, positions, inv_freq)
+        k_cache, v_cache = layers.write_kv(k_cache, v_cache, k_TKE, v_TKE, slots)
+        return q_TNE, k_cache, v_cache
+
+    if impl == "xla":
+        return Kernels(attention, add_norm, rope_write, "xla")
+
+    from jaxserve.pallas_kernels.fused_add_rms_norm import fused_add_rms_norm
+    from jaxserve.pallas_kernels.qk_norm_rope_kv_write import qk_norm_rope_kv_write
+
+    def fused_add_norm(x_TD, res_TD, w_D):
+        if res_TD is None:
+            return x_TD, fused_add_rms_norm(x_TD, None, w_D, eps=eps, impl="pallas")
+        return fused_add_rms_norm(x_TD, res_TD, w_D, eps=eps, impl="pallas")
+
+    def fused_rope_write(q_TNE, k_TKE, v_TKE, positions, slots, k_cache, v_cache, inv_freq, q_norm, k_norm):
+        return qk_norm_rope_kv_write(q_TNE, k_TKE, v_TKE, positions, slots, k_cache, v_cache, inv_freq,
+                                     q_norm, k_norm, eps=eps, impl="pallas")
+
+    # The fused rope/KV-write kernel tiles the head dim: it needs a power of two >= 32.
+    return Kernels(attention, fused_add_norm,
+                   fused_rope_write if _pow2(cfg.head_dim, 32) else rope_write, "pallas")
+
+
 def forward(cfg: ModelConfig, params: dict, kv_cache: KVCache, x: StepInput,
-            attention_impl: str = "xla", mlp_fn=None):
-    """Run every layer on the step's tokens; returns the updated cache and final hidden states."""
+            attention_impl: str = "xla"):
+    """Run every layer on the step's tokens; returns the updated cache and final hidden states.
+
+    The residual stream: each sub-block's output is added to the residual and the sum is
+    normalised for the next sub-block in one step (`add_norm`), so the Pallas path reads and
+    writes each activation once per sub-block."""
     from jaxserve.models import moe  # local: moe builds on this module
-    attention_fn = make_attention_fn(cfg, attention_impl)
+    kernels = make_kernels(cfg, attention_impl)
     inv_freq = layers.rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling_dict)
-    h_TD = params["embed"][x.token_ids]
+    layers_p = params["layers"]
+    residual_TD, normed_TD = kernels.add_norm(params["embed"][x.token_ids], None, layers_p[0]["attn_norm"])
     new_cache = []
-    for lp, kv in zip(params["layers"], kv_cache):
-        kv, attn_TD = attention_block(cfg, lp, kv,
-                                      layers.rms_norm(h_TD, lp["attn_norm"], cfg.rms_norm_eps),
-                                      x, inv_freq, attention_fn)
+    for i, (lp, kv) in enumerate(zip(layers_p, kv_cache)):
+        kv, attn_TD = attention_block(cfg, lp, kv, normed_TD, x, inv_freq, kernels)
         new_cache.append(kv)
-        h_TD = h_TD + attn_TD
-        normed = layers.rms_norm(h_TD, lp["mlp_norm"], cfg.rms_norm_eps)
-        h_TD = h_TD + (moe.moe_mlp(cfg, lp, normed, attention_impl) if cfg.is_moe else dense_mlp(lp, normed))
-    return new_cache, layers.rms_norm(h_TD, params["final_norm"], cfg.rms_norm_eps)
+        residual_TD, normed_TD = kernels.add_norm(attn_TD, residual_TD, lp["mlp_norm"])
+        mlp_TD = moe.moe_mlp(cfg, lp, normed_TD, kernels.impl) if cfg.is_moe else dense_mlp(lp, normed_TD)
+        next_norm = layers_p[i + 1]["attn_norm"] if i + 1 < len(layers_p) else params["final_norm"]
+        residual_TD, normed_TD = kernels.add_norm(mlp_TD, residual_TD, next_norm)
+    return new_cache, normed_TD
 
 
 def compute_logits(cfg: ModelConfig, params: dict, hidden_SD: jax.Array) -> jax.Array:

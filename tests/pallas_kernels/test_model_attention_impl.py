@@ -60,3 +60,30 @@ def test_auto_is_xla_on_cpu_and_bad_impl_is_refused(tiny_checkpoint):
     assert llama.make_attention_fn(cfg, "pallas").__name__ == "pallas"
     with pytest.raises(ValueError, match="attention_impl"):
         llama.make_attention_fn(cfg, "cudnn")
+
+
+def test_fused_kernels_in_model_match_xla_path():
+    """Head dim 32 with q/k norms: the Pallas step uses all three fused kernels (attention,
+    add+RMSNorm, QK-norm+RoPE+KV write) and must give the XLA step's logits and cache."""
+    from jaxserve.models.dummy import load_dummy
+
+    cfg, params = load_dummy({"architectures": ["Qwen3ForCausalLM"], "vocab_size": 128, "hidden_size": 64,
+                              "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
+                              "num_key_value_heads": 2, "head_dim": 32, "max_position_embeddings": 256,
+                              "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": False},
+                             seed=3)
+    rng = np.random.default_rng(0)
+    tables = scattered_block_tables(3, BLOCKS_PER_SEQ, NUM_BLOCKS, seed=2)
+    chunks = [Chunk(0, rng.integers(0, 128, 5).tolist(), 0), Chunk(1, rng.integers(0, 128, 9).tolist(), 0),
+              Chunk(2, rng.integers(0, 128, 3).tolist(), 0)]
+    x = build_step(chunks, tables, BLOCK_SIZE, STEP_T, S)
+    outs = {}
+    for impl in ("xla", "pallas"):
+        kv = empty_kv_cache(cfg, NUM_BLOCKS, BLOCK_SIZE)
+        outs[impl] = jax.device_get(_step(cfg, params, kv, x, impl))
+    (kv_x, logits_x), (kv_p, logits_p) = outs["xla"], outs["pallas"]
+    real = int(x.query_start_loc[3])
+    np.testing.assert_allclose(logits_p[:real], logits_x[:real], atol=1e-4, rtol=1e-4)
+    for (kx, vx), (kp, vp) in zip(kv_x, kv_p):
+        np.testing.assert_allclose(kp[1:], kx[1:], atol=1e-5)      # block 0 takes padding writes
+        np.testing.assert_allclose(vp[1:], vx[1:], atol=1e-5)
