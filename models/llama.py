@@ -103,8 +103,13 @@ class Kernels:
     impl: str                  # "xla" | "pallas": also picks the MoE grouped matmul
 
 
-def make_kernels(cfg: ModelConfig, impl: str = "xla") -> Kernels:
-    """impl "xla", "pallas", or "auto" (Pallas on a GPU when the head dim suits the kernels)."""
+def make_kernels(cfg: ModelConfig, impl: str = "xla", fuse_norm_rope: bool = False) -> Kernels:
+    """impl "xla", "pallas", or "auto" (Pallas on a GPU when the head dim suits the kernels).
+
+    NOTE: `fuse_norm_rope` swaps in the fused add+RMSNorm and QK-norm+RoPE+KV-write kernels.
+    Off by default: inside the whole 8B step on the H200 they made decode slower (4.79 against
+    4.72 ms/token at batch 1, 6.65 against 6.38 at batch 64; BENCHMARKS.md), since XLA fuses
+    those ops into their neighbours, which a custom call prevents."""
     impl = kernel_impl(cfg, impl)
     attention = make_attention_fn(cfg, impl)
     eps = cfg.rms_norm_eps
@@ -122,8 +127,8 @@ def make_kernels(cfg: ModelConfig, impl: str = "xla") -> Kernels:
         k_cache, v_cache = layers.write_kv(k_cache, v_cache, k_TKE, v_TKE, slots)
         return q_TNE, k_cache, v_cache
 
-    if impl == "xla":
-        return Kernels(attention, add_norm, rope_write, "xla")
+    if impl == "xla" or not fuse_norm_rope:
+        return Kernels(attention, add_norm, rope_write, impl)
 
     from jaxserve.pallas_kernels.fused_add_rms_norm import fused_add_rms_norm
     from jaxserve.pallas_kernels.qk_norm_rope_kv_write import qk_norm_rope_kv_write
@@ -143,14 +148,14 @@ def make_kernels(cfg: ModelConfig, impl: str = "xla") -> Kernels:
 
 
 def forward(cfg: ModelConfig, params: dict, kv_cache: KVCache, x: StepInput,
-            attention_impl: str = "xla"):
+            attention_impl: str = "xla", fuse_norm_rope: bool = False):
     """Run every layer on the step's tokens; returns the updated cache and final hidden states.
 
     The residual stream: each sub-block's output is added to the residual and the sum is
-    normalised for the next sub-block in one step (`add_norm`), so the Pallas path reads and
-    writes each activation once per sub-block."""
+    normalised for the next sub-block in one step (`add_norm`), which a fused kernel can do
+    reading and writing each activation once (see make_kernels)."""
     from jaxserve.models import moe  # local: moe builds on this module
-    kernels = make_kernels(cfg, attention_impl)
+    kernels = make_kernels(cfg, attention_impl, fuse_norm_rope)
     inv_freq = layers.rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling_dict)
     layers_p = params["layers"]
     residual_TD, normed_TD = kernels.add_norm(params["embed"][x.token_ids], None, layers_p[0]["attn_norm"])

@@ -21,9 +21,9 @@ GOLDEN_DIR = os.path.join(os.path.dirname(__file__), os.pardir, "golden")
 BLOCK_SIZE, NUM_BLOCKS, BLOCKS_PER_SEQ, STEP_T, S = 8, 32, 6, 24, 4
 
 
-@functools.partial(jax.jit, static_argnums=(0, 4))
-def _step(cfg, params, kv_cache, x, impl):
-    kv_cache, hidden_TD = llama.forward(cfg, params, kv_cache, x, attention_impl=impl)
+@functools.partial(jax.jit, static_argnums=(0, 4, 5))
+def _step(cfg, params, kv_cache, x, impl, fuse=False):
+    kv_cache, hidden_TD = llama.forward(cfg, params, kv_cache, x, attention_impl=impl, fuse_norm_rope=fuse)
     return kv_cache, llama.compute_logits(cfg, params, hidden_TD)
 
 
@@ -63,8 +63,8 @@ def test_auto_is_xla_on_cpu_and_bad_impl_is_refused(tiny_checkpoint):
 
 
 def test_fused_kernels_in_model_match_xla_path():
-    """Head dim 32 with q/k norms: the Pallas step uses all three fused kernels (attention,
-    add+RMSNorm, QK-norm+RoPE+KV write) and must give the XLA step's logits and cache."""
+    """Head dim 32 with q/k norms: with fuse_norm_rope the Pallas step uses all three kernels
+    (attention, add+RMSNorm, QK-norm+RoPE+KV write) and must give the XLA step's logits and cache."""
     from jaxserve.models.dummy import load_dummy
 
     cfg, params = load_dummy({"architectures": ["Qwen3ForCausalLM"], "vocab_size": 128, "hidden_size": 64,
@@ -72,6 +72,8 @@ def test_fused_kernels_in_model_match_xla_path():
                               "num_key_value_heads": 2, "head_dim": 32, "max_position_embeddings": 256,
                               "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": False},
                              seed=3)
+    fused = llama.make_kernels(cfg, "pallas", fuse_norm_rope=True)
+    assert (fused.add_norm.__name__, fused.rope_write.__name__) == ("fused_add_norm", "fused_rope_write")
     rng = np.random.default_rng(0)
     tables = scattered_block_tables(3, BLOCKS_PER_SEQ, NUM_BLOCKS, seed=2)
     chunks = [Chunk(0, rng.integers(0, 128, 5).tolist(), 0), Chunk(1, rng.integers(0, 128, 9).tolist(), 0),
@@ -80,7 +82,7 @@ def test_fused_kernels_in_model_match_xla_path():
     outs = {}
     for impl in ("xla", "pallas"):
         kv = empty_kv_cache(cfg, NUM_BLOCKS, BLOCK_SIZE)
-        outs[impl] = jax.device_get(_step(cfg, params, kv, x, impl))
+        outs[impl] = jax.device_get(_step(cfg, params, kv, x, impl, impl == "pallas"))
     (kv_x, logits_x), (kv_p, logits_p) = outs["xla"], outs["pallas"]
     real = int(x.query_start_loc[3])
     np.testing.assert_allclose(logits_p[:real], logits_x[:real], atol=1e-4, rtol=1e-4)
