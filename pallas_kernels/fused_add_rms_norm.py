@@ -12,6 +12,11 @@ powers of two; the tail is masked), BR rows per program.
 GPU kernel (Triton lowering of pallas_call): grid over blocks of BR rows; a program holds its
 rows in registers, so each element is read once and each output written once: the traffic
 floor is 2 reads + 2 writes of T x D (1 + 1 without the residual).
+
+NOTE (measured, H200, 2026-11-29): faster than XLA standalone, but slower inside the whole
+8B decode step, where XLA fuses these ops into neighbouring kernels; the engine therefore
+keeps XLA for them and this kernel is used only with `fuse_norm_rope=True`
+(models/llama.py make_kernels; BENCHMARKS.md).
 """
 
 from __future__ import annotations

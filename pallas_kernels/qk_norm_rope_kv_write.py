@@ -19,6 +19,11 @@ caller donates them (the engine's step does).
 
 Legend: T tokens, N query heads, K kv heads, E head dim, H = E / 2, NB cache blocks, P block
 size; Np / Kp are N / K rounded up to powers of two (Triton tiles; extra rows are masked).
+
+NOTE (measured, H200, 2026-11-29): faster than XLA standalone, but slower inside the whole
+8B decode step, where XLA fuses these ops into neighbouring kernels; the engine therefore
+keeps XLA for them and this kernel is used only with `fuse_norm_rope=True`
+(models/llama.py make_kernels; BENCHMARKS.md).
 """
 
 from __future__ import annotations
