@@ -277,12 +277,12 @@ class LLMEngine:
             group.num_cached_tokens = max(group.num_cached_tokens, up.request.num_cached_tokens)
             if group.metrics.first_scheduled_time is None:
                 group.metrics.first_scheduled_time = now
-            if result.prompt_logprobs and row_of[sample.request.request_id] in result.prompt_logprobs \
-                    and sample.index == 0:
-                self._append_prompt_logprobs(group, result.prompt_logprobs[row_of[sample.request.request_id]])
+            row = row_of[sample.request.request_id]
+            if result.prompt_logprobs and row in result.prompt_logprobs and sample.index == 0:
+                self._append_prompt_logprobs(group, result.prompt_logprobs[row])
             if up.new_token_ids:
                 try:
-                    self._process_tokens(group, sample, up.new_token_ids, result, row_of[sample.request.request_id], now)
+                    self._process_tokens(group, sample, up.new_token_ids, result, row, now)
                 except Exception as e:  # a failure in one request's handling fails it alone
                     logger.exception("request %s failed", group.request_id)
                     self._fail(group, sample, f"{type(e).__name__}: {e}")

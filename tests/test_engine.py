@@ -163,3 +163,25 @@ def test_async_engine_streams_and_cancels(model):
         assert m["num_requests_running"] == 0 and m["num_used_blocks"] == 0
     finally:
         engine.shutdown()
+
+
+def test_a_failure_in_one_request_fails_it_alone(model):
+    llm = make_llm(model)
+    eng = llm.engine
+    eng.add_request("good", list(range(100, 110)), SamplingParams(temperature=0, max_tokens=4))
+    eng.add_request("bad", list(range(200, 210)), SamplingParams(temperature=0, max_tokens=4))
+    _, bad = eng.samples["bad"]
+
+    def broken(ids):
+        raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "planted")
+
+    bad.detokenizer.add = broken
+    finished = {}
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if out.finished:
+                finished[out.request_id] = out
+    assert finished["good"].outputs[0].finish_reason == "length" and finished["good"].error is None
+    assert finished["bad"].outputs[0].finish_reason == "error" and "planted" in finished["bad"].error
+    assert eng.scheduler.pool.num_used == 0 and not eng.scheduler.requests
+    assert eng.get_metrics()["request_failure_total"] == 1
