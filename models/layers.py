@@ -58,6 +58,19 @@ def write_kv(k_cache_NPKE, v_cache_NPKE, k_TKE, v_TKE, slot_mapping_T):
     return k_flat.reshape(n, p, kh, e), v_flat.reshape(n, p, kh, e)
 
 
+def qk_norm_rope_write(q_TNE, k_TKE, v_TKE, positions_T, slot_mapping_T, k_cache_NPKE, v_cache_NPKE,
+                       inv_freq, q_norm_E=None, k_norm_E=None, *, eps: float):
+    """Per-head q/k RMSNorm (Qwen3; skipped when the norms are None), RoPE, and the cache write:
+    returns (q', k_cache, v_cache). pallas_kernels/qk_norm_rope_kv_write.py fuses the same."""
+    if q_norm_E is not None:
+        q_TNE = rms_norm(q_TNE, q_norm_E, eps)
+        k_TKE = rms_norm(k_TKE, k_norm_E, eps)
+    q_TNE = apply_rope(q_TNE, positions_T, inv_freq)
+    k_TKE = apply_rope(k_TKE, positions_T, inv_freq)
+    k_cache, v_cache = write_kv(k_cache_NPKE, v_cache_NPKE, k_TKE, v_TKE, slot_mapping_T)
+    return q_TNE, k_cache, v_cache
+
+
 def paged_attention_xla(q_TNE, k_cache_NPKE, v_cache_NPKE, block_tables_SB, token_seq_ids_T,
                         positions_T, *, sm_scale: float, sliding_window: int | None = None,
                         soft_cap: float | None = None, token_chunk: int = 64) -> jax.Array:

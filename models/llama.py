@@ -19,6 +19,7 @@ V vocabulary.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 
 import jax
@@ -118,14 +119,7 @@ def make_kernels(cfg: ModelConfig, impl: str = "xla", fuse_norm_rope: bool = Fal
         h_TD = x_TD if res_TD is None else x_TD + res_TD
         return h_TD, layers.rms_norm(h_TD, w_D, eps)
 
-    def rope_write(q_TNE, k_TKE, v_TKE, positions, slots, k_cache, v_cache, inv_freq, q_norm, k_norm):
-        if q_norm is not None:
-            q_TNE = layers.rms_norm(q_TNE, q_norm, eps)
-            k_TKE = layers.rms_norm(k_TKE, k_norm, eps)
-        q_TNE = layers.apply_rope(q_TNE, positions, inv_freq)
-        k_TKE = layers.apply_rope(k_TKE, positions, inv_freq)
-        k_cache, v_cache = layers.write_kv(k_cache, v_cache, k_TKE, v_TKE, slots)
-        return q_TNE, k_cache, v_cache
+    rope_write = functools.partial(layers.qk_norm_rope_write, eps=eps)
 
     if impl == "xla" or not fuse_norm_rope:
         return Kernels(attention, add_norm, rope_write, impl)

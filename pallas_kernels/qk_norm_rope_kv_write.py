@@ -46,13 +46,8 @@ from jaxserve.pallas_kernels.dispatch import resolve_impl
 def ref_qk_norm_rope_kv_write(q_TNE, k_TKE, v_TKE, positions_T, slot_mapping_T, k_cache_NPKE,
                               v_cache_NPKE, inv_freq_H, q_norm_E=None, k_norm_E=None, *,
                               eps: float = 1e-6):
-    if q_norm_E is not None:
-        q_TNE = layers.rms_norm(q_TNE, q_norm_E, eps)
-        k_TKE = layers.rms_norm(k_TKE, k_norm_E, eps)
-    q_TNE = layers.apply_rope(q_TNE, positions_T, inv_freq_H)
-    k_TKE = layers.apply_rope(k_TKE, positions_T, inv_freq_H)
-    k_cache, v_cache = layers.write_kv(k_cache_NPKE, v_cache_NPKE, k_TKE, v_TKE, slot_mapping_T)
-    return q_TNE, k_cache, v_cache
+    return layers.qk_norm_rope_write(q_TNE, k_TKE, v_TKE, positions_T, slot_mapping_T, k_cache_NPKE,
+                                     v_cache_NPKE, inv_freq_H, q_norm_E, k_norm_E, eps=eps)
 
 
 # ---------------------------------------------------------------------------------------------
