@@ -175,7 +175,7 @@ class Scheduler:
         """Schedule n tokens of `req`: they count as computed from now on, and the token the
         step samples counts as pending until update() sees it."""
         start = req.num_computed_tokens
-        tokens = req.all_token_ids[start:start + n]
+        tokens = req.token_slice(start, start + n)
         tokens += [PENDING_TOKEN] * (n - len(tokens))     # sampled by the previous step
         sample = start + n == req.num_tokens + req.num_pending_tokens
         req.num_computed_tokens += n
