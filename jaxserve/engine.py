@@ -124,6 +124,7 @@ class LLMEngine:
         self._rng = random.Random(config.seed)
         self.step_listeners: list = []      # callables(SchedulerOutput, StepResult, seconds)
         self._inflight = None               # the dispatched step whose tokens are not read yet
+        self._failed_outputs: list[RequestOutput] = []   # failed while building a step
         self.num_steps = 0
         if config.warmup:
             t0 = time.perf_counter()
@@ -250,18 +251,20 @@ class LLMEngine:
         applied one step late. Requests that finish at N waste one token of N+1. Requests
         with penalties need their full token history on the host, so while one runs the
         engine waits for each step before scheduling the next."""
+        failed, self._failed_outputs = self._failed_outputs, []
         if self._inflight is None:
             out = self.scheduler.schedule()
-            if not out.chunks:
+            if out.chunks:
+                self._inflight = self._dispatch(out)
+            if self._inflight is None:
                 self._update_gauges()
-                return []
-            self._inflight = self.runner.dispatch(out)
+                return failed + self._failed_outputs
         current, self._inflight = self._inflight, None
         t0 = time.perf_counter()
         if not any(r.sampling_params.uses_penalties for r in self.scheduler.running):
             upcoming = self.scheduler.schedule()
             if upcoming.chunks:
-                self._inflight = self.runner.dispatch(upcoming)
+                self._inflight = self._dispatch(upcoming)
         out = current.out
         result = self.runner.collect(current)
         now = time.monotonic()
@@ -291,7 +294,27 @@ class LLMEngine:
         for listener in self.step_listeners:
             listener(out, result, time.perf_counter() - t0)
         self._update_gauges()
-        return outputs
+        return failed + outputs
+
+    def _dispatch(self, out: SchedulerOutput):
+        """Launch a step. If its inputs cannot be built, the requests at fault fail alone (their
+        outputs come with the next step() call) and the step is taken back; a failure no single
+        request explains propagates (the engine stops)."""
+        try:
+            return self.runner.dispatch(out)
+        except Exception as e:
+            bad = self.runner.failing_chunks(out)
+            if not bad:
+                raise
+            logger.exception("could not build a step's inputs; failing %d request(s)", len(bad))
+            self.scheduler.unschedule(out)
+            now = time.monotonic()
+            for i in bad:
+                entry = self.samples.get(out.chunks[i].request.request_id)
+                if entry is not None and entry[0].request_id in self.groups:
+                    self._fail(entry[0], entry[1], f"{type(e).__name__}: {e}")
+                    self._failed_outputs.append(self._finish_if_done(entry[0], now))
+            return None
 
     def _process_tokens(self, group: _Group, sample: _Sample, new_ids: list[int], result: StepResult,
                         row: int, now: float) -> None:

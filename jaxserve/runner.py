@@ -221,6 +221,17 @@ class ModelRunner:
         self._prev_rows = {ch.request.request_id: i for i, ch in enumerate(out.chunks) if ch.sample}
         return InFlightStep(out, x, variant, result, prompt)
 
+    def failing_chunks(self, out: SchedulerOutput) -> list[int]:
+        """Indices of the chunks whose step inputs cannot be built even alone (after a
+        dispatch failed): those requests fail; the others run on."""
+        bad = []
+        for i, ch in enumerate(out.chunks):
+            try:
+                self.prepare(dataclasses.replace(out, chunks=[ch], num_tokens=len(ch.token_ids)))
+            except Exception:
+                bad.append(i)
+        return bad
+
     def collect(self, step: InFlightStep) -> StepResult:
         """Wait for a dispatched step and bring its sampled tokens (and logprobs) to the host."""
         out, variant = step.out, step.variant

@@ -170,6 +170,14 @@ class Scheduler:
             results.append(RequestUpdate(req, new))
         return results
 
+    def unschedule(self, out: SchedulerOutput) -> None:
+        """Take back a step that never ran (its inputs could not be built): its requests go
+        on from where they were. Their blocks stay allocated; the next step reuses them."""
+        for chunk in out.chunks:
+            req = chunk.request
+            req.num_computed_tokens = chunk.start_position
+            req.num_pending_tokens -= int(chunk.sample)
+
     # -- helpers ---------------------------------------------------------------------------
     def _chunk(self, req: Request, n: int) -> ScheduledChunk:
         """Schedule n tokens of `req`: they count as computed from now on, and the token the

@@ -185,3 +185,25 @@ def test_a_failure_in_one_request_fails_it_alone(model):
     assert finished["bad"].outputs[0].finish_reason == "error" and "planted" in finished["bad"].error
     assert eng.scheduler.pool.num_used == 0 and not eng.scheduler.requests
     assert eng.get_metrics()["request_failure_total"] == 1
+
+
+def test_a_request_whose_step_inputs_cannot_be_built_fails_alone(model):
+    llm = make_llm(model)
+    eng = llm.engine
+    eng.add_request("good", list(range(100, 110)), SamplingParams(temperature=0, max_tokens=4))
+    eng.add_request("bad", list(range(200, 210)), SamplingParams(temperature=1.0, top_k=5, max_tokens=4))
+    eng.samples["bad"][1].request.sampling_params.top_k = 2**40     # past validation: int32 overflow
+    finished = {}
+    for _ in range(50):
+        if not eng.has_unfinished_requests():
+            break
+        for out in eng.step():
+            if out.finished:
+                finished[out.request_id] = out
+    assert finished["good"].outputs[0].finish_reason == "length"
+    assert finished["bad"].outputs[0].finish_reason == "error" and finished["bad"].error
+    assert eng.scheduler.pool.num_used == 0 and not eng.scheduler.requests
+    # The good request's step was taken back and redone: same tokens as on its own.
+    alone = llm.generate({"prompt_token_ids": list(range(100, 110))},
+                         SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)[0]
+    assert finished["good"].outputs[0].token_ids == alone.outputs[0].token_ids
