@@ -113,6 +113,9 @@ class Scheduler:
 
         new_ids: list[str] = []
         cached_tokens = 0
+        # Keep free the blocks that running requests need for their next token, or a request
+        # admitted now would be preempted by them at the very next step (and again, and again).
+        reserve = sum(1 for r in self.running if r.num_computed_tokens % self.block_size == 0)
         while (self.waiting and budget > 0 and not preempted
                and len(self.running) < self.config.max_num_seqs):
             req = self.waiting[0]
@@ -122,7 +125,7 @@ class Scheduler:
             computed = len(hits) * self.block_size if hits else req.num_computed_tokens
             n = min(req.num_tokens - computed, budget)
             need = -(-(computed + n) // self.block_size) - len(hits)
-            if self.pool.num_free - self.pool.num_reclaimable(hits) < need:
+            if self.pool.num_free - self.pool.num_reclaimable(hits) - need < reserve:
                 break
             self.waiting.popleft()
             self.pool.touch(hits)

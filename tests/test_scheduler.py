@@ -148,3 +148,19 @@ def test_tokens_after_a_finish_are_dropped():
     assert r.status == RequestStatus.FINISHED_STOPPED and s.pool.num_used == 0
     s.update(second, [42])
     assert r.output_token_ids == [2]
+
+
+def test_admission_keeps_the_blocks_running_requests_need_next():
+    s = make(blocks=4, block_size=4)             # 3 usable blocks
+    s.add_request(req("a", 4, max_tokens=3))
+    run_step(s)                                  # a fills block 1; its next token needs a new block
+    s.add_request(req("b", 8, max_tokens=1))     # would fit in the 2 free blocks...
+    out = s.schedule()
+    # ...but admitting it would make a preempt it at once: b waits, nobody is preempted.
+    assert [c.request.request_id for c in out.chunks] == ["a"] and not out.preempted_ids
+    s.update(out, [7])
+    for _ in range(10):
+        if not s.requests:
+            break
+        run_step(s)
+    assert not s.requests and s.num_preemptions == 0 and s.pool.num_used == 0
