@@ -152,11 +152,14 @@ def test_tokens_after_a_finish_are_dropped():
 
 def test_admission_keeps_the_blocks_running_requests_need_next():
     s = make(blocks=4, block_size=4)             # 3 usable blocks
-    s.add_request(req("a", 4, max_tokens=3))
-    run_step(s)                                  # a fills block 1; its next token needs a new block
-    s.add_request(req("b", 8, max_tokens=1))     # would fit in the 2 free blocks...
+    s.add_request(req("a", 3, max_tokens=4))
+    run_step(s)                                  # a: 3 prompt tokens in block 1
+    b = req("b", 8, max_tokens=1)
+    b.prompt_token_ids = list(range(300, 308))   # no prefix shared with a
+    s.add_request(b)
     out = s.schedule()
-    # ...but admitting it would make a preempt it at once: b waits, nobody is preempted.
+    # This step fills a's block, so its next token needs a new one: b (2 blocks) would fit
+    # in the 2 free blocks now, but a would preempt it at the very next step. b waits.
     assert [c.request.request_id for c in out.chunks] == ["a"] and not out.preempted_ids
     s.update(out, [7])
     for _ in range(10):
