@@ -12,10 +12,12 @@ N logprobs returned per sequence.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 import logging
 import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -124,6 +126,8 @@ class ModelRunner:
         self._prev_ids = jax.device_put(jnp.zeros(config.scheduler.max_num_seqs, jnp.int32),
                                         self.input_sharding)
         self._prev_rows: dict[str, int] = {}
+        # Compiled step programs by (input layout, variant): warm-up fills it, run() uses it.
+        self._executables: dict[tuple, object] = {}
 
     # -- sizing --------------------------------------------------------------------------
     @property
@@ -209,10 +213,18 @@ class ModelRunner:
     def run(self, x: StepInput, variant: StepVariant):
         """Dispatch one step (asynchronously); the cache is donated and replaced."""
         packed, layout = packing.pack(x)
-        self.kv_cache, result, prompt, self._prev_ids = self._step(
-            self.params, self.kv_cache, jax.device_put(packed, self.input_sharding), self._prev_ids,
-            variant=variant, layout=layout)
+        exe = self._executables.get((layout, variant))
+        if exe is None:           # a shape warm-up did not cover (or warm-up was off)
+            exe = self._executables[(layout, variant)] = self._compile(layout, variant, len(packed))
+        self.kv_cache, result, prompt, self._prev_ids = exe(
+            self.params, self.kv_cache, jax.device_put(packed, self.input_sharding), self._prev_ids)
         return result, prompt
+
+    def _compile(self, layout: packing.Layout, variant: StepVariant, num_words: int):
+        """The step program for one input layout and variant, compiled ahead of time."""
+        packed = jax.ShapeDtypeStruct((num_words,), jnp.uint32, sharding=self.input_sharding)
+        return self._step.lower(self.params, self.kv_cache, packed, self._prev_ids,
+                                variant=variant, layout=layout).compile()
 
     def dispatch(self, out: SchedulerOutput) -> InFlightStep:
         """Build and launch the step without waiting for the device."""
@@ -266,13 +278,23 @@ class ModelRunner:
         return self.collect(self.dispatch(out))
 
     def warmup(self) -> None:
-        """Compile the lean and full program of every bucket with all-padding steps."""
+        """Compile the lean and full program of every bucket, on a thread each: XLA compiles
+        outside the GIL, so start-up takes about as long as the slowest program, not the sum."""
         empty = SchedulerOutput(chunks=[], num_tokens=0, preempted_ids=[], new_ids=[], num_cached_tokens=0)
+        jobs = []
         for t in self.buckets:
-            x, _ = self.prepare(SchedulerOutput(**{**empty.__dict__, "num_tokens": t}))
+            x, _ = self.prepare(dataclasses.replace(empty, num_tokens=t))
             for variant in self.warmup_variants:
                 if variant.full:
                     x = dataclasses.replace(x, sampling=make_sampling_tensors(
                         [], x.num_seqs, self.cfg.vocab_size, self.config.scheduler.max_model_len))
-                jax.block_until_ready(self.run(x, variant))
-        logger.info("compiled %d step programs", len(self.buckets) * len(self.warmup_variants))
+                packed, layout = packing.pack(x)
+                jobs.append((layout, variant, len(packed)))
+
+        def compile_one(job):
+            layout, variant, num_words = job
+            self._executables[(layout, variant)] = self._compile(layout, variant, num_words)
+
+        with concurrent.futures.ThreadPoolExecutor(min(len(jobs), os.cpu_count() or 1)) as pool:
+            list(pool.map(compile_one, jobs))
+        logger.info("compiled %d step programs", len(jobs))
