@@ -295,6 +295,12 @@ class ModelRunner:
             layout, variant, num_words = job
             self._executables[(layout, variant)] = self._compile(layout, variant, num_words)
 
-        with concurrent.futures.ThreadPoolExecutor(min(len(jobs), os.cpu_count() or 1)) as pool:
-            list(pool.map(compile_one, jobs))
+        try:
+            with concurrent.futures.ThreadPoolExecutor(min(len(jobs), os.cpu_count() or 1)) as pool:
+                list(pool.map(compile_one, jobs))
+        except Exception:  # NOTE: threads only save time; compile what is missing one by one
+            logger.warning("parallel compilation failed; compiling one by one", exc_info=True)
+            for job in jobs:
+                if (job[0], job[1]) not in self._executables:
+                    compile_one(job)
         logger.info("compiled %d step programs", len(jobs))

@@ -1,0 +1,36 @@
+"""Runner warm-up: every bucket's programs are compiled up front (in parallel, or one by one
+if threads fail), and afterwards a varied workload compiles nothing."""
+
+import os
+
+import jax
+import pytest
+
+from jaxserve import LLM, SamplingParams
+from jaxserve import runner as runner_module
+
+TINY = os.path.join(os.path.dirname(__file__), "golden", "ckpt", "llama")
+
+
+def workload(llm):
+    llm.generate([{"prompt_token_ids": [5, 6, 7]}, {"prompt_token_ids": list(range(10, 40))}],
+                 [SamplingParams(temperature=0, max_tokens=5),
+                  SamplingParams(temperature=0.8, top_p=0.9, seed=1, max_tokens=3, logprobs=2)],
+                 use_tqdm=False)
+
+
+@pytest.mark.parametrize("threads_fail", [False, True])
+def test_warmup_covers_every_program(threads_fail, monkeypatch):
+    if threads_fail:
+        class Broken:
+            def __init__(self, *a, **k):
+                raise RuntimeError("no threads here")
+        monkeypatch.setattr(runner_module.concurrent.futures, "ThreadPoolExecutor", Broken)
+    llm = LLM(TINY, dtype="float32", max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64)
+    assert len(llm.engine.runner._executables) == len(llm.engine.runner.buckets) * 2
+    compiles = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, secs, **kw: compiles.append(event)
+        if event == "/jax/core/compile/backend_compile_duration" else None)
+    workload(llm)
+    assert compiles == []
