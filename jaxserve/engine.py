@@ -208,10 +208,14 @@ class LLMEngine:
         arrival = arrival_time or time.monotonic()
         group = _Group(request_id, prompt, list(prompt_token_ids), [], RequestMetrics(arrival),
                        prompt_logprobs=[None] if params.prompt_logprobs is not None else None)
+        child_ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
+        taken = [c for c in child_ids if c in self.samples or c in self.scheduler.requests]
+        if taken:
+            raise ValueError(f"request_id {request_id!r} collides with a running request ({taken[0]!r})")
         base_seed = params.seed if params.seed is not None else self._rng.getrandbits(31)
         eos = self.tokenizer.eos_token_ids if self.tokenizer else self.config.model.eos_token_ids
         for i in range(params.n):
-            child_id = request_id if params.n == 1 else f"{request_id}#{i}"
+            child_id = child_ids[i]
             req = Request(child_id, list(prompt_token_ids), params, arrival_time=arrival,
                           eos_token_ids=tuple(eos), seed=base_seed + i)
             detok = (IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.skip_special_tokens)
@@ -240,7 +244,7 @@ class LLMEngine:
         return True
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.groups)
+        return bool(self.groups) or bool(self._failed_outputs)
 
     # -- the step ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -251,14 +255,13 @@ class LLMEngine:
         applied one step late. Requests that finish at N waste one token of N+1. Requests
         with penalties need their full token history on the host, so while one runs the
         engine waits for each step before scheduling the next."""
-        failed, self._failed_outputs = self._failed_outputs, []
         if self._inflight is None:
             out = self.scheduler.schedule()
             if out.chunks:
                 self._inflight = self._dispatch(out)
             if self._inflight is None:
                 self._update_gauges()
-                return failed + self._failed_outputs
+                return self._take_failed()
         current, self._inflight = self._inflight, None
         t0 = time.perf_counter()
         if not any(r.sampling_params.uses_penalties for r in self.scheduler.running):
@@ -274,7 +277,7 @@ class LLMEngine:
         row_of = {ch.request.request_id: i for i, ch in enumerate(out.chunks)}
         for up in updates:
             entry = self.samples.get(up.request.request_id)
-            if entry is None:
+            if entry is None or entry[1].request is not up.request:   # a reused id: not this one
                 continue
             group, sample = entry
             group.num_cached_tokens = max(group.num_cached_tokens, up.request.num_cached_tokens)
@@ -294,7 +297,12 @@ class LLMEngine:
         for listener in self.step_listeners:
             listener(out, result, time.perf_counter() - t0)
         self._update_gauges()
-        return failed + outputs
+        return outputs + self._take_failed()
+
+    def _take_failed(self) -> list[RequestOutput]:
+        """Outputs of requests failed while a step was being built: handed out exactly once."""
+        failed, self._failed_outputs = self._failed_outputs, []
+        return failed
 
     def _dispatch(self, out: SchedulerOutput):
         """Launch a step. If its inputs cannot be built, the requests at fault fail alone (their
@@ -331,11 +339,14 @@ class LLMEngine:
             self._append_logprobs(sample, new_ids[-1], result, row)
         delta = sample.detokenizer.add(new_ids) if sample.detokenizer is not None else ""
         sample.text += delta
-        if sample.stops is not None and delta and not req.is_finished:
+        if sample.stops is not None and delta:
             match = sample.stops.find(sample.text, len(delta))
             if match is not None:
                 sample.text, sample.stop_reason = match.text, match.stop
-                self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
+                if req.is_finished:      # max_tokens reached on this very token: the stop wins
+                    req.status = RequestStatus.FINISHED_STOPPED
+                else:
+                    self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
         if req.is_finished and sample.finish_reason is None:
             sample.finish_reason = req.status.finish_reason
             if sample.stop_reason is None:

@@ -157,7 +157,7 @@ class Scheduler:
             req = chunk.request
             if chunk.sample:
                 req.num_pending_tokens -= 1
-            if req.request_id not in self.requests:      # finished or aborted meanwhile
+            if self.requests.get(req.request_id) is not req:   # finished or aborted meanwhile
                 continue
             if req.status == RequestStatus.RUNNING:
                 self._cache_full_blocks(req, chunk.start_position + len(chunk.token_ids))

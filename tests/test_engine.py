@@ -207,3 +207,65 @@ def test_a_request_whose_step_inputs_cannot_be_built_fails_alone(model):
     alone = llm.generate({"prompt_token_ids": list(range(100, 110))},
                          SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)[0]
     assert finished["good"].outputs[0].token_ids == alone.outputs[0].token_ids
+
+
+def test_failure_while_pipelined_is_delivered_once(model):
+    llm = make_llm(model)
+    eng = llm.engine
+    eng.add_request("good", list(range(100, 110)), SamplingParams(temperature=0, max_tokens=2))
+    outs = eng.step()                          # good's prefill runs; its decode is dispatched
+    eng.add_request("bad", list(range(200, 210)), SamplingParams(temperature=1.0, top_k=5, max_tokens=4))
+    eng.samples["bad"][1].request.sampling_params.top_k = 2**40
+    seen = [o.request_id for o in outs if o.finished]
+    for _ in range(20):
+        if not eng.has_unfinished_requests():
+            break
+        seen += [o.request_id for o in eng.step() if o.finished]
+    assert sorted(seen) == ["bad", "good"]      # each finished output exactly once
+    assert eng.step() == [] and not eng.has_unfinished_requests()
+    assert eng.scheduler.pool.num_used == 0
+
+
+def test_stop_string_on_the_last_allowed_token_wins(model):
+    llm = make_llm(model)
+    free = llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=8),
+                        use_tqdm=False)[0].outputs[0]
+    stop = free.text[-3:]
+    assert stop.strip() and stop not in free.text[:-3]
+    out = llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=8, stop=[stop]),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop and out.text == free.text[:-3]
+
+
+def test_request_ids_that_collide_are_refused_cleanly(model):
+    llm = make_llm(model)
+    eng = llm.engine
+    eng.add_request("x#0", [5, 6, 7], SamplingParams(temperature=0, max_tokens=3))
+    with pytest.raises(ValueError, match="collides"):
+        eng.add_request("x", [5, 6, 7], SamplingParams(temperature=0, max_tokens=3, n=2))
+    done = []
+    for _ in range(20):
+        if not eng.has_unfinished_requests():
+            break
+        done += [o.request_id for o in eng.step() if o.finished]
+    assert done == ["x#0"] and eng.scheduler.pool.num_used == 0
+
+
+def test_a_reused_id_is_not_confused_with_the_aborted_one(model):
+    llm = make_llm(model)
+    eng = llm.engine
+    eng.add_request("x", list(range(100, 110)), SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    eng.step()
+    eng.step()                                  # a step of the old "x" is in flight
+    eng.abort_request("x")
+    eng.add_request("x", list(range(300, 305)), SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    final = None
+    for _ in range(20):
+        if not eng.has_unfinished_requests():
+            break
+        for o in eng.step():
+            if o.finished:
+                final = o
+    alone = llm.generate({"prompt_token_ids": list(range(300, 305))},
+                         SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)[0]
+    assert final.outputs[0].token_ids == alone.outputs[0].token_ids
