@@ -484,6 +484,10 @@ class AsyncEngine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         q: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), q)
+        if self._stopping or self.dead_error is not None:
+            # The loop may already have told every stream it knew about: don't wait on it.
+            self._streams.pop(request_id, None)
+            raise EngineDeadError(f"the engine has stopped: {self.dead_error!r}")
         self._commands.put(("add", request_id, list(prompt_token_ids), sampling_params, prompt,
                             time.monotonic()))
         self._wake.set()
