@@ -15,7 +15,7 @@ import random
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import AsyncIterator
 
 import jax
@@ -76,12 +76,15 @@ class _Group:
     metrics: RequestMetrics
     error: str | None = None
     num_cached_tokens: int = 0
-    child_ids: list[str] = field(default_factory=list)
     prompt_logprobs: list | None = None
 
     @property
     def finished(self) -> bool:
         return all(s.finish_reason is not None for s in self.samples)
+
+    @property
+    def child_ids(self) -> list[str]:
+        return [s.request.request_id for s in self.samples]
 
     def output(self) -> RequestOutput:
         return RequestOutput(request_id=self.request_id, prompt=self.prompt,
@@ -224,7 +227,6 @@ class LLMEngine:
             sample = _Sample(i, req, detok, stops, logprobs=[] if params.logprobs is not None else None,
                              cumulative_logprob=0.0 if params.logprobs is not None else None)
             group.samples.append(sample)
-            group.child_ids.append(child_id)
             self.samples[child_id] = (group, sample)
         self.groups[request_id] = group
         for s in group.samples:
