@@ -5,6 +5,11 @@
 #                                           # default model's shape; cold start-up
 #   bash benchmarks/h200_suite.sh serving   # ShareGPT offline throughput; the HTTP server
 #                                           # under load (needs fastapi & co. as wheels in .whl/)
+#   bash benchmarks/h200_suite.sh decode serving2 variants
+#                                           # the same, as run in the second session: cold and warm
+#                                           # start-up, 1,000 ShareGPT prompts, TTFT/ITL with a real
+#                                           # tokenizer (.benchdata/llama8b-dummy: the 8B config plus
+#                                           # Llama-3's tokenizer.json), batch-1 variants
 # Results land in $OUT (default ./bench-out); every step has its own time limit, so one
 # failure or hang leaves the others' figures.
 set -u
@@ -67,6 +72,44 @@ serving() {
     --request-rate ${RATES:-4 16} --goodput ttft:100 tpot:50 --disable-tqdm --output-json "$OUT/serve_sharegpt.json"
   kill "$server" 2>/dev/null; wait "$server" 2>/dev/null
   step 80 dispatch python3 benchmarks/dispatch_cost.py --batch-size 1 64
+}
+
+ENGINE=(--max-num-seqs 256 --max-num-batched-tokens 2048 --max-model-len 2048)
+
+decode() {
+  # Cold start-up (the first engine of a fresh machine), batch 1 and 64, a profile of batch 1.
+  step 240 lat_8b "${JS[@]}" bench latency "${LLAMA[@]}" "${ENGINE[@]}" --attention-impl pallas \
+    --batch-size 1 64 --input-len 128 --output-len 128 --num-iters 2 --profile-dir /tmp/prof \
+    --disable-tqdm --output-json "$OUT/lat_8b.json"
+  cp "$(ls -t /tmp/prof/batch1-*/plugins/profile/*/*.trace.json.gz /tmp/prof/batch1-*/plugins/profile/*/perfetto_trace.json.gz 2>/dev/null | head -1)" "$OUT/trace_b1.json.gz"
+  # Warm start-up: the same engine again, its programs now in the persistent cache.
+  step 120 warm_start "${JS[@]}" bench latency "${LLAMA[@]}" "${ENGINE[@]}" --attention-impl pallas \
+    --batch-size 1 --input-len 128 --output-len 16 --num-iters 1 --device-only-iters 0 \
+    --disable-tqdm --output-json "$OUT/warm_start.json"
+}
+
+serving2() {
+  local dir=.benchdata/llama8b-dummy
+  step 240 tput "${JS[@]}" bench throughput "${LLAMA[@]}" "${ENGINE[@]}" --attention-impl pallas \
+    --dataset-name jsonl --dataset-path "$SHAREGPT" --num-prompts "${NUM_PROMPTS:-1000}" \
+    --disable-tqdm --output-json "$OUT/tput.json"
+  "${JS[@]}" serve "$dir" --load-format dummy --dtype bfloat16 --max-logprobs 0 "${ENGINE[@]}" \
+    --port 8011 --log-level warning >"$OUT/server.log" 2>&1 &
+  local server=$!
+  step 240 serve "${JS[@]}" bench serve --base-url http://127.0.0.1:8011 --wait-for-server 150 \
+    --dataset-name jsonl --dataset-path "$SHAREGPT" --num-prompts "${SERVE_PROMPTS:-150}" \
+    --request-rate ${RATES:-4 16} --goodput ttft:100 tpot:50 --disable-tqdm --output-json "$OUT/serve.json"
+  kill "$server" 2>/dev/null; wait "$server" 2>/dev/null
+}
+
+variants() {
+  # Batch-1 decode under alternatives, each compiled lazily (--no-warmup): fused rope/KV write
+  # alone, fused add+RMSNorm alone, cuBLAS instead of XLA's Triton GEMMs.
+  local common=("${JS[@]}" bench latency "${LLAMA[@]}" "${ENGINE[@]}" --attention-impl pallas --no-warmup
+                --batch-size 1 --input-len 128 --output-len 64 --num-iters 1 --device-only-iters 20 --disable-tqdm)
+  step 90 var_rope env JAXSERVE_FUSED_KERNELS=rope "${common[@]}" --output-json "$OUT/var_rope.json"
+  step 90 var_norm env JAXSERVE_FUSED_KERNELS=norm "${common[@]}" --output-json "$OUT/var_norm.json"
+  step 90 var_cublas env XLA_FLAGS=--xla_gpu_enable_triton_gemm=false "${common[@]}" --output-json "$OUT/var_cublas.json"
 }
 
 setup

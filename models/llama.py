@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 from collections.abc import Callable
 
 import jax
@@ -104,14 +105,30 @@ class Kernels:
     impl: str                  # "xla" | "pallas": also picks the MoE grouped matmul
 
 
-def make_kernels(cfg: ModelConfig, impl: str = "xla", fuse_norm_rope: bool = False) -> Kernels:
+FUSABLE = ("norm", "rope")   # fused add+RMSNorm; fused QK-norm+RoPE+KV write
+FUSED_KERNELS_ENV = "JAXSERVE_FUSED_KERNELS"
+
+
+def fused_from_env() -> frozenset[str]:
+    """The fused kernels named in $JAXSERVE_FUSED_KERNELS ("norm", "rope", "norm,rope"; default
+    none): a benchmarking switch, so the H200 runs can time each fused kernel inside the step."""
+    names = frozenset(n.strip() for n in os.environ.get(FUSED_KERNELS_ENV, "").split(",") if n.strip())
+    if not names <= set(FUSABLE):
+        raise ValueError(f"{FUSED_KERNELS_ENV} must name some of {', '.join(FUSABLE)}; got {sorted(names)}")
+    return names
+
+
+def make_kernels(cfg: ModelConfig, impl: str = "xla", fused: frozenset[str] | None = None) -> Kernels:
     """impl "xla", "pallas", or "auto" (Pallas on a GPU when the head dim suits the kernels).
 
-    NOTE: `fuse_norm_rope` swaps in the fused add+RMSNorm and QK-norm+RoPE+KV-write kernels.
-    Off by default: inside the whole 8B step on the H200 they made decode slower (4.79 against
-    4.72 ms/token at batch 1, 6.65 against 6.38 at batch 64; BENCHMARKS.md), since XLA fuses
-    those ops into their neighbours, which a custom call prevents."""
+    `fused` (default: from $JAXSERVE_FUSED_KERNELS, i.e. none) swaps in the fused add+RMSNorm
+    ("norm") and QK-norm+RoPE+KV-write ("rope") Pallas kernels.
+    NOTE: off by default: inside the whole 8B step on the H200, both together made decode
+    slower (4.79 against 4.72 ms/token at batch 1, 6.65 against 6.38 at batch 64;
+    BENCHMARKS.md), since XLA fuses those ops into their neighbours, which a custom call
+    prevents."""
     impl = kernel_impl(cfg, impl)
+    fused = fused_from_env() if fused is None else frozenset(fused)
     attention = make_attention_fn(cfg, impl)
     eps = cfg.rms_norm_eps
 
@@ -120,8 +137,7 @@ def make_kernels(cfg: ModelConfig, impl: str = "xla", fuse_norm_rope: bool = Fal
         return h_TD, layers.rms_norm(h_TD, w_D, eps)
 
     rope_write = functools.partial(layers.qk_norm_rope_write, eps=eps)
-
-    if impl == "xla" or not fuse_norm_rope:
+    if impl == "xla" or not fused:
         return Kernels(attention, add_norm, rope_write, impl)
 
     from jaxserve.pallas_kernels.fused_add_rms_norm import fused_add_rms_norm
@@ -137,19 +153,20 @@ def make_kernels(cfg: ModelConfig, impl: str = "xla", fuse_norm_rope: bool = Fal
                                      q_norm, k_norm, eps=eps, impl="pallas")
 
     # The fused rope/KV-write kernel tiles the head dim: it needs a power of two >= 32.
-    return Kernels(attention, fused_add_norm,
-                   fused_rope_write if _pow2(cfg.head_dim, 32) else rope_write, "pallas")
+    use_rope = "rope" in fused and _pow2(cfg.head_dim, 32)
+    return Kernels(attention, fused_add_norm if "norm" in fused else add_norm,
+                   fused_rope_write if use_rope else rope_write, "pallas")
 
 
 def forward(cfg: ModelConfig, params: dict, kv_cache: KVCache, x: StepInput,
-            attention_impl: str = "xla", fuse_norm_rope: bool = False):
+            attention_impl: str = "xla", fused: frozenset[str] | None = None):
     """Run every layer on the step's tokens; returns the updated cache and final hidden states.
 
     The residual stream: each sub-block's output is added to the residual and the sum is
     normalised for the next sub-block in one step (`add_norm`), which a fused kernel can do
     reading and writing each activation once (see make_kernels)."""
     from jaxserve.models import moe  # local: moe builds on this module
-    kernels = make_kernels(cfg, attention_impl, fuse_norm_rope)
+    kernels = make_kernels(cfg, attention_impl, fused)
     inv_freq = layers.rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling_dict)
     layers_p = params["layers"]
     residual_TD, normed_TD = kernels.add_norm(params["embed"][x.token_ids], None, layers_p[0]["attn_norm"])

@@ -15,8 +15,8 @@ floor is 2 reads + 2 writes of T x D (1 + 1 without the residual).
 
 NOTE (measured, H200, 2026-11-29): faster than XLA standalone, but slower inside the whole
 8B decode step, where XLA fuses these ops into neighbouring kernels; the engine therefore
-keeps XLA for them and this kernel is used only with `fuse_norm_rope=True`
-(models/llama.py make_kernels; BENCHMARKS.md).
+keeps XLA for them and uses this kernel only when asked (`fused={"norm"}` or
+JAXSERVE_FUSED_KERNELS=norm; models/llama.py make_kernels; BENCHMARKS.md).
 """
 
 from __future__ import annotations

@@ -23,7 +23,8 @@ BLOCK_SIZE, NUM_BLOCKS, BLOCKS_PER_SEQ, STEP_T, S = 8, 32, 6, 24, 4
 
 @functools.partial(jax.jit, static_argnums=(0, 4, 5))
 def _step(cfg, params, kv_cache, x, impl, fuse=False):
-    kv_cache, hidden_TD = llama.forward(cfg, params, kv_cache, x, attention_impl=impl, fuse_norm_rope=fuse)
+    kv_cache, hidden_TD = llama.forward(cfg, params, kv_cache, x, attention_impl=impl,
+                                        fused={"norm", "rope"} if fuse else frozenset())
     return kv_cache, llama.compute_logits(cfg, params, hidden_TD)
 
 
@@ -63,7 +64,7 @@ def test_auto_is_xla_on_cpu_and_bad_impl_is_refused(tiny_checkpoint):
 
 
 def test_fused_kernels_in_model_match_xla_path():
-    """Head dim 32 with q/k norms: with fuse_norm_rope the Pallas step uses all three kernels
+    """Head dim 32 with q/k norms: with both fused kernels the Pallas step uses all three kernels
     (attention, add+RMSNorm, QK-norm+RoPE+KV write) and must give the XLA step's logits and cache."""
     from jaxserve.models.dummy import load_dummy
 
@@ -72,7 +73,7 @@ def test_fused_kernels_in_model_match_xla_path():
                               "num_key_value_heads": 2, "head_dim": 32, "max_position_embeddings": 256,
                               "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": False},
                              seed=3)
-    fused = llama.make_kernels(cfg, "pallas", fuse_norm_rope=True)
+    fused = llama.make_kernels(cfg, "pallas", fused={"norm", "rope"})
     assert (fused.add_norm.__name__, fused.rope_write.__name__) == ("fused_add_norm", "fused_rope_write")
     rng = np.random.default_rng(0)
     tables = scattered_block_tables(3, BLOCKS_PER_SEQ, NUM_BLOCKS, seed=2)
@@ -89,3 +90,25 @@ def test_fused_kernels_in_model_match_xla_path():
     for (kx, vx), (kp, vp) in zip(kv_x, kv_p):
         np.testing.assert_allclose(kp[1:], kx[1:], atol=1e-5)      # block 0 takes padding writes
         np.testing.assert_allclose(vp[1:], vx[1:], atol=1e-5)
+
+
+def test_fused_kernels_chosen_one_by_one(monkeypatch):
+    """Each fused kernel can be switched on alone (how the H200 runs time them in the step)."""
+    from jaxserve.models.dummy import load_dummy
+
+    cfg, _ = load_dummy({"architectures": ["LlamaForCausalLM"], "vocab_size": 64, "hidden_size": 64,
+                         "intermediate_size": 96, "num_hidden_layers": 1, "num_attention_heads": 2,
+                         "num_key_value_heads": 1, "head_dim": 32, "max_position_embeddings": 64,
+                         "rms_norm_eps": 1e-6}, seed=0)
+    def names(k):
+        return tuple(getattr(f, "func", f).__name__ for f in (k.add_norm, k.rope_write))
+
+    monkeypatch.setenv(llama.FUSED_KERNELS_ENV, "norm")
+    assert names(llama.make_kernels(cfg, "pallas")) == ("fused_add_norm", "qk_norm_rope_write")
+    monkeypatch.setenv(llama.FUSED_KERNELS_ENV, "rope")
+    assert names(llama.make_kernels(cfg, "pallas")) == ("add_norm", "fused_rope_write")
+    monkeypatch.setenv(llama.FUSED_KERNELS_ENV, "")
+    assert names(llama.make_kernels(cfg, "pallas")) == ("add_norm", "qk_norm_rope_write")
+    monkeypatch.setenv(llama.FUSED_KERNELS_ENV, "norms")
+    with pytest.raises(ValueError, match="JAXSERVE_FUSED_KERNELS"):
+        llama.make_kernels(cfg, "pallas")
