@@ -259,48 +259,66 @@ def bench_rmsnorm(rng, quick: bool):
 # MoE grouped matmul (Qwen3-30B-A3B experts: 128 experts, top-8, D=2048, F=768)
 # ---------------------------------------------------------------------------------------------
 
+SPARSE_MAX_BENCH_ROWS = 1024   # the expert-skipping kernel is for decode; larger M is Mosaic's
 
-def bench_moe(rng, quick: bool, only_auto: bool = False):
+
+def bench_moe(rng, quick: bool, only_auto: bool = False, sweep: bool = False):
+    from jaxserve.pallas_kernels import grouped_matmul as gm
     d, f, n_exp, top = 2048, 768, 128, 8
     key = jax.random.key(int(rng.integers(1 << 30)))
-    kw, kx = jax.random.split(key)
+    kw, kd, kx = jax.random.split(key, 3)
     w_gu = jax.random.normal(kw, (n_exp, d, 2 * f), jnp.bfloat16) * 0.02
-    for t in ((16, 2048) if quick else (1, 16, 128, 2048, 8192)):
+    w_down = jax.random.normal(kd, (n_exp, f, d), jnp.bfloat16) * 0.02
+    for t in ((1, 16, 2048) if quick else (1, 16, 128, 2048, 8192)):
         m = t * top
-        x = jax.random.normal(kx, (m, d), jnp.bfloat16)
         counts = np.bincount(rng.integers(0, n_exp, m), minlength=n_exp).astype(np.int32)
         gs = jnp.asarray(counts)
         used = int((counts > 0).sum())
-        byts = used * d * 2 * f * 2 + m * d * 2 + m * 2 * f * 2
-        flops = 2 * m * d * 2 * f
-        case = f"gate_up T={t} rows={m}"
-        fr = jax.jit(lambda x, w, gs: jax.lax.ragged_dot(x, w, group_sizes=gs))
-        ref = fr(x, w_gu, gs)
-        record("moe", case, "lax.ragged_dot", gpu_time_ms(fr, x, w_gu, gs), bytes_=byts,
-               flops=flops)
-        from jaxserve.pallas_kernels import grouped_matmul as gm
-        fa = jax.jit(functools.partial(gm.grouped_matmul, impl="auto"))
-        out = fa(x, w_gu, gs)
-        record("moe", case, "grouped_matmul auto", gpu_time_ms(fa, x, w_gu, gs), bytes_=byts,
-               flops=flops, err=rel_err(out, ref))
-        if only_auto:
-            continue
+        for proj, w in (("gate_up", w_gu), ("down", w_down)):
+            k, n = w.shape[1:]
+            x = jax.random.normal(kx, (m, k), jnp.bfloat16)
+            byts = used * k * n * 2 + m * k * 2 + m * n * 2
+            flops = 2 * m * k * n
+            case = f"{proj} T={t} rows={m}"
+            fr = jax.jit(lambda x, w, gs: jax.lax.ragged_dot(x, w, group_sizes=gs))
+            ref = fr(x, w, gs)
+            record("moe", case, "lax.ragged_dot", gpu_time_ms(fr, x, w, gs), bytes_=byts,
+                   flops=flops)
+            fa = jax.jit(functools.partial(gm.grouped_matmul, impl="auto"))
+            out = fa(x, w, gs)
+            record("moe", case, "grouped_matmul auto", gpu_time_ms(fa, x, w, gs), bytes_=byts,
+                   flops=flops, err=rel_err(out, ref))
+            if m <= SPARSE_MAX_BENCH_ROWS:
+                tunings = [{}]
+                if sweep:
+                    tunings += [dict(block_n=bn, block_k=bk, num_warps=nw, num_stages=ns)
+                                for bn in (32, 64, 128) for bk in (64, 128, 256)
+                                for nw in (4, 8) for ns in (3, 4)]
+                for tuning in tunings:
+                    fs = jax.jit(functools.partial(gm.grouped_matmul, impl="pallas", **tuning))
+                    label = ("pallas bn{block_n} bk{block_k} w{num_warps} s{num_stages}"
+                             .format(**tuning) if tuning else "pallas (skips experts)")
+                    out = try_run(label, lambda: fs(x, w, gs))
+                    if out is not None:
+                        record("moe", case, label, gpu_time_ms(fs, x, w, gs), bytes_=byts,
+                               flops=flops, err=rel_err(out, ref))
+            if only_auto:
+                continue
+            try_run("ragged_dot_mgpu", lambda: bench_mgpu(case, x, w, gs, ref, byts, flops))
 
-        def mgpu():
-            from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu as rdm
-            best = None
-            for bm, bn, steps in ((64, 128, 4), (128, 128, 4), (64, 256, 3), (128, 256, 3)):
-                fm = jax.jit(functools.partial(rdm.ragged_dot, block_m=bm, block_n=bn, block_k=64,
-                                               max_concurrent_steps=steps, grid_block_n=1))
-                out = try_run(f"mgpu bm{bm} bn{bn}", lambda: fm(x, w_gu, group_sizes=gs))
-                if out is None:
-                    continue
-                ms = gpu_time_ms(lambda x, w, gs: fm(x, w, group_sizes=gs), x, w_gu, gs)
-                record("moe", case, f"ops.gpu ragged_dot_mgpu {bm}x{bn}", ms, bytes_=byts,
-                       flops=flops, err=rel_err(out, ref))
-                best = ms if best is None else min(best, ms)
-            return best
-        try_run("ragged_dot_mgpu", mgpu)
+
+def bench_mgpu(case, x, w, gs, ref, byts, flops):
+    """JAX's Mosaic GPU ragged dot at a few tile shapes."""
+    from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu as rdm
+    for bm, bn, steps in ((64, 128, 4), (128, 128, 4), (64, 256, 3), (128, 256, 3)):
+        fm = jax.jit(functools.partial(rdm.ragged_dot, block_m=bm, block_n=bn, block_k=64,
+                                       max_concurrent_steps=steps, grid_block_n=1))
+        out = try_run(f"mgpu bm{bm} bn{bn}", lambda: fm(x, w, group_sizes=gs))
+        if out is None:
+            continue
+        ms = gpu_time_ms(lambda x, w, gs: fm(x, w, group_sizes=gs), x, w, gs)
+        record("moe", case, f"ops.gpu ragged_dot_mgpu {bm}x{bn}", ms, bytes_=byts,
+               flops=flops, err=rel_err(out, ref))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -378,7 +396,7 @@ def main():
     ap.add_argument("--only", default="attention,rmsnorm,rope,topk,moe",
                     help="comma list of: attention, rmsnorm, rope, topk, moe")
     ap.add_argument("--moe-auto-only", action="store_true",
-                    help="MoE: only lax.ragged_dot and grouped_matmul(auto), no tile sweep")
+                    help="MoE: no Mosaic tile shapes beside lax.ragged_dot, auto and pallas")
     ap.add_argument("--json", default=None, help="write all rows to this JSON file")
     args = ap.parse_args()
     print(f"# jax {jax.__version__}, devices {jax.devices()}", flush=True)
@@ -388,7 +406,7 @@ def main():
                    rmsnorm=lambda: bench_rmsnorm(rng, args.quick),
                    rope=lambda: bench_rope(rng, args.quick),
                    topk=lambda: bench_topk(rng, args.quick),
-                   moe=lambda: bench_moe(rng, args.quick, args.moe_auto_only))
+                   moe=lambda: bench_moe(rng, args.quick, args.moe_auto_only, args.sweep))
     for name in groups:
         try_run(name, benches[name])   # one failing group does not hide the others
     if args.json:

@@ -3,21 +3,31 @@
     out_MN[rows of group g] = x_MK[rows of group g] @ w_GKN[g]
 
 Layouts: x_MK f[M, K] (rows sorted by group; group g owns group_sizes[g] consecutive rows),
-w_GKN f[G, K, N], group_sizes_G i32[G] summing to M -> f[M, N].
-Legend: M rows (tokens x experts per token), K contraction dim, N output dim, G groups (experts).
+w_GKN f[G, K, N], group_sizes_G i32[G] -> f[M, N]. Rows past sum(group_sizes) come out as 0.
+Legend: M rows (tokens x experts per token), K contraction dim, N output dim, G groups (experts),
+S row-tile slots of the "pallas" kernel, BM rows of a tile, BK / BN its K and N block sizes.
 
-Implementations, chosen by measurement on an H200 (BENCHMARKS.md, "Kernels"; Qwen3-30B-A3B
-gate/up shapes, D=2048 -> 2 x 768, 128 experts, top-8):
+Implementations:
+- "pallas": our Triton kernel (pallas_call) for few rows (decode). It reads only the weights of
+  the groups that have rows: a few XLA ops first list the row tiles (each non-empty group's rows
+  cut into tiles of BM = 16, the smallest tensor-core M; the rows past the groups form one more
+  pseudo-group whose tiles only write zeros), then program (s, j) computes tile s times columns
+  j*BN.. of its group's matrix, streaming w[g, :, those columns] BK rows at a time, and stores
+  only its group's rows. At one token (8 of 128 experts) that is 1/16 of the weights the two
+  below read. Unused tile slots (the list is sized for the worst case) exit at once.
 - "mosaic": JAX's Mosaic GPU ragged dot (jax.experimental.pallas.ops.gpu.ragged_dot_mgpu:
   warpgroup MMA, TMA pipeline, persistent grid; Hopper only), 64 x 256 tiles. It was the fastest
-  at every size from 128 rows up: 4.4x lax.ragged_dot at 1024 rows and ~37x at 16K rows.
-- "xla": jax.lax.ragged_dot; 10 % faster than the Mosaic kernel at 8 rows (one decode token),
-  and it runs everywhere.
-Both take ~190 us for a single token: they stream all 128 experts' weights although only 8 are
-used; a kernel that skips empty groups would be ~15x faster there (not written yet).
-"auto" takes "mosaic" on a Hopper GPU for M >= 64 when the shapes suit its tiles, else "xla".
-No Pallas Triton kernel of our own: the Mosaic one is already at the HBM ceiling's order for
-large M and our Triton attempt would not use wgmma/TMA as it does.
+  of those measured at every size from 128 rows up (BENCHMARKS.md, "Kernels"; Qwen3-30B-A3B
+  gate/up shapes, D=2048 -> 2 x 768, 128 experts, top-8): 4.4x lax.ragged_dot at 1024 rows and
+  ~37x at 16K rows. Its tiles are too big for the "pallas" kernel's trick to pay there: with
+  many rows every expert has some.
+- "xla": jax.lax.ragged_dot; runs everywhere. Both it and "mosaic" take ~190 us for a single
+  token on an H200: they stream all 128 experts' weights although only 8 are used (~12 us of
+  HBM traffic when empty experts are skipped).
+"auto": on a GPU, "pallas" below SPARSE_MAX_ROWS rows (when the shapes suit it), "mosaic" from
+there on Hopper when the shapes suit its tiles, else "xla"; on CPU "xla".
+NOTE: SPARSE_MAX_ROWS = 64 is where "auto" used lax.ragged_dot before; it awaits an H200 sweep
+of the "pallas" kernel against "mosaic" at 16-256 rows (benchmarks/kernels.py --only moe).
 """
 
 from __future__ import annotations
@@ -26,10 +36,18 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
 
 from jaxserve.pallas_kernels.dispatch import resolve_impl
 
 MOSAIC_TILES = dict(block_m=64, block_n=256, block_k=64, max_concurrent_steps=3, grid_block_n=1)
+SPARSE_MAX_ROWS = 64    # "auto" takes the "pallas" kernel for M below this (to be swept)
+BLOCK_M = 16            # rows of a tile: Triton's smallest dot M
+
+# ---------------------------------------------------------------------------------------------
+# Reference
+# ---------------------------------------------------------------------------------------------
 
 
 def ref_grouped_matmul(x_MK, w_GKN, group_sizes_G):
@@ -41,6 +59,20 @@ def ref_grouped_matmul(x_MK, w_GKN, group_sizes_G):
     return jnp.where((group_M < w_GKN.shape[0])[:, None], out, 0.0).astype(x_MK.dtype)
 
 
+# ---------------------------------------------------------------------------------------------
+# Validation and tiling
+# ---------------------------------------------------------------------------------------------
+
+
+def _validate(x_MK, w_GKN, group_sizes_G):
+    if x_MK.ndim != 2 or w_GKN.ndim != 3 or w_GKN.shape[1] != x_MK.shape[1]:
+        raise ValueError(f"x_MK must be [M, K] and w_GKN [G, K, N] with the same K; got "
+                         f"{x_MK.shape} and {w_GKN.shape}")
+    if group_sizes_G.shape != w_GKN.shape[:1]:
+        raise ValueError(f"group_sizes_G must be i32[G = {w_GKN.shape[0]}]; got "
+                         f"{group_sizes_G.shape}")
+
+
 def _mosaic_fits(x_MK, w_GKN) -> bool:
     m, k = x_MK.shape
     n = w_GKN.shape[2]
@@ -50,20 +82,158 @@ def _mosaic_fits(x_MK, w_GKN) -> bool:
             and x_MK.dtype in (jnp.bfloat16, jnp.float16))
 
 
-@functools.partial(jax.jit, static_argnames=("impl",))
-def grouped_matmul(x_MK, w_GKN, group_sizes_G, *, impl: str = "auto"):
-    """x_MK @ w_GKN[group of each row] -> f[M, N]; impl "auto" | "mosaic" | "xla"."""
-    if x_MK.ndim != 2 or w_GKN.ndim != 3 or w_GKN.shape[1] != x_MK.shape[1]:
-        raise ValueError(f"x_MK must be [M, K] and w_GKN [G, K, N] with the same K; got "
-                         f"{x_MK.shape} and {w_GKN.shape}")
-    if group_sizes_G.shape != w_GKN.shape[:1]:
-        raise ValueError(f"group_sizes_G must be i32[G = {w_GKN.shape[0]}]; got "
-                         f"{group_sizes_G.shape}")
-    impl, on_gpu = resolve_impl(impl, ("mosaic", "xla"))
-    if impl == "pallas":   # "auto" on a GPU
-        impl = "mosaic" if on_gpu and _mosaic_fits(x_MK, w_GKN) else "xla"
+def _sparse_problem(x_MK, w_GKN) -> str | None:
+    """Why the "pallas" kernel cannot take these operands (None if it can)."""
+    g, k, n = w_GKN.shape
+    if x_MK.dtype != w_GKN.dtype or x_MK.dtype not in (jnp.bfloat16, jnp.float16, jnp.float32):
+        return (f"x_MK and w_GKN must share one dtype of bf16, f16, f32; got {x_MK.dtype} and "
+                f"{w_GKN.dtype}")
+    if k % 16 or n % 16:
+        return f"K and N must be multiples of 16; got K={k}, N={n}"
+    if g * k * n >= 2 ** 31:
+        return f"w_GKN has {g * k * n} elements; the kernel's int32 offsets need < 2**31"
+    return None
+
+
+def _block(dim: int, requested: int | None, preferred: int, name: str, dim_name: str) -> int:
+    """A requested block size must divide its dim; by default the largest power of two
+    <= `preferred` that does (>= 16, as Triton's dot needs), so no load needs a mask."""
+    if requested is not None:
+        if requested < 16 or requested & (requested - 1) or dim % requested:
+            raise ValueError(f"{name} must be a power of two >= 16 dividing {dim_name}={dim}; "
+                             f"got {requested}")
+        return requested
+    b = preferred
+    while dim % b:
+        b //= 2
+    return b
+
+
+def _num_slots(m: int, g: int) -> int:
+    """Most row tiles the groups can need: c non-empty groups (the trailing pseudo-group
+    included, so c <= min(M, G + 1)) need sum ceil(size/BM) = c + sum (size - 1) // BM
+    <= c + (M - c) // BM tiles, which grows with c."""
+    c = min(m, g + 1)
+    return c + (m - c) // BLOCK_M
+
+
+def _tile_list(group_sizes_G, m: int):
+    """(group i32[S], first row i32[S], end row i32[S]) of every tile slot, in plain XLA.
+    Group G is the pseudo-group of the rows past the real ones (its tiles store zeros);
+    unused slots have first row == end row (they store nothing)."""
+    g = group_sizes_G.shape[0]
+    ends = jnp.minimum(jnp.cumsum(group_sizes_G.astype(jnp.int32)), m)
+    ends_X = jnp.concatenate([ends, jnp.full((1,), m, jnp.int32)])        # X = G + 1 groups
+    starts_X = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends_X[:-1]])
+    tiles_X = pl.cdiv(ends_X - starts_X, BLOCK_M)
+    tile_ends_X = jnp.cumsum(tiles_X)
+    slot_S = jnp.arange(_num_slots(m, g), dtype=jnp.int32)
+    # NOTE: a compare-and-count, not jnp.searchsorted's default loop: one small fusion.
+    grp_S = jnp.sum(tile_ends_X[None, :] <= slot_S[:, None], axis=1, dtype=jnp.int32)
+    used_S = grp_S <= g
+    grp_S = jnp.minimum(grp_S, g)
+    first_S = starts_X[grp_S] + (slot_S - (tile_ends_X - tiles_X)[grp_S]) * BLOCK_M
+    end_S = jnp.minimum(first_S + BLOCK_M, ends_X[grp_S])
+    first_S = jnp.where(used_S, first_S, 0)
+    return grp_S, first_S, jnp.where(used_S, end_S, 0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernel body: program (s, j) = row tile s x output columns j*BN .. (j+1)*BN
+# ---------------------------------------------------------------------------------------------
+
+
+def _sparse_kernel(
+    # inputs
+    grp_ref, first_ref, end_ref, x_ref, w_ref,
+    # outputs
+    o_ref,
+    *, m, k, groups, block_k, block_n):
+    s, j = pl.program_id(0), pl.program_id(1)
+    grp, first, end = grp_ref[s], first_ref[s], end_ref[s]
+    rows_R = first + jnp.arange(BLOCK_M, dtype=jnp.int32)
+    # x rows past the tile belong to other groups (or past M): any value will do for rows
+    # whose results are never stored, so clamp the load instead of masking it.
+    xrows_R1 = jnp.minimum(rows_R, m - 1)[:, None]
+    cols_1N = j * block_n + jnp.arange(block_n, dtype=jnp.int32)[None, :]
+    kk_K = jnp.arange(block_k, dtype=jnp.int32)
+    w_base = jnp.minimum(grp, groups - 1) * k   # w viewed as [G*K, N]
+
+    def body(step, acc):
+        kk = step * block_k + kk_K
+        x = plgpu.load(x_ref.at[xrows_R1, kk[None, :]])                        # [BM, BK]
+        w = plgpu.load(w_ref.at[(w_base + kk)[:, None], cols_1N])              # [BK, BN]
+        return acc + plgpu.dot(x, w, precision=jax.lax.Precision.HIGHEST)
+
+    # The pseudo-group G (rows past the groups) and unused slots read no weights at all.
+    steps = jnp.where(grp < groups, k // block_k, 0)
+    acc = jax.lax.fori_loop(0, steps, body, jnp.zeros((BLOCK_M, block_n), jnp.float32))
+    # NOTE: the store uses the unclamped rows with a mask: rows of the neighbouring groups'
+    # tiles are never written (on the GPU nor in interpret mode's read-modify-write).
+    plgpu.store(o_ref.at[rows_R[:, None], cols_1N], acc.astype(o_ref.dtype),
+                mask=(rows_R < end)[:, None])
+
+
+def _sparse_grouped_matmul(x_MK, w_GKN, group_sizes_G, *, block_k, block_n, num_warps,
+                           num_stages, interpret):
+    problem = _sparse_problem(x_MK, w_GKN)
+    if problem:
+        raise ValueError(f"impl='pallas': {problem}; use impl='xla'")
+    m, k = x_MK.shape
+    g, _, n = w_GKN.shape
+    # Defaults, for bandwidth (the weights are the traffic; x is tiny): BN = 64 bf16 columns
+    # make each weight row a 128-byte coalesced segment and give 8 experts x N/64 = 96-256
+    # programs at one token (Qwen3-30B-A3B), about one per SM of an H200 or more; BK = 128
+    # streams 16 KB of weights per step, so num_stages=4 keeps ~48 KB in flight per program.
+    # NOTE: reasoned, not yet measured: benchmarks/kernels.py --only moe --sweep sweeps them.
+    block_k = _block(k, block_k, 128, "block_k", "K")
+    block_n = _block(n, block_n, 64, "block_n", "N")
+    grp_S, first_S, end_S = _tile_list(group_sizes_G, m)
+    s = grp_S.shape[0]
+    whole = lambda *shape: pl.BlockSpec(shape, lambda i, j: (0,) * len(shape))  # noqa: E731
+    return pl.pallas_call(
+        functools.partial(_sparse_kernel, m=m, k=k, groups=g, block_k=block_k,
+                          block_n=block_n),
+        grid=(s, n // block_n),
+        in_specs=[whole(s), whole(s), whole(s), whole(m, k), whole(g * k, n)],
+        out_specs=whole(m, n),
+        out_shape=jax.ShapeDtypeStruct((m, n), x_MK.dtype),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name=f"grouped_matmul_sparse_bk{block_k}_bn{block_n}",
+    )(grp_S, first_S, end_S, x_MK, w_GKN.reshape(g * k, n))
+
+
+# ---------------------------------------------------------------------------------------------
+# Public wrapper
+# ---------------------------------------------------------------------------------------------
+
+
+@functools.partial(jax.jit, static_argnames=("impl", "block_k", "block_n", "num_warps",
+                                             "num_stages", "interpret"))
+def grouped_matmul(x_MK, w_GKN, group_sizes_G, *, impl: str = "auto", block_k: int | None = None,
+                   block_n: int | None = None, num_warps: int = 4, num_stages: int = 4,
+                   interpret: bool | None = None):
+    """x_MK @ w_GKN[group of each row] -> f[M, N]; impl "auto" | "pallas" | "mosaic" | "xla".
+
+    Tuning options of the "pallas" kernel: block_k / block_n (powers of two >= 16 dividing K /
+    N; default the largest dividing one up to 128 / 64), num_warps, num_stages, interpret
+    (default: on CPU only).
+    """
+    _validate(x_MK, w_GKN, group_sizes_G)
+    auto = impl == "auto"
+    impl, on_gpu = resolve_impl(impl, ("pallas", "mosaic", "xla"))
+    if auto and on_gpu:
+        if x_MK.shape[0] < SPARSE_MAX_ROWS and _sparse_problem(x_MK, w_GKN) is None:
+            impl = "pallas"
+        else:
+            impl = "mosaic" if _mosaic_fits(x_MK, w_GKN) else "xla"
     if impl == "xla":
         return jax.lax.ragged_dot(x_MK, w_GKN, group_sizes_G.astype(jnp.int32))
+    if impl == "pallas":
+        return _sparse_grouped_matmul(
+            x_MK, w_GKN, group_sizes_G, block_k=block_k, block_n=block_n, num_warps=num_warps,
+            num_stages=num_stages, interpret=(not on_gpu) if interpret is None else interpret)
     from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
     return ragged_dot_mgpu.ragged_dot(x_MK, w_GKN, group_sizes=group_sizes_G.astype(jnp.int32),
                                       **MOSAIC_TILES)

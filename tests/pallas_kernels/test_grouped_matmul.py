@@ -1,24 +1,103 @@
-"""Grouped matmul for MoE: the XLA path against the dense reference on CPU (the Mosaic GPU
-kernel it picks on Hopper is JAX's own and is checked on the GPU by benchmarks/kernels.py)."""
+"""Grouped matmul for MoE on CPU: the XLA path and our expert-skipping Pallas kernel
+(interpret mode) against the dense reference (the Mosaic GPU kernel "auto" picks on Hopper for
+many rows is JAX's own and is checked on the GPU by benchmarks/kernels.py)."""
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from jaxserve.pallas_kernels import grouped_matmul as gm
+from jaxserve.pallas_kernels.cuda_lowering import export_for_cuda, triton_kernel_names
+
+
+def operands(sizes, m=None, k=64, n=64, dtype=jnp.float32, seed=0):
+    rng = np.random.default_rng(seed)
+    sizes = np.asarray(sizes, np.int32)
+    m = int(sizes.sum()) if m is None else m
+    x = jnp.asarray(rng.standard_normal((m, k)), dtype)
+    w = jnp.asarray(rng.standard_normal((len(sizes), k, n)) / np.sqrt(k), dtype)
+    return x, w, jnp.asarray(sizes)
+
+
+def check_pallas(x, w, sizes, tol=1e-5, **tuning):
+    got = gm.grouped_matmul(x, w, sizes, impl="pallas", **tuning)
+    want = gm.ref_grouped_matmul(x, w, sizes)
+    assert got.dtype == x.dtype and got.shape == want.shape
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                               rtol=tol, atol=tol)
+    return np.asarray(got, np.float32)
 
 
 def test_xla_and_auto_match_reference_with_empty_groups():
-    rng = np.random.default_rng(0)
-    sizes = np.array([3, 0, 5, 1, 0, 7], np.int32)        # empty experts included
-    x = jnp.asarray(rng.standard_normal((sizes.sum(), 16)), jnp.float32)
-    w = jnp.asarray(rng.standard_normal((6, 16, 8)), jnp.float32)
-    want = gm.ref_grouped_matmul(x, w, jnp.asarray(sizes))
+    x, w, sizes = operands([3, 0, 5, 1, 0, 7], k=16, n=8)   # empty experts included
+    want = gm.ref_grouped_matmul(x, w, sizes)
     for impl in ("xla", "auto"):
-        got = gm.grouped_matmul(x, w, jnp.asarray(sizes), impl=impl)
+        got = gm.grouped_matmul(x, w, sizes, impl=impl)
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+def test_pallas_one_token_top8_of_128_experts():
+    sizes = np.zeros(128, np.int32)
+    sizes[np.random.default_rng(1).choice(128, 8, replace=False)] = 1
+    check_pallas(*operands(sizes))
+
+
+def test_pallas_groups_spanning_several_row_tiles_and_all_rows_in_one_group():
+    # groups of 20 and 37 rows take 2 and 3 tiles of BM = 16; several K and N steps
+    check_pallas(*operands([3, 0, 20, 1, 0, 37, 0, 2], k=64, n=64), block_k=16, block_n=32)
+    check_pallas(*operands([0, 0, 40, 0], k=32, n=48))      # N=48: block_n falls back to 16
+
+
+def test_pallas_rows_past_the_groups_are_zero():
+    x, w, sizes = operands([3, 0, 20, 1, 0, 7, 0, 2], m=50)    # 33 rows in groups, 17 beyond
+    got = check_pallas(x, w, sizes)
+    assert (got[33:] == 0).all()
+    got = check_pallas(x, w, jnp.zeros_like(sizes))             # no rows in any group
+    assert (got == 0).all()
+
+
+def test_pallas_bf16():
+    check_pallas(*operands([2, 0, 0, 17, 1, 0, 5, 0], dtype=jnp.bfloat16), tol=2e-2)
+
+
+def test_pallas_reads_no_weights_of_empty_groups():
+    # the point of the kernel: empty experts' weights are never read, so NaN there is harmless
+    sizes = np.zeros(32, np.int32)
+    sizes[[3, 4, 17, 30]] = [1, 18, 2, 3]
+    x, w, sizes = operands(sizes, m=28)                         # 4 rows past the groups
+    empty = np.asarray(sizes) == 0
+    w = jnp.where(jnp.asarray(empty)[:, None, None], jnp.nan, w)
+    got = check_pallas(x, w, sizes)
+    assert np.isfinite(got).all()
+
+
+def test_pallas_validation():
+    x, w, sizes = operands([4, 4], k=64, n=64)
+    with pytest.raises(ValueError, match="block_k"):
+        gm.grouped_matmul(x, w, sizes, impl="pallas", block_k=48)
+    with pytest.raises(ValueError, match="block_n"):
+        gm.grouped_matmul(x, w, sizes, impl="pallas", block_n=128)
+    with pytest.raises(ValueError, match="multiples of 16"):
+        gm.grouped_matmul(x[:, :40], w[:, :40], sizes, impl="pallas")
+    with pytest.raises(ValueError, match="dtype"):
+        gm.grouped_matmul(x.astype(jnp.bfloat16), w, sizes, impl="pallas")
+
+
+def test_tile_list_bound_is_tight():
+    # worst case for M rows: as many one-row groups as there are groups (up to M - 1), the
+    # rest past the groups; every slot is then used and every row covered by exactly one tile
+    for m, g in ((8, 128), (63, 8), (64, 128), (100, 3), (1, 4)):
+        sizes = np.zeros(g, np.int32)
+        sizes[:min(m - 1, g)] = 1
+        grp, first, end = (np.asarray(a) for a in gm._tile_list(jnp.asarray(sizes), m))
+        assert len(grp) == gm._num_slots(m, g) == (end > first).sum()
+        covered = np.zeros(m, int)
+        for f, e in zip(first, end):
+            covered[f:e] += 1
+        assert (covered == 1).all()
 
 
 def test_validation():
@@ -29,3 +108,12 @@ def test_validation():
         gm.grouped_matmul(x, jnp.zeros((2, 16, 4)), jnp.array([4]))
     with pytest.raises(ValueError, match="impl"):
         gm.grouped_matmul(x, jnp.zeros((2, 16, 4)), jnp.array([2, 2]), impl="triton")
+
+
+@pytest.mark.parametrize("k,n", [(2048, 768), (768, 2048)])   # Qwen3-30B-A3B gate/up, down
+def test_pallas_lowers_for_cuda(k, n):
+    sds = jax.ShapeDtypeStruct
+    exported = export_for_cuda(
+        lambda x, w, s: gm.grouped_matmul(x, w, s, impl="pallas", interpret=False),
+        sds((8, k), jnp.bfloat16), sds((128, k, n), jnp.bfloat16), sds((128,), jnp.int32))
+    assert triton_kernel_names(exported) == ["grouped_matmul_sparse_bk128_bn64"]
