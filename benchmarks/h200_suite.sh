@@ -112,6 +112,48 @@ variants() {
   step 90 var_cublas env XLA_FLAGS=--xla_gpu_enable_triton_gemm=false "${common[@]}" --output-json "$OUT/var_cublas.json"
 }
 
+# jaxserve with one of this session's changes taken back, for attribution
+NO_T1=(python3 -c "import sys, jaxserve.runner as r; r.SINGLE_TOKEN_BUCKET = False; from jaxserve.cli import main; sys.exit(main())")
+NO_FUSE=(python3 -c "import sys, jaxserve.models.llama as m; del m.fuse_projections; from jaxserve.cli import main; sys.exit(main())")
+
+round2() {
+  # MoE grouped matmul at decode sizes: the expert-skipping kernel (with a tile sweep) against
+  # lax.ragged_dot and grouped_matmul(auto).
+  step 200 kernels_moe python3 benchmarks/kernels.py --only moe --quick --sweep --moe-auto-only \
+    --json "$OUT/kernels_moe.json"
+  decode_b1_b64
+  # Batch 1 with the single-token bucket or the fused projections taken back.
+  local b1=(bench latency "${LLAMA[@]}" "${ENGINE[@]}" --attention-impl pallas --no-warmup
+            --batch-size 1 --input-len 128 --output-len 64 --num-iters 1 --device-only-iters 20 --disable-tqdm)
+  step 90 var_no_t1 "${NO_T1[@]}" "${b1[@]}"
+  step 90 var_no_fuse "${NO_FUSE[@]}" "${b1[@]}"
+  step 150 lat_qwen3moe "${JS[@]}" bench latency Qwen3-30B-A3B --load-format dummy --dtype bfloat16 \
+    --max-logprobs 0 --max-num-seqs 16 --max-num-batched-tokens 128 --max-model-len 512 \
+    --attention-impl pallas --batch-size 1 16 --input-len 64 --output-len 32 --num-iters 1 \
+    --no-warmup --device-only-iters 0 --disable-tqdm --output-json "$OUT/lat_qwen3moe.json"
+  SERVE_PROMPTS=100 serve_run serve_default
+  SERVE_PROMPTS=100 serve_run serve_lp128 --long-prefill-token-threshold 128
+}
+
+decode_b1_b64() {
+  step 240 lat_8b "${JS[@]}" bench latency "${LLAMA[@]}" "${ENGINE[@]}" --attention-impl pallas \
+    --batch-size 1 64 --input-len 128 --output-len 128 --num-iters 2 --profile-dir /tmp/prof \
+    --disable-tqdm --output-json "$OUT/lat_8b.json"
+  cp "$(ls -t /tmp/prof/batch1-*/plugins/profile/*/*.trace.json.gz /tmp/prof/batch1-*/plugins/profile/*/perfetto_trace.json.gz 2>/dev/null | head -1)" "$OUT/trace_b1.json.gz"
+}
+
+serve_run() {   # serve_run NAME [engine flags...]: the server on the 8B shape with Llama-3's
+                # tokenizer (a text chunk per token), ShareGPT at request rates $RATES
+  local name=$1; shift
+  "${JS[@]}" serve .benchdata/llama8b-dummy --load-format dummy --dtype bfloat16 --max-logprobs 0 \
+    "${ENGINE[@]}" "$@" --port 8011 --log-level warning >"$OUT/$name.log" 2>&1 &
+  local server=$!
+  step 200 "$name" "${JS[@]}" bench serve --base-url http://127.0.0.1:8011 --wait-for-server 150 \
+    --dataset-name jsonl --dataset-path "$SHAREGPT" --num-prompts "${SERVE_PROMPTS:-150}" \
+    --request-rate ${RATES:-4 16} --goodput ttft:100 tpot:50 --disable-tqdm --output-json "$OUT/$name.json"
+  kill "$server" 2>/dev/null; wait "$server" 2>/dev/null
+}
+
 setup
 for stage in "$@"; do "$stage"; done
 echo "=== done ($(date -u +%H:%M:%S))" | tee -a "$LOG"

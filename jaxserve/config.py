@@ -121,10 +121,16 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 512    # token budget of one step
     max_model_len: int = 2048            # prompt + output tokens of one request
     max_waiting_requests: int = 4096     # beyond this, new requests are refused (HTTP 503)
+    # Prefill chunks of one request are cut to this many tokens (0: only the step budget cuts
+    # them). Smaller chunks keep the steps that carry a prefill close to a decode step's time,
+    # which bounds the inter-token latency of the running requests (vLLM's name and meaning).
+    long_prefill_token_threshold: int = 0
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "max_waiting_requests"):
             _check(getattr(self, name) >= 1, name, ">= 1", getattr(self, name))
+        _check(self.long_prefill_token_threshold >= 0, "long_prefill_token_threshold", ">= 0",
+               self.long_prefill_token_threshold)
         _check(self.max_num_batched_tokens >= self.max_num_seqs, "max_num_batched_tokens",
                f">= max_num_seqs ({self.max_num_seqs})", self.max_num_batched_tokens)
 

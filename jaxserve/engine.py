@@ -119,7 +119,10 @@ class LLMEngine:
         self.config = config
         self.tokenizer = tokenizer
         self.model_name = model_name
+        t0 = time.perf_counter()
         self.runner = ModelRunner(config, params, model_module, mesh=mesh)
+        # Where start-up went, in seconds (from_engine_args adds "load"): a bench reports it.
+        self.startup_seconds = {"runner_init": time.perf_counter() - t0}
         self.scheduler = Scheduler(config.scheduler, config.cache, self.runner.num_blocks)
         self.metrics = EngineMetrics()
         self.groups: dict[str, _Group] = {}
@@ -132,7 +135,8 @@ class LLMEngine:
         if config.warmup:
             t0 = time.perf_counter()
             self.runner.warmup()
-            logger.info("warm-up took %.1f s", time.perf_counter() - t0)
+            self.startup_seconds["warmup"] = time.perf_counter() - t0
+            logger.info("warm-up took %.1f s", self.startup_seconds["warmup"])
         self._update_gauges()
 
     @classmethod
@@ -142,7 +146,8 @@ class LLMEngine:
                          kv_cache_memory_fraction: float = 0.9, kv_cache_cpu_bytes: int = 1 << 30,
                          enable_prefix_caching: bool = True, max_num_seqs: int | None = None,
                          max_num_batched_tokens: int | None = None, max_model_len: int | None = None,
-                         max_waiting_requests: int = 4096, tensor_parallel_size: int = 1,
+                         max_waiting_requests: int = 4096, long_prefill_token_threshold: int = 0,
+                         tensor_parallel_size: int = 1,
                          expert_parallel_size: int = 1, seed: int = 0, max_logprobs: int = 20,
                          attention_impl: str = "auto", warmup: bool = True) -> "LLMEngine":
         from jaxserve.models import loader, registry
@@ -155,8 +160,10 @@ class LLMEngine:
         if tensor_parallel_size * expert_parallel_size > 1:
             from jaxserve.sharding.mesh import mesh_from_parallel_config
             mesh = mesh_from_parallel_config(parallel)
+        t0 = time.perf_counter()
         cfg, params, tokenizer = loader.load_model(model, load_format=load_format, dtype=dtype,
                                                    mesh=mesh, seed=seed)
+        load_s = time.perf_counter() - t0
         max_model_len = max_model_len or min(cfg.max_position_embeddings, _default(None, 8192, 2048))
         if max_model_len > cfg.max_position_embeddings:
             raise ValueError(f"max_model_len must be <= the model's max_position_embeddings "
@@ -172,13 +179,16 @@ class LLMEngine:
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
                                       max_num_batched_tokens=max(max_num_batched_tokens, max_num_seqs),
                                       max_model_len=max_model_len,
-                                      max_waiting_requests=max_waiting_requests),
+                                      max_waiting_requests=max_waiting_requests,
+                                      long_prefill_token_threshold=long_prefill_token_threshold),
             parallel=parallel,
             dtype=dtype, seed=seed, max_logprobs=max_logprobs, attention_impl=attention_impl,
             warmup=warmup)
         from jaxserve import default_model
         name = served_model_name or (default_model.DEFAULT_MODEL_NAME if model is None else model)
-        return cls(config, params, tokenizer, registry.get_model_module(cfg.architecture), name, mesh=mesh)
+        engine = cls(config, params, tokenizer, registry.get_model_module(cfg.architecture), name, mesh=mesh)
+        engine.startup_seconds["load"] = load_s
+        return engine
 
     # -- requests ------------------------------------------------------------------------
     def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:

@@ -18,6 +18,7 @@ import functools
 import logging
 import math
 import os
+import time
 
 import jax
 import jax.numpy as jnp
@@ -56,8 +57,15 @@ class StepResult:
     prompt_logprobs: dict[int, tuple] | None = None
 
 
+# A bucket of one token for batch-1 decode (one user, a notebook): padded to 16 tokens it ran
+# 16 query rows through attention and the sampler (NOTE: measured on the H200, BENCHMARKS.md).
+SINGLE_TOKEN_BUCKET = True
+
+
 def token_buckets(max_tokens: int, smallest: int = 16) -> list[int]:
-    buckets, b = [], smallest
+    """Step sizes that get a compiled program: 1, then powers of two from `smallest`, then
+    max_tokens (the step budget)."""
+    buckets, b = [1] if SINGLE_TOKEN_BUCKET and max_tokens > 1 else [], smallest
     while b < max_tokens:
         buckets.append(b)
         b *= 2
@@ -97,6 +105,10 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, params, model, num_blocks: int | None = None, mesh=None):
         self.config = config
         self.cfg = config.model
+        # One matmul per group of projections that share an input (unsharded only; see
+        # models/llama.py fuse_projections). In place, so no second copy of the weights.
+        if mesh is None and hasattr(model, "fuse_projections"):
+            params = model.fuse_projections(config.model, params)
         self.params = params
         self.model = model
         self.block_size = config.cache.block_size
@@ -128,6 +140,9 @@ class ModelRunner:
         self._prev_rows: dict[str, int] = {}
         # Compiled step programs by (input layout, variant): warm-up fills it, run() uses it.
         self._executables: dict[tuple, object] = {}
+        # Seconds spent tracing + lowering and compiling step programs, summed over programs
+        # (warm-up runs them on threads, so the sums can exceed its wall time).
+        self.compile_seconds = {"lower": 0.0, "compile": 0.0}
 
     # -- sizing --------------------------------------------------------------------------
     @property
@@ -223,8 +238,14 @@ class ModelRunner:
     def _compile(self, layout: packing.Layout, variant: StepVariant, num_words: int):
         """The step program for one input layout and variant, compiled ahead of time."""
         packed = jax.ShapeDtypeStruct((num_words,), jnp.uint32, sharding=self.input_sharding)
-        return self._step.lower(self.params, self.kv_cache, packed, self._prev_ids,
-                                variant=variant, layout=layout).compile()
+        t0 = time.perf_counter()
+        lowered = self._step.lower(self.params, self.kv_cache, packed, self._prev_ids,
+                                   variant=variant, layout=layout)
+        t1 = time.perf_counter()
+        compiled = lowered.compile()      # a persistent-cache hit only loads the executable
+        self.compile_seconds["lower"] += t1 - t0
+        self.compile_seconds["compile"] += time.perf_counter() - t1
+        return compiled
 
     def dispatch(self, out: SchedulerOutput) -> InFlightStep:
         """Build and launch the step without waiting for the device."""

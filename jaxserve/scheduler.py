@@ -88,6 +88,11 @@ class Scheduler:
         return len(self.requests)
 
     # -- one step --------------------------------------------------------------------------
+    def _cap(self, n: int) -> int:
+        """A prefill chunk's tokens after long_prefill_token_threshold (decode rows are 1)."""
+        limit = self.config.long_prefill_token_threshold
+        return min(n, limit) if limit > 0 else n
+
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
@@ -96,7 +101,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens + req.num_pending_tokens - req.num_computed_tokens, budget)
+            n = self._cap(min(req.num_tokens + req.num_pending_tokens - req.num_computed_tokens, budget))
             if n <= 0 or self._ends_with_pending_token(req):
                 i += 1
                 continue
@@ -123,7 +128,7 @@ class Scheduler:
             wants_prompt_lp = req.sampling_params.prompt_logprobs is not None
             hits = self._prefix_hits(req) if req.num_computed_tokens == 0 and not wants_prompt_lp else []
             computed = len(hits) * self.block_size if hits else req.num_computed_tokens
-            n = min(req.num_tokens - computed, budget)
+            n = self._cap(min(req.num_tokens - computed, budget))
             need = -(-(computed + n) // self.block_size) - len(hits)
             if self.pool.num_free - self.pool.num_reclaimable(hits) - need < reserve:
                 break

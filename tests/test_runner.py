@@ -34,3 +34,13 @@ def test_warmup_covers_every_program(threads_fail, monkeypatch):
         if event == "/jax/core/compile/backend_compile_duration" else None)
     workload(llm)
     assert compiles == []
+
+
+def test_buckets_start_with_a_single_token_step():
+    assert runner_module.token_buckets(2048) == [1, 16, 32, 64, 128, 256, 512, 1024, 2048]
+    assert runner_module.token_buckets(24) == [1, 16, 24]
+    llm = LLM(TINY, dtype="float32", max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64,
+              warmup=False)
+    # A lone decode runs unpadded; two decodes take the 16-token program (S = 4 rows).
+    assert llm.engine.runner.bucket(1) == (1, 1)
+    assert llm.engine.runner.bucket(2) == (16, 4)

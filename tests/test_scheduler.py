@@ -6,9 +6,9 @@ from jaxserve.sampling_params import SamplingParams
 from jaxserve.scheduler import Scheduler
 
 
-def make(max_tokens=64, max_seqs=4, blocks=32, block_size=4, max_len=64, caching=True):
+def make(max_tokens=64, max_seqs=4, blocks=32, block_size=4, max_len=64, caching=True, long_prefill=0):
     return Scheduler(SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=max_tokens,
-                                     max_model_len=max_len),
+                                     max_model_len=max_len, long_prefill_token_threshold=long_prefill),
                      CacheConfig(block_size=block_size, enable_prefix_caching=caching), blocks)
 
 
@@ -30,6 +30,19 @@ def test_long_prompt_is_chunked_and_samples_only_at_the_end():
     assert [len(o.chunks[0].token_ids) for o in outs] == [8, 8, 4]
     assert [o.chunks[0].sample for o in outs] == [False, False, True]
     assert s.requests["a"].output_token_ids == [7]
+
+
+def test_long_prefill_token_threshold_cuts_prefill_chunks_not_decodes():
+    s = make(max_tokens=32, long_prefill=6)
+    s.add_request(req("a", 3))
+    run_step(s)                                   # a: short prompt, now decoding
+    s.add_request(req("b", 14))
+    s.add_request(req("c", 5))
+    outs = [run_step(s) for _ in range(3)]
+    sizes = [{c.request.request_id: len(c.token_ids) for c in o.chunks} for o in outs]
+    # b is cut to 6 tokens a step although the budget (32) would take it whole; c fits.
+    assert sizes == [{"a": 1, "b": 6, "c": 5}, {"a": 1, "b": 6, "c": 1}, {"a": 1, "b": 2, "c": 1}]
+    assert [c.sample for c in outs[2].chunks] == [True, True, True]
 
 
 def test_running_requests_come_before_waiting_ones():

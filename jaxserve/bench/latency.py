@@ -114,11 +114,15 @@ def bench_batch(llm, batch: int, args, bar=None) -> dict:
 
 
 def startup_row(build_s: float, before_build: float | None, first_token_s: float | None,
-                after_build: float | None) -> dict:
-    return {"process_to_engine_ready_s": after_build, "engine_build_s": build_s,
-            "process_start_to_build_s": before_build,
-            "process_to_first_token_s": None if after_build is None or first_token_s is None
-            else after_build + first_token_s}
+                after_build: float | None, engine=None) -> dict:
+    row = {"process_to_engine_ready_s": after_build, "engine_build_s": build_s,
+           "process_start_to_build_s": before_build,
+           "process_to_first_token_s": None if after_build is None or first_token_s is None
+           else after_build + first_token_s}
+    if engine is not None:   # the build's parts; lower/compile are summed over the programs
+        row.update({f"{k}_s": v for k, v in engine.startup_seconds.items()})
+        row.update({f"{k}_sum_s": v for k, v in engine.runner.compile_seconds.items()})
+    return row
 
 
 def main(argv: list[str]) -> int:
@@ -132,7 +136,7 @@ def main(argv: list[str]) -> int:
     vocab = llm.engine.config.model.vocab_size
     _, first_s = generate_once(llm.engine, random_requests(1, args.input_len, 1, vocab),
                                dict(temperature=1.0, ignore_eos=True))
-    startup = startup_row(build_s, before_build, first_s, after_build)
+    startup = startup_row(build_s, before_build, first_s, after_build, llm.engine)
     bar = None
     if not args.disable_tqdm:
         from tqdm.auto import tqdm

@@ -40,10 +40,19 @@ def _prefill_chunks(prompts):
     return [first, second]
 
 
-@pytest.mark.parametrize("name", list(ARCHITECTURES))
-def test_matches_transformers(name, tiny_checkpoint):
+# The engine runs on fused projections (llama.fuse_projections): check that layout too, on
+# the architectures whose fusion differs (plain, q/k/v bias, q/k norm, both MoE kinds).
+CASES = [(name, False) for name in ARCHITECTURES] + [
+    (name, True) for name in ("llama", "qwen2", "qwen3", "mixtral", "qwen3_moe")]
+
+
+@pytest.mark.parametrize("name, fused", CASES)
+def test_matches_transformers(name, fused, tiny_checkpoint):
     golden = np.load(os.path.join(GOLDEN_DIR, f"{name}.npz"))
     cfg, params, tokenizer = load_model(tiny_checkpoint(name))
+    if fused:
+        llama.fuse_projections(cfg, params)
+        assert "wqkv" in params["layers"][0] and "wq" not in params["layers"][0]
     assert cfg.architecture == ARCHITECTURES[name]
     assert tokenizer is None          # no tokenizer files in the tiny checkpoints
     prompts = [golden[f"prompt_{i}"].tolist() for i in range(3)]
