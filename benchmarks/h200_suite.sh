@@ -135,6 +135,23 @@ round2() {
   SERVE_PROMPTS=100 serve_run serve_lp128 --long-prefill-token-threshold 128
 }
 
+round3() {
+  decode_b1_b64              # first: the cold start-up of a fresh machine
+  step 120 warm_start "${JS[@]}" bench latency "${LLAMA[@]}" "${ENGINE[@]}" --attention-impl pallas \
+    --batch-size 1 --input-len 128 --output-len 16 --num-iters 1 --device-only-iters 0 \
+    --disable-tqdm --output-json "$OUT/warm_start.json"
+  step 200 kernels_moe python3 benchmarks/kernels.py --only moe --quick --sweep --moe-auto-only \
+    --json "$OUT/kernels_moe.json"
+  step 150 lat_qwen3moe "${JS[@]}" bench latency Qwen3-30B-A3B --load-format dummy --dtype bfloat16 \
+    --max-logprobs 0 --max-num-seqs 16 --max-num-batched-tokens 128 --max-model-len 512 \
+    --attention-impl pallas --batch-size 1 16 --input-len 64 --output-len 32 --num-iters 1 \
+    --no-warmup --device-only-iters 0 --disable-tqdm --output-json "$OUT/lat_qwen3moe.json"
+  step 240 tput "${JS[@]}" bench throughput "${LLAMA[@]}" "${ENGINE[@]}" --attention-impl pallas \
+    --dataset-name jsonl --dataset-path "$SHAREGPT" --num-prompts "${NUM_PROMPTS:-1000}" \
+    --disable-tqdm --output-json "$OUT/tput.json"
+  SERVE_PROMPTS=100 serve_run serve
+}
+
 decode_b1_b64() {
   step 240 lat_8b "${JS[@]}" bench latency "${LLAMA[@]}" "${ENGINE[@]}" --attention-impl pallas \
     --batch-size 1 64 --input-len 128 --output-len 128 --num-iters 2 --profile-dir /tmp/prof \

@@ -143,6 +143,7 @@ class ModelRunner:
         # Seconds spent tracing + lowering and compiling step programs, summed over programs
         # (warm-up runs them on threads, so the sums can exceed its wall time).
         self.compile_seconds = {"lower": 0.0, "compile": 0.0}
+        self._pending: dict[tuple, concurrent.futures.Future] = {}   # warm-up's compiles
 
     # -- sizing --------------------------------------------------------------------------
     @property
@@ -229,6 +230,12 @@ class ModelRunner:
         """Dispatch one step (asynchronously); the cache is donated and replaced."""
         packed, layout = packing.pack(x)
         exe = self._executables.get((layout, variant))
+        if exe is None and (layout, variant) in self._pending:    # still compiling in warm-up
+            try:
+                self._pending[(layout, variant)].result()
+                exe = self._executables[(layout, variant)]
+            except Exception:
+                logger.warning("a warm-up compile failed; compiling again", exc_info=True)
         if exe is None:           # a shape warm-up did not cover (or warm-up was off)
             exe = self._executables[(layout, variant)] = self._compile(layout, variant, len(packed))
         self.kv_cache, result, prompt, self._prev_ids = exe(
@@ -300,12 +307,17 @@ class ModelRunner:
 
     def warmup(self) -> None:
         """Compile the lean and full program of every bucket, on a thread each: XLA compiles
-        outside the GIL, so start-up takes about as long as the slowest program, not the sum."""
+        outside the GIL, so start-up takes about as long as the slowest program, not the sum.
+
+        Returns once the lean programs are ready; the full ones (logprobs, top-k/p, penalties)
+        finish in the background, and a step that needs one before then waits for it
+        (`wait_for_warmup` waits for all). NOTE: measured on the H200 (BENCHMARKS.md,
+        Start-up): waiting for all 18 programs of the 8B engine took 58 s of a 63 s cold start."""
         empty = SchedulerOutput(chunks=[], num_tokens=0, preempted_ids=[], new_ids=[], num_cached_tokens=0)
         jobs = []
-        for t in self.buckets:
-            x, _ = self.prepare(dataclasses.replace(empty, num_tokens=t))
-            for variant in self.warmup_variants:
+        for variant in self.warmup_variants:          # lean first: those are waited for
+            for t in self.buckets:
+                x, _ = self.prepare(dataclasses.replace(empty, num_tokens=t))
                 if variant.full:
                     x = dataclasses.replace(x, sampling=make_sampling_tensors(
                         [], x.num_seqs, self.cfg.vocab_size, self.config.scheduler.max_model_len))
@@ -317,11 +329,27 @@ class ModelRunner:
             self._executables[(layout, variant)] = self._compile(layout, variant, num_words)
 
         try:
-            with concurrent.futures.ThreadPoolExecutor(min(len(jobs), os.cpu_count() or 1)) as pool:
-                list(pool.map(compile_one, jobs))
+            pool = concurrent.futures.ThreadPoolExecutor(min(len(jobs), os.cpu_count() or 1),
+                                                         thread_name_prefix="jaxserve-compile")
+            self._pending = {(job[0], job[1]): pool.submit(compile_one, job) for job in jobs}
+            pool.shutdown(wait=False)
+            for (layout, variant), future in self._pending.items():
+                if not variant.full:
+                    future.result()
         except Exception:  # NOTE: threads only save time; compile what is missing one by one
             logger.warning("parallel compilation failed; compiling one by one", exc_info=True)
+            self.wait_for_warmup(raise_errors=False)
             for job in jobs:
                 if (job[0], job[1]) not in self._executables:
                     compile_one(job)
-        logger.info("compiled %d step programs", len(jobs))
+        logger.info("compiled %d lean step programs; %d full ones compile in the background",
+                    sum(not job[1].full for job in jobs), sum(job[1].full for job in jobs))
+
+    def wait_for_warmup(self, raise_errors: bool = True) -> None:
+        """Wait until every program warm-up started is compiled."""
+        for future in self._pending.values():
+            try:
+                future.result()
+            except Exception:
+                if raise_errors:
+                    raise

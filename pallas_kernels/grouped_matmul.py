@@ -166,8 +166,10 @@ def _sparse_kernel(
         return acc + plgpu.dot(x, w, precision=jax.lax.Precision.HIGHEST)
 
     # The pseudo-group G (rows past the groups) and unused slots read no weights at all.
-    steps = jnp.where(grp < groups, k // block_k, 0)
-    acc = jax.lax.fori_loop(0, steps, body, jnp.zeros((BLOCK_M, block_n), jnp.float32))
+    # NOTE: both bounds explicitly int32: with a Python 0 the Triton lowering built an scf.for
+    # whose bounds had different integer types, which the GPU's verifier rejected.
+    steps = jnp.where(grp < groups, jnp.int32(k // block_k), jnp.int32(0))
+    acc = jax.lax.fori_loop(jnp.int32(0), steps, body, jnp.zeros((BLOCK_M, block_n), jnp.float32))
     # NOTE: the store uses the unclamped rows with a mask: rows of the neighbouring groups'
     # tiles are never written (on the GPU nor in interpret mode's read-modify-write).
     plgpu.store(o_ref.at[rows_R[:, None], cols_1N], acc.astype(o_ref.dtype),

@@ -118,6 +118,7 @@ def test_n_samples_share_the_prompt(model):
 
 def test_no_compilation_after_warmup(model):
     llm = make_llm(model, max_tokens=32, max_num_seqs=4, max_len=128, warmup=True)
+    llm.engine.runner.wait_for_warmup()     # the full-variant programs finish in the background
     compiles = []
     jax.monitoring.register_event_duration_secs_listener(
         lambda event, secs, **kw: compiles.append(event) if event == "/jax/core/compile/backend_compile_duration" else None)

@@ -27,7 +27,11 @@ def test_warmup_covers_every_program(threads_fail, monkeypatch):
                 raise RuntimeError("no threads here")
         monkeypatch.setattr(runner_module.concurrent.futures, "ThreadPoolExecutor", Broken)
     llm = LLM(TINY, dtype="float32", max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64)
-    assert len(llm.engine.runner._executables) == len(llm.engine.runner.buckets) * 2
+    runner = llm.engine.runner
+    # Warm-up returns with the lean programs ready; the full ones may still be compiling.
+    assert all(key in runner._executables for key in runner._pending if not key[1].full)
+    runner.wait_for_warmup()
+    assert len(runner._executables) == len(runner.buckets) * 2
     compiles = []
     jax.monitoring.register_event_duration_secs_listener(
         lambda event, secs, **kw: compiles.append(event)
@@ -44,3 +48,30 @@ def test_buckets_start_with_a_single_token_step():
     # A lone decode runs unpadded; two decodes take the 16-token program (S = 4 rows).
     assert llm.engine.runner.bucket(1) == (1, 1)
     assert llm.engine.runner.bucket(2) == (16, 4)
+
+
+def test_a_step_waits_for_its_program_still_compiling_in_the_background(monkeypatch):
+    """Full-variant programs compile after warm-up returns; a step that needs one waits for
+    that compile instead of starting a second one."""
+    import threading
+    import time
+
+    calls, original = [], runner_module.ModelRunner._compile
+    lock = threading.Lock()
+
+    def slow_compile(self, layout, variant, num_words):
+        with lock:
+            calls.append(variant.full)
+        if variant.full:
+            time.sleep(0.5)
+        return original(self, layout, variant, num_words)
+
+    monkeypatch.setattr(runner_module.ModelRunner, "_compile", slow_compile)
+    llm = LLM(TINY, dtype="float32", max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64)
+    runner = llm.engine.runner
+    assert not all(f.done() for f in runner._pending.values())
+    out = llm.generate([{"prompt_token_ids": [5, 6, 7]}],
+                       SamplingParams(temperature=0, max_tokens=3, logprobs=2), use_tqdm=False)[0]
+    assert len(out.outputs[0].logprobs) == 3
+    runner.wait_for_warmup()
+    assert len(calls) == len(runner.buckets) * 2       # each program compiled exactly once
