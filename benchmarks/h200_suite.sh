@@ -152,6 +152,23 @@ round3() {
   SERVE_PROMPTS=100 serve_run serve
 }
 
+# The server handing each request's output to the event loop on its own (before batching).
+PER_REQUEST=(python3 -c "import sys; from jaxserve.engine import AsyncEngine as A; A._deliver_step = lambda self, outs: [self._deliver(o.request_id, o) for o in outs]; from jaxserve.cli import main; sys.exit(main())")
+
+round4() {
+  step 200 lat_8b "${JS[@]}" bench latency "${LLAMA[@]}" "${ENGINE[@]}" --attention-impl pallas \
+    --batch-size 1 64 --input-len 128 --output-len 128 --num-iters 1 --disable-tqdm --output-json "$OUT/lat_8b.json"
+  step 120 warm_start "${JS[@]}" bench latency "${LLAMA[@]}" "${ENGINE[@]}" --attention-impl pallas \
+    --batch-size 1 --input-len 128 --output-len 16 --num-iters 1 --device-only-iters 0 \
+    --disable-tqdm --output-json "$OUT/warm_start.json"
+  SERVE_PROMPTS=100 serve_run serve
+  SERVE_PROMPTS=100 SERVER=PER_REQUEST serve_run serve_per_request
+  step 150 lat_qwen3moe "${JS[@]}" bench latency Qwen3-30B-A3B --load-format dummy --dtype bfloat16 \
+    --max-logprobs 0 --max-num-seqs 16 --max-num-batched-tokens 128 --max-model-len 512 \
+    --attention-impl pallas --batch-size 1 16 --input-len 64 --output-len 32 --num-iters 1 \
+    --no-warmup --device-only-iters 0 --disable-tqdm --output-json "$OUT/lat_qwen3moe.json"
+}
+
 decode_b1_b64() {
   step 240 lat_8b "${JS[@]}" bench latency "${LLAMA[@]}" "${ENGINE[@]}" --attention-impl pallas \
     --batch-size 1 64 --input-len 128 --output-len 128 --num-iters 2 --profile-dir /tmp/prof \
@@ -162,7 +179,8 @@ decode_b1_b64() {
 serve_run() {   # serve_run NAME [engine flags...]: the server on the 8B shape with Llama-3's
                 # tokenizer (a text chunk per token), ShareGPT at request rates $RATES
   local name=$1; shift
-  "${JS[@]}" serve .benchdata/llama8b-dummy --load-format dummy --dtype bfloat16 --max-logprobs 0 \
+  local -n server_cmd=${SERVER:-JS}
+  "${server_cmd[@]}" serve .benchdata/llama8b-dummy --load-format dummy --dtype bfloat16 --max-logprobs 0 \
     "${ENGINE[@]}" "$@" --port 8011 --log-level warning >"$OUT/$name.log" 2>&1 &
   local server=$!
   step 200 "$name" "${JS[@]}" bench serve --base-url http://127.0.0.1:8011 --wait-for-server 150 \

@@ -15,6 +15,10 @@ Implementations:
   j*BN.. of its group's matrix, streaming w[g, :, those columns] BK rows at a time, and stores
   only its group's rows. At one token (8 of 128 experts) that is 1/16 of the weights the two
   below read. Unused tile slots (the list is sized for the worst case) exit at once.
+  Measured on the H200 (BENCHMARKS.md, "Kernels"; Qwen3-30B-A3B, default tiles): one token
+  25.5 us for gate+up (lax.ragged_dot 191 us) and 16.8 us for down (97.5 us); it also beat
+  the Mosaic kernel at 128 and 512 rows (138 vs 211 us, 208 vs 229 us for gate+up), as
+  expert skipping still pays while some experts are empty.
 - "mosaic": JAX's Mosaic GPU ragged dot (jax.experimental.pallas.ops.gpu.ragged_dot_mgpu:
   warpgroup MMA, TMA pipeline, persistent grid; Hopper only), 64 x 256 tiles. It was the fastest
   of those measured at every size from 128 rows up (BENCHMARKS.md, "Kernels"; Qwen3-30B-A3B
@@ -26,8 +30,8 @@ Implementations:
   HBM traffic when empty experts are skipped).
 "auto": on a GPU, "pallas" below SPARSE_MAX_ROWS rows (when the shapes suit it), "mosaic" from
 there on Hopper when the shapes suit its tiles, else "xla"; on CPU "xla".
-NOTE: SPARSE_MAX_ROWS = 64 is where "auto" used lax.ragged_dot before; it awaits an H200 sweep
-of the "pallas" kernel against "mosaic" at 16-256 rows (benchmarks/kernels.py --only moe).
+SPARSE_MAX_ROWS = 512: the largest size measured where "pallas" won (above it, untested:
+Mosaic, which was 4.4x lax.ragged_dot at 1024 rows).
 """
 
 from __future__ import annotations
@@ -42,7 +46,7 @@ from jax.experimental.pallas import triton as plgpu
 from jaxserve.pallas_kernels.dispatch import resolve_impl
 
 MOSAIC_TILES = dict(block_m=64, block_n=256, block_k=64, max_concurrent_steps=3, grid_block_n=1)
-SPARSE_MAX_ROWS = 64    # "auto" takes the "pallas" kernel for M below this (to be swept)
+SPARSE_MAX_ROWS = 512   # "auto" takes the "pallas" kernel up to this M (measured: module doc)
 BLOCK_M = 16            # rows of a tile: Triton's smallest dot M
 
 # ---------------------------------------------------------------------------------------------
@@ -183,13 +187,12 @@ def _sparse_grouped_matmul(x_MK, w_GKN, group_sizes_G, *, block_k, block_n, num_
         raise ValueError(f"impl='pallas': {problem}; use impl='xla'")
     m, k = x_MK.shape
     g, _, n = w_GKN.shape
-    # Defaults, for bandwidth (the weights are the traffic; x is tiny): BN = 64 bf16 columns
-    # make each weight row a 128-byte coalesced segment and give 8 experts x N/64 = 96-256
-    # programs at one token (Qwen3-30B-A3B), about one per SM of an H200 or more; BK = 128
-    # streams 16 KB of weights per step, so num_stages=4 keeps ~48 KB in flight per program.
-    # NOTE: reasoned, not yet measured: benchmarks/kernels.py --only moe --sweep sweeps them.
+    # Defaults from the H200 sweep (benchmarks/kernels.py --only moe --quick --sweep; BN 32-128,
+    # BK 128/256, 4 or 8 warps, 3 or 4 stages): BN = 128, BK = 128, 4 warps, 4 stages was within
+    # 1-6 % of the best at 8 and 128 rows for both projections; BN = 64 (the first guess) was
+    # 5-14 % slower. Each weight row read is then 256 contiguous bytes.
     block_k = _block(k, block_k, 128, "block_k", "K")
-    block_n = _block(n, block_n, 64, "block_n", "N")
+    block_n = _block(n, block_n, 128, "block_n", "N")
     grp_S, first_S, end_S = _tile_list(group_sizes_G, m)
     s = grp_S.shape[0]
     whole = lambda *shape: pl.BlockSpec(shape, lambda i, j: (0,) * len(shape))  # noqa: E731
@@ -219,14 +222,14 @@ def grouped_matmul(x_MK, w_GKN, group_sizes_G, *, impl: str = "auto", block_k: i
     """x_MK @ w_GKN[group of each row] -> f[M, N]; impl "auto" | "pallas" | "mosaic" | "xla".
 
     Tuning options of the "pallas" kernel: block_k / block_n (powers of two >= 16 dividing K /
-    N; default the largest dividing one up to 128 / 64), num_warps, num_stages, interpret
+    N; default the largest dividing one up to 128), num_warps, num_stages, interpret
     (default: on CPU only).
     """
     _validate(x_MK, w_GKN, group_sizes_G)
     auto = impl == "auto"
     impl, on_gpu = resolve_impl(impl, ("pallas", "mosaic", "xla"))
     if auto and on_gpu:
-        if x_MK.shape[0] < SPARSE_MAX_ROWS and _sparse_problem(x_MK, w_GKN) is None:
+        if x_MK.shape[0] <= SPARSE_MAX_ROWS and _sparse_problem(x_MK, w_GKN) is None:
             impl = "pallas"
         else:
             impl = "mosaic" if _mosaic_fits(x_MK, w_GKN) else "xla"

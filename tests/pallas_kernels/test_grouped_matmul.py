@@ -116,4 +116,4 @@ def test_pallas_lowers_for_cuda(k, n):
     exported = export_for_cuda(
         lambda x, w, s: gm.grouped_matmul(x, w, s, impl="pallas", interpret=False),
         sds((8, k), jnp.bfloat16), sds((128, k, n), jnp.bfloat16), sds((128,), jnp.int32))
-    assert triton_kernel_names(exported) == ["grouped_matmul_sparse_bk128_bn64"]
+    assert triton_kernel_names(exported) == ["grouped_matmul_sparse_bk128_bn128"]
