@@ -169,6 +169,18 @@ round4() {
     --no-warmup --device-only-iters 0 --disable-tqdm --output-json "$OUT/lat_qwen3moe.json"
 }
 
+round5() {   # the server alone on a fresh machine (cold start-up), one rate per client run
+  "${JS[@]}" serve .benchdata/llama8b-dummy --load-format dummy --dtype bfloat16 --max-logprobs 0 \
+    "${ENGINE[@]}" --port 8011 --log-level warning >"$OUT/serve5.log" 2>&1 &
+  local server=$!
+  for rate in 4 16; do
+    step 150 "serve_rate$rate" "${JS[@]}" bench serve --base-url http://127.0.0.1:8011 --wait-for-server 120 \
+      --dataset-name jsonl --dataset-path "$SHAREGPT" --num-prompts 100 --request-rate $rate \
+      --goodput ttft:100 tpot:50 --disable-tqdm --output-json "$OUT/serve_rate$rate.json"
+  done
+  kill "$server" 2>/dev/null; wait "$server" 2>/dev/null
+}
+
 decode_b1_b64() {
   step 240 lat_8b "${JS[@]}" bench latency "${LLAMA[@]}" "${ENGINE[@]}" --attention-impl pallas \
     --batch-size 1 64 --input-len 128 --output-len 128 --num-iters 2 --profile-dir /tmp/prof \

@@ -123,7 +123,8 @@ class LLMEngine:
         self.runner = ModelRunner(config, params, model_module, mesh=mesh)
         # Where start-up went, in seconds (from_engine_args adds "load"): a bench reports it.
         self.startup_seconds = {"runner_init": time.perf_counter() - t0}
-        self.scheduler = Scheduler(config.scheduler, config.cache, self.runner.num_blocks)
+        self.scheduler = Scheduler(config.scheduler, config.cache, self.runner.num_blocks,
+                                   step_sizes=tuple(self.runner.buckets))
         self.metrics = EngineMetrics()
         self.groups: dict[str, _Group] = {}
         self.samples: dict[str, tuple[_Group, _Sample]] = {}   # child request id -> its state
@@ -541,21 +542,6 @@ class AsyncEngine:
             except RuntimeError:      # the loop is closed: the consumer is gone
                 pass
 
-    def _deliver_step(self, outputs: list[RequestOutput]) -> None:
-        """A step's outputs in one callback per event loop (not one per request): each
-        call_soon_threadsafe wakes the loop, and at dozens of streams per step those wake-ups
-        delay the chunks the loop should be writing."""
-        batches: dict = {}
-        for out in outputs:
-            stream = self._streams.get(out.request_id)
-            if stream is not None:
-                batches.setdefault(stream[0], []).append((stream[1], out))
-        for loop, items in batches.items():
-            try:
-                loop.call_soon_threadsafe(_put_all, items)
-            except RuntimeError:      # the loop is closed: the consumers are gone
-                pass
-
     def _drain_commands(self) -> None:
         while True:
             try:
@@ -581,7 +567,8 @@ class AsyncEngine:
                     self._wake.wait(0.05)
                     self._wake.clear()
                     continue
-                self._deliver_step(self.engine.step())
+                for out in self.engine.step():
+                    self._deliver(out.request_id, out)
             except Exception as e:  # the step itself failed: nothing can be trusted any more
                 logger.exception("engine step failed; failing all in-flight requests")
                 self.dead_error = e
@@ -590,8 +577,3 @@ class AsyncEngine:
                 return
         for rid in list(self._streams):
             self._deliver(rid, EngineDeadError("the engine is shutting down"))
-
-
-def _put_all(items) -> None:
-    for q, item in items:
-        q.put_nowait(item)

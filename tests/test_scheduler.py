@@ -180,3 +180,44 @@ def test_admission_keeps_the_blocks_running_requests_need_next():
             break
         run_step(s)
     assert not s.requests and s.num_preemptions == 0 and s.pool.num_used == 0
+
+
+def test_prefill_chunk_is_cut_to_end_at_a_step_size_it_would_barely_cross():
+    """20 decodes + a 245-token prompt would run padded to 512; cut, the step is exactly 256
+    and the last 9 prompt tokens join the next step."""
+    s = Scheduler(SchedulerConfig(max_num_seqs=32, max_num_batched_tokens=2048, max_model_len=1024),
+                  CacheConfig(block_size=16), 512, step_sizes=(1, 16, 32, 64, 128, 256, 512, 1024, 2048))
+    for i in range(20):
+        s.add_request(req(f"d{i}", 3, max_tokens=50))
+    run_step(s)                                   # all 20 prefilled, now decoding
+    s.add_request(req("long", 245))
+    out = run_step(s)
+    assert out.num_tokens == 256 and len(out.chunks[-1].token_ids) == 236
+    assert not out.chunks[-1].sample
+    out = run_step(s)
+    assert out.num_tokens == 29 and out.chunks[-1].sample          # 20 decodes + the last 9
+    # A chunk that would spill far past a step size is left whole (padding costs less).
+    s.add_request(Request("mid", list(range(1000, 1200)), SamplingParams(max_tokens=4), eos_token_ids=(2,)))
+    out = run_step(s)
+    assert len(out.chunks[-1].token_ids) == 200 and out.num_tokens == 221
+    # Below FIT_MIN_STEP nothing is cut: 21 decodes + 100 = 121 tokens, padded to 128.
+    s.add_request(Request("short", list(range(2000, 2100)), SamplingParams(max_tokens=4), eos_token_ids=(2,)))
+    assert len(run_step(s).chunks[-1].token_ids) == 100
+
+
+def test_fit_cuts_the_last_chunk_that_can_take_the_cut():
+    sizes = (1, 16, 32, 64, 128, 256, 512, 1024, 2048)
+    s = Scheduler(SchedulerConfig(max_num_seqs=32, max_num_batched_tokens=2048, max_model_len=2048),
+                  CacheConfig(block_size=16), 512, step_sizes=sizes)
+    s.add_request(req("long", 600, max_tokens=4))
+    out = run_step(s)
+    assert out.num_tokens == 512 and not out.chunks[0].sample      # 600 would pad to 1024
+    for i in range(30):
+        s.add_request(Request(f"d{i}", [3000 + i, 5], SamplingParams(max_tokens=50), eos_token_ids=(2,)))
+    out = run_step(s)
+    # long's last 88 tokens come first, then 30 two-token prompts: 148 tokens would pad to
+    # 256; the two-token chunks cannot give up 20 tokens, so long's chunk does: 68 + 60 = 128.
+    assert out.num_tokens == 128 and len(out.chunks[0].token_ids) == 68
+    assert s.requests["long"].num_computed_tokens == 580 and not out.chunks[0].sample
+    out = run_step(s)
+    assert len(out.chunks[0].token_ids) == 20 and out.chunks[0].sample
