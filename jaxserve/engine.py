@@ -83,6 +83,10 @@ class _Group:
         return all(s.finish_reason is not None for s in self.samples)
 
     @property
+    def final_only(self) -> bool:
+        return self.samples[0].request.sampling_params.output_kind == "final_only"
+
+    @property
     def child_ids(self) -> list[str]:
         return [s.request.request_id for s in self.samples]
 
@@ -306,7 +310,8 @@ class LLMEngine:
                     logger.exception("request %s failed", group.request_id)
                     self._fail(group, sample, f"{type(e).__name__}: {e}")
             touched[group.request_id] = group
-        outputs = [self._finish_if_done(g, now) for g in touched.values()]
+        outputs = [self._finish_if_done(g, now) for g in touched.values()
+                   if g.finished or not g.final_only]
         for listener in self.step_listeners:
             listener(out, result, time.perf_counter() - t0)
         self._update_gauges()

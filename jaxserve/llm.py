@@ -73,6 +73,9 @@ class LLM:
         if len(sampling_params) != len(prompts):
             raise ValueError(f"sampling_params must be one SamplingParams or one per prompt "
                              f"({len(prompts)}); got {len(sampling_params)}")
+        # Only finished outputs are returned, so the engine need not build the others.
+        final = {id(p): p.clone(output_kind="final_only") for p in sampling_params}
+        sampling_params = [final[id(p)] for p in sampling_params]
         encoded = [self._to_token_ids(p) for p in prompts]
         for (text, ids), params in zip(encoded, sampling_params):
             self.engine.validate_request(ids, params)   # fail before anything is queued

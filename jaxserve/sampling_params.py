@@ -42,7 +42,10 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None   # if set, only these tokens can be sampled
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
-    output_kind_delta: bool = False     # internal: stream deltas instead of cumulative outputs
+    # "cumulative": a RequestOutput every step the request advances (streaming); "final_only":
+    # only when it finishes (LLM.generate: building per-step outputs of 256 requests was
+    # ~15 % of the engine's host time per step, cProfile on the CPU machine).
+    output_kind: str = "cumulative"
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -98,6 +101,8 @@ class SamplingParams:
             if not self.allowed_token_ids:
                 _bad("allowed_token_ids", "None or a non-empty list of token ids", [])
             _check_token_ids("allowed_token_ids", self.allowed_token_ids, vocab_size)
+        if self.output_kind not in ("cumulative", "final_only"):
+            _bad("output_kind", "'cumulative' or 'final_only'", self.output_kind)
 
     @property
     def greedy(self) -> bool:

@@ -270,3 +270,21 @@ def test_a_reused_id_is_not_confused_with_the_aborted_one(model):
     alone = llm.generate({"prompt_token_ids": list(range(300, 305))},
                          SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)[0]
     assert final.outputs[0].token_ids == alone.outputs[0].token_ids
+
+
+def test_final_only_requests_report_once_and_match_cumulative_ones(model):
+    llm = make_llm(model)
+    eng = llm.engine
+    tok = eng.tokenizer
+    ids = tok.encode(prompts(1)[0])
+    eng.add_request("cum", ids, SamplingParams(temperature=0, max_tokens=5))
+    eng.add_request("fin", ids, SamplingParams(temperature=0, max_tokens=5, output_kind="final_only"))
+    seen = {"cum": [], "fin": []}
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            seen[out.request_id].append(out)
+    assert len(seen["cum"]) == 5 and [o.finished for o in seen["fin"]] == [True]
+    assert seen["fin"][0].outputs[0].token_ids == seen["cum"][-1].outputs[0].token_ids
+    assert seen["fin"][0].outputs[0].text == seen["cum"][-1].outputs[0].text
+    with pytest.raises(ValueError, match="output_kind"):
+        eng.add_request("bad", ids, SamplingParams(output_kind="delta"))
