@@ -18,13 +18,13 @@ import functools
 import logging
 import math
 import os
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxserve import packing, sampler
+from jaxserve.compiling import StepCompiler
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.sampling_tensors import SamplingRow, make_sampling_tensors, needs_extras
 from jaxserve.scheduler import PENDING_TOKEN, SchedulerOutput
@@ -139,10 +139,11 @@ class ModelRunner:
                                         self.input_sharding)
         self._prev_rows: dict[str, int] = {}
         # Compiled step programs by (input layout, variant): warm-up fills it, run() uses it.
-        self._executables: dict[tuple, object] = {}
-        # Seconds spent tracing + lowering and compiling step programs, summed over programs
-        # (warm-up runs them on threads, so the sums can exceed its wall time).
-        self.compile_seconds = {"lower": 0.0, "compile": 0.0}
+        self._compiler = StepCompiler(self._step, self.params, self.kv_cache, self._prev_ids,
+                                      self.input_sharding)
+        self._executables = self._compiler.executables
+        # Seconds spent tracing + lowering and compiling step programs, summed over programs.
+        self.compile_seconds = self._compiler.seconds
         self._pending: dict[tuple, concurrent.futures.Future] = {}   # warm-up's compiles
 
     # -- sizing --------------------------------------------------------------------------
@@ -244,15 +245,7 @@ class ModelRunner:
 
     def _compile(self, layout: packing.Layout, variant: StepVariant, num_words: int):
         """The step program for one input layout and variant, compiled ahead of time."""
-        packed = jax.ShapeDtypeStruct((num_words,), jnp.uint32, sharding=self.input_sharding)
-        t0 = time.perf_counter()
-        lowered = self._step.lower(self.params, self.kv_cache, packed, self._prev_ids,
-                                   variant=variant, layout=layout)
-        t1 = time.perf_counter()
-        compiled = lowered.compile()      # a persistent-cache hit only loads the executable
-        self.compile_seconds["lower"] += t1 - t0
-        self.compile_seconds["compile"] += time.perf_counter() - t1
-        return compiled
+        return self._compiler.compile(layout, variant, num_words)
 
     def dispatch(self, out: SchedulerOutput) -> InFlightStep:
         """Build and launch the step without waiting for the device."""
@@ -312,7 +305,9 @@ class ModelRunner:
         Returns once the lean programs are ready; the full ones (logprobs, top-k/p, penalties)
         finish in the background, and a step that needs one before then waits for it
         (`wait_for_warmup` waits for all). NOTE: measured on the H200 (BENCHMARKS.md,
-        Start-up): waiting for all 18 programs of the 8B engine took 58 s of a 63 s cold start."""
+        Start-up): waiting for all 18 programs of the 8B engine took 58 s of a 63 s cold start.
+        While they compile, the engine thread blocks on one that a step needs (every request
+        waits with it), and their lowering takes host time from the running steps."""
         empty = SchedulerOutput(chunks=[], num_tokens=0, preempted_ids=[], new_ids=[], num_cached_tokens=0)
         jobs = []
         for variant in self.warmup_variants:          # lean first: those are waited for
@@ -324,28 +319,20 @@ class ModelRunner:
                 packed, layout = packing.pack(x)
                 jobs.append((layout, variant, len(packed)))
 
-        def compile_one(job):
-            layout, variant, num_words = job
-            self._executables[(layout, variant)] = self._compile(layout, variant, num_words)
-
+        threads = os.cpu_count() or 1
         try:
-            pool = concurrent.futures.ThreadPoolExecutor(min(len(jobs), os.cpu_count() or 1),
-                                                         thread_name_prefix="jaxserve-compile")
-            lean = [job for job in jobs if not job[1].full]
-            self._pending = {(job[0], job[1]): pool.submit(compile_one, job) for job in lean}
+            self._pending = self._compiler.start([job for job in jobs if not job[1].full], threads)
             for future in list(self._pending.values()):
                 future.result()
             # Only now the full ones: tracing and lowering hold the GIL, so lowering them beside
             # the lean ones slowed those (a warm start spent 12 s in warm-up, measured).
-            self._pending.update({(job[0], job[1]): pool.submit(compile_one, job)
-                                  for job in jobs if job[1].full})
-            pool.shutdown(wait=False)
+            self._pending.update(self._compiler.start([job for job in jobs if job[1].full], threads))
         except Exception:  # NOTE: threads only save time; compile what is missing one by one
             logger.warning("parallel compilation failed; compiling one by one", exc_info=True)
             self.wait_for_warmup(raise_errors=False)
-            for job in jobs:
-                if (job[0], job[1]) not in self._executables:
-                    compile_one(job)
+            for layout, variant, num_words in jobs:
+                if (layout, variant) not in self._executables:
+                    self._compile(layout, variant, num_words)
         logger.info("compiled %d lean step programs; %d full ones compile in the background",
                     sum(not job[1].full for job in jobs), sum(job[1].full for job in jobs))
 

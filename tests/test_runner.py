@@ -7,6 +7,7 @@ import jax
 import pytest
 
 from jaxserve import LLM, SamplingParams
+from jaxserve import compiling
 from jaxserve import runner as runner_module
 
 TINY = os.path.join(os.path.dirname(__file__), "golden", "ckpt", "llama")
@@ -22,10 +23,9 @@ def workload(llm):
 @pytest.mark.parametrize("threads_fail", [False, True])
 def test_warmup_covers_every_program(threads_fail, monkeypatch):
     if threads_fail:
-        class Broken:
-            def __init__(self, *a, **k):
-                raise RuntimeError("no threads here")
-        monkeypatch.setattr(runner_module.concurrent.futures, "ThreadPoolExecutor", Broken)
+        def broken(*a, **k):
+            raise RuntimeError("no threads here")
+        monkeypatch.setattr(compiling.StepCompiler, "start", broken)
     llm = LLM(TINY, dtype="float32", max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64)
     runner = llm.engine.runner
     # Warm-up returns with the lean programs ready; the full ones may still be compiling.
@@ -56,7 +56,7 @@ def test_a_step_waits_for_its_program_still_compiling_in_the_background(monkeypa
     import threading
     import time
 
-    calls, original = [], runner_module.ModelRunner._compile
+    calls, original = [], compiling.StepCompiler.compile
     lock = threading.Lock()
 
     def slow_compile(self, layout, variant, num_words):
@@ -66,7 +66,7 @@ def test_a_step_waits_for_its_program_still_compiling_in_the_background(monkeypa
             time.sleep(0.5)
         return original(self, layout, variant, num_words)
 
-    monkeypatch.setattr(runner_module.ModelRunner, "_compile", slow_compile)
+    monkeypatch.setattr(compiling.StepCompiler, "compile", slow_compile)
     llm = LLM(TINY, dtype="float32", max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64)
     runner = llm.engine.runner
     assert not all(f.done() for f in runner._pending.values())
@@ -75,3 +75,29 @@ def test_a_step_waits_for_its_program_still_compiling_in_the_background(monkeypa
     assert len(out.outputs[0].logprobs) == 3
     runner.wait_for_warmup()
     assert len(calls) == len(runner.buckets) * 2       # each program compiled exactly once
+
+
+def test_compiling_in_the_background_keeps_no_engine_alive(monkeypatch):
+    """An engine dropped while its full programs still compile is freed at once: the compile
+    threads hold only abstract arguments (and are daemons, so they never delay exit)."""
+    import gc
+    import threading
+    import time
+    import weakref
+
+    original = compiling.StepCompiler.compile
+
+    def slow_compile(self, layout, variant, num_words):
+        if variant.full:
+            time.sleep(1.0)
+        return original(self, layout, variant, num_words)
+
+    monkeypatch.setattr(compiling.StepCompiler, "compile", slow_compile)
+    llm = LLM(TINY, dtype="float32", max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64)
+    assert not all(f.done() for f in llm.engine.runner._pending.values())
+    assert all(t.daemon for t in threading.enumerate() if t.name == "jaxserve-compile")
+    runner = weakref.ref(llm.engine.runner)
+    kv = weakref.ref(llm.engine.runner.kv_cache[0][0])
+    del llm
+    gc.collect()
+    assert runner() is None and kv() is None
