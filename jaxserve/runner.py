@@ -238,13 +238,14 @@ class ModelRunner:
             except Exception:
                 logger.warning("a warm-up compile failed; compiling again", exc_info=True)
         if exe is None:           # a shape warm-up did not cover (or warm-up was off)
-            exe = self._executables[(layout, variant)] = self._compile(layout, variant, len(packed))
+            exe = self._compile(layout, variant, len(packed))
         self.kv_cache, result, prompt, self._prev_ids = exe(
             self.params, self.kv_cache, jax.device_put(packed, self.input_sharding), self._prev_ids)
         return result, prompt
 
     def _compile(self, layout: packing.Layout, variant: StepVariant, num_words: int):
-        """The step program for one input layout and variant, compiled ahead of time."""
+        """The step program for one input layout and variant, compiled ahead of time (and
+        kept in self._executables)."""
         return self._compiler.compile(layout, variant, num_words)
 
     def dispatch(self, out: SchedulerOutput) -> InFlightStep:
@@ -310,9 +311,9 @@ class ModelRunner:
         waits with it), and their lowering takes host time from the running steps."""
         empty = SchedulerOutput(chunks=[], num_tokens=0, preempted_ids=[], new_ids=[], num_cached_tokens=0)
         jobs = []
-        for variant in self.warmup_variants:          # lean first: those are waited for
-            for t in self.buckets:
-                x, _ = self.prepare(dataclasses.replace(empty, num_tokens=t))
+        for t in self.buckets:
+            x, _ = self.prepare(dataclasses.replace(empty, num_tokens=t))
+            for variant in self.warmup_variants:
                 if variant.full:
                     x = dataclasses.replace(x, sampling=make_sampling_tensors(
                         [], x.num_seqs, self.cfg.vocab_size, self.config.scheduler.max_model_len))

@@ -55,11 +55,16 @@ def attention_block(cfg: ModelConfig, lp: dict, kv: tuple, h_TD: jax.Array, x: S
     return (k_cache, v_cache), o_TNE.reshape(t, n * e) @ lp["wo"]
 
 
+def gate_up(lp: dict, project: Callable):
+    """(gate, up) activations of an MLP layer, fused (w_gate_up, by fuse_projections) or not;
+    `project(w)` applies the layer's input to a weight (a matmul, or a grouped one for MoE)."""
+    if "w_gate_up" in lp:
+        return jnp.split(project(lp["w_gate_up"]), 2, axis=-1)
+    return project(lp["w_gate"]), project(lp["w_up"])
+
+
 def dense_mlp(lp: dict, h_TD: jax.Array) -> jax.Array:
-    if "w_gate_up" in lp:  # fused by fuse_projections
-        gate, up = jnp.split(h_TD @ lp["w_gate_up"], 2, axis=-1)
-    else:
-        gate, up = h_TD @ lp["w_gate"], h_TD @ lp["w_up"]
+    gate, up = gate_up(lp, lambda w: h_TD @ w)
     return (jax.nn.silu(gate) * up) @ lp["w_down"]
 
 

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.config import ModelConfig
+from jaxserve.models import llama
 from jaxserve.pallas_kernels.grouped_matmul import grouped_matmul
 
 
@@ -43,12 +44,7 @@ def moe_mlp(cfg: ModelConfig, lp: dict, h_TD: jax.Array, impl: str = "xla") -> j
     x_sorted = h_TD[token_of]                                   # [T*k, D]
     group_sizes = jnp.bincount(flat_expert, length=cfg.num_experts).astype(jnp.int32)
     mm_impl = "xla" if impl == "xla" else "auto"
-    if "w_gate_up" in lp:   # fused by llama.fuse_projections: one grouped matmul, then split
-        gate, up = jnp.split(grouped_matmul(x_sorted, lp["w_gate_up"], group_sizes, impl=mm_impl),
-                             2, axis=-1)
-    else:
-        gate = grouped_matmul(x_sorted, lp["w_gate"], group_sizes, impl=mm_impl)
-        up = grouped_matmul(x_sorted, lp["w_up"], group_sizes, impl=mm_impl)
+    gate, up = llama.gate_up(lp, lambda w: grouped_matmul(x_sorted, w, group_sizes, impl=mm_impl))
     y_sorted = grouped_matmul(jax.nn.silu(gate) * up, lp["w_down"], group_sizes, impl=mm_impl)
     w_sorted = weights_Tk.reshape(-1)[order].astype(jnp.float32)
     y = jnp.zeros((t, d), jnp.float32).at[token_of].add(y_sorted.astype(jnp.float32) * w_sorted[:, None])
