@@ -181,6 +181,32 @@ round5() {   # the server alone on a fresh machine (cold start-up), one rate per
   kill "$server" 2>/dev/null; wait "$server" 2>/dev/null
 }
 
+QWEN8=(Qwen3-8B --load-format dummy --dtype bfloat16 --max-logprobs 0)
+
+round6() {   # third session, first call: attention and norm kernel sweeps, the Qwen3-8B shape
+  step 260 kernels python3 benchmarks/kernels.py --only attention,rmsnorm --quick --sweep \
+    --json "$OUT/kernels.json"
+  step 150 lat_qwen3_8b "${JS[@]}" bench latency "${QWEN8[@]}" "${ENGINE[@]}" --attention-impl pallas \
+    --batch-size 1 64 --input-len 128 --output-len 128 --num-iters 1 --disable-tqdm \
+    --output-json "$OUT/lat_qwen3_8b.json"
+  step 120 hf_qwen3_8b python3 benchmarks/hf_generate_baseline.py models/configs/Qwen3-8B.json \
+    --batch-size 1 64 --input-len 128 --output-len 128 --num-iters 1 --output-json "$OUT/hf_qwen3_8b.json"
+}
+
+round7() {   # third session, second call: throughput at the Qwen3 shapes, a warm server
+  step 150 kernels python3 benchmarks/kernels.py --only rmsnorm,attention --quick --sweep \
+    --json "$OUT/kernels.json"
+  export JAX_COMPILATION_CACHE_DIR=/tmp/jax-cache JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0
+  step 200 tput_qwen3_8b "${JS[@]}" bench throughput "${QWEN8[@]}" "${ENGINE[@]}" --attention-impl pallas \
+    --dataset-name jsonl --dataset-path "$SHAREGPT" --num-prompts 1000 --disable-tqdm \
+    --output-json "$OUT/tput_qwen3_8b.json"
+  # the 8B server waiting for every program before /health, then ITL at 4 and 16 req/s
+  SERVE_PROMPTS=100 serve_run serve_warm --warmup-all
+  SERVE_PROMPTS=100 RATES=4 serve_run serve_lp64 --warmup-all --long-prefill-token-threshold 64
+  step 150 hf_qwen3_moe python3 benchmarks/hf_generate_baseline.py models/configs/Qwen3-30B-A3B.json \
+    --batch-size 1 16 --input-len 64 --output-len 32 --num-iters 1 --output-json "$OUT/hf_qwen3_moe.json"
+}
+
 decode_b1_b64() {
   step 240 lat_8b "${JS[@]}" bench latency "${LLAMA[@]}" "${ENGINE[@]}" --attention-impl pallas \
     --batch-size 1 64 --input-len 128 --output-len 128 --num-iters 2 --profile-dir /tmp/prof \

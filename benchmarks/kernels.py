@@ -131,7 +131,7 @@ def bench_attention(rng, quick: bool, sweep: bool):
     scale = E ** -0.5
     decode_cases = [(1, 1024), (1, 8192), (32, 1024), (32, 8192), (128, 1024), (128, 8192)]
     if quick:
-        decode_cases = [(32, 8192), (128, 1024)]
+        decode_cases = [(1, 8192), (32, 1024), (128, 1024)]
     for s, ctx in decode_cases:
         c = paged_case(rng, [1] * s, [ctx] * s)
         case = f"decode S={s} L={ctx}"
@@ -143,6 +143,13 @@ def bench_attention(rng, quick: bool, sweep: bool):
         out = f(*args)
         record("attention", case, "pallas (default)", gpu_time_ms(f, *args), bytes_=byts,
                err=rel_err(out, ref))
+        if sweep:   # the slot lookup one step ahead, on decode
+            for pf in (False, True):
+                g = jax.jit(functools.partial(rpa.ragged_paged_attention, sm_scale=scale,
+                                              impl="pallas", prefetch_slots=pf))
+                ms = try_run("prefetch", lambda: gpu_time_ms(g, *args))
+                if ms is not None:
+                    record("attn-sweep", case, f"pallas prefetch={pf}", ms, bytes_=byts)
         if sweep and (s, ctx) in ((1, 8192), (32, 1024)):
             for splits in (2, 4, 8, 16, 32):
                 for bk in (64, 128):
@@ -205,17 +212,20 @@ def bench_attention(rng, quick: bool, sweep: bool):
         out = f(*args)
         record("attention", case, "pallas (default)", gpu_time_ms(f, *args), flops=flops,
                err=rel_err(out, ref))
-        if sweep and s == 1:
-            for bq in (16, 32):
-                for bk in (64, 128):
-                    for nw, ns in ((4, 2), (4, 3), (8, 2), (8, 3)):
-                        g = jax.jit(functools.partial(
-                            rpa.ragged_paged_attention, sm_scale=scale, impl="pallas",
-                            block_q=bq, block_k=bk, num_warps=nw, num_stages=ns))
-                        ms = try_run("sweep", lambda: gpu_time_ms(g, *args, iters=10))
-                        if ms is not None:
-                            record("attn-sweep", case, f"pallas bq{bq} bk{bk} w{nw} s{ns}", ms,
-                                   flops=flops)
+        if sweep and kind == "prefill":
+            # launch order (heavy_first) and slot lookups one step ahead (prefetch_slots), on
+            # the default tile and on larger ones
+            for bq, bk, nw, ns in ((16, 64, 4, 2), (32, 64, 8, 2), (16, 128, 4, 2), (32, 32, 4, 2)):
+                for hf, pf in ((False, False), (True, False), (False, True), (True, True)):
+                    g = jax.jit(functools.partial(
+                        rpa.ragged_paged_attention, sm_scale=scale, impl="pallas", block_q=bq,
+                        block_k=bk, num_warps=nw, num_stages=ns, heavy_first=hf,
+                        prefetch_slots=pf))
+                    ms = try_run("sweep", lambda: gpu_time_ms(g, *args, iters=10))
+                    if ms is not None:
+                        record("attn-sweep", case, f"pallas bq{bq} bk{bk} w{nw} s{ns}"
+                               f"{' heavy-first' if hf else ''}{' prefetch' if pf else ''}", ms,
+                               flops=flops)
         if kind == "prefill" and len(set(ctxs)) == 1 and qlens[0] == ctxs[0]:
             L = ctxs[0]
             q4 = c["q"].reshape(s, L, N, E)
@@ -226,7 +236,27 @@ def bench_attention(rng, quick: bool, sweep: bool):
             if oc is not None:
                 record("attention", case, "cudnn (dense, causal)", gpu_time_ms(fc, q4, k_d, v_d),
                        flops=flops, err=rel_err(oc.reshape(-1, N, E), ref))
+            try_run("jax ops.gpu attention_mgpu", lambda: bench_attention_mgpu(case, q4, k_d, v_d,
+                                                                           flops))
         record("attention", case, "xla fallback", gpu_time_ms(fx, *args, iters=5), flops=flops)
+
+
+def bench_attention_mgpu(case, q4, k_d, v_d, flops):
+    """JAX's own Hopper attention (Mosaic GPU, warp-specialised, TMA): dense causal, no scale
+    argument (timing only), as the bar a Mosaic paged kernel could reach. In float16: its bf16
+    path fails in jax 0.11.2 (a float16 cast inside)."""
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from jax.experimental.pallas.ops.gpu import attention_mgpu as am
+    for bkv in (64, 128):
+        cfg = am.TuningConfig(block_q=64, block_kv=bkv, max_concurrent_steps=2, causal=True)
+        f = jax.jit(functools.partial(am.attention, config=cfg))
+        h = [x.astype(jnp.float16) for x in (q4, k_d, v_d)]
+        ms = try_run(f"attention_mgpu bkv{bkv}", lambda: gpu_time_ms(f, *h))
+        if ms is not None:
+            record("attention", case, f"jax attention_mgpu (dense causal f16 bkv{bkv})", ms,
+                   flops=flops)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -234,10 +264,10 @@ def bench_attention(rng, quick: bool, sweep: bool):
 # ---------------------------------------------------------------------------------------------
 
 
-def bench_rmsnorm(rng, quick: bool):
+def bench_rmsnorm(rng, quick: bool, sweep: bool = False):
     from jaxserve.pallas_kernels import fused_add_rms_norm as farn
     d = 4096
-    for t in ((128, 8192) if quick else (1, 128, 2048, 8192, 32768)):
+    for t in ((128, 2048, 8192) if quick else (1, 128, 2048, 8192, 32768)):
         key = jax.random.key(int(rng.integers(1 << 30)))
         k1, k2, k3 = jax.random.split(key, 3)
         x = jax.random.normal(k1, (t, d), jnp.bfloat16)
@@ -253,6 +283,14 @@ def bench_rmsnorm(rng, quick: bool):
                bytes_=byts, err=err)
         record("rmsnorm", f"add+rmsnorm T={t} D={d}", "xla (fused by XLA)",
                gpu_time_ms(fx, x, r, w), bytes_=byts)
+        if sweep and t in (128, 2048, 8192):
+            for br, nw in ((1, 4), (1, 8), (1, 16), (2, 8), (2, 16), (4, 16), (4, 32)):
+                g = jax.jit(functools.partial(farn.fused_add_rms_norm, eps=1e-5, impl="pallas",
+                                              rows_per_program=br, num_warps=nw))
+                ms = try_run("rmsnorm sweep", lambda: gpu_time_ms(g, x, r, w))
+                if ms is not None:
+                    record("rms-sweep", f"add+rmsnorm T={t} D={d}", f"pallas br{br} w{nw}", ms,
+                           bytes_=byts)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -404,7 +442,7 @@ def main():
     rng = np.random.default_rng(0)
     groups = args.only.split(",")
     benches = dict(attention=lambda: bench_attention(rng, args.quick, args.sweep),
-                   rmsnorm=lambda: bench_rmsnorm(rng, args.quick),
+                   rmsnorm=lambda: bench_rmsnorm(rng, args.quick, args.sweep),
                    rope=lambda: bench_rope(rng, args.quick),
                    topk=lambda: bench_topk(rng, args.quick),
                    moe=lambda: bench_moe(rng, args.quick, args.moe_auto_only, args.sweep))

@@ -156,6 +156,8 @@ class EngineConfig:
     max_logprobs: int = 20               # largest `logprobs` / `prompt_logprobs` a request may ask
     attention_impl: str = "auto"         # "auto" | "xla" | "pallas"
     warmup: bool = True                  # compile every bucket at start-up
+    warmup_all: bool = False             # ... and wait for the full programs too (else they
+                                         # compile in the background)
 
     def __post_init__(self):
         _check(self.dtype in ("float32", "bfloat16", "float16"), "dtype",

@@ -140,6 +140,8 @@ class LLMEngine:
         if config.warmup:
             t0 = time.perf_counter()
             self.runner.warmup()
+            if config.warmup_all:
+                self.runner.wait_for_warmup()
             self.startup_seconds["warmup"] = time.perf_counter() - t0
             logger.info("warm-up took %.1f s", self.startup_seconds["warmup"])
         self._update_gauges()
@@ -154,7 +156,8 @@ class LLMEngine:
                          max_waiting_requests: int = 4096, long_prefill_token_threshold: int = 0,
                          tensor_parallel_size: int = 1,
                          expert_parallel_size: int = 1, seed: int = 0, max_logprobs: int = 20,
-                         attention_impl: str = "auto", warmup: bool = True) -> "LLMEngine":
+                         attention_impl: str = "auto", warmup: bool = True,
+                         warmup_all: bool = False) -> "LLMEngine":
         from jaxserve.models import loader, registry
 
         enable_compilation_cache()
@@ -188,7 +191,7 @@ class LLMEngine:
                                       long_prefill_token_threshold=long_prefill_token_threshold),
             parallel=parallel,
             dtype=dtype, seed=seed, max_logprobs=max_logprobs, attention_impl=attention_impl,
-            warmup=warmup)
+            warmup=warmup, warmup_all=warmup_all)
         from jaxserve import default_model
         name = served_model_name or (default_model.DEFAULT_MODEL_NAME if model is None else model)
         engine = cls(config, params, tokenizer, registry.get_model_module(cfg.architecture), name, mesh=mesh)

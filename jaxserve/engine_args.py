@@ -31,6 +31,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--attention-impl", choices=["auto", "xla", "pallas"], default="auto")
     g.add_argument("--no-warmup", dest="warmup", action="store_false",
                    help="compile step buckets lazily instead of at start-up")
+    g.add_argument("--warmup-all", action="store_true",
+                   help="at start-up wait for every step program, also those for logprobs, "
+                        "top-k/top-p and penalties (by default they compile in the background "
+                        "and the first request needing one waits for it)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -45,4 +49,5 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         max_logprobs=args.max_logprobs, max_waiting_requests=args.max_waiting_requests,
         long_prefill_token_threshold=args.long_prefill_token_threshold,
         attention_impl=args.attention_impl, warmup=args.warmup,
+        warmup_all=args.warmup_all,
         served_model_name=getattr(args, "served_model_name", None))

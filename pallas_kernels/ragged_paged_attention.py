@@ -140,8 +140,11 @@ def _rpa_kernel(
     # outputs
     o_ref, lse_ref,
     *, sm_scale, sliding_window, soft_cap, block_q, g, gp, kv_heads, head_dim, block_size,
-    blocks_per_seq, block_k, num_splits, num_tokens, num_seqs, fast_exp2, mask_all_steps):
+    blocks_per_seq, block_k, num_splits, num_tokens, num_seqs, fast_exp2, mask_all_steps,
+    heavy_first, prefetch_slots):
     j, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    if heavy_first:   # launch the last query tiles (longest causal range) first
+        j = _num_tiles(num_tokens, num_seqs, block_q) - 1 - j
     rows = block_q * gp
     n = kv_heads * g
 
@@ -204,13 +207,21 @@ def _rpa_kernel(
             "ex2.approx.f32 $0, $1;", args=[x], constraints="=r,r", pack=1,
             result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, x.dtype)])[0]
 
-    def body(step, carry, *, masked):
-        acc, m_R, l_R = carry
+    def slots(step):
         kpos = kv_begin + step * block_k + jnp.arange(block_k, dtype=jnp.int32)
         lblk = jnp.minimum(kpos // block_size, blocks_per_seq - 1)
-        page = plgpu.load(bt_ref.at[seq * blocks_per_seq + lblk])
-        slot = page * block_size + kpos % block_size
+        page = plgpu.load(bt_ref.at[jnp.minimum(seq, num_seqs - 1) * blocks_per_seq + lblk])
+        return page * block_size + kpos % block_size
+
+    def body(step, carry, *, masked):
+        acc, m_R, l_R, slot = carry
+        kpos = kv_begin + step * block_k + jnp.arange(block_k, dtype=jnp.int32)
+        if prefetch_slots:   # this step's slots came from the last one; look up the next's
+            next_slot = slots(step + 1)
+        else:
+            slot = next_slot = slots(step)
         k = plgpu.load(k_ref.at[slot[:, None], cols_1E])                      # [BK, E]
+        v = plgpu.load(v_ref.at[slot[:, None], cols_1E])                      # [BK, E]
         s = plgpu.dot(q, k, trans_b=True).astype(jnp.float32) * score_scale   # [R, BK]
         if soft_cap is not None:
             s = (soft_cap * LOG2E) * jnp.tanh(s / soft_cap)
@@ -225,19 +236,18 @@ def _rpa_kernel(
         m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
         p = exp2(s - m_safe[:, None])
         corr = exp2(m_R - m_safe)
-        v = plgpu.load(v_ref.at[slot[:, None], cols_1E])                      # [BK, E]
         acc = acc * corr[:, None] + plgpu.dot(p.astype(v.dtype), v).astype(jnp.float32)
-        return acc, m_new, l_R * corr + p.sum(axis=1)
+        return acc, m_new, l_R * corr + p.sum(axis=1), next_slot
 
     carry = (jnp.zeros((rows, head_dim), jnp.float32), jnp.full((rows,), -jnp.inf, jnp.float32),
-             jnp.zeros((rows,), jnp.float32))
+             jnp.zeros((rows,), jnp.float32), slots(step_lo))
     masked_body = functools.partial(body, masked=True)
     if mask_all_steps:   # one loop: a third of the code to compile (used in interpret mode)
-        acc, m_R, l_R = jax.lax.fori_loop(step_lo, step_hi, masked_body, carry)
+        acc, m_R, l_R, _ = jax.lax.fori_loop(step_lo, step_hi, masked_body, carry)
     else:
         carry = jax.lax.fori_loop(step_lo, full_lo, masked_body, carry)       # window edge
         carry = jax.lax.fori_loop(full_lo, full_hi, functools.partial(body, masked=False), carry)
-        acc, m_R, l_R = jax.lax.fori_loop(full_hi, step_hi, masked_body, carry)  # causal edge
+        acc, m_R, l_R, _ = jax.lax.fori_loop(full_hi, step_hi, masked_body, carry)  # causal edge
 
     empty = l_R == 0.0
     o = acc / jnp.where(empty, 1.0, l_R)[:, None]
@@ -281,20 +291,24 @@ def default_num_splits(num_tokens: int, num_seqs: int, kv_heads: int, block_q: i
 
 @functools.partial(jax.jit, static_argnames=(
     "sm_scale", "sliding_window", "soft_cap", "impl", "block_q", "block_k", "num_splits",
-    "num_warps", "num_stages", "interpret", "mask_all_steps"))
+    "num_warps", "num_stages", "interpret", "mask_all_steps", "heavy_first", "prefetch_slots"))
 def ragged_paged_attention(q_TNE, k_cache_NPKE, v_cache_NPKE, query_start_loc_S1, seq_lens_S,
                            block_tables_SB, *, sm_scale: float, sliding_window: int | None = None,
                            soft_cap: float | None = None, impl: str = "auto",
                            block_q: int | None = None, block_k: int | None = None,
                            num_splits: int | None = None, num_warps: int | None = None,
                            num_stages: int = 2, interpret: bool | None = None,
-                           mask_all_steps: bool | None = None) -> jax.Array:
+                           mask_all_steps: bool | None = None, heavy_first: bool | None = None,
+                           prefetch_slots: bool | None = None) -> jax.Array:
     """Attention of a mixed prefill/decode batch over a paged KV cache -> o f[T, N, E].
 
     impl: "pallas" (Triton kernel; interpreted on CPU), "xla" (plain XLA, memory-bounded) or
     "auto" (pallas on GPU, xla elsewhere). Tuning options are picked from the shapes if None.
     mask_all_steps: apply the causal/window mask on every key step instead of only on the edge
     steps (same result; default True only in interpret mode, where it compiles 3x faster).
+    heavy_first: launch the query tiles in reverse, the longest causal ranges first;
+    prefetch_slots: look up the next key step's cache slots one step early. Both default to on
+    for prefill-heavy batches (H200, 2K-token prefill: 132 -> 127.5 us; BENCHMARKS.md).
     """
     _validate(q_TNE, k_cache_NPKE, v_cache_NPKE, query_start_loc_S1, seq_lens_S, block_tables_SB)
     impl, on_gpu = resolve_impl(impl)
@@ -316,13 +330,17 @@ def ragged_paged_attention(q_TNE, k_cache_NPKE, v_cache_NPKE, query_start_loc_S1
     interpret = (not on_gpu) if interpret is None else interpret
     rows = block_q * gp
     num_warps = num_warps or (4 if rows <= 64 else 8)
+    prefill_heavy = t > 2 * s
+    heavy_first = prefill_heavy if heavy_first is None else heavy_first
+    prefetch_slots = prefill_heavy if prefetch_slots is None else prefetch_slots
 
     kernel = functools.partial(
         _rpa_kernel, sm_scale=float(sm_scale), sliding_window=sliding_window, soft_cap=soft_cap,
         block_q=block_q, g=g, gp=gp, kv_heads=kh, head_dim=e, block_size=p, blocks_per_seq=b,
         block_k=block_k, num_splits=num_splits, num_tokens=t, num_seqs=s,
         fast_exp2=not interpret,
-        mask_all_steps=interpret if mask_all_steps is None else mask_all_steps)
+        mask_all_steps=interpret if mask_all_steps is None else mask_all_steps,
+        heavy_first=heavy_first, prefetch_slots=prefetch_slots)
     split_out = num_splits > 1
     if split_out:
         out_shape = (jax.ShapeDtypeStruct((num_splits, t, n, e), jnp.float32),

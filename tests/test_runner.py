@@ -82,17 +82,9 @@ def test_compiling_in_the_background_keeps_no_engine_alive(monkeypatch):
     threads hold only abstract arguments (and are daemons, so they never delay exit)."""
     import gc
     import threading
-    import time
     import weakref
 
-    original = compiling.StepCompiler.compile
-
-    def slow_compile(self, layout, variant, num_words):
-        if variant.full:
-            time.sleep(1.0)
-        return original(self, layout, variant, num_words)
-
-    monkeypatch.setattr(compiling.StepCompiler, "compile", slow_compile)
+    slow_full_programs(monkeypatch, 1.0)
     llm = LLM(TINY, dtype="float32", max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64)
     assert not all(f.done() for f in llm.engine.runner._pending.values())
     assert all(t.daemon for t in threading.enumerate() if t.name == "jaxserve-compile")
@@ -101,3 +93,26 @@ def test_compiling_in_the_background_keeps_no_engine_alive(monkeypatch):
     del llm
     gc.collect()
     assert runner() is None and kv() is None
+
+
+def slow_full_programs(monkeypatch, seconds):
+    """Make every full-variant compile take `seconds` longer (they run in the background)."""
+    import time
+
+    original = compiling.StepCompiler.compile
+
+    def slow_compile(self, layout, variant, num_words):
+        if variant.full:
+            time.sleep(seconds)
+        return original(self, layout, variant, num_words)
+
+    monkeypatch.setattr(compiling.StepCompiler, "compile", slow_compile)
+
+
+def test_warmup_all_waits_for_the_full_programs_too(monkeypatch):
+    slow_full_programs(monkeypatch, 0.3)
+    llm = LLM(TINY, dtype="float32", max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64,
+              warmup_all=True)
+    runner = llm.engine.runner
+    assert all(f.done() for f in runner._pending.values())
+    assert len(runner._executables) == len(runner.buckets) * 2

@@ -45,6 +45,16 @@ def test_mixed_chunked_prefill_decode_and_padding_sequences():
     check(args, block_q=16, block_k=32)          # larger tiles than the sequences
 
 
+@pytest.mark.parametrize("heavy_first,prefetch_slots", [(True, False), (False, True), (True, True)])
+def test_tile_order_and_prefetched_slots(heavy_first, prefetch_slots):
+    # the launch order of query tiles and looking up the next step's slots one step early
+    # (the last step looks one step past the context) change no output
+    args = paged_batch([9, 1, 0, 1, 17, 0], [25, 33, 0, 8, 17, 0], seed=5)
+    kw = dict(heavy_first=heavy_first, prefetch_slots=prefetch_slots, mask_all_steps=False)
+    check(args, block_k=8, **kw)
+    check(args, num_splits=3, block_k=8, **kw)
+
+
 def test_sliding_window_and_soft_cap():
     args = paged_batch([6, 1, 11], [40, 37, 30], seed=3)
     check(args, sliding_window=10)
@@ -104,7 +114,7 @@ def test_lowers_for_cuda(num_splits):
             sds((s, b), jnp.int32))
     exported = export_for_cuda(lambda *a: rpa.ragged_paged_attention(
         *a, sm_scale=0.1, impl="pallas", num_splits=num_splits, interpret=False,
-        sliding_window=128), *args)
+        sliding_window=128, heavy_first=True, prefetch_slots=num_splits > 1), *args)
     names = triton_kernel_names(exported)
     assert len(names) == 1 and names[0].startswith("ragged_paged_attention")
     assert exported.out_avals[0].shape == (t, n, e)
