@@ -143,24 +143,16 @@ def bench_attention(rng, quick: bool, sweep: bool):
         out = f(*args)
         record("attention", case, "pallas (default)", gpu_time_ms(f, *args), bytes_=byts,
                err=rel_err(out, ref))
-        if sweep:   # the slot lookup one step ahead, on decode
-            for pf in (False, True):
+        if sweep:   # pipeline stages (shared memory per program, hence programs per SM), tiles
+            for ns, bk, xs in ((1, None, None), (1, 64, None), (3, None, None), (1, 64, 2),
+                               (1, 128, 2), (1, 64, 8), (1, 128, 16)):
                 g = jax.jit(functools.partial(rpa.ragged_paged_attention, sm_scale=scale,
-                                              impl="pallas", prefetch_slots=pf))
-                ms = try_run("prefetch", lambda: gpu_time_ms(g, *args))
+                                              impl="pallas", num_stages=ns, block_k=bk,
+                                              num_splits=xs))
+                ms = try_run("decode sweep", lambda: gpu_time_ms(g, *args, iters=10))
                 if ms is not None:
-                    record("attn-sweep", case, f"pallas prefetch={pf}", ms, bytes_=byts)
-        if sweep and (s, ctx) in ((1, 8192), (32, 1024)):
-            for splits in (2, 4, 8, 16, 32):
-                for bk in (64, 128):
-                    for nw in (4,):
-                        g = jax.jit(functools.partial(rpa.ragged_paged_attention, sm_scale=scale,
-                                                      impl="pallas", num_splits=splits, block_k=bk,
-                                                      num_warps=nw))
-                        ms = try_run(f"sweep x{splits} bk{bk}", lambda: gpu_time_ms(g, *args, iters=10))
-                        if ms is not None:
-                            record("attn-sweep", case, f"pallas x{splits} bk{bk} w{nw}", ms,
-                                   bytes_=byts)
+                    record("attn-sweep", case, f"pallas s{ns} bk{bk or 'auto'} x{xs or 'auto'}",
+                           ms, bytes_=byts)
         fx = jax.jit(functools.partial(rpa.xla_ragged_paged_attention, sm_scale=scale))
         record("attention", case, "xla fallback", gpu_time_ms(fx, *args, iters=5), bytes_=byts)
         k_d, v_d = dense_kv(c)
@@ -215,8 +207,9 @@ def bench_attention(rng, quick: bool, sweep: bool):
         if sweep and kind == "prefill":
             # launch order (heavy_first) and slot lookups one step ahead (prefetch_slots), on
             # the default tile and on larger ones
-            for bq, bk, nw, ns in ((16, 64, 4, 2), (32, 64, 8, 2), (16, 128, 4, 2), (32, 32, 4, 2)):
-                for hf, pf in ((False, False), (True, False), (False, True), (True, True)):
+            for bq, bk, nw, ns in ((16, 64, 4, 1), (16, 64, 4, 2), (32, 64, 8, 1), (16, 128, 4, 1),
+                                   (32, 128, 8, 1), (16, 32, 4, 1), (32, 32, 4, 1)):
+                for hf, pf in ((True, True),):
                     g = jax.jit(functools.partial(
                         rpa.ragged_paged_attention, sm_scale=scale, impl="pallas", block_q=bq,
                         block_k=bk, num_warps=nw, num_stages=ns, heavy_first=hf,

