@@ -207,6 +207,19 @@ round7() {   # third session, second call: throughput at the Qwen3 shapes, a war
     --batch-size 1 16 --input-len 64 --output-len 32 --num-iters 1 --output-json "$OUT/hf_qwen3_moe.json"
 }
 
+round8() {   # third session, last call: the Mosaic GPU prefill kernel in the engine (kernel
+             # check, 1,000 ShareGPT prompts), ITL with short prefill chunks, the XLA baseline
+             # at the Qwen3-8B shape
+  step 90 kernels python3 benchmarks/kernels.py --only attention --quick --json "$OUT/kernels.json"
+  step 150 tput "${JS[@]}" bench throughput "${LLAMA[@]}" "${ENGINE[@]}" --attention-impl pallas \
+    --dataset-name jsonl --dataset-path "$SHAREGPT" --num-prompts 1000 --disable-tqdm \
+    --output-json "$OUT/tput.json"
+  SERVE_PROMPTS=100 serve_run serve_lp64 --warmup-all --long-prefill-token-threshold 64
+  step 90 lat_qwen3_8b_xla "${JS[@]}" bench latency "${QWEN8[@]}" "${ENGINE[@]}" --attention-impl xla \
+    --batch-size 1 64 --input-len 128 --output-len 128 --num-iters 1 --disable-tqdm \
+    --output-json "$OUT/lat_qwen3_8b_xla.json"
+}
+
 decode_b1_b64() {
   step 240 lat_8b "${JS[@]}" bench latency "${LLAMA[@]}" "${ENGINE[@]}" --attention-impl pallas \
     --batch-size 1 64 --input-len 128 --output-len 128 --num-iters 2 --profile-dir /tmp/prof \

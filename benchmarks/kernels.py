@@ -147,7 +147,7 @@ def bench_attention(rng, quick: bool, sweep: bool):
             for ns, bk, xs in ((1, None, None), (1, 64, None), (3, None, None), (1, 64, 2),
                                (1, 128, 2), (1, 64, 8), (1, 128, 16)):
                 g = jax.jit(functools.partial(rpa.ragged_paged_attention, sm_scale=scale,
-                                              impl="pallas", num_stages=ns, block_k=bk,
+                                              impl="triton", num_stages=ns, block_k=bk,
                                               num_splits=xs))
                 ms = try_run("decode sweep", lambda: gpu_time_ms(g, *args, iters=10))
                 if ms is not None:
@@ -204,6 +204,9 @@ def bench_attention(rng, quick: bool, sweep: bool):
         out = f(*args)
         record("attention", case, "pallas (default)", gpu_time_ms(f, *args), flops=flops,
                err=rel_err(out, ref))
+        ft = jax.jit(functools.partial(rpa.ragged_paged_attention, sm_scale=scale, impl="triton"))
+        record("attention", case, "triton", gpu_time_ms(ft, *args), flops=flops,
+               err=rel_err(ft(*args), ref))
         if sweep and kind == "prefill":
             # launch order (heavy_first) and slot lookups one step ahead (prefetch_slots), on
             # the default tile and on larger ones
@@ -211,7 +214,7 @@ def bench_attention(rng, quick: bool, sweep: bool):
                                    (32, 128, 8, 1), (16, 32, 4, 1), (32, 32, 4, 1)):
                 for hf, pf in ((True, True),):
                     g = jax.jit(functools.partial(
-                        rpa.ragged_paged_attention, sm_scale=scale, impl="pallas", block_q=bq,
+                        rpa.ragged_paged_attention, sm_scale=scale, impl="triton", block_q=bq,
                         block_k=bk, num_warps=nw, num_stages=ns, heavy_first=hf,
                         prefetch_slots=pf))
                     ms = try_run("sweep", lambda: gpu_time_ms(g, *args, iters=10))

@@ -55,6 +55,24 @@ def test_tile_order_and_prefetched_slots(heavy_first, prefetch_slots):
     check(args, num_splits=3, block_k=8, **kw)
 
 
+def test_pallas_picks_mosaic_for_prefill_heavy_batches_on_a_gpu():
+    sds = jax.ShapeDtypeStruct
+    q, cache = sds((2048, 32, 128), jnp.bfloat16), sds((64, 16, 8, 128), jnp.bfloat16)
+    one_seq, many_seqs = sds((1,), jnp.int32), sds((1024,), jnp.int32)
+
+    def pick(q=q, cache=cache, seq_lens=one_seq, on_gpu=True, interpret=None, **kw):
+        kw = {"sliding_window": None, "soft_cap": None, **kw}
+        return rpa._pallas_kernel_for(q, cache, seq_lens, on_gpu=on_gpu, interpret=interpret, **kw)
+
+    assert pick() == "mgpu"
+    assert pick(seq_lens=many_seqs) == "triton"                  # T <= 2 S: decode-heavy
+    assert pick(on_gpu=False) == pick(interpret=True) == "triton"
+    assert pick(sliding_window=128) == pick(soft_cap=30.0) == "triton"
+    assert pick(q=sds((2048, 24, 128), jnp.bfloat16)) == "triton"   # G = 3
+    assert pick(q=sds((2048, 32, 96), jnp.bfloat16), cache=sds((64, 16, 8, 96), jnp.bfloat16)) \
+        == "triton"                                                # E not a multiple of 64
+
+
 def test_sliding_window_and_soft_cap():
     args = paged_batch([6, 1, 11], [40, 37, 30], seed=3)
     check(args, sliding_window=10)

@@ -1,0 +1,98 @@
+"""Mosaic GPU ragged paged attention: runs in Mosaic GPU interpret mode on CPU, vs the reference.
+
+Interpret mode simulates the kernel's three warpgroups as threads, with TMA copies, barriers
+and wgmma (from shared memory) done by host callbacks. It has no rule for `run_state` or for a
+wgmma operand held in registers, so under interpret=True the kernel stages P through shared
+memory for the P V product (the only difference from the GPU path; see the kernel's NOTE).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxserve.pallas_kernels import ragged_paged_attention_mgpu as mg
+from jaxserve.pallas_kernels.ragged_paged_attention import ref_ragged_paged_attention
+
+from kernel_batches import paged_batch
+
+SCALE = 0.17
+
+
+def check(args, **kw):
+    ref = np.asarray(ref_ragged_paged_attention(*args, sm_scale=SCALE), np.float32)
+    out = np.asarray(mg.ragged_paged_attention_mgpu(*args, sm_scale=SCALE, interpret=True, **kw),
+                     np.float32)
+    real = int(args[3][-1])
+    assert np.isfinite(out).all(), "some output element is not finite"
+    err = np.linalg.norm(out[:real] - ref[:real]) / np.linalg.norm(ref[:real])
+    assert err < 1e-2, err
+    np.testing.assert_allclose(out[:real], ref[:real], atol=3e-2, rtol=3e-2)
+    np.testing.assert_array_equal(out[real:], 0.0)   # padding tokens: zeros
+    return out
+
+
+def batch(qlens, ctxs, *, n=8, kh=2, e=64, p=8, seed=0, pad_tokens=3):
+    return paged_batch(qlens, ctxs, n=n, kh=kh, e=e, p=p, seed=seed, pad_tokens=pad_tokens,
+                       dtype=jnp.bfloat16)
+
+
+TILINGS = ["sequence", "flat"]
+
+
+@pytest.mark.parametrize("tiling", TILINGS)
+@pytest.mark.parametrize("n,kh", [(4, 4), (8, 2), (16, 2)])   # GQA ratios 1, 4, 8
+def test_prefill_gqa(n, kh, tiling):
+    # a long prompt (several tiles, the last past T) then a short one starting mid-tile at an
+    # odd token (not 8-aligned)
+    check(batch([70, 5], [70, 90], n=n, kh=kh, seed=n), block_kv=64, tiling=tiling)
+
+
+@pytest.mark.parametrize("tiling", TILINGS)
+def test_chunked_prefill_odd_lengths_three_stages(tiling):
+    # prompts with earlier context; tiles straddle sequence ends; 3-deep K/V ring
+    check(batch([13, 29, 7], [77, 29, 40], seed=1), block_kv=64, num_stages=3, tiling=tiling)
+
+
+@pytest.mark.parametrize("tiling", TILINGS)
+def test_mixed_with_decode_rows_and_padding_sequences(tiling):
+    # chunk of a longer prompt, decodes, padding sequences (qlen 0, seq_len 0) in between
+    args = batch([9, 1, 0, 1, 17, 0], [25, 33, 0, 8, 17, 0], seed=2)
+    check(args, block_kv=64, tiling=tiling)
+    check(args, block_kv=128, schedule_barrier=False, heavy_first=False, tiling=tiling)
+
+
+def test_float16_and_block_size_16():
+    args = paged_batch([20, 5], [50, 5], n=8, kh=2, e=64, p=16, seed=3, dtype=jnp.float16)
+    check(args, block_kv=64)
+
+
+def test_unsupported_options_raise():
+    args = batch([4], [4])
+    with pytest.raises(ValueError, match="sliding_window"):
+        mg.ragged_paged_attention_mgpu(*args, sm_scale=1.0, sliding_window=4, interpret=True)
+    with pytest.raises(ValueError, match="G = N // K"):
+        mg.ragged_paged_attention_mgpu(*paged_batch([4], [4], n=6, kh=2, e=64,
+                                                    dtype=jnp.bfloat16),
+                                       sm_scale=1.0, interpret=True)
+    with pytest.raises(ValueError, match="float16 or bfloat16"):
+        mg.ragged_paged_attention_mgpu(*paged_batch([4], [4], e=64), sm_scale=1.0,
+                                       interpret=True)
+
+
+@pytest.mark.parametrize("tiling", TILINGS)
+def test_lowers_for_cuda(tiling):
+    """The GPU path (interpret=False: wgmma with P in registers) lowers to one Mosaic GPU call
+    (Pallas -> Mosaic GPU MLIR, layout inference included; PTX is made only on a GPU)."""
+    from jaxserve.pallas_kernels.cuda_lowering import export_for_cuda
+    sds = jax.ShapeDtypeStruct
+    t, n, kh, e, nb, p, s, b = 256, 32, 8, 128, 256, 16, 4, 32
+    args = (sds((t, n, e), jnp.bfloat16), sds((nb, p, kh, e), jnp.bfloat16),
+            sds((nb, p, kh, e), jnp.bfloat16), sds((s + 1,), jnp.int32), sds((s,), jnp.int32),
+            sds((s, b), jnp.int32))
+    exported = export_for_cuda(lambda *a: mg.ragged_paged_attention_mgpu(
+        *a, sm_scale=0.1, interpret=False, num_stages=3, block_kv=64, tiling=tiling), *args)
+    assert "mosaic_gpu" in exported.mlir_module()
+    assert exported.out_avals[0].shape == (t, n, e)
