@@ -118,6 +118,16 @@ def _check_supported(q_TNE, k_cache, block_kv, num_stages, sliding_window, soft_
         raise ValueError(f"num_stages must be >= 2; got {num_stages}")
 
 
+def _own_buffer(x_N):
+    """x as int32 in a buffer of its own, padded by 1..64 entries (the kernel reads only the
+    first N). NOTE: a Mosaic GPU call needs 256-byte aligned operands, and inside the engine's
+    step these small arrays are slices of one packed input, which XLA passes as views at any
+    offset ("Input buffer 1 is not 256-byte aligned" on the H200); a padded copy is a fresh,
+    aligned allocation (a zero pad would be a no-op and keep the view)."""
+    n = x_N.shape[0]
+    return jnp.pad(x_N.astype(jnp.int32), (0, 64 - n % 64))
+
+
 def supports(q_TNE, k_cache, *, sliding_window=None, soft_cap=None, block_kv: int = 128,
              num_stages: int = 2) -> bool:
     """Whether this kernel handles these shapes and options (ragged_paged_attention's
@@ -452,7 +462,7 @@ def ragged_paged_attention_mgpu(q_TNE, k_cache_NPKE, v_cache_NPKE, query_start_l
         interpret=plgpu.InterpretGPUParams() if interpret else None,
         kernel_name=f"ragged_paged_attention_mgpu_{tiling}_bkv{block_kv}_w{num_stages}",
     )
-    o_TNE = call(query_start_loc_S1.astype(jnp.int32), seq_lens_S.astype(jnp.int32),
-                 block_tables_SB.astype(jnp.int32).reshape(s * b), q_TNE,
+    o_TNE = call(_own_buffer(query_start_loc_S1), _own_buffer(seq_lens_S),
+                 _own_buffer(block_tables_SB.reshape(s * b)), q_TNE,
                  k_cache_NPKE.reshape(nb * p, kh * e), v_cache_NPKE.reshape(nb * p, kh * e))
     return o_TNE[:t] if t_pad != t else o_TNE

@@ -96,3 +96,14 @@ def test_lowers_for_cuda(tiling):
         *a, sm_scale=0.1, interpret=False, num_stages=3, block_kv=64, tiling=tiling), *args)
     assert "mosaic_gpu" in exported.mlir_module()
     assert exported.out_avals[0].shape == (t, n, e)
+
+
+@pytest.mark.parametrize("n", [1, 63, 64, 257])
+def test_small_inputs_get_a_buffer_of_their_own(n):
+    """Mosaic GPU needs 256-byte aligned operands; in the engine's step query_start_loc,
+    seq_lens and the block tables are slices of one packed input (views at any offset), so the
+    wrapper pads each (never by zero entries: a zero pad is a no-op and keeps the view)."""
+    x = jnp.arange(n, dtype=jnp.int32)
+    y = mg._own_buffer(x)
+    assert y.dtype == jnp.int32 and y.shape[0] % 64 == 0 and y.shape[0] > n
+    np.testing.assert_array_equal(np.asarray(y[:n]), np.arange(n))
