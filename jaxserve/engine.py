@@ -137,11 +137,13 @@ class LLMEngine:
         self._inflight = None               # the dispatched step whose tokens are not read yet
         self._failed_outputs: list[RequestOutput] = []   # failed while building a step
         self.num_steps = 0
+        if config.warmup_all and not config.warmup:
+            logger.warning("warmup_all has no effect without warmup: programs compile on first use")
         if config.warmup:
             t0 = time.perf_counter()
             self.runner.warmup()
-            if config.warmup_all:
-                self.runner.wait_for_warmup()
+            if config.warmup_all:   # a failed compile is retried on first use (runner.run)
+                self.runner.wait_for_warmup(raise_errors=False)
             self.startup_seconds["warmup"] = time.perf_counter() - t0
             logger.info("warm-up took %.1f s", self.startup_seconds["warmup"])
         self._update_gauges()

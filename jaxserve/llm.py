@@ -25,7 +25,8 @@ class LLM:
         dtype: "float32", "bfloat16" or "float16" (default: bfloat16 on GPU, float32 on CPU).
         **engine_args: engine options such as max_model_len, max_num_seqs,
             max_num_batched_tokens, block_size, num_kv_blocks, enable_prefix_caching, seed,
-            load_format, tensor_parallel_size, max_logprobs, attention_impl, warmup.
+            load_format, tensor_parallel_size, max_logprobs, attention_impl, warmup,
+            warmup_all (also wait for the logprobs/top-k/penalty programs at start-up).
     """
 
     def __init__(self, model: str | None = None, *, dtype: str | None = None, **engine_args):

@@ -94,7 +94,19 @@ COMPUTE_WGS = 2
 # ---------------------------------------------------------------------------------------------
 
 
-def _check_supported(q_TNE, k_cache, block_kv, num_stages, sliding_window, soft_cap):
+MAX_SMEM_BYTES = 232448   # shared memory per block on an H100/H200 (227 KiB)
+
+
+def _smem_bytes(head_dim: int, block_kv: int, num_stages: int, tiling: str, itemsize: int) -> int:
+    """Shared memory of the GPU path: q tiles, the output staging ("sequence" tiling) and the
+    K/V ring (barriers are a few hundred bytes; the margin covers them)."""
+    rows = COMPUTE_WGS * ROWS_PER_WG * head_dim
+    staging = rows if tiling == "sequence" else 0
+    return itemsize * (rows + staging + 2 * num_stages * block_kv * head_dim)
+
+
+def _check_supported(q_TNE, k_cache, block_kv, num_stages, sliding_window, soft_cap,
+                     tiling="sequence"):
     if sliding_window is not None or soft_cap is not None:
         raise ValueError("ragged_paged_attention_mgpu supports neither sliding_window nor "
                          "soft_cap; use ragged_paged_attention(impl='pallas') for those")
@@ -116,6 +128,11 @@ def _check_supported(q_TNE, k_cache, block_kv, num_stages, sliding_window, soft_
         raise ValueError(f"cache block size P must be a multiple of 8; got {p}")
     if num_stages < 2:
         raise ValueError(f"num_stages must be >= 2; got {num_stages}")
+    smem = _smem_bytes(e, block_kv, num_stages, tiling, jnp.dtype(q_TNE.dtype).itemsize)
+    if smem > MAX_SMEM_BYTES - 4096:
+        raise ValueError(f"head dim E={e} with block_kv={block_kv} and num_stages={num_stages} "
+                         f"needs {smem} bytes of shared memory; at most "
+                         f"{MAX_SMEM_BYTES - 4096} fit (use a smaller block_kv or E <= 128)")
 
 
 def _own_buffer(x_N):
@@ -405,9 +422,9 @@ def ragged_paged_attention_mgpu(q_TNE, k_cache_NPKE, v_cache_NPKE, query_start_l
     interpret: run in Mosaic GPU interpret mode (default: when no GPU is present).
     """
     _validate(q_TNE, k_cache_NPKE, v_cache_NPKE, query_start_loc_S1, seq_lens_S, block_tables_SB)
-    _check_supported(q_TNE, k_cache_NPKE, block_kv, num_stages, sliding_window, soft_cap)
     if tiling not in ("sequence", "flat"):
         raise ValueError(f"tiling must be 'sequence' or 'flat'; got {tiling!r}")
+    _check_supported(q_TNE, k_cache_NPKE, block_kv, num_stages, sliding_window, soft_cap, tiling)
     t, n, e = q_TNE.shape
     nb, p, kh, _ = k_cache_NPKE.shape
     s, b = block_tables_SB.shape

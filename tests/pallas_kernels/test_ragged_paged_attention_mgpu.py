@@ -82,6 +82,17 @@ def test_unsupported_options_raise():
                                        interpret=True)
 
 
+def test_shapes_over_shared_memory_are_not_supported():
+    # E=256 at the default tiles needs ~386 KB of shared memory (the H200 has 227 KiB): the
+    # dispatcher must keep such models on the Triton kernel instead of failing to compile
+    sds = jax.ShapeDtypeStruct
+    q, cache = sds((2048, 16, 256), jnp.bfloat16), sds((64, 16, 4, 256), jnp.bfloat16)
+    assert not mg.supports(q, cache)
+    with pytest.raises(ValueError, match="shared memory"):
+        mg._check_supported(q, cache, 128, 2, None, None)
+    assert mg.supports(sds((2048, 32, 128), jnp.bfloat16), sds((64, 16, 8, 128), jnp.bfloat16))
+
+
 @pytest.mark.parametrize("tiling", TILINGS)
 def test_lowers_for_cuda(tiling):
     """The GPU path (interpret=False: wgmma with P in registers) lowers to one Mosaic GPU call
