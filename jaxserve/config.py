@@ -39,6 +39,8 @@ class ModelConfig:
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True
+    scoring_func: str = "softmax"        # router scores: "softmax" (Mixtral, Qwen3) or "sigmoid"
+    routed_scaling_factor: float = 1.0   # multiplies the chosen experts' weights
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 
@@ -47,6 +49,8 @@ class ModelConfig:
             _check(getattr(self, name) > 0, name, "> 0", getattr(self, name))
         _check(self.num_heads % self.num_kv_heads == 0, "num_heads", "a multiple of num_kv_heads",
                (self.num_heads, self.num_kv_heads))
+        _check(self.scoring_func in ("softmax", "sigmoid"), "scoring_func",
+               "one of softmax, sigmoid", self.scoring_func)
 
     @property
     def rope_scaling_dict(self) -> dict[str, Any] | None:
@@ -93,6 +97,8 @@ class ModelConfig:
             num_experts_per_tok=hf.get("num_experts_per_tok", 0) if num_experts else 0,
             moe_intermediate_size=hf.get("moe_intermediate_size") or hf.get("intermediate_size", 0),
             norm_topk_prob=hf.get("norm_topk_prob", arch == "MixtralForCausalLM"),
+            scoring_func=hf.get("scoring_func", "softmax"),
+            routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos_ids,
         )

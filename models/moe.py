@@ -1,4 +1,5 @@
-"""Mixture-of-experts MLP (Mixtral, Qwen3-MoE): softmax router, top-k, optional renormalisation.
+"""Mixture-of-experts MLP (Mixtral, Qwen3-MoE): softmax or sigmoid router, top-k, optional
+renormalisation and scaling.
 
 Parameters of an MoE layer: router f[D, X], w_gate f[X, D, F], w_up f[X, D, F], w_down f[X, F, D].
 Legend: T tokens, D model dim, X experts, F expert MLP dim, k experts per token.
@@ -20,11 +21,16 @@ def moe_param_shapes(cfg: ModelConfig) -> dict:
 
 
 def route(cfg: ModelConfig, router_logits_TX: jax.Array):
-    """Top-k experts per token and their weights f32[T, k] (renormalised if the config says so)."""
-    probs = jax.nn.softmax(router_logits_TX.astype(jnp.float32), axis=-1)
-    weights, experts = jax.lax.top_k(probs, cfg.num_experts_per_tok)
-    if cfg.norm_topk_prob:
-        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    """Top-k experts per token and their weights f32[T, k]: scores by softmax over the experts
+    or by an independent sigmoid each (cfg.scoring_func), the k best, renormalised to sum to 1
+    if cfg.norm_topk_prob, times cfg.routed_scaling_factor."""
+    logits = router_logits_TX.astype(jnp.float32)
+    scores = jax.nn.sigmoid(logits) if cfg.scoring_func == "sigmoid" else jax.nn.softmax(logits, axis=-1)
+    weights, experts = jax.lax.top_k(scores, cfg.num_experts_per_tok)
+    if cfg.norm_topk_prob:   # sigmoid scores can all be ~0: keep the division finite
+        weights = weights / jnp.maximum(jnp.sum(weights, axis=-1, keepdims=True), 1e-20)
+    if cfg.routed_scaling_factor != 1.0:
+        weights = weights * cfg.routed_scaling_factor
     return weights, experts
 
 
