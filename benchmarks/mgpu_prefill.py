@@ -11,7 +11,7 @@ P=16 slots scattered over the pool. Cases:
   chunked   S=4 x 512 new tokens, context 2048 each (tokens at positions 1536..2047)
   mixed     an engine step: 32 decode rows (context 2048) beside a 1024-token prompt chunk
 Rows: ours (ragged_paged_attention_mgpu, tiling "sequence" and "flat"; --sweep adds a few
-tunings), our Triton kernel (ragged_paged_attention(impl="pallas")), cuDNN on already-gathered
+tunings), our Triton kernel (ragged_paged_attention(impl="triton")), cuDNN on already-gathered
 dense K/V (causal for `prefill`; jax.nn exposes only a top-left causal mask, wrong for chunks
 that start mid-context, so on `chunked` cuDNN runs without a mask and does ~14% more work than
 needed), and JAX's FA3-style Mosaic kernel (attention_mgpu: float16 only in jax 0.11.2, dense,
@@ -26,9 +26,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import statistics
 import sys
-import time
 import traceback
 
 import jax
@@ -37,38 +35,11 @@ import numpy as np
 
 from jaxserve.pallas_kernels import ragged_paged_attention as rpa
 from jaxserve.pallas_kernels import ragged_paged_attention_mgpu as mg
+from kernels import dense_kv, gpu_time_ms, rel_err   # benchmarks/kernels.py (this script's folder)
 
 N, K, E, P = 32, 8, 128, 16
 PEAK = 794e12
 ROWS: list[dict] = []
-
-
-def gpu_time_ms(fn, *args, iters: int = 30) -> float:
-    """Median GPU time of fn(*args) in ms (kernels only, via CUPTI), after two warm-up calls."""
-    jax.block_until_ready(fn(*args))
-    jax.block_until_ready(fn(*args))
-    try:
-        from jax.experimental.mosaic.gpu import profiler
-        _, times = profiler.measure(fn, iterations=iters)(*args)
-        if times:
-            return float(statistics.median(times))
-    except Exception as err:  # noqa: BLE001 - fall back to wall clock, say so
-        print(f"# CUPTI timing unavailable ({type(err).__name__}: {err}); using wall clock",
-              file=sys.stderr)
-    samples = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        samples.append((time.perf_counter() - t0) * 1e3)
-    return float(statistics.median(samples))
-
-
-def rel_err(x, ref) -> float:
-    x = np.asarray(x, np.float32)
-    ref = np.asarray(ref, np.float32)
-    if not np.isfinite(x).all():
-        return float("nan")
-    return float(np.linalg.norm(x - ref) / max(np.linalg.norm(ref), 1e-30))
 
 
 def record(case, impl, ms, flops, err=None, note=""):
@@ -108,11 +79,6 @@ def make_batch(qlens, ctxs, seed=0, dtype=jnp.bfloat16):
     return (q, k, v, qsl, seq_lens, bt), flops
 
 
-def dense_kv(k, v, bt):
-    s, b = bt.shape
-    return (k[bt].reshape(s, b * P, K, E), v[bt].reshape(s, b * P, K, E))
-
-
 def run_case(case, qlens, ctxs, iters, sweep):
     args, flops = make_batch(qlens, ctxs)
     s, qlen, ctx = len(qlens), qlens[-1], ctxs[-1]
@@ -137,7 +103,7 @@ def run_case(case, qlens, ctxs, iters, sweep):
             record(case, label, gpu_time_ms(f, *args, iters=iters), flops, err)
         attempt(label, go)
 
-    ft = jax.jit(functools.partial(rpa.ragged_paged_attention, sm_scale=scale, impl="pallas"))
+    ft = jax.jit(functools.partial(rpa.ragged_paged_attention, sm_scale=scale, impl="triton"))
 
     def triton():
         out = ft(*args)
@@ -148,7 +114,7 @@ def run_case(case, qlens, ctxs, iters, sweep):
     if not uniform:
         return
     q, k, v, _, _, bt = args
-    k_d, v_d = dense_kv(k, v, bt)
+    k_d, v_d = dense_kv(dict(k=k, v=v, bt=bt))
     q4 = q.reshape(s, qlen, N, E)
     causal = qlen == ctx
 

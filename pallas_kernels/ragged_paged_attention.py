@@ -207,15 +207,18 @@ def _rpa_kernel(
             "ex2.approx.f32 $0, $1;", args=[x], constraints="=r,r", pack=1,
             result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, x.dtype)])[0]
 
+    def key_positions(step):
+        return kv_begin + step * block_k + jnp.arange(block_k, dtype=jnp.int32)
+
     def slots(step):
-        kpos = kv_begin + step * block_k + jnp.arange(block_k, dtype=jnp.int32)
+        kpos = key_positions(step)
         lblk = jnp.minimum(kpos // block_size, blocks_per_seq - 1)
         page = plgpu.load(bt_ref.at[jnp.minimum(seq, num_seqs - 1) * blocks_per_seq + lblk])
         return page * block_size + kpos % block_size
 
     def body(step, carry, *, masked):
         acc, m_R, l_R, slot = carry
-        kpos = kv_begin + step * block_k + jnp.arange(block_k, dtype=jnp.int32)
+        kpos = key_positions(step)
         if prefetch_slots:   # this step's slots came from the last one; look up the next's
             next_slot = slots(step + 1)
         else:
@@ -279,11 +282,17 @@ def default_block_k(block_q: int, group: int, context: int) -> int:
     return max(16, min(128 if rows <= 16 else 64, pl.next_power_of_2(context)))
 
 
+def prefill_heavy(num_tokens: int, num_seqs: int) -> bool:
+    """More than two tokens per sequence slot: mostly prompt chunks (a static test on the
+    step's shapes). Such batches need no key-range splits, and on a GPU go to the Mosaic kernel."""
+    return num_tokens > 2 * num_seqs
+
+
 def default_num_splits(num_tokens: int, num_seqs: int, kv_heads: int, block_q: int,
                        context: int) -> int:
     """Split the key range until the grid has about four programs per SM (132 on an H200),
     keeping at least 256 keys per split; prefill-heavy batches already fill the GPU."""
-    if num_tokens > 2 * num_seqs:
+    if prefill_heavy(num_tokens, num_seqs):
         return 1
     programs = min(num_tokens, num_seqs) * kv_heads
     return int(max(1, min(pl.cdiv(528, max(programs, 1)), context // 256, 32)))
@@ -344,9 +353,8 @@ def ragged_paged_attention(q_TNE, k_cache_NPKE, v_cache_NPKE, query_start_loc_S1
     interpret = (not on_gpu) if interpret is None else interpret
     rows = block_q * gp
     num_warps = num_warps or (4 if rows <= 64 else 8)
-    prefill_heavy = t > 2 * s
-    heavy_first = prefill_heavy if heavy_first is None else heavy_first
-    prefetch_slots = prefill_heavy if prefetch_slots is None else prefetch_slots
+    heavy_first = prefill_heavy(t, s) if heavy_first is None else heavy_first
+    prefetch_slots = prefill_heavy(t, s) if prefetch_slots is None else prefetch_slots
 
     kernel = functools.partial(
         _rpa_kernel, sm_scale=float(sm_scale), sliding_window=sliding_window, soft_cap=soft_cap,
@@ -389,7 +397,7 @@ def _pallas_kernel_for(q_TNE, k_cache_NPKE, seq_lens_S, *, on_gpu: bool, interpr
     """"mgpu" for prefill-heavy batches (T > 2 S, a static test on the step's bucket) on a GPU
     when the Mosaic GPU kernel supports them; "triton" otherwise (decode-heavy batches need the
     Triton kernel's key-range splits; CPU runs it interpreted)."""
-    if not on_gpu or interpret or q_TNE.shape[0] <= 2 * seq_lens_S.shape[0]:
+    if not on_gpu or interpret or not prefill_heavy(q_TNE.shape[0], seq_lens_S.shape[0]):
         return "triton"
     from jaxserve.pallas_kernels import ragged_paged_attention_mgpu as mgpu
     supported = mgpu.supports(q_TNE, k_cache_NPKE, sliding_window=sliding_window,

@@ -1,9 +1,10 @@
-"""Shared helpers for the kernel tests: random paged-attention batches."""
+"""Shared helpers for the kernel tests: random paged-attention batches and lowering shapes."""
 
 from __future__ import annotations
 
-import numpy as np
+import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 def paged_batch(qlens, ctxs, *, n=8, kh=2, e=32, p=8, pad_tokens=3, extra_blocks=4, seed=0,
@@ -29,3 +30,11 @@ def paged_batch(qlens, ctxs, *, n=8, kh=2, e=32, p=8, pad_tokens=3, extra_blocks
         i += nblk
     return (q, k, v, jnp.asarray(qsl), jnp.asarray(np.asarray(ctxs, np.int32)),
             jnp.asarray(bt))
+
+
+def cuda_attention_shapes(t=64, n=32, kh=8, e=128, nb=256, p=16, s=8, b=32, dtype=jnp.bfloat16):
+    """Abstract (q, k_cache, v_cache, query_start_loc, seq_lens, block_tables) for lowering an
+    attention kernel for CUDA without a GPU (Llama-3.1-8B heads by default)."""
+    sds = jax.ShapeDtypeStruct
+    return (sds((t, n, e), dtype), sds((nb, p, kh, e), dtype), sds((nb, p, kh, e), dtype),
+            sds((s + 1,), jnp.int32), sds((s,), jnp.int32), sds((s, b), jnp.int32))

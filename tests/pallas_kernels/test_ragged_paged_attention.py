@@ -11,7 +11,7 @@ from jaxserve.models import layers
 from jaxserve.pallas_kernels import ragged_paged_attention as rpa
 from jaxserve.pallas_kernels.cuda_lowering import export_for_cuda, triton_kernel_names
 
-from kernel_batches import paged_batch
+from kernel_batches import cuda_attention_shapes, paged_batch
 
 SCALE = 0.17
 
@@ -125,14 +125,10 @@ def test_validation_errors_name_the_field():
 
 @pytest.mark.parametrize("num_splits", [1, 4])
 def test_lowers_for_cuda(num_splits):
-    sds = jax.ShapeDtypeStruct
-    t, n, kh, e, nb, p, s, b = 64, 32, 8, 128, 256, 16, 8, 32
-    args = (sds((t, n, e), jnp.bfloat16), sds((nb, p, kh, e), jnp.bfloat16),
-            sds((nb, p, kh, e), jnp.bfloat16), sds((s + 1,), jnp.int32), sds((s,), jnp.int32),
-            sds((s, b), jnp.int32))
+    args = cuda_attention_shapes()
     exported = export_for_cuda(lambda *a: rpa.ragged_paged_attention(
         *a, sm_scale=0.1, impl="pallas", num_splits=num_splits, interpret=False,
         sliding_window=128, heavy_first=True, prefetch_slots=num_splits > 1), *args)
     names = triton_kernel_names(exported)
     assert len(names) == 1 and names[0].startswith("ragged_paged_attention")
-    assert exported.out_avals[0].shape == (t, n, e)
+    assert exported.out_avals[0].shape == args[0].shape

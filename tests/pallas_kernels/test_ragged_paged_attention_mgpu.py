@@ -16,7 +16,7 @@ import pytest
 from jaxserve.pallas_kernels import ragged_paged_attention_mgpu as mg
 from jaxserve.pallas_kernels.ragged_paged_attention import ref_ragged_paged_attention
 
-from kernel_batches import paged_batch
+from kernel_batches import cuda_attention_shapes, paged_batch
 
 SCALE = 0.17
 
@@ -98,15 +98,11 @@ def test_lowers_for_cuda(tiling):
     """The GPU path (interpret=False: wgmma with P in registers) lowers to one Mosaic GPU call
     (Pallas -> Mosaic GPU MLIR, layout inference included; PTX is made only on a GPU)."""
     from jaxserve.pallas_kernels.cuda_lowering import export_for_cuda
-    sds = jax.ShapeDtypeStruct
-    t, n, kh, e, nb, p, s, b = 256, 32, 8, 128, 256, 16, 4, 32
-    args = (sds((t, n, e), jnp.bfloat16), sds((nb, p, kh, e), jnp.bfloat16),
-            sds((nb, p, kh, e), jnp.bfloat16), sds((s + 1,), jnp.int32), sds((s,), jnp.int32),
-            sds((s, b), jnp.int32))
+    args = cuda_attention_shapes(t=256, s=4)
     exported = export_for_cuda(lambda *a: mg.ragged_paged_attention_mgpu(
         *a, sm_scale=0.1, interpret=False, num_stages=3, block_kv=64, tiling=tiling), *args)
     assert "mosaic_gpu" in exported.mlir_module()
-    assert exported.out_avals[0].shape == (t, n, e)
+    assert exported.out_avals[0].shape == args[0].shape
 
 
 @pytest.mark.parametrize("n", [1, 63, 64, 257])
