@@ -65,6 +65,15 @@ Measured on one H200 (2026-11-29, jax 0.11.2; bf16, N=32, K=8, E=128, P=16, bloc
   (cuDNN gets them dense), and 1.46x / 1.54x Triton's speed; on the mixed step, 1.25x Triton's.
   * jax.nn's cuDNN causal mask is top-left aligned, wrong for chunks that start mid-context,
     so on `chunked` cuDNN ran without a mask and did 14% more work than needed.
+Decode configuration (DECODE_CONFIG: one compute warpgroup, a 4-deep ring of 64-key steps,
+key-range splits merged by log-sum-exp; measured, not dispatched): correct on the H200 (same
+errors as Triton) but slower than the Triton kernel on every decode case, e.g. 30.1 vs 15.0 us
+for one 8K-token sequence, 58.0 vs 41.2 us at 32 x 1K, 975.9 vs 972.6 us at 128 x 8K (cuDNN:
+10.9, 33.5, 954.7). Each CTA needs ~180 KB of shared memory, so one runs per SM and its fixed
+start and end (q copy, block-table reads, first K/V copies, output store) are never hidden;
+more splits made it slower (26 -> 66 us from 16 to 128 splits at 8K). What it would take:
+a persistent grid that streams the next work item's K/V while finishing the last one.
+`python benchmarks/kernels.py --only decode --sweep`; BENCHMARKS.md, "Kernels".
 Tried and slower: block_kv=64 with 3 or 4 stages (102 vs 88 us; 3 stages of 128 keys do not
 fit in shared memory next to "sequence"'s staging buffer, and gave nothing on "flat"), no
 schedule barrier (+8%), launch order not longest-first (+7%, "flat").
@@ -82,11 +91,17 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxserve.pallas_kernels.ragged_paged_attention import (  # noqa: F401 (re-exported)
-    _validate, ref_ragged_paged_attention)
+    _merge_splits, _validate, ref_ragged_paged_attention)
 
 LOG2E = math.log2(math.e)
 ROWS_PER_WG = 64          # wgmma M per warpgroup
-COMPUTE_WGS = 2
+COMPUTE_WGS = 2           # prefill: two compute warpgroups (FA3 ping-pong); decode: one
+LSE_COLS = 8              # a split's log-sum-exp is stored as [rows, 8] (TMA boxes >= 16 bytes)
+# Tile configurations by measurement (module docstring): prefill-heavy batches fill the GPU
+# with query tiles; decode batches have 1 token per sequence, so one compute warpgroup, a deeper
+# ring of smaller key steps and key-range splits (num_splits: None = default_num_splits).
+PREFILL_CONFIG = dict(block_kv=128, num_stages=2, compute_wgs=2, num_splits=1)
+DECODE_CONFIG = dict(block_kv=64, num_stages=4, compute_wgs=1, num_splits=None)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -97,16 +112,20 @@ COMPUTE_WGS = 2
 MAX_SMEM_BYTES = 232448   # shared memory per block on an H100/H200 (227 KiB)
 
 
-def _smem_bytes(head_dim: int, block_kv: int, num_stages: int, tiling: str, itemsize: int) -> int:
-    """Shared memory of the GPU path: q tiles, the output staging ("sequence" tiling) and the
-    K/V ring (barriers are a few hundred bytes; the margin covers them)."""
-    rows = COMPUTE_WGS * ROWS_PER_WG * head_dim
-    staging = rows if tiling == "sequence" else 0
-    return itemsize * (rows + staging + 2 * num_stages * block_kv * head_dim)
+def _smem_bytes(head_dim: int, block_kv: int, num_stages: int, tiling: str, itemsize: int,
+                compute_wgs: int = COMPUTE_WGS, num_splits: int = 1) -> int:
+    """Shared memory of the GPU path: q tiles, the output staging ("sequence" tiling; f32 plus
+    the log-sum-exp when the key range is split) and the K/V ring (barriers are a few hundred
+    bytes; the margin covers them)."""
+    rows = compute_wgs * ROWS_PER_WG
+    staging = 0
+    if tiling == "sequence":
+        staging = rows * head_dim * itemsize if num_splits == 1 else rows * (head_dim + LSE_COLS) * 4
+    return itemsize * (rows * head_dim + 2 * num_stages * block_kv * head_dim) + staging
 
 
 def _check_supported(q_TNE, k_cache, block_kv, num_stages, sliding_window, soft_cap,
-                     tiling="sequence"):
+                     tiling="sequence", compute_wgs=COMPUTE_WGS, num_splits=1):
     if sliding_window is not None or soft_cap is not None:
         raise ValueError("ragged_paged_attention_mgpu supports neither sliding_window nor "
                          "soft_cap; use ragged_paged_attention(impl='pallas') for those")
@@ -128,7 +147,12 @@ def _check_supported(q_TNE, k_cache, block_kv, num_stages, sliding_window, soft_
         raise ValueError(f"cache block size P must be a multiple of 8; got {p}")
     if num_stages < 2:
         raise ValueError(f"num_stages must be >= 2; got {num_stages}")
-    smem = _smem_bytes(e, block_kv, num_stages, tiling, jnp.dtype(q_TNE.dtype).itemsize)
+    if compute_wgs not in (1, 2):
+        raise ValueError(f"compute_wgs must be 1 or 2; got {compute_wgs}")
+    if num_splits < 1 or (num_splits > 1 and tiling != "sequence"):
+        raise ValueError(f"num_splits must be >= 1, and 1 with tiling='flat'; got {num_splits}")
+    smem = _smem_bytes(e, block_kv, num_stages, tiling, jnp.dtype(q_TNE.dtype).itemsize,
+                       compute_wgs, num_splits)
     if smem > MAX_SMEM_BYTES - 4096:
         raise ValueError(f"head dim E={e} with block_kv={block_kv} and num_stages={num_stages} "
                          f"needs {smem} bytes of shared memory; at most "
@@ -145,12 +169,15 @@ def _own_buffer(x_N):
     return jnp.pad(x_N.astype(jnp.int32), (0, 64 - n % 64))
 
 
-def supports(q_TNE, k_cache, *, sliding_window=None, soft_cap=None, block_kv: int = 128,
-             num_stages: int = 2) -> bool:
-    """Whether this kernel handles these shapes and options (ragged_paged_attention's
-    impl="pallas" falls back to the Triton kernel otherwise)."""
+def supports(q_TNE, k_cache, *, sliding_window=None, soft_cap=None, **config) -> bool:
+    """Whether this kernel handles these shapes and options at `config` (block_kv, num_stages,
+    compute_wgs, num_splits; the prefill defaults if empty). ragged_paged_attention's
+    impl="pallas" falls back to the Triton kernel otherwise."""
+    config = {**PREFILL_CONFIG, **config}
     try:
-        _check_supported(q_TNE, k_cache, block_kv, num_stages, sliding_window, soft_cap)
+        _check_supported(q_TNE, k_cache, config["block_kv"], config["num_stages"], sliding_window,
+                         soft_cap, compute_wgs=config["compute_wgs"],
+                         num_splits=config["num_splits"])
     except ValueError:
         return False
     return True
@@ -164,18 +191,21 @@ def supports(q_TNE, k_cache, *, sliding_window=None, soft_cap=None, block_kv: in
 def _rpa_mgpu_kernel(
     # inputs (GMEM)
     qsl_ref, seq_lens_ref, bt_ref, q_ref, k_ref, v_ref,
-    # output (GMEM)
-    o_ref,
+    # outputs (GMEM): o, or with key-range splits each split's o (f32) and log-sum-exp
+    o_ref, lse_ref,
     # scratch (SMEM)
-    q_smem, o_smem, k_smem, v_smem, q_bar, k_bar, v_bar, k_free, v_free, sched_bar, p_smem,
+    q_smem, o_smem, lse_smem, k_smem, v_smem, q_bar, k_bar, v_bar, k_free, v_free, sched_bar,
+    p_smem,
     *, tiling, num_tokens, num_seqs, blocks_per_seq, block_size, group, head_dim, block_kv,
-    num_stages, num_tiles, sm_scale, schedule_barrier, heavy_first, interpret):
+    num_stages, num_tiles, sm_scale, schedule_barrier, heavy_first, interpret, compute_wgs,
+    num_splits):
     bq = ROWS_PER_WG // group              # tokens per warpgroup tile
-    ct = COMPUTE_WGS * bq                  # tokens per CTA
+    ct = compute_wgs * bq                  # tokens per CTA
     pages = block_kv // block_size         # TMA copies per K (or V) tile
     flat = tiling == "flat"
     h = lax.axis_index("kvh")
     j = lax.axis_index("tile")
+    split = lax.axis_index("split") if num_splits > 1 else 0
     if heavy_first:   # later tiles have longer causal ranges: launch them first
         j = num_tiles - 1 - j
     wg = lax.axis_index("wg")
@@ -217,8 +247,9 @@ def _rpa_mgpu_kernel(
         n_seqs_here = jnp.where(is_pad | (t0 >= seq_end), 0, 1)
 
     def seq_info(i):
-        """(sequence, first token, end token, pos offset, key steps) of the i-th sequence with
-        tokens in this tile; the position of token t is t + offset."""
+        """(sequence, first token, end token, pos offset, first and end key step) of the i-th
+        sequence with tokens in this tile; the position of token t is t + offset; with splits,
+        this CTA's share of the key steps."""
         s = s_first + i
         q_begin = qsl_ref[s]
         q_end = qsl_ref[s + 1]
@@ -227,13 +258,17 @@ def _rpa_mgpu_kernel(
         hi = jnp.minimum(t0 + ct, q_end)
         kv_end = jnp.where(hi > lo, hi + offset, 0)
         steps = lax.div(kv_end + (block_kv - 1), jnp.int32(block_kv))
-        return s, q_begin, q_end, offset, steps
+        if num_splits == 1:
+            return s, q_begin, q_end, offset, jnp.int32(0), steps
+        per_split = lax.div(steps + (num_splits - 1), jnp.int32(num_splits))
+        lo = jnp.minimum(split * per_split, steps)
+        return s, q_begin, q_end, offset, lo, jnp.minimum(lo + per_split, steps)
 
     def sync_schedule():
         plgpu.barrier_arrive(sched_bar)
         plgpu.barrier_wait(sched_bar)
 
-    @pl.when(wg < COMPUTE_WGS)
+    @pl.when(wg < compute_wgs)
     def _compute():
         plgpu.set_max_registers(232, action="increase")
         tq = t0 + wg * bq
@@ -311,37 +346,31 @@ def _rpa_mgpu_kernel(
 
         def one_sequence(i, carry):
             base, acc, m_i, l_i = carry
-            _, q_begin, q_end, offset, steps = seq_info(i)
+            _, q_begin, q_end, offset, lo, hi = seq_info(i)
             # steps whose keys all (stored) rows of this warpgroup see need no mask
-            full = jnp.clip(lax.div(tq + offset + 1, jnp.int32(block_kv)), 0, steps)
+            full = jnp.clip(lax.div(tq + offset + 1, jnp.int32(block_kv)), lo, hi)
             if flat:   # ... and only if all its rows belong to this sequence
-                full = jnp.where((q_begin <= tq) & (q_end >= tq + bq), full, 0)
-            kw = dict(base=base, q_begin=q_begin, q_end=q_end, offset=offset)
-            carry = lax.fori_loop(0, full, functools.partial(key_step, masked=False, **kw),
+                full = jnp.where((q_begin <= tq) & (q_end >= tq + bq), full, lo)
+            # ring slot of step jj: (base + jj - lo) % num_stages, as the memory warpgroup counts
+            kw = dict(base=base - lo, q_begin=q_begin, q_end=q_end, offset=offset)
+            carry = lax.fori_loop(lo, full, functools.partial(key_step, masked=False, **kw),
                                   (acc, m_i, l_i))
-            acc, m_i, l_i = lax.fori_loop(full, steps,
+            acc, m_i, l_i = lax.fori_loop(full, hi,
                                           functools.partial(key_step, masked=True, **kw), carry)
-            return base + steps, acc, m_i, l_i
+            return base + hi - lo, acc, m_i, l_i
 
         _, acc, m_i, l_i = lax.fori_loop(0, n_seqs_here, one_sequence,
                                          (jnp.int32(0), acc, m_i, l_i))
         if schedule_barrier:
             pl.when(wg == 0)(sync_schedule)
-        l_safe = jnp.where(l_i == 0.0, 1.0, l_i)     # padding rows: acc is 0, output 0
+        empty = l_i == 0.0                            # padding rows: acc is 0, output 0
+        l_safe = jnp.where(empty, 1.0, l_i)
         acc = acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])
-        if flat:   # whole tiles; rows past T are clipped by the TMA unit
-            qs[...] = acc.astype(qs.dtype)
-            plgpu.commit_smem()
-            for g in range(group):
-                plgpu.copy_smem_to_gmem(qs.at[pl.ds(g * bq, bq)],
-                                        o_ref.at[pl.ds(tq, bq), h * group + g])
-        else:
-            # Only the rows of this sequence: TMA boxes have static shapes, so the n rows are
-            # written as the binary digits of n (a ladder of bq, bq/2, ..., 1-row stores) from
-            # an untiled buffer (row-granular slices).
-            os = o_smem.at[wg]
-            os[...] = acc.astype(os.dtype)
-            plgpu.commit_smem()
+
+        def store_rows(src, dst):
+            """Only the rows of this sequence: TMA boxes have static shapes, so the n rows are
+            written as the binary digits of n (a ladder of bq, bq/2, ..., 1-row stores) from an
+            untiled buffer (row-granular slices). dst(g, first_token, size) is the target."""
             first = jnp.clip(seq_begin - tq, 0, bq)
             n = jnp.clip(jnp.minimum(tq + bq, seq_end) - jnp.maximum(tq, seq_begin), 0, bq)
             for g in range(group):
@@ -350,25 +379,47 @@ def _rpa_mgpu_kernel(
                 while size >= 1:
                     @pl.when(lax.bitwise_and(n, jnp.int32(size)) != 0)
                     def _store(size=size, done=done, g=g):
-                        plgpu.copy_smem_to_gmem(
-                            os.at[pl.ds(g * bq + done, size)],
-                            o_ref.at[pl.ds(tq + done, size), h * group + g])
+                        plgpu.copy_smem_to_gmem(src.at[pl.ds(g * bq + done, size)],
+                                                dst(g, tq + done, size))
                     done = done + lax.bitwise_and(n, jnp.int32(size))
                     size //= 2
+
+        if num_splits > 1:
+            # this split's normalised output (f32) and log2-sum-exp2 (-inf when it saw no key),
+            # merged afterwards; the lse is broadcast over LSE_COLS columns (TMA boxes need 16+
+            # bytes a row)
+            lse = jnp.where(empty, -jnp.inf, m_i + jnp.log(l_safe) * (1.0 / math.log(2.0)))
+            os, ls = o_smem.at[wg], lse_smem.at[wg]
+            os[...] = acc
+            ls[...] = lax.broadcast_in_dim(lse, (ROWS_PER_WG, LSE_COLS), [0])
+            plgpu.commit_smem()
+            store_rows(os, lambda g, t, size: o_ref.at[split, pl.ds(t, size), h * group + g])
+            store_rows(ls, lambda g, t, size: lse_ref.at[split, pl.ds(t, size), h * group + g])
+        elif flat:   # whole tiles; rows past T are clipped by the TMA unit
+            qs[...] = acc.astype(qs.dtype)
+            plgpu.commit_smem()
+            for g in range(group):
+                plgpu.copy_smem_to_gmem(qs.at[pl.ds(g * bq, bq)],
+                                        o_ref.at[pl.ds(tq, bq), h * group + g])
+        else:
+            os = o_smem.at[wg]
+            os[...] = acc.astype(os.dtype)
+            plgpu.commit_smem()
+            store_rows(os, lambda g, t, size: o_ref.at[pl.ds(t, size), h * group + g])
         plgpu.wait_smem_to_gmem(0)
 
-    @pl.when(wg == COMPUTE_WGS)
+    @pl.when(wg == compute_wgs)
     def _memory():
         plgpu.set_max_registers(40, action="decrease")
         col = pl.ds(h * head_dim, head_dim)
 
         def one_sequence(i, base):
-            s, _, _, _, steps = seq_info(i)
+            s, _, _, _, lo, hi = seq_info(i)
             table = s * blocks_per_seq
 
-            @pl.loop(0, steps)
+            @pl.loop(lo, hi)
             def _fill(jj):
-                n = base + jj
+                n = base + jj - lo
                 slot = lax.rem(n, jnp.int32(num_stages))
                 pages_here = [bt_ref[table + jnp.minimum(jj * pages + c, blocks_per_seq - 1)]
                               for c in range(pages)]
@@ -383,7 +434,7 @@ def _rpa_mgpu_kernel(
                             cache.at[pl.ds(page * block_size, block_size), col],
                             smem.at[slot, pl.ds(c * block_size, block_size)], ready.at[slot])
 
-            return base + steps
+            return base + hi - lo
 
         total_steps = lax.fori_loop(0, n_seqs_here, one_sequence, jnp.int32(0))
 
@@ -401,35 +452,59 @@ def _rpa_mgpu_kernel(
 # ---------------------------------------------------------------------------------------------
 
 
+def default_num_splits(num_tokens: int, num_seqs: int, kv_heads: int, context: int,
+                       block_kv: int) -> int:
+    """Key-range splits for decode-heavy batches: enough CTAs for TARGET_CTAS (a few per SM of
+    an H200's 132), keeping at least two key steps per split; prefill-heavy batches (T > 2 S)
+    already fill the GPU with query tiles."""
+    if num_tokens > 2 * num_seqs:
+        return 1
+    ctas = max(1, min(num_tokens, num_seqs) * kv_heads)
+    return int(max(1, min(pl.cdiv(TARGET_CTAS, ctas), context // (2 * block_kv), 32)))
+
+
+TARGET_CTAS = 264
+
+
 @functools.partial(jax.jit, static_argnames=(
     "sm_scale", "sliding_window", "soft_cap", "tiling", "block_kv", "num_stages",
-    "schedule_barrier", "heavy_first", "interpret"))
+    "schedule_barrier", "heavy_first", "interpret", "compute_wgs", "num_splits"))
 def ragged_paged_attention_mgpu(q_TNE, k_cache_NPKE, v_cache_NPKE, query_start_loc_S1,
                                 seq_lens_S, block_tables_SB, *, sm_scale: float,
                                 sliding_window: int | None = None, soft_cap: float | None = None,
                                 tiling: str = "sequence", block_kv: int = 128, num_stages: int = 2,
+                                compute_wgs: int = COMPUTE_WGS, num_splits: int | None = 1,
                                 schedule_barrier: bool = True, heavy_first: bool = True,
                                 interpret: bool | None = None) -> jax.Array:
-    """Causal attention of a ragged (prefill-heavy) batch over a paged KV cache -> o f[T, N, E].
+    """Causal attention of a ragged batch over a paged KV cache -> o f[T, N, E].
 
+    The defaults are the prefill configuration (PREFILL_CONFIG); DECODE_CONFIG is the one for
+    decode-heavy batches.
     tiling: "sequence" (each CTA serves one sequence: any batch, decode rows included) or
     "flat" (CTAs tile the token axis whatever the sequences: faster on prefill-only batches, but
     a tile runs one key loop per sequence in it, so decode rows serialise: never use it for
     batches with decode rows).
     block_kv: keys per pipeline step (multiple of 64 and of P); num_stages: depth of the K/V
-    ring in shared memory; schedule_barrier: make the two compute warpgroups alternate (FA3
-    ping-pong); heavy_first: launch the tiles with the longest causal range first;
-    interpret: run in Mosaic GPU interpret mode (default: when no GPU is present).
+    ring in shared memory; compute_wgs: compute warpgroups per CTA (64 query rows each);
+    num_splits: CTAs per query tile along the key range ("sequence" tiling; partial outputs
+    merged by their log-sum-exp afterwards; None = default_num_splits);
+    schedule_barrier: make two compute warpgroups alternate (FA3 ping-pong); heavy_first: launch
+    the tiles with the longest causal range first; interpret: run in Mosaic GPU interpret mode
+    (default: when no GPU is present).
     """
     _validate(q_TNE, k_cache_NPKE, v_cache_NPKE, query_start_loc_S1, seq_lens_S, block_tables_SB)
     if tiling not in ("sequence", "flat"):
         raise ValueError(f"tiling must be 'sequence' or 'flat'; got {tiling!r}")
-    _check_supported(q_TNE, k_cache_NPKE, block_kv, num_stages, sliding_window, soft_cap, tiling)
     t, n, e = q_TNE.shape
     nb, p, kh, _ = k_cache_NPKE.shape
     s, b = block_tables_SB.shape
     g = n // kh
-    ct = COMPUTE_WGS * (ROWS_PER_WG // g)
+    if num_splits is None:
+        num_splits = default_num_splits(t, s, kh, b * p, block_kv) if tiling == "sequence" else 1
+    _check_supported(q_TNE, k_cache_NPKE, block_kv, num_stages, sliding_window, soft_cap, tiling,
+                     compute_wgs, num_splits)
+    schedule_barrier = schedule_barrier and compute_wgs == 2
+    ct = compute_wgs * (ROWS_PER_WG // g)
     # NOTE: q is copied into 8-row tiled shared memory, and Mosaic GPU then wants T to be a
     # multiple of 8 (or below 8): pad odd token counts (a copy of q; engine buckets avoid it).
     t_pad = t if t % 8 == 0 or t < 8 else t + (-t) % 8
@@ -440,34 +515,46 @@ def ragged_paged_attention_mgpu(q_TNE, k_cache_NPKE, v_cache_NPKE, query_start_l
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
     dtype = q_TNE.dtype
+    split = num_splits > 1
     tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     kernel = functools.partial(
         _rpa_mgpu_kernel, tiling=tiling, num_tokens=t_pad, num_seqs=s, blocks_per_seq=b,
-        block_size=p, group=g, head_dim=e, block_kv=block_kv, num_stages=num_stages, num_tiles=num_tiles,
-        sm_scale=float(sm_scale), schedule_barrier=schedule_barrier, heavy_first=heavy_first,
-        interpret=interpret)
+        block_size=p, group=g, head_dim=e, block_kv=block_kv, num_stages=num_stages,
+        num_tiles=num_tiles, sm_scale=float(sm_scale), schedule_barrier=schedule_barrier,
+        heavy_first=heavy_first, interpret=interpret, compute_wgs=compute_wgs,
+        num_splits=num_splits)
+    if split:
+        out_type = (jax.ShapeDtypeStruct((num_splits, t_pad, n, e), jnp.float32),
+                    jax.ShapeDtypeStruct((num_splits, t_pad, n, LSE_COLS), jnp.float32))
+    else:
+        out_type = jax.ShapeDtypeStruct((t_pad, n, e), dtype)
+        kernel = _without_lse(kernel)
+    rows = (compute_wgs, ROWS_PER_WG)
     call = plgpu.kernel(
         kernel,
-        out_type=jax.ShapeDtypeStruct((t_pad, n, e), dtype),
+        out_type=out_type,
         scratch_types=(
-            plgpu.SMEM((COMPUTE_WGS, ROWS_PER_WG, e), dtype, transforms=tiled),
+            plgpu.SMEM((*rows, e), dtype, transforms=tiled),
             # untiled output staging for row-granular stores ("sequence" tiling only)
-            plgpu.SMEM((COMPUTE_WGS, ROWS_PER_WG, e), dtype) if tiling == "sequence" else None,
+            plgpu.SMEM((*rows, e), jnp.float32 if split else dtype)
+            if tiling == "sequence" else None,
+            plgpu.SMEM((*rows, LSE_COLS), jnp.float32) if split else None,
             plgpu.SMEM((num_stages, block_kv, e), dtype, transforms=tiled),
             plgpu.SMEM((num_stages, block_kv, e), dtype, transforms=tiled),
-            plgpu.Barrier(num_arrivals=g, num_barriers=COMPUTE_WGS),
+            plgpu.Barrier(num_arrivals=g, num_barriers=compute_wgs),
             plgpu.Barrier(num_arrivals=block_kv // p, num_barriers=num_stages),
             plgpu.Barrier(num_arrivals=block_kv // p, num_barriers=num_stages),
-            plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=num_stages),
-            plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=num_stages),
-            plgpu.Barrier(num_arrivals=COMPUTE_WGS),
+            plgpu.Barrier(num_arrivals=compute_wgs, num_barriers=num_stages),
+            plgpu.Barrier(num_arrivals=compute_wgs, num_barriers=num_stages),
+            plgpu.Barrier(num_arrivals=2),
             # P staging for interpret mode only (see the NOTE in the kernel)
-            plgpu.SMEM((COMPUTE_WGS, ROWS_PER_WG, block_kv), dtype, transforms=tiled)
-            if interpret else None,
+            plgpu.SMEM((*rows, block_kv), dtype, transforms=tiled) if interpret else None,
         ),
-        grid=(kh, num_tiles),
-        grid_names=("kvh", "tile"),
-        num_threads=COMPUTE_WGS + 1,
+        # NOTE: no third grid axis without splits: the prefill configuration keeps the launch
+        # it was tuned with
+        grid=(kh, num_tiles, num_splits) if split else (kh, num_tiles),
+        grid_names=("kvh", "tile", "split") if split else ("kvh", "tile"),
+        num_threads=compute_wgs + 1,
         thread_name="wg",
         # NOTE: "sequence" needs Lane semantics: under Warpgroup semantics the layout inference
         # tiles the output buffer in 8 rows and rejects the row-granular store slices; "flat"
@@ -477,9 +564,21 @@ def ragged_paged_attention_mgpu(q_TNE, k_cache_NPKE, v_cache_NPKE, query_start_l
             lowering_semantics=plgpu.LoweringSemantics.Lane if tiling == "sequence"
             else plgpu.LoweringSemantics.Warpgroup),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
-        kernel_name=f"ragged_paged_attention_mgpu_{tiling}_bkv{block_kv}_w{num_stages}",
+        kernel_name=f"ragged_paged_attention_mgpu_{tiling}_bkv{block_kv}_w{num_stages}"
+                    f"_c{compute_wgs}_x{num_splits}",
     )
-    o_TNE = call(_own_buffer(query_start_loc_S1), _own_buffer(seq_lens_S),
-                 _own_buffer(block_tables_SB.reshape(s * b)), q_TNE,
-                 k_cache_NPKE.reshape(nb * p, kh * e), v_cache_NPKE.reshape(nb * p, kh * e))
+    outs = call(_own_buffer(query_start_loc_S1), _own_buffer(seq_lens_S),
+                _own_buffer(block_tables_SB.reshape(s * b)), q_TNE,
+                k_cache_NPKE.reshape(nb * p, kh * e), v_cache_NPKE.reshape(nb * p, kh * e))
+    if split:
+        o_TNE = _merge_splits(outs[0], outs[1][..., 0]).astype(dtype)
+    else:
+        o_TNE = outs
     return o_TNE[:t] if t_pad != t else o_TNE
+
+
+def _without_lse(kernel):
+    def k(*refs):
+        i = 7   # six inputs, then o: no lse output
+        return kernel(*refs[:i], None, *refs[i:])
+    return k

@@ -114,3 +114,39 @@ def test_small_inputs_get_a_buffer_of_their_own(n):
     y = mg._own_buffer(x)
     assert y.dtype == jnp.int32 and y.shape[0] % 64 == 0 and y.shape[0] > n
     np.testing.assert_array_equal(np.asarray(y[:n]), np.arange(n))
+
+
+# --- the decode configuration: one compute warpgroup, key-range splits merged by log-sum-exp
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_decode_rows_one_warpgroup_and_splits(splits):
+    # decodes with contexts of 1 to 200 keys (some splits see no key at all), a padding
+    # sequence, padding tokens after the last sequence
+    args = batch([1, 1, 1, 0, 1], [200, 37, 1, 0, 130], seed=5)
+    check(args, block_kv=64, num_stages=4, compute_wgs=1, num_splits=splits)
+
+
+@pytest.mark.parametrize("n,kh", [(4, 4), (16, 2)])   # GQA 1 and 8
+def test_splits_with_prefill_chunks_and_two_warpgroups(n, kh):
+    # split key ranges under causal masks that start mid-split, with the prefill tiles
+    check(batch([9, 1, 0, 1, 17, 0], [25, 33, 0, 8, 17, 0], n=n, kh=kh, seed=2), block_kv=64,
+          num_splits=2)
+
+
+def test_default_splits_fill_the_gpu_only_for_decode():
+    assert mg.default_num_splits(2048, 1, 8, 2048, 128) == 1                  # prefill-heavy
+    assert mg.default_num_splits(1, 1, 8, 8192, 64) == 32                     # one long decode
+    assert mg.default_num_splits(128, 128, 8, 1024, 64) == 1                  # 1024 CTAs already
+    with pytest.raises(ValueError, match="num_splits"):
+        mg.ragged_paged_attention_mgpu(*batch([4], [4]), sm_scale=1.0, tiling="flat",
+                                       num_splits=2, interpret=True)
+
+
+def test_decode_configuration_lowers_for_cuda():
+    from jaxserve.pallas_kernels.cuda_lowering import export_for_cuda
+    args = cuda_attention_shapes(t=64, s=64)
+    exported = export_for_cuda(lambda *a: mg.ragged_paged_attention_mgpu(
+        *a, sm_scale=0.1, interpret=False, **{**mg.DECODE_CONFIG, "num_splits": 4}), *args)
+    assert "mosaic_gpu" in exported.mlir_module()
+    assert exported.out_avals[0].shape == args[0].shape
