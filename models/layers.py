@@ -13,6 +13,27 @@ import jax
 import jax.numpy as jnp
 
 
+# XLA's GPU simplifier rewrites a dot with a one-row input into multiply + reduce when both
+# operands together hold fewer than 10M elements (gpu_algebraic_simplifier.cc). On the H200
+# that came out as two fusions that write and re-read the whole product: Qwen3-30B-A3B's
+# o-projection (a 16.8 MB weight) took 28.6 us at one token instead of ~4 (BENCHMARKS.md).
+STRENGTH_REDUCED_DOT_ELEMENTS = 10_000_000
+# Below this many weight elements the rewrite costs at most a few microseconds, less than
+# the padding below would add.
+SMALL_WEIGHT_ELEMENTS = 1_000_000
+
+
+def linear(x_TD: jax.Array, w_DF: jax.Array) -> jax.Array:
+    """x_TD @ w_DF, kept a matrix product when T = 1: a one-row input of a mid-sized weight is
+    padded to two rows (then XLA hands the dot to cuBLAS or its GEMM emitter) and the extra
+    row dropped; the barrier keeps XLA from moving that slice back into the dot."""
+    t, d = x_TD.shape
+    if t == 1 and SMALL_WEIGHT_ELEMENTS <= w_DF.size < STRENGTH_REDUCED_DOT_ELEMENTS - d:
+        y_2F = jax.lax.optimization_barrier(jnp.pad(x_TD, ((0, 1), (0, 0))) @ w_DF)
+        return y_2F[:1]
+    return x_TD @ w_DF
+
+
 def rms_norm(x_TD: jax.Array, w_D: jax.Array, eps: float) -> jax.Array:
     """RMSNorm computed in f32, returned in the input dtype (as HF does)."""
     x = x_TD.astype(jnp.float32)

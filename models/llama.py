@@ -40,19 +40,19 @@ def attention_block(cfg: ModelConfig, lp: dict, kv: tuple, h_TD: jax.Array, x: S
     t = h_TD.shape[0]
     n, kh, e = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     if "wqkv" in lp:      # fused by fuse_projections
-        qkv = h_TD @ lp["wqkv"]
+        qkv = layers.linear(h_TD, lp["wqkv"])
         if cfg.attention_bias:
             qkv = qkv + lp["bqkv"]
         q, k, v = jnp.split(qkv, [n * e, (n + kh) * e], axis=-1)
     else:
-        q, k, v = h_TD @ lp["wq"], h_TD @ lp["wk"], h_TD @ lp["wv"]
+        q, k, v = (layers.linear(h_TD, lp[w]) for w in ("wq", "wk", "wv"))
         if cfg.attention_bias:
             q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
     q_TNE, k_cache, v_cache = kernels.rope_write(
         q.reshape(t, n, e), k.reshape(t, kh, e), v.reshape(t, kh, e), x.positions, x.slot_mapping,
         kv[0], kv[1], inv_freq, lp.get("q_norm"), lp.get("k_norm"))
     o_TNE = kernels.attention(q_TNE, k_cache, v_cache, x)
-    return (k_cache, v_cache), o_TNE.reshape(t, n * e) @ lp["wo"]
+    return (k_cache, v_cache), layers.linear(o_TNE.reshape(t, n * e), lp["wo"])
 
 
 def gate_up(lp: dict, project: Callable):
@@ -64,8 +64,8 @@ def gate_up(lp: dict, project: Callable):
 
 
 def dense_mlp(lp: dict, h_TD: jax.Array) -> jax.Array:
-    gate, up = gate_up(lp, lambda w: h_TD @ w)
-    return (jax.nn.silu(gate) * up) @ lp["w_down"]
+    gate, up = gate_up(lp, lambda w: layers.linear(h_TD, w))
+    return layers.linear(jax.nn.silu(gate) * up, lp["w_down"])
 
 
 def fuse_projections(cfg: ModelConfig, params: dict) -> dict:
