@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from jaxserve.config import ModelConfig
 from jaxserve.models import llama
 from jaxserve.pallas_kernels.grouped_matmul import grouped_matmul
+from jaxserve.pallas_kernels.moe_router import moe_router
 
 
 def moe_param_shapes(cfg: ModelConfig) -> dict:
@@ -20,38 +21,57 @@ def moe_param_shapes(cfg: ModelConfig) -> dict:
     return {"router": (d, x), "w_gate": (x, d, f), "w_up": (x, d, f), "w_down": (x, f, d)}
 
 
-def route(cfg: ModelConfig, router_logits_TX: jax.Array):
+def route(cfg: ModelConfig, router_logits_TX: jax.Array, impl: str = "xla"):
     """Top-k experts per token and their weights f32[T, k]: scores by softmax over the experts
     or by an independent sigmoid each (cfg.scoring_func), the k best, renormalised to sum to 1
-    if cfg.norm_topk_prob, times cfg.routed_scaling_factor."""
-    logits = router_logits_TX.astype(jnp.float32)
-    scores = jax.nn.sigmoid(logits) if cfg.scoring_func == "sigmoid" else jax.nn.softmax(logits, axis=-1)
-    weights, experts = jax.lax.top_k(scores, cfg.num_experts_per_tok)
-    if cfg.norm_topk_prob:   # sigmoid scores can all be ~0: keep the division finite
-        weights = weights / jnp.maximum(jnp.sum(weights, axis=-1, keepdims=True), 1e-20)
-    if cfg.routed_scaling_factor != 1.0:
-        weights = weights * cfg.routed_scaling_factor
-    return weights, experts
+    if cfg.norm_topk_prob, times cfg.routed_scaling_factor (pallas_kernels.moe_router: one
+    kernel on a GPU)."""
+    return moe_router(router_logits_TX, top_k=cfg.num_experts_per_tok, scoring=cfg.scoring_func,
+                      renormalize=cfg.norm_topk_prob, scaling=cfg.routed_scaling_factor,
+                      impl="xla" if impl == "xla" else "auto")
+
+
+def group_by_expert(experts_M: jax.Array, num_experts: int):
+    """Rows m (token m // k, its (m % k)-th expert) sorted stably by expert, for the grouped
+    matmul: (sorted position of each row i32[M], row of each sorted position i32[M], rows per
+    expert i32[X]).
+
+    Up to SORT_FREE_MAX_ROWS rows this is counting on [M, M] and [M, X] comparisons, a few
+    fusions with no sort, scatter or cumulative sum (each of which is a kernel of its own on
+    a GPU, and a decode step runs this once per MoE layer); above, an argsort."""
+    m = experts_M.shape[0]
+    rows = jnp.arange(m, dtype=jnp.int32)
+    sizes_X = jnp.sum(experts_M[:, None] == jnp.arange(num_experts)[None, :], axis=0,
+                      dtype=jnp.int32)
+    if m > SORT_FREE_MAX_ROWS:
+        order_M = jnp.argsort(experts_M, stable=True).astype(jnp.int32)
+        return jnp.argsort(order_M).astype(jnp.int32), order_M, sizes_X
+    e_row, e_col = experts_M[:, None], experts_M[None, :]
+    before_MM = (e_col < e_row) | ((e_col == e_row) & (rows[None, :] < rows[:, None]))
+    pos_M = jnp.sum(before_MM, axis=1, dtype=jnp.int32)
+    row_of_M = jnp.sum(jnp.where(pos_M[None, :] == rows[:, None], rows[None, :], 0), axis=1,
+                       dtype=jnp.int32)
+    return pos_M, row_of_M, sizes_X
+
+
+SORT_FREE_MAX_ROWS = 512   # [M, M] comparisons: 256K elements at most
 
 
 def moe_mlp(cfg: ModelConfig, lp: dict, h_TD: jax.Array, impl: str = "xla") -> jax.Array:
     """Grouped computation: tokens sorted by expert, one ragged matmul per projection.
 
-    impl "xla" uses lax.ragged_dot; "auto"/"pallas" lets pallas_kernels.grouped_matmul pick:
-    on a GPU its expert-skipping Pallas kernel for few rows (decode: it reads only the chosen
-    experts' weights), the Mosaic GPU ragged dot on Hopper for more (4-37x faster than
-    lax.ragged_dot, measured)."""
+    impl "xla" uses lax.ragged_dot and the plain-XLA router; "auto"/"pallas" the router kernel
+    and lets pallas_kernels.grouped_matmul pick: on a GPU its expert-skipping Pallas kernel for
+    few rows (decode: it reads only the chosen experts' weights), the Mosaic GPU ragged dot on
+    Hopper for more (4-37x faster than lax.ragged_dot, measured)."""
     t, d = h_TD.shape
     k = cfg.num_experts_per_tok
-    weights_Tk, experts_Tk = route(cfg, h_TD @ lp["router"])
-    flat_expert = experts_Tk.reshape(-1)                        # [T*k]
-    order = jnp.argsort(flat_expert)
-    token_of = order // k
-    x_sorted = h_TD[token_of]                                   # [T*k, D]
-    group_sizes = jnp.bincount(flat_expert, length=cfg.num_experts).astype(jnp.int32)
+    weights_Tk, experts_Tk = route(cfg, h_TD @ lp["router"], impl)
+    pos_M, row_of_M, group_sizes = group_by_expert(experts_Tk.reshape(-1), cfg.num_experts)
+    x_sorted = h_TD[row_of_M // k]                              # [T*k, D]
     mm_impl = "xla" if impl == "xla" else "auto"
     gate, up = llama.gate_up(lp, lambda w: grouped_matmul(x_sorted, w, group_sizes, impl=mm_impl))
     y_sorted = grouped_matmul(jax.nn.silu(gate) * up, lp["w_down"], group_sizes, impl=mm_impl)
-    w_sorted = weights_Tk.reshape(-1)[order].astype(jnp.float32)
-    y = jnp.zeros((t, d), jnp.float32).at[token_of].add(y_sorted.astype(jnp.float32) * w_sorted[:, None])
-    return y.astype(h_TD.dtype)
+    # each token gathers its k rows back (a gather and a sum: no zero-filled scatter-add)
+    y_TkD = y_sorted[pos_M].reshape(t, k, d).astype(jnp.float32)
+    return jnp.einsum("tkd,tk->td", y_TkD, weights_Tk).astype(h_TD.dtype)

@@ -1,5 +1,6 @@
 """MoE router: softmax or sigmoid scores, top-k, renormalisation and scaling, against numpy."""
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -47,3 +48,13 @@ def test_sigmoid_scores_are_independent_of_the_other_experts():
 def test_unknown_scoring_func_names_the_field():
     with pytest.raises(ValueError, match="scoring_func"):
         ModelConfig.from_hf({**BASE, "scoring_func": "relu"})
+
+
+@pytest.mark.parametrize("m,x", [(8, 128), (40, 6), (600, 16)])   # 600: the argsort path
+def test_group_by_expert_is_a_stable_sort_by_expert(m, x):
+    experts = np.random.default_rng(m).integers(0, x, size=m).astype(np.int32)
+    pos, row_of, sizes = (np.asarray(a) for a in moe.group_by_expert(jnp.asarray(experts), x))
+    order = np.argsort(experts, kind="stable")
+    np.testing.assert_array_equal(row_of, order)                 # sorted position -> row
+    np.testing.assert_array_equal(pos[order], np.arange(m))      # row -> sorted position
+    np.testing.assert_array_equal(sizes, np.bincount(experts, minlength=x))

@@ -1,0 +1,60 @@
+"""MoE router kernel (interpret mode) against the plain-jnp reference; lowering for CUDA."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxserve.pallas_kernels import moe_router as mr
+from jaxserve.pallas_kernels.cuda_lowering import export_for_cuda, triton_kernel_names
+
+
+def check(logits, block_t=16, **kw):
+    w, e = mr.moe_router(logits, impl="pallas", block_t=block_t, **kw)
+    rw, re_ = mr.ref_moe_router(logits, **kw)
+    assert w.dtype == jnp.float32 and e.dtype == jnp.int32
+    np.testing.assert_array_equal(np.asarray(e), np.asarray(re_))
+    np.testing.assert_allclose(np.asarray(w), np.asarray(rw), rtol=1e-5, atol=1e-7)
+    return w, e
+
+
+@pytest.mark.parametrize("scoring,renormalize,scaling", [
+    ("softmax", True, 1.0), ("softmax", False, 1.0), ("sigmoid", True, 2.5),
+    ("sigmoid", False, 1.0)])
+def test_matches_reference(scoring, renormalize, scaling):
+    # Qwen3-30B-A3B's 128 experts, top-8; 19 tokens: a second program with 13 padding rows
+    logits = jnp.asarray(np.random.default_rng(0).normal(size=(19, 128)) * 3, jnp.float32)
+    check(logits, top_k=8, scoring=scoring, renormalize=renormalize, scaling=scaling)
+
+
+def test_odd_expert_count_bf16_logits_and_one_token():
+    rng = np.random.default_rng(1)
+    check(jnp.asarray(rng.normal(size=(1, 60)) * 2, jnp.bfloat16), top_k=6)   # Qwen2-MoE: 60
+    check(jnp.asarray(rng.normal(size=(7, 8)), jnp.float32), top_k=2)        # Mixtral: 8, top-2
+    check(jnp.asarray(rng.normal(size=(3, 5)), jnp.float32), top_k=5, block_t=2)
+
+
+def test_ties_pick_the_lowest_expert_first():
+    logits = jnp.asarray([[1.0, 3.0, 3.0, 0.0, 3.0, -1.0]], jnp.float32)
+    _, e = check(logits, top_k=4)
+    np.testing.assert_array_equal(np.asarray(e), [[1, 2, 4, 0]])
+
+
+def test_bad_arguments_name_the_field():
+    logits = jnp.zeros((2, 8), jnp.float32)
+    with pytest.raises(ValueError, match="top_k"):
+        mr.moe_router(logits, top_k=9)
+    with pytest.raises(ValueError, match="scoring"):
+        mr.moe_router(logits, top_k=2, scoring="relu")
+    with pytest.raises(ValueError, match=r"\[T, X\]"):
+        mr.moe_router(jnp.zeros((8,)), top_k=2)
+
+
+def test_lowers_for_cuda():
+    sds = jax.ShapeDtypeStruct
+    exported = export_for_cuda(lambda x: mr.moe_router(x, top_k=8, impl="pallas", interpret=False),
+                               sds((16, 128), jnp.bfloat16))
+    assert triton_kernel_names(exported) == ["moe_router_softmax_k8"]
+    assert [a.shape for a in exported.out_avals] == [(16, 8), (16, 8)]
