@@ -241,6 +241,44 @@ round9() {   # prepared for the next session: what the third session left unmeas
     --num-prompts 1000 --disable-tqdm --output-json "$OUT/tput_qwen3_moe.json"
 }
 
+round10() {   # fourth session: decode attention, our Mosaic GPU kernel's decode configuration
+              # and its sweep beside the Triton kernel and cuDNN (all six decode cases)
+  step 400 kernels_decode python3 benchmarks/kernels.py --only decode --sweep \
+    --json "$OUT/kernels_decode.json"
+}
+
+round11() {   # fourth session: the MoE router kernel, one-token projections, the Qwen3-30B-A3B
+              # step with the router kernel, sort-free grouping and two-row projections
+  step 120 kernels_moe python3 benchmarks/kernels.py --only router,linear,moe --quick --moe-auto-only \
+    --json "$OUT/kernels_moe.json"
+  step 200 lat_qwen3_moe "${JS[@]}" bench latency Qwen3-30B-A3B --load-format dummy --dtype bfloat16 \
+    --max-logprobs 0 --max-num-seqs 16 --max-num-batched-tokens 128 --max-model-len 512 \
+    --attention-impl pallas --batch-size 1 16 --input-len 64 --output-len 32 --num-iters 1 \
+    --profile-dir /tmp/prof_moe --disable-tqdm --output-json "$OUT/lat_qwen3_moe.json"
+}
+
+round12() {   # fourth session, last call: the step and kernels after this session's changes
+  step 100 kernels python3 benchmarks/kernels.py --only attention,router --quick \
+    --json "$OUT/kernels.json"
+  step 150 lat_qwen3_moe "${JS[@]}" bench latency Qwen3-30B-A3B --load-format dummy --dtype bfloat16 \
+    --max-logprobs 0 --max-num-seqs 16 --max-num-batched-tokens 128 --max-model-len 512 \
+    --attention-impl pallas --batch-size 1 16 --input-len 64 --output-len 32 --num-iters 1 \
+    --disable-tqdm --output-json "$OUT/lat_qwen3_moe.json"
+  step 150 tput "${JS[@]}" bench throughput "${LLAMA[@]}" "${ENGINE[@]}" --attention-impl pallas \
+    --dataset-name jsonl --dataset-path "$SHAREGPT" --num-prompts 1000 --disable-tqdm \
+    --output-json "$OUT/tput.json"
+}
+
+round13() {   # fourth session: Qwen3-30B-A3B offline throughput (every MoE path: the sort-free
+              # grouping up to 512 rows, argsort above), and the 8B run with the Mosaic kernel declined
+  step 240 tput_qwen3_moe "${JS[@]}" bench throughput Qwen3-30B-A3B --load-format dummy --dtype bfloat16 \
+    --max-logprobs 0 "${ENGINE[@]}" --attention-impl pallas --dataset-name jsonl --dataset-path "$SHAREGPT" \
+    --num-prompts 1000 --disable-tqdm --output-json "$OUT/tput_qwen3_moe.json"
+  step 150 tput_no_mgpu "${NO_MGPU[@]}" bench throughput "${LLAMA[@]}" "${ENGINE[@]}" \
+    --attention-impl pallas --dataset-name jsonl --dataset-path "$SHAREGPT" --num-prompts 1000 \
+    --disable-tqdm --output-json "$OUT/tput_no_mgpu.json"
+}
+
 decode_b1_b64() {
   step 240 lat_8b "${JS[@]}" bench latency "${LLAMA[@]}" "${ENGINE[@]}" --attention-impl pallas \
     --batch-size 1 64 --input-len 128 --output-len 128 --num-iters 2 --profile-dir /tmp/prof \

@@ -126,7 +126,7 @@ def dense_kv(c):
     return k, v
 
 
-def bench_attention(rng, quick: bool, sweep: bool):
+def bench_attention(rng, quick: bool, sweep: bool, decode_only: bool = False):
     from jaxserve.pallas_kernels import ragged_paged_attention as rpa
     scale = E ** -0.5
     decode_cases = [(1, 1024), (1, 8192), (32, 1024), (32, 8192), (128, 1024), (128, 8192)]
@@ -143,7 +143,7 @@ def bench_attention(rng, quick: bool, sweep: bool):
         out = f(*args)
         record("attention", case, "pallas (default)", gpu_time_ms(f, *args), bytes_=byts,
                err=rel_err(out, ref))
-        if sweep:   # pipeline stages (shared memory per program, hence programs per SM), tiles
+        if sweep and not decode_only:   # Triton: pipeline stages (shared memory), tiles
             for ns, bk, xs in ((1, None, None), (1, 64, None), (3, None, None), (1, 64, 2),
                                (1, 128, 2), (1, 64, 8), (1, 128, 16)):
                 g = jax.jit(functools.partial(rpa.ragged_paged_attention, sm_scale=scale,
@@ -153,8 +153,11 @@ def bench_attention(rng, quick: bool, sweep: bool):
                 if ms is not None:
                     record("attn-sweep", case, f"pallas s{ns} bk{bk or 'auto'} x{xs or 'auto'}",
                            ms, bytes_=byts)
-        fx = jax.jit(functools.partial(rpa.xla_ragged_paged_attention, sm_scale=scale))
-        record("attention", case, "xla fallback", gpu_time_ms(fx, *args, iters=5), bytes_=byts)
+        try_run("mosaic decode", lambda: bench_decode_mgpu(case, args, ref, byts, sweep))
+        if not decode_only:
+            fx = jax.jit(functools.partial(rpa.xla_ragged_paged_attention, sm_scale=scale))
+            record("attention", case, "xla fallback", gpu_time_ms(fx, *args, iters=5),
+                   bytes_=byts)
         k_d, v_d = dense_kv(c)
         q4 = c["q"].reshape(s, 1, N, E)
 
@@ -165,6 +168,8 @@ def bench_attention(rng, quick: bool, sweep: bool):
         if oc is not None:
             record("attention", case, "cudnn (dense kv)", gpu_time_ms(fc, q4, k_d, v_d),
                    bytes_=byts, err=rel_err(oc.reshape(s, N, E), ref))
+        if decode_only:
+            continue
         fxd = jax.jit(lambda q4, k_d, v_d: jax.nn.dot_product_attention(
             q4, k_d, v_d, scale=scale, implementation="xla"))
         record("attention", case, "xla dense", gpu_time_ms(fxd, q4, k_d, v_d), bytes_=byts)
@@ -187,6 +192,8 @@ def bench_attention(rng, quick: bool, sweep: bool):
                    bytes_=byts, err=rel_err(oj, ref))
         try_run("jax ops.gpu paged_attention", jax_paged)
         del c, k_d, v_d
+    if decode_only:
+        return
 
     prefill_cases = [([2048], [2048]), ([512] * 4, [2048] * 4)]
     if not quick:
@@ -235,6 +242,33 @@ def bench_attention(rng, quick: bool, sweep: bool):
             try_run("jax ops.gpu attention_mgpu", lambda: bench_attention_mgpu(case, q4, k_d, v_d,
                                                                            flops))
         record("attention", case, "xla fallback", gpu_time_ms(fx, *args, iters=5), flops=flops)
+
+
+def bench_decode_mgpu(case, args, ref, byts, sweep: bool):
+    """Our Mosaic GPU kernel in its decode configuration (one compute warpgroup, key-range
+    splits); with --sweep, the ring depth, key step and split count around it."""
+    from jaxserve.pallas_kernels import ragged_paged_attention_mgpu as mg
+    scale = E ** -0.5
+    t, s, b, p = args[0].shape[0], args[4].shape[0], args[5].shape[1], args[1].shape[1]
+
+    def run(label, **cfg):
+        cfg = {**mg.DECODE_CONFIG, **cfg}
+        f = jax.jit(functools.partial(mg.ragged_paged_attention_mgpu, sm_scale=scale, **cfg))
+        out = f(*args)
+        record("attention" if label == "default" else "attn-sweep", case,
+               f"mgpu decode {label} bkv{cfg['block_kv']} w{cfg['num_stages']} "
+               f"x{cfg['num_splits'] or 'auto'}", gpu_time_ms(f, *args, iters=30 if label ==
+                                                              "default" else 10),
+               bytes_=byts, err=rel_err(out, ref))
+
+    run("default")
+    if not sweep:
+        return
+    x0 = mg.default_num_splits(t, s, KH, b * p, mg.DECODE_CONFIG["block_kv"])
+    for bkv, w, x in ((64, 2, None), (64, 3, None), (64, 5, None), (128, 2, None),
+                      (64, 4, max(1, x0 // 2)), (64, 4, 2 * x0), (64, 4, 4 * x0)):
+        try_run("mosaic decode sweep", lambda: run("sweep", block_kv=bkv, num_stages=w,
+                                                   num_splits=x))
 
 
 def bench_attention_mgpu(case, q4, k_d, v_d, flops):
@@ -421,6 +455,43 @@ def bench_topk(rng, quick: bool):
                        gpu_time_ms(f, x, k), bytes_=s * v * 4, err=err)
 
 
+def bench_router(rng, quick: bool, sweep: bool = False):
+    """The MoE router (Qwen3-30B-A3B: 128 experts, top-8, softmax, renormalised): our kernel
+    against the same steps in XLA (softmax fusion, lax.top_k, normalisation)."""
+    from jaxserve.pallas_kernels import moe_router as mr
+    for t in ((1, 16, 2048) if quick else (1, 16, 128, 2048)):
+        x = jax.random.normal(jax.random.key(int(rng.integers(1 << 30))), (t, 128), jnp.bfloat16)
+        ref = mr.ref_moe_router(x, top_k=8)
+        for impl in ("pallas", "xla"):
+            f = jax.jit(functools.partial(mr.moe_router, top_k=8, impl=impl))
+            w, e = f(x)
+            same = float(np.mean(np.asarray(e) == np.asarray(ref[1])))
+            record("router", f"T={t} X=128 k=8", impl, gpu_time_ms(f, x), bytes_=t * 128 * 2,
+                   err=float(np.abs(np.asarray(w) - np.asarray(ref[0])).max()),
+                   note=f"same experts {same:.3f}")
+        for bt, nw in (((1, 1), (4, 1), (16, 1), (16, 2), (32, 4)) if sweep else ()):
+            g = jax.jit(functools.partial(mr.moe_router, top_k=8, impl="pallas", block_t=bt,
+                                          num_warps=nw))
+            g(x)
+            record("router-sweep", f"T={t} X=128 k=8", f"pallas bt{bt} w{nw}", gpu_time_ms(g, x))
+
+
+def bench_linear(rng, quick: bool):
+    """One token times a weight: plain `x @ w` (XLA rewrites it into multiply + reduce below 10M
+    elements) against models.layers.linear (two rows, kept a matrix product)."""
+    from jaxserve.models import layers
+    for d, f in ((4096, 2048), (2048, 3072), (2048, 2048), (4096, 4096)):
+        key = jax.random.key(int(rng.integers(1 << 30)))
+        x = jax.random.normal(key, (1, d), jnp.bfloat16)
+        w = jax.random.normal(key, (d, f), jnp.bfloat16)
+        want = x.astype(jnp.float32) @ w.astype(jnp.float32)
+        for name, fn in (("x @ w", lambda x, w: x @ w), ("layers.linear", layers.linear)):
+            g = jax.jit(fn)
+            out = g(x, w)
+            record("linear", f"T=1 {d}x{f}", name, gpu_time_ms(g, x, w), bytes_=d * f * 2,
+                   err=rel_err(out, want))
+
+
 # ---------------------------------------------------------------------------------------------
 
 
@@ -429,7 +500,8 @@ def main():
     ap.add_argument("--quick", action="store_true", help="fewer shapes")
     ap.add_argument("--sweep", action="store_true", help="also sweep tuning options")
     ap.add_argument("--only", default="attention,rmsnorm,rope,topk,moe",
-                    help="comma list of: attention, rmsnorm, rope, topk, moe")
+                    help="comma list of: attention, decode (the decode cases only: ours "
+                         "and cuDNN), rmsnorm, rope, topk, moe, router, linear")
     ap.add_argument("--moe-auto-only", action="store_true",
                     help="MoE: no Mosaic tile shapes beside lax.ragged_dot, auto and pallas")
     ap.add_argument("--json", default=None, help="write all rows to this JSON file")
@@ -438,8 +510,11 @@ def main():
     rng = np.random.default_rng(0)
     groups = args.only.split(",")
     benches = dict(attention=lambda: bench_attention(rng, args.quick, args.sweep),
+                   decode=lambda: bench_attention(rng, args.quick, args.sweep, decode_only=True),
                    rmsnorm=lambda: bench_rmsnorm(rng, args.quick, args.sweep),
                    rope=lambda: bench_rope(rng, args.quick),
+                   router=lambda: bench_router(rng, args.quick, args.sweep),
+                   linear=lambda: bench_linear(rng, args.quick),
                    topk=lambda: bench_topk(rng, args.quick),
                    moe=lambda: bench_moe(rng, args.quick, args.moe_auto_only, args.sweep))
     for name in groups:

@@ -74,7 +74,7 @@ def summarize_events(events: list[dict], mark: str) -> dict:
             by_kind[kernel_kind(n)] = by_kind.get(kernel_kind(n), 0.0) + (e - s)
             by_name[n] = by_name.get(n, 0.0) + (e - s)
     k = len(windows)
-    top = sorted(by_name.items(), key=lambda kv: -kv[1])[:12]
+    top = sorted(by_name.items(), key=lambda kv: -kv[1])[:40]
     return {"windows": k, "wall_ms": wall / k / 1e3, "device_busy_ms": busy / k / 1e3,
             "device_idle_ms": (wall - busy) / k / 1e3, "kernels_per_window": count / k,
             "device_ms_by_kind": {n: v / k / 1e3 for n, v in sorted(by_kind.items())},
