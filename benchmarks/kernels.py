@@ -481,9 +481,9 @@ def bench_linear(rng, quick: bool):
     elements) against models.layers.linear (two rows, kept a matrix product)."""
     from jaxserve.models import layers
     for d, f in ((4096, 2048), (2048, 3072), (2048, 2048), (4096, 4096)):
-        key = jax.random.key(int(rng.integers(1 << 30)))
-        x = jax.random.normal(key, (1, d), jnp.bfloat16)
-        w = jax.random.normal(key, (d, f), jnp.bfloat16)
+        kx, kw = jax.random.split(jax.random.key(int(rng.integers(1 << 30))))
+        x = jax.random.normal(kx, (1, d), jnp.bfloat16)
+        w = jax.random.normal(kw, (d, f), jnp.bfloat16)
         want = x.astype(jnp.float32) @ w.astype(jnp.float32)
         for name, fn in (("x @ w", lambda x, w: x @ w), ("layers.linear", layers.linear)):
             g = jax.jit(fn)

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 # XLA's GPU simplifier rewrites a dot with a one-row input into multiply + reduce when both
 # operands together hold fewer than 10M elements (gpu_algebraic_simplifier.cc). On the H200
 # that came out as two fusions that write and re-read the whole product: Qwen3-30B-A3B's
-# o-projection (a 16.8 MB weight) took 28.6 us at one token instead of ~4 (BENCHMARKS.md).
+# o-projection (a 16.8 MB weight) took 28.2 us at one token, 6.0 us on two rows (BENCHMARKS.md).
 STRENGTH_REDUCED_DOT_ELEMENTS = 10_000_000
 # Below this many weight elements the rewrite costs at most a few microseconds, less than
 # the padding below would add.
@@ -26,7 +26,10 @@ SMALL_WEIGHT_ELEMENTS = 1_000_000
 def linear(x_TD: jax.Array, w_DF: jax.Array) -> jax.Array:
     """x_TD @ w_DF, kept a matrix product when T = 1: a one-row input of a mid-sized weight is
     padded to two rows (then XLA hands the dot to cuBLAS or its GEMM emitter) and the extra
-    row dropped; the barrier keeps XLA from moving that slice back into the dot."""
+    row dropped; the barrier keeps XLA from moving that slice back into the dot.
+    NOTE: the test uses the whole weight's size; under tensor parallelism XLA decides on each
+    device's shard, so a weight over 10M elements whose shards are under it still gets the
+    slow rewrite (speed only; results are the same either way)."""
     t, d = x_TD.shape
     if t == 1 and SMALL_WEIGHT_ELEMENTS <= w_DF.size < STRENGTH_REDUCED_DOT_ELEMENTS - d:
         y_2F = jax.lax.optimization_barrier(jnp.pad(x_TD, ((0, 1), (0, 0))) @ w_DF)

@@ -90,8 +90,10 @@ def _router_kernel(logits_ref, w_ref, e_ref, *, num_tokens, num_experts, top_k, 
                                            keepdims=True))
         shifted = jnp.where(real_X[None, :], shifted, 0.0)
         scores = shifted / jnp.sum(shifted, axis=1, keepdims=True)
-    # scores lie in [0, 1]: -1 marks the padding experts and, below, the ones already taken
-    scores = jnp.where(real_X[None, :], scores, -1.0)
+    # scores lie in [0, 1]: -1 marks the padding experts and, below, the ones already taken;
+    # NOTE: a NaN score (from a NaN logit) would match no max, so it ranks first, as in
+    # lax.top_k, and every expert id stays in range
+    scores = jnp.where(real_X[None, :], jnp.where(jnp.isnan(scores), 2.0, scores), -1.0)
     slot_K = jnp.arange(k_p, dtype=jnp.int32)
     weights = jnp.zeros((block_t, k_p), jnp.float32)
     experts = jnp.zeros((block_t, k_p), jnp.int32)

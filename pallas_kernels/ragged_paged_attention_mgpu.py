@@ -17,10 +17,12 @@ Layouts (per layer):
 
 Legend: T tokens, S sequences, N query heads, K kv heads, G = N // K, E head dim, NB cache
 blocks, P slots per block, B blocks per sequence, BQ = 64 // G tokens per warpgroup tile,
-CT = 2 * BQ tokens per CTA, BKV keys per pipeline step (block_kv), W ring stages (num_stages).
+CT = compute_wgs * BQ tokens per CTA, BKV keys per pipeline step (block_kv), W ring stages
+(num_stages), X key-range splits (num_splits).
 
 Design:
-  * Grid (K, J), one CTA per (query tile, kv head h), three warpgroups. Two compute warpgroups
+  * Grid (K, J) (or (K, J, X) with splits), one CTA per (query tile, kv head h, split), three
+    warpgroups (the prefill configuration; the decode one has one compute warpgroup). Two compute warpgroups
     own 64 rows each = BQ tokens x the G query heads of kv head h (GQA: K/V read once per
     group), ordered (head, token) so that each head's BQ tokens are one strided [BQ, E] TMA copy
     of q. One memory warpgroup walks the same key steps and fills a W-deep ring of [BKV, E] K
@@ -67,7 +69,8 @@ Measured on one H200 (2026-11-29, jax 0.11.2; bf16, N=32, K=8, E=128, P=16, bloc
     so on `chunked` cuDNN ran without a mask and did 14% more work than needed.
 Decode configuration (DECODE_CONFIG: one compute warpgroup, a 4-deep ring of 64-key steps,
 key-range splits merged by log-sum-exp; measured, not dispatched): correct on the H200 (same
-errors as Triton) but slower than the Triton kernel on every decode case, e.g. 30.1 vs 15.0 us
+errors as Triton) but slower than the Triton kernel on five decode cases and level on the
+sixth, e.g. 30.1 vs 15.0 us
 for one 8K-token sequence, 58.0 vs 41.2 us at 32 x 1K, 975.9 vs 972.6 us at 128 x 8K (cuDNN:
 10.9, 33.5, 954.7). Each CTA needs ~180 KB of shared memory, so one runs per SM and its fixed
 start and end (q copy, block-table reads, first K/V copies, output store) are never hidden;
@@ -169,15 +172,16 @@ def _own_buffer(x_N):
     return jnp.pad(x_N.astype(jnp.int32), (0, 64 - n % 64))
 
 
-def supports(q_TNE, k_cache, *, sliding_window=None, soft_cap=None, **config) -> bool:
-    """Whether this kernel handles these shapes and options at `config` (block_kv, num_stages,
-    compute_wgs, num_splits; the prefill defaults if empty). ragged_paged_attention's
-    impl="pallas" falls back to the Triton kernel otherwise."""
-    config = {**PREFILL_CONFIG, **config}
+def supports(q_TNE, k_cache, *, sliding_window=None, soft_cap=None,
+             block_kv: int = PREFILL_CONFIG["block_kv"],
+             num_stages: int = PREFILL_CONFIG["num_stages"],
+             compute_wgs: int = PREFILL_CONFIG["compute_wgs"], num_splits: int | None = 1) -> bool:
+    """Whether this kernel handles these shapes and options (the prefill configuration by
+    default; num_splits None counts as 1). ragged_paged_attention's impl="pallas" falls back to
+    the Triton kernel otherwise."""
     try:
-        _check_supported(q_TNE, k_cache, config["block_kv"], config["num_stages"], sliding_window,
-                         soft_cap, compute_wgs=config["compute_wgs"],
-                         num_splits=config["num_splits"])
+        _check_supported(q_TNE, k_cache, block_kv, num_stages, sliding_window, soft_cap,
+                         compute_wgs=compute_wgs, num_splits=num_splits or 1)
     except ValueError:
         return False
     return True

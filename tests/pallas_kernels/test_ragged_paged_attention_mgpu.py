@@ -134,6 +134,13 @@ def test_splits_with_prefill_chunks_and_two_warpgroups(n, kh):
           num_splits=2)
 
 
+def test_supports_takes_either_configuration():
+    sds = jax.ShapeDtypeStruct
+    q, cache = sds((64, 32, 128), jnp.bfloat16), sds((64, 16, 8, 128), jnp.bfloat16)
+    assert mg.supports(q, cache, **mg.DECODE_CONFIG) and mg.supports(q, cache, **mg.PREFILL_CONFIG)
+    assert not mg.supports(q, cache, **{**mg.DECODE_CONFIG, "num_stages": 9})   # shared memory
+
+
 def test_default_splits_fill_the_gpu_only_for_decode():
     assert mg.default_num_splits(2048, 1, 8, 2048, 128) == 1                  # prefill-heavy
     assert mg.default_num_splits(1, 1, 8, 8192, 64) == 32                     # one long decode

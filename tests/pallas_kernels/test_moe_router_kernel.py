@@ -58,3 +58,14 @@ def test_lowers_for_cuda():
                                sds((16, 128), jnp.bfloat16))
     assert triton_kernel_names(exported) == ["moe_router_softmax_k8"]
     assert [a.shape for a in exported.out_avals] == [(16, 8), (16, 8)]
+
+
+def test_nan_logits_keep_expert_ids_in_range():
+    logits = np.random.default_rng(2).normal(size=(3, 8)).astype(np.float32)
+    logits[1, 5] = np.nan
+    w, e = mr.moe_router(jnp.asarray(logits), top_k=3, scoring="sigmoid", impl="pallas")
+    e = np.asarray(e)
+    assert ((e >= 0) & (e < 8)).all() and e[1, 0] == 5       # the NaN expert ranks first
+    rw, re_ = mr.ref_moe_router(jnp.asarray(logits[[0, 2]]), top_k=3, scoring="sigmoid")
+    np.testing.assert_array_equal(e[[0, 2]], np.asarray(re_))  # other tokens untouched
+    np.testing.assert_allclose(np.asarray(w)[[0, 2]], np.asarray(rw), rtol=1e-5)
