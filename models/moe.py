@@ -25,10 +25,10 @@ def route(cfg: ModelConfig, router_logits_TX: jax.Array, impl: str = "xla"):
     """Top-k experts per token and their weights f32[T, k]: scores by softmax over the experts
     or by an independent sigmoid each (cfg.scoring_func), the k best, renormalised to sum to 1
     if cfg.norm_topk_prob, times cfg.routed_scaling_factor (pallas_kernels.moe_router: one
-    kernel on a GPU)."""
+    kernel; impl "xla" | "pallas" (interpreted on a CPU) | "auto")."""
     return moe_router(router_logits_TX, top_k=cfg.num_experts_per_tok, scoring=cfg.scoring_func,
                       renormalize=cfg.norm_topk_prob, scaling=cfg.routed_scaling_factor,
-                      impl="xla" if impl == "xla" else "auto")
+                      impl=impl)
 
 
 def group_by_expert(experts_M: jax.Array, num_experts: int):

@@ -58,3 +58,19 @@ def test_group_by_expert_is_a_stable_sort_by_expert(m, x):
     np.testing.assert_array_equal(row_of, order)                 # sorted position -> row
     np.testing.assert_array_equal(pos[order], np.arange(m))      # row -> sorted position
     np.testing.assert_array_equal(sizes, np.bincount(experts, minlength=x))
+
+
+@pytest.mark.parametrize("scoring", ["softmax", "sigmoid"])
+def test_moe_layer_with_the_router_kernel_matches_xla(scoring):
+    # the whole MoE layer with impl="pallas" (the router kernel, interpreted on a CPU; the
+    # grouped matmul's "auto" is lax.ragged_dot here) against impl="xla"
+    import jax
+    cfg = ModelConfig.from_hf({**BASE, "scoring_func": scoring})
+    rng = np.random.default_rng(3)
+    shapes = moe.moe_param_shapes(cfg)
+    lp = {n: jnp.asarray(rng.normal(size=s) * 0.3, jnp.float32) for n, s in shapes.items()}
+    h = jnp.asarray(rng.normal(size=(7, cfg.hidden_size)), jnp.float32)
+    want = jax.jit(lambda h: moe.moe_mlp(cfg, lp, h, impl="xla"))(h)
+    got = jax.jit(lambda h: moe.moe_mlp(cfg, lp, h, impl="pallas"))(h)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+    assert float(jnp.abs(want).max()) > 0.1

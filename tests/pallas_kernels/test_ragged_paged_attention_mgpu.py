@@ -134,6 +134,13 @@ def test_splits_with_prefill_chunks_and_two_warpgroups(n, kh):
           num_splits=2)
 
 
+def test_one_warpgroup_on_prefill_chunks():
+    # the decode configuration handles any batch: chunks longer than one tile (BQ = 16 tokens
+    # at G = 4) straddling sequence ends
+    check(batch([13, 29, 7], [77, 29, 40], seed=1), block_kv=64, num_stages=4, compute_wgs=1,
+          num_splits=3)
+
+
 def test_supports_takes_either_configuration():
     sds = jax.ShapeDtypeStruct
     q, cache = sds((64, 32, 128), jnp.bfloat16), sds((64, 16, 8, 128), jnp.bfloat16)
