@@ -72,7 +72,7 @@ def moe_mlp(cfg: ModelConfig, lp: dict, h_TD: jax.Array, impl: str = "xla") -> j
     mm_impl = "xla" if impl == "xla" else "auto"
     gate, up = llama.gate_up(lp, lambda w: grouped_matmul(x_sorted, w, group_sizes, impl=mm_impl))
     y_sorted = grouped_matmul(jax.nn.silu(gate) * up, lp["w_down"], group_sizes, impl=mm_impl)
-    # each token gathers its k rows back (a gather and a sum: no zero-filled scatter-add)
-    # (an elementwise product and sum, not an einsum: a GPU may run f32 dots in TF32)
+    # each token gathers its k rows back: a gather and an elementwise weighted sum (no
+    # zero-filled scatter-add; no einsum either, which a GPU may run in TF32)
     y_TkD = y_sorted[pos_M].reshape(t, k, d).astype(jnp.float32)
     return (y_TkD * weights_Tk[:, :, None]).sum(axis=1).astype(h_TD.dtype)
