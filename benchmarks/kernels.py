@@ -219,16 +219,14 @@ def bench_attention(rng, quick: bool, sweep: bool, decode_only: bool = False):
             # the default tile and on larger ones
             for bq, bk, nw, ns in ((16, 64, 4, 1), (16, 64, 4, 2), (32, 64, 8, 1), (16, 128, 4, 1),
                                    (32, 128, 8, 1), (16, 32, 4, 1), (32, 32, 4, 1)):
-                for hf, pf in ((True, True),):
-                    g = jax.jit(functools.partial(
-                        rpa.ragged_paged_attention, sm_scale=scale, impl="triton", block_q=bq,
-                        block_k=bk, num_warps=nw, num_stages=ns, heavy_first=hf,
-                        prefetch_slots=pf))
-                    ms = try_run("sweep", lambda: gpu_time_ms(g, *args, iters=10))
-                    if ms is not None:
-                        record("attn-sweep", case, f"pallas bq{bq} bk{bk} w{nw} s{ns}"
-                               f"{' heavy-first' if hf else ''}{' prefetch' if pf else ''}", ms,
-                               flops=flops)
+                g = jax.jit(functools.partial(
+                    rpa.ragged_paged_attention, sm_scale=scale, impl="triton", block_q=bq,
+                    block_k=bk, num_warps=nw, num_stages=ns, heavy_first=True,
+                    prefetch_slots=True))
+                ms = try_run("sweep", lambda: gpu_time_ms(g, *args, iters=10))
+                if ms is not None:
+                    record("attn-sweep", case, f"pallas bq{bq} bk{bk} w{nw} s{ns} heavy-first "
+                           f"prefetch", ms, flops=flops)
         if kind == "prefill" and len(set(ctxs)) == 1 and qlens[0] == ctxs[0]:
             L = ctxs[0]
             q4 = c["q"].reshape(s, L, N, E)

@@ -288,14 +288,23 @@ def prefill_heavy(num_tokens: int, num_seqs: int) -> bool:
     return num_tokens > 2 * num_seqs
 
 
+def splits_to_fill(num_tokens: int, num_seqs: int, kv_heads: int, context: int, *,
+                   programs: int, min_keys: int) -> int:
+    """Key-range splits (at most 32) that bring a decode-heavy grid of one program per
+    (sequence, kv head) up to about `programs`, keeping at least `min_keys` keys per split;
+    prefill-heavy batches already fill the GPU with query tiles (1). Both attention kernels
+    pick their splits with it."""
+    if prefill_heavy(num_tokens, num_seqs):
+        return 1
+    work = max(min(num_tokens, num_seqs) * kv_heads, 1)
+    return int(max(1, min(pl.cdiv(programs, work), context // min_keys, 32)))
+
+
 def default_num_splits(num_tokens: int, num_seqs: int, kv_heads: int, block_q: int,
                        context: int) -> int:
     """Split the key range until the grid has about four programs per SM (132 on an H200),
-    keeping at least 256 keys per split; prefill-heavy batches already fill the GPU."""
-    if prefill_heavy(num_tokens, num_seqs):
-        return 1
-    programs = min(num_tokens, num_seqs) * kv_heads
-    return int(max(1, min(pl.cdiv(528, max(programs, 1)), context // 256, 32)))
+    keeping at least 256 keys per split."""
+    return splits_to_fill(num_tokens, num_seqs, kv_heads, context, programs=528, min_keys=256)
 
 
 @functools.partial(jax.jit, static_argnames=(
@@ -405,9 +414,12 @@ def _pallas_kernel_for(q_TNE, k_cache_NPKE, seq_lens_S, *, on_gpu: bool, interpr
     return "mgpu" if supported else "triton"
 
 
-def _without_lse(kernel):
+def _without_lse(kernel, lse_index: int | None = None):
+    """The kernel called without its lse output: None in the refs at lse_index (default: it is
+    the last ref)."""
     def k(*refs):
-        return kernel(*refs, None)
+        i = len(refs) if lse_index is None else lse_index
+        return kernel(*refs[:i], None, *refs[i:])
     return k
 
 

@@ -85,7 +85,6 @@ schedule barrier (+8%), launch order not longest-first (+7%, "flat").
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -94,9 +93,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxserve.pallas_kernels.ragged_paged_attention import (  # noqa: F401 (re-exported)
-    _merge_splits, _validate, ref_ragged_paged_attention)
+    LOG2E, _merge_splits, _validate, _without_lse, ref_ragged_paged_attention, splits_to_fill)
 
-LOG2E = math.log2(math.e)
 ROWS_PER_WG = 64          # wgmma M per warpgroup
 COMPUTE_WGS = 2           # prefill: two compute warpgroups (FA3 ping-pong); decode: one
 LSE_COLS = 8              # a split's log-sum-exp is stored as [rows, 8] (TMA boxes >= 16 bytes)
@@ -392,7 +390,7 @@ def _rpa_mgpu_kernel(
             # this split's normalised output (f32) and log2-sum-exp2 (-inf when it saw no key),
             # merged afterwards; the lse is broadcast over LSE_COLS columns (TMA boxes need 16+
             # bytes a row)
-            lse = jnp.where(empty, -jnp.inf, m_i + jnp.log(l_safe) * (1.0 / math.log(2.0)))
+            lse = jnp.where(empty, -jnp.inf, m_i + jnp.log(l_safe) * LOG2E)
             os, ls = o_smem.at[wg], lse_smem.at[wg]
             os[...] = acc
             ls[...] = lax.broadcast_in_dim(lse, (ROWS_PER_WG, LSE_COLS), [0])
@@ -459,12 +457,9 @@ def _rpa_mgpu_kernel(
 def default_num_splits(num_tokens: int, num_seqs: int, kv_heads: int, context: int,
                        block_kv: int) -> int:
     """Key-range splits for decode-heavy batches: enough CTAs for TARGET_CTAS (a few per SM of
-    an H200's 132), keeping at least two key steps per split; prefill-heavy batches (T > 2 S)
-    already fill the GPU with query tiles."""
-    if num_tokens > 2 * num_seqs:
-        return 1
-    ctas = max(1, min(num_tokens, num_seqs) * kv_heads)
-    return int(max(1, min(pl.cdiv(TARGET_CTAS, ctas), context // (2 * block_kv), 32)))
+    an H200's 132), keeping at least two key steps per split."""
+    return splits_to_fill(num_tokens, num_seqs, kv_heads, context, programs=TARGET_CTAS,
+                          min_keys=2 * block_kv)
 
 
 TARGET_CTAS = 264
@@ -532,7 +527,7 @@ def ragged_paged_attention_mgpu(q_TNE, k_cache_NPKE, v_cache_NPKE, query_start_l
                     jax.ShapeDtypeStruct((num_splits, t_pad, n, LSE_COLS), jnp.float32))
     else:
         out_type = jax.ShapeDtypeStruct((t_pad, n, e), dtype)
-        kernel = _without_lse(kernel)
+        kernel = _without_lse(kernel, lse_index=7)   # six inputs, then o
     rows = (compute_wgs, ROWS_PER_WG)
     call = plgpu.kernel(
         kernel,
@@ -581,8 +576,3 @@ def ragged_paged_attention_mgpu(q_TNE, k_cache_NPKE, v_cache_NPKE, query_start_l
     return o_TNE[:t] if t_pad != t else o_TNE
 
 
-def _without_lse(kernel):
-    def k(*refs):
-        i = 7   # six inputs, then o: no lse output
-        return kernel(*refs[:i], None, *refs[i:])
-    return k
