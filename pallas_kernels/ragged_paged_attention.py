@@ -28,7 +28,7 @@ query rows (BQ tokens x the G heads that share kv head k: GQA costs one read of 
 not per head), walks its causal key range BK keys at a time, gathering the slots through the
 block table, and keeps an online softmax (exp2; masks only on the causal and window edge
 steps). With X > 1 each program covers 1/X of the key range and writes a normalised partial
-output and its log-sum-exp; a small XLA epilogue merges them.
+output and its log-sum-exp; a second small kernel (split_merge.py) merges them.
 This is what keeps a batch of one or a few long decodes from leaving most SMs idle.
 """
 
@@ -43,6 +43,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jaxserve.pallas_kernels.dispatch import resolve_impl
+from jaxserve.pallas_kernels.split_merge import merge_splits
 
 # ---------------------------------------------------------------------------------------------
 # Reference (plain jnp, dense per sequence; slow but obviously right)
@@ -125,8 +126,22 @@ LOG2E = math.log2(math.e)
 def _num_tiles(num_tokens: int, num_seqs: int, block_q: int) -> int:
     """Grid size along query tiles. Sequence s owns tiles start(s) .. start(s+1) - 1 with
     start(s) = query_start_loc[s] // BQ + s: never fewer than ceil(qlen_s / BQ) tiles, and the
-    padding tokens past query_start_loc[S] form a last pseudo-sequence S."""
+    padding tokens past query_start_loc[S] form a last pseudo-sequence S. One-token tiles need
+    no slack: start(s) = query_start_loc[s], one tile per token."""
+    if block_q == 1:
+        return num_tokens
     return num_tokens // block_q + num_seqs + 1
+
+
+def _tile_rows(block_q: int, gp: int) -> int:
+    """Rows of a query tile: BQ tokens x Gp heads, padded to 16 (the smallest tensor-core
+    tile; the padding rows are masked off)."""
+    return max(block_q * gp, 16)
+
+
+# Up to this many sequences a program finds its own by comparing j with every start(s) at once
+# (one load); past it, a binary search (log2 S dependent loads).
+VECTOR_SEARCH_MAX_SEQS = 2048
 
 
 # ---------------------------------------------------------------------------------------------
@@ -145,32 +160,41 @@ def _rpa_kernel(
     j, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     if heavy_first:   # launch the last query tiles (longest causal range) first
         j = _num_tiles(num_tokens, num_seqs, block_q) - 1 - j
-    rows = block_q * gp
+    rows = _tile_rows(block_q, gp)
     n = kv_heads * g
+    slack = 0 if block_q == 1 else 1      # see _num_tiles
 
-    # --- which sequence and query tile: binary search for the last s with start(s) <= j
-    def start(s):
-        return qsl_ref[s] // block_q + s
+    # --- which sequence and query tile: the last s with start(s) <= j (start is nondecreasing)
+    def start(s, qsl_s):
+        return qsl_s // block_q + s * slack
 
-    def search(_, lo_hi):
-        lo, hi = lo_hi
-        mid = (lo + hi + 1) // 2
-        go_up = start(mid) <= j
-        return jnp.where(go_up, mid, lo), jnp.where(go_up, hi, mid - 1)
+    if num_seqs < VECTOR_SEARCH_MAX_SEQS:   # count the starts <= j, all loaded at once
+        s_all = jnp.arange(pl.next_power_of_2(num_seqs + 1), dtype=jnp.int32)
+        s_clamped = jnp.minimum(s_all, num_seqs)
+        at_or_before = (start(s_all, plgpu.load(qsl_ref.at[s_clamped])) <= j) & (s_all <= num_seqs)
+        seq = jnp.sum(at_or_before.astype(jnp.int32)) - 1
+    else:                                   # binary search
+        def search(_, lo_hi):
+            lo, hi = lo_hi
+            mid = (lo + hi + 1) // 2
+            go_up = start(mid, qsl_ref[mid]) <= j
+            return jnp.where(go_up, mid, lo), jnp.where(go_up, hi, mid - 1)
 
-    seq, _ = jax.lax.fori_loop(0, max(1, (num_seqs + 1).bit_length()), search,
-                               (jnp.int32(0), jnp.int32(num_seqs)))
+        seq, _ = jax.lax.fori_loop(0, max(1, (num_seqs + 1).bit_length()), search,
+                                   (jnp.int32(0), jnp.int32(num_seqs)))
     is_pad = seq == num_seqs          # the padding pseudo-sequence: empty context, zero output
     q_begin = qsl_ref[seq]
     q_end = jnp.where(is_pad, num_tokens, qsl_ref[jnp.minimum(seq + 1, num_seqs)])
     qlen = q_end - q_begin
-    qblk = j - start(seq)
+    qblk = j - start(seq, q_begin)
     seq_len = jnp.where(is_pad, qlen, seq_lens_ref[jnp.minimum(seq, num_seqs - 1)])
 
     r = jnp.arange(rows, dtype=jnp.int32)
-    tok_R = q_begin + qblk * block_q + r // gp
+    real_row = r < block_q * gp
+    # NOTE: padding rows get token ids past the batch: they alias no real row (see the store)
+    tok_R = jnp.where(real_row, q_begin + qblk * block_q + r // gp, num_tokens + r)
     head_R = h * g + r % gp
-    valid_R = (tok_R < q_end) & (r % gp < g)
+    valid_R = (tok_R < q_end) & (r % gp < g) & real_row
     pos_R = seq_len - qlen + (tok_R - q_begin)
 
     # --- key range: causal end of the tile, window start, then this split's share (in steps)
@@ -270,16 +294,24 @@ def _rpa_kernel(
 
 def default_block_q(num_tokens: int, num_seqs: int, group: int) -> int:
     """Tokens per query tile: about the mean query length, so decode tiles stay small, with
-    at least 16 rows (the smallest tensor-core tile) and at most 64 rows."""
+    at least 16 rows (the smallest tensor-core tile) and at most 64 rows. Decode buckets (no
+    more tokens than sequence slots) get one-token tiles: larger ones leave a second, empty
+    tile per sequence (H200, one 8K decode: 10.2 -> 9.1 us), at the cost of reading a short
+    chunk's context once per token when one is in the bucket."""
+    if num_tokens <= num_seqs:
+        return 1
     gp = pl.next_power_of_2(group)
     bq = pl.next_power_of_2(max(1, num_tokens // max(num_seqs, 1)))
     return max(1, min(max(bq, 16 // gp), max(1, 64 // gp)))
 
 
-def default_block_k(block_q: int, group: int, context: int) -> int:
-    """Keys per step: 128 for decode-like tiles (fewer, longer loads), 64 for prefill tiles."""
-    rows = block_q * pl.next_power_of_2(group)
-    return max(16, min(128 if rows <= 16 else 64, pl.next_power_of_2(context)))
+def default_block_k(block_q: int, group: int, context: int, num_splits: int = 1) -> int:
+    """Keys per step: 128 for decode-like tiles (fewer, longer loads), 64 for prefill tiles
+    and for splits of at most 256 keys (more steps to overlap; H200 sweep, BENCHMARKS.md)."""
+    rows = _tile_rows(block_q, pl.next_power_of_2(group))
+    short_splits = num_splits > 1 and context // num_splits <= 256
+    return max(16, min(128 if rows <= 16 and not short_splits else 64,
+                       pl.next_power_of_2(context)))
 
 
 def prefill_heavy(num_tokens: int, num_seqs: int) -> bool:
@@ -300,11 +332,18 @@ def splits_to_fill(num_tokens: int, num_seqs: int, kv_heads: int, context: int, 
     return int(max(1, min(pl.cdiv(programs, work), context // min_keys, 32)))
 
 
+NUM_SMS = 132   # H200
+
+
 def default_num_splits(num_tokens: int, num_seqs: int, kv_heads: int, block_q: int,
                        context: int) -> int:
-    """Split the key range until the grid has about four programs per SM (132 on an H200),
-    keeping at least 256 keys per split."""
-    return splits_to_fill(num_tokens, num_seqs, kv_heads, context, programs=528, min_keys=256)
+    """Split the key range only when the grid has fewer programs than SMs, then until it has
+    about four per SM, keeping at least 64 keys per split. (H200 sweep over 1-32 sequences of
+    1K-32K keys: 32 x 1K decodes ran 36.3 us unsplit against 39.7 in 3 splits; a lone 1K
+    decode 5.3 us in 16 splits against 6.9 in 4; BENCHMARKS.md.)"""
+    if min(num_tokens, num_seqs) * kv_heads >= NUM_SMS:
+        return 1
+    return splits_to_fill(num_tokens, num_seqs, kv_heads, context, programs=512, min_keys=64)
 
 
 @functools.partial(jax.jit, static_argnames=(
@@ -357,10 +396,10 @@ def ragged_paged_attention(q_TNE, k_cache_NPKE, v_cache_NPKE, query_start_loc_S1
         raise ValueError(f"the pallas kernel needs a power-of-two head dim >= 16; got E={e}; "
                          f"use impl='xla'")
     block_q = block_q or default_block_q(t, s, g)
-    block_k = block_k or default_block_k(block_q, g, b * p)
     num_splits = num_splits or default_num_splits(t, s, kh, block_q, b * p)
+    block_k = block_k or default_block_k(block_q, g, b * p, num_splits)
     interpret = (not on_gpu) if interpret is None else interpret
-    rows = block_q * gp
+    rows = _tile_rows(block_q, gp)
     num_warps = num_warps or (4 if rows <= 64 else 8)
     heavy_first = prefill_heavy(t, s) if heavy_first is None else heavy_first
     prefetch_slots = prefill_heavy(t, s) if prefetch_slots is None else prefetch_slots
@@ -398,7 +437,7 @@ def ragged_paged_attention(q_TNE, k_cache_NPKE, v_cache_NPKE, query_start_loc_S1
       k_cache_NPKE.reshape(nb * p, kh * e), v_cache_NPKE.reshape(nb * p, kh * e))
     if not split_out:
         return outs[0]
-    return _merge_splits(*outs).astype(q_TNE.dtype)
+    return merge_splits(*outs, out_dtype=q_TNE.dtype, impl="pallas", interpret=interpret)
 
 
 def _pallas_kernel_for(q_TNE, k_cache_NPKE, seq_lens_S, *, on_gpu: bool, interpret: bool | None,
@@ -421,14 +460,6 @@ def _without_lse(kernel, lse_index: int | None = None):
         i = len(refs) if lse_index is None else lse_index
         return kernel(*refs[:i], None, *refs[i:])
     return k
-
-
-def _merge_splits(o_XTNE, lse_XTN):
-    """Combine normalised partial outputs by their log2-sum-exp2 weights (empty splits: -inf)."""
-    m_TN = lse_XTN.max(axis=0)
-    w_XTN = jnp.exp2(lse_XTN - jnp.where(m_TN == -jnp.inf, 0.0, m_TN)[None])
-    den_TN = w_XTN.sum(axis=0)
-    return (o_XTNE * w_XTN[..., None]).sum(axis=0) / jnp.where(den_TN == 0, 1.0, den_TN)[..., None]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -93,7 +93,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxserve.pallas_kernels.ragged_paged_attention import (  # noqa: F401 (re-exported)
-    LOG2E, _merge_splits, _validate, _without_lse, ref_ragged_paged_attention, splits_to_fill)
+    LOG2E, _validate, _without_lse, ref_ragged_paged_attention, splits_to_fill)
+from jaxserve.pallas_kernels.split_merge import merge_splits
 
 ROWS_PER_WG = 64          # wgmma M per warpgroup
 COMPUTE_WGS = 2           # prefill: two compute warpgroups (FA3 ping-pong); decode: one
@@ -570,7 +571,10 @@ def ragged_paged_attention_mgpu(q_TNE, k_cache_NPKE, v_cache_NPKE, query_start_l
                 _own_buffer(block_tables_SB.reshape(s * b)), q_TNE,
                 k_cache_NPKE.reshape(nb * p, kh * e), v_cache_NPKE.reshape(nb * p, kh * e))
     if split:
-        o_TNE = _merge_splits(outs[0], outs[1][..., 0]).astype(dtype)
+        # NOTE: interpreted, the merge is plain XLA: the Triton merge kernel's interpreter
+        # after Mosaic GPU's interpreted kernel in one program deadlocked on 2 CPU cores
+        o_TNE = merge_splits(outs[0], outs[1][..., 0], out_dtype=dtype,
+                             impl="xla" if interpret else "pallas")
     else:
         o_TNE = outs
     return o_TNE[:t] if t_pad != t else o_TNE

@@ -123,12 +123,48 @@ def test_validation_errors_name_the_field():
         rpa.ragged_paged_attention(q, k, v, qsl[:1], seq_lens, bt, sm_scale=1.0)
 
 
-@pytest.mark.parametrize("num_splits", [1, 4])
-def test_lowers_for_cuda(num_splits):
+@pytest.mark.parametrize("num_splits,block_q", [(1, None), (4, None), (4, 1)])
+def test_lowers_for_cuda(num_splits, block_q):
     args = cuda_attention_shapes()
     exported = export_for_cuda(lambda *a: rpa.ragged_paged_attention(
         *a, sm_scale=0.1, impl="pallas", num_splits=num_splits, interpret=False,
-        sliding_window=128, heavy_first=True, prefetch_slots=num_splits > 1), *args)
+        sliding_window=128, heavy_first=True, prefetch_slots=num_splits > 1,
+        block_q=block_q), *args)
     names = triton_kernel_names(exported)
-    assert len(names) == 1 and names[0].startswith("ragged_paged_attention")
+    assert len(names) == 1 + (num_splits > 1) and names[0].startswith("ragged_paged_attention")
+    if num_splits > 1:   # the splits are merged by a second kernel
+        assert names[1].startswith(f"merge_splits_x{num_splits}")
     assert exported.out_avals[0].shape == args[0].shape
+
+
+@pytest.mark.parametrize("n,kh", [(4, 4), (8, 2), (16, 2)])
+def test_one_token_tiles(n, kh):
+    # BQ = 1: one tile per token, rows padded up to 16 and masked; decode rows, a chunk and
+    # padding sequences, with and without key splits
+    args = paged_batch([1, 3, 0, 1, 1], [9, 20, 0, 1, 33], n=n, kh=kh, seed=7)
+    check(args, block_q=1)
+    check(args, block_q=1, num_splits=3, block_k=8, mask_all_steps=False, heavy_first=True)
+
+
+def test_binary_search_past_the_vector_search(monkeypatch):
+    # above VECTOR_SEARCH_MAX_SEQS sequences a program finds its own by binary search
+    monkeypatch.setattr(rpa, "VECTOR_SEARCH_MAX_SEQS", 2)
+    jax.clear_caches()   # the kernel is traced again under the patched threshold
+    args = paged_batch([9, 1, 0, 1, 17, 0], [25, 33, 0, 8, 17, 0], pad_tokens=5, seed=8)
+    check(args, num_splits=2, block_k=8)
+    check(args, block_q=1)
+
+
+
+def test_default_tiling_of_decode_batches():
+    # (T, S, K, context) -> splits, keys per step (the H200 sweep in BENCHMARKS.md)
+    def pick(t, s, ctx, kh=8, g=4):
+        bq = rpa.default_block_q(t, s, g)
+        x = rpa.default_num_splits(t, s, kh, bq, ctx)
+        return bq, x, rpa.default_block_k(bq, g, ctx, x)
+    assert pick(1, 1, 1024) == (1, 16, 64)        # a lone decode: 64 keys a split
+    assert pick(1, 1, 8192) == (1, 32, 64)
+    assert pick(1, 1, 32768) == (1, 32, 128)      # long splits: 128-key steps
+    assert pick(16, 16, 1024) == (1, 4, 64)       # 128 programs < 132 SMs: split
+    assert pick(32, 32, 1024) == (1, 1, 128)      # 256 programs: no split, no merge
+    assert pick(2048, 1, 2048) == (16, 1, 64)     # prefill: query tiles, no split
