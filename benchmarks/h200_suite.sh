@@ -12,6 +12,7 @@
 #                                           # Llama-3's tokenizer.json), batch-1 variants
 #   round6 .. round13                       # the third and fourth sessions' calls, one stage
 #                                           # each (see each function's comment)
+#   round15, round16                        # the fifth session's calls
 #   round9, round14                         # prepared, not yet run: what those sessions left
 #                                           # unmeasured (round9's 30B throughput ran in round13
 #                                           # and timed out; round14 gives it 420 s)
@@ -294,6 +295,16 @@ round14() {   # prepared for the next session: what the fourth session left unme
   step 420 tput_qwen3_moe "${JS[@]}" bench throughput Qwen3-30B-A3B --load-format dummy --dtype bfloat16 \
     --max-logprobs 0 "${ENGINE[@]}" --attention-impl pallas --dataset-name jsonl --dataset-path "$SHAREGPT" \
     --num-prompts 1000 --disable-tqdm --output-json "$OUT/tput_qwen3_moe.json"
+}
+
+round15() {   # fifth session: attention after the split-merge kernel, one-token decode tiles and
+              # the new split rule (decode sweep, prefill, cuDNN beside), then the 8B step
+  step 420 kernels_attention python3 benchmarks/kernels.py --only attention --sweep \
+    --json "$OUT/kernels_attention.json"
+}
+
+round16() {   # fifth session: the 8B decode step (batch 1 and 64) at the new attention defaults
+  decode_b1_b64
 }
 
 decode_b1_b64() {

@@ -129,7 +129,8 @@ def dense_kv(c):
 def bench_attention(rng, quick: bool, sweep: bool, decode_only: bool = False):
     from jaxserve.pallas_kernels import ragged_paged_attention as rpa
     scale = E ** -0.5
-    decode_cases = [(1, 1024), (1, 8192), (32, 1024), (32, 8192), (128, 1024), (128, 8192)]
+    decode_cases = [(1, 1024), (1, 8192), (4, 4096), (16, 1024), (32, 1024), (32, 8192),
+                    (128, 1024), (128, 8192)]
     if quick:
         decode_cases = [(1, 8192), (32, 1024), (128, 1024)]
     for s, ctx in decode_cases:
@@ -143,16 +144,16 @@ def bench_attention(rng, quick: bool, sweep: bool, decode_only: bool = False):
         out = f(*args)
         record("attention", case, "pallas (default)", gpu_time_ms(f, *args), bytes_=byts,
                err=rel_err(out, ref))
-        if sweep and not decode_only:   # Triton: pipeline stages (shared memory), tiles
-            for ns, bk, xs in ((1, None, None), (1, 64, None), (3, None, None), (1, 64, 2),
-                               (1, 128, 2), (1, 64, 8), (1, 128, 16)):
-                g = jax.jit(functools.partial(rpa.ragged_paged_attention, sm_scale=scale,
-                                              impl="triton", num_stages=ns, block_k=bk,
-                                              num_splits=xs))
-                ms = try_run("decode sweep", lambda: gpu_time_ms(g, *args, iters=10))
-                if ms is not None:
-                    record("attn-sweep", case, f"pallas s{ns} bk{bk or 'auto'} x{xs or 'auto'}",
-                           ms, bytes_=byts)
+        if sweep:   # Triton: key-range splits (merged by a second kernel) x keys per step
+            for xs in (1, 2, 4, 8, 16, 32, 64):
+                for bk in (64, 128):
+                    if ctx // xs < bk or not 64 <= s * KH * xs <= 2048:
+                        continue
+                    g = jax.jit(functools.partial(rpa.ragged_paged_attention, sm_scale=scale,
+                                                  impl="triton", block_k=bk, num_splits=xs))
+                    ms = try_run("decode sweep", lambda: gpu_time_ms(g, *args, iters=10))
+                    if ms is not None:
+                        record("attn-sweep", case, f"pallas x{xs} bk{bk}", ms, bytes_=byts)
         try_run("mosaic decode", lambda: bench_decode_mgpu(case, args, ref, byts, sweep))
         if not decode_only:
             fx = jax.jit(functools.partial(rpa.xla_ragged_paged_attention, sm_scale=scale))
