@@ -147,7 +147,7 @@ def bench_attention(rng, quick: bool, sweep: bool, decode_only: bool = False):
         if sweep:   # Triton: key-range splits (merged by a second kernel) x keys per step
             for xs in (1, 2, 4, 8, 16, 32, 64):
                 for bk in (64, 128):
-                    if ctx // xs < bk or not 64 <= s * KH * xs <= 2048:
+                    if ctx // xs < bk or s * KH * xs > 2048:
                         continue
                     g = jax.jit(functools.partial(rpa.ragged_paged_attention, sm_scale=scale,
                                                   impl="triton", block_k=bk, num_splits=xs))

@@ -18,12 +18,13 @@ Layouts (per layer):
 
 Legend: T tokens, S sequences, N query heads, K kv heads, G = N // K, E head dim, NB cache
 blocks, P slots per block, B blocks per sequence, J query tiles, BQ tokens per query tile,
-R = BQ * Gp rows of one tile (Gp = G rounded up to a power of two), BK keys per inner step,
+R = max(BQ * Gp, 16) rows of one tile (Gp = G rounded up to a power of two), BK keys per step,
 X context splits (flash-decoding: partial softmaxes merged afterwards).
 
 How the GPU kernel (Triton lowering of pallas_call) is laid out: the grid is (J, K, X);
-program j finds its (sequence, query tile) by a binary search over query_start_loc (no extra
-XLA kernels before the launch, which matters for small decode steps). A program loads its R
+program j finds its (sequence, query tile) from query_start_loc itself (one vector load; a
+binary search past VECTOR_SEARCH_MAX_SEQS sequences), so no XLA kernel runs before the launch,
+which matters for small decode steps. A program loads its R
 query rows (BQ tokens x the G heads that share kv head k: GQA costs one read of K/V per group,
 not per head), walks its causal key range BK keys at a time, gathering the slots through the
 block table, and keeps an online softmax (exp2; masks only on the causal and window edge
@@ -124,12 +125,14 @@ LOG2E = math.log2(math.e)
 
 
 def _num_tiles(num_tokens: int, num_seqs: int, block_q: int) -> int:
-    """Grid size along query tiles. Sequence s owns tiles start(s) .. start(s+1) - 1 with
-    start(s) = query_start_loc[s] // BQ + s: never fewer than ceil(qlen_s / BQ) tiles, and the
-    padding tokens past query_start_loc[S] form a last pseudo-sequence S. One-token tiles need
-    no slack: start(s) = query_start_loc[s], one tile per token."""
-    if block_q == 1:
-        return num_tokens
+    """Grid size along query tiles; the padding tokens past query_start_loc[S] form a last
+    pseudo-sequence S. Up to VECTOR_SEARCH_MAX_SEQS sequences, sequence s owns exactly
+    ceil(qlen_s / BQ) tiles from the sum of the earlier ones' (all computed in each program):
+    at most (T + (S + 1)(BQ - 1)) / BQ in all, i.e. no program left idle by a batch of
+    decodes. Past it (binary search), start(s) = query_start_loc[s] // BQ + s: a closed form
+    that never gives fewer than ceil(qlen_s / BQ) tiles, at the cost of up to S + 1 idle ones."""
+    if num_seqs <= VECTOR_SEARCH_MAX_SEQS:
+        return (num_tokens + (num_seqs + 1) * (block_q - 1)) // block_q
     return num_tokens // block_q + num_seqs + 1
 
 
@@ -140,7 +143,7 @@ def _tile_rows(block_q: int, gp: int) -> int:
 
 
 # Up to this many sequences a program finds its own by comparing j with every start(s) at once
-# (one load); past it, a binary search (log2 S dependent loads).
+# (two loads and a prefix sum in registers); past it, a binary search (log2 S dependent loads).
 VECTOR_SEARCH_MAX_SEQS = 2048
 
 
@@ -162,18 +165,21 @@ def _rpa_kernel(
         j = _num_tiles(num_tokens, num_seqs, block_q) - 1 - j
     rows = _tile_rows(block_q, gp)
     n = kv_heads * g
-    slack = 0 if block_q == 1 else 1      # see _num_tiles
-
-    # --- which sequence and query tile: the last s with start(s) <= j (start is nondecreasing)
-    def start(s, qsl_s):
-        return qsl_s // block_q + s * slack
-
-    if num_seqs < VECTOR_SEARCH_MAX_SEQS:   # count the starts <= j, all loaded at once
+    # --- which sequence and query tile: the last s whose first tile start(s) is <= j (start is
+    # nondecreasing; sequences without tiles share the next one's start and are never picked)
+    if num_seqs <= VECTOR_SEARCH_MAX_SEQS:   # exact starts: prefix sum of the tile counts
         s_all = jnp.arange(pl.next_power_of_2(num_seqs + 1), dtype=jnp.int32)
-        s_clamped = jnp.minimum(s_all, num_seqs)
-        at_or_before = (start(s_all, plgpu.load(qsl_ref.at[s_clamped])) <= j) & (s_all <= num_seqs)
-        seq = jnp.sum(at_or_before.astype(jnp.int32)) - 1
-    else:                                   # binary search
+        begin_all = plgpu.load(qsl_ref.at[jnp.minimum(s_all, num_seqs)])
+        end_all = jnp.where(s_all < num_seqs,
+                            plgpu.load(qsl_ref.at[jnp.minimum(s_all + 1, num_seqs)]), num_tokens)
+        tiles_all = jnp.where(s_all <= num_seqs, pl.cdiv(end_all - begin_all, block_q), 0)
+        start_all = jnp.cumsum(tiles_all) - tiles_all
+        seq = jnp.sum(((start_all <= j) & (s_all <= num_seqs)).astype(jnp.int32)) - 1
+        first_tile = jnp.sum(jnp.where(s_all == seq, start_all, 0))
+    else:                                    # binary search over start(s) = qsl[s] // BQ + s
+        def start(s, qsl_s):
+            return qsl_s // block_q + s
+
         def search(_, lo_hi):
             lo, hi = lo_hi
             mid = (lo + hi + 1) // 2
@@ -182,11 +188,12 @@ def _rpa_kernel(
 
         seq, _ = jax.lax.fori_loop(0, max(1, (num_seqs + 1).bit_length()), search,
                                    (jnp.int32(0), jnp.int32(num_seqs)))
+        first_tile = start(seq, qsl_ref[seq])
     is_pad = seq == num_seqs          # the padding pseudo-sequence: empty context, zero output
     q_begin = qsl_ref[seq]
     q_end = jnp.where(is_pad, num_tokens, qsl_ref[jnp.minimum(seq + 1, num_seqs)])
     qlen = q_end - q_begin
-    qblk = j - start(seq, q_begin)
+    qblk = j - first_tile
     seq_len = jnp.where(is_pad, qlen, seq_lens_ref[jnp.minimum(seq, num_seqs - 1)])
 
     r = jnp.arange(rows, dtype=jnp.int32)
@@ -294,11 +301,14 @@ def _rpa_kernel(
 
 def default_block_q(num_tokens: int, num_seqs: int, group: int) -> int:
     """Tokens per query tile: about the mean query length, so decode tiles stay small, with
-    at least 16 rows (the smallest tensor-core tile) and at most 64 rows. Decode buckets (no
-    more tokens than sequence slots) get one-token tiles: larger ones leave a second, empty
-    tile per sequence (H200, one 8K decode: 10.2 -> 9.1 us), at the cost of reading a short
-    chunk's context once per token when one is in the bucket."""
-    if num_tokens <= num_seqs:
+    at least 16 rows (the smallest tensor-core tile) and at most 64 rows. The one-token bucket
+    (a lone decode) gets a one-token tile: a larger one leaves the sequence an empty second
+    tile, twice the programs (H200, one 8K decode: 10.2 -> 9.1 us). Other buckets keep
+    multi-token tiles even when they hold no more tokens than sequence slots: the engine's
+    buckets (S = min(T, max_num_seqs)) cannot tell decodes from a prompt chunk, and one-token
+    tiles re-read a chunk's context for every token (H200: 1.6-2.6 x slower on a 64-256-token
+    chunk in a 128- or 256-token bucket), for 0-2 % on pure decode batches."""
+    if num_tokens == 1:
         return 1
     gp = pl.next_power_of_2(group)
     bq = pl.next_power_of_2(max(1, num_tokens // max(num_seqs, 1)))

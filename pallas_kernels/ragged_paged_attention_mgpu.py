@@ -70,9 +70,9 @@ Measured on one H200 (2026-11-29, jax 0.11.2; bf16, N=32, K=8, E=128, P=16, bloc
 Decode configuration (DECODE_CONFIG: one compute warpgroup, a 4-deep ring of 64-key steps,
 key-range splits merged by log-sum-exp; measured, not dispatched): correct on the H200 (same
 errors as Triton) but slower than the Triton kernel on five decode cases and level on the
-sixth, e.g. 30.1 vs 15.0 us
-for one 8K-token sequence, 58.0 vs 41.2 us at 32 x 1K, 975.9 vs 972.6 us at 128 x 8K (cuDNN:
-10.9, 33.5, 954.7). Each CTA needs ~180 KB of shared memory, so one runs per SM and its fixed
+sixth in session 4, e.g. 30.1 vs 15.0 us for one 8K-token sequence, 58.0 vs 41.2 us at 32 x 1K,
+975.9 vs 972.6 us at 128 x 8K (cuDNN: 10.9, 33.5, 954.7); slower on all eight cases since the
+Triton kernel's session-5 defaults (27.7 vs 11.2, 60.0 vs 37.1, 1001.0 vs 989.1 us). Each CTA needs ~180 KB of shared memory, so one runs per SM and its fixed
 start and end (q copy, block-table reads, first K/V copies, output store) are never hidden;
 more splits made it slower (26 -> 66 us from 16 to 128 splits at 8K). What it would take:
 a persistent grid that streams the next work item's K/V while finishing the last one.
@@ -574,7 +574,7 @@ def ragged_paged_attention_mgpu(q_TNE, k_cache_NPKE, v_cache_NPKE, query_start_l
         # NOTE: interpreted, the merge is plain XLA: the Triton merge kernel's interpreter
         # after Mosaic GPU's interpreted kernel in one program deadlocked on 2 CPU cores
         o_TNE = merge_splits(outs[0], outs[1][..., 0], out_dtype=dtype,
-                             impl="xla" if interpret else "pallas")
+                             impl="xla" if interpret else "pallas", interpret=False)
     else:
         o_TNE = outs
     return o_TNE[:t] if t_pad != t else o_TNE

@@ -165,6 +165,9 @@ def test_default_tiling_of_decode_batches():
     assert pick(1, 1, 1024) == (1, 16, 64)        # a lone decode: 64 keys a split
     assert pick(1, 1, 8192) == (1, 32, 64)
     assert pick(1, 1, 32768) == (1, 32, 128)      # long splits: 128-key steps
-    assert pick(16, 16, 1024) == (1, 4, 64)       # 128 programs < 132 SMs: split
-    assert pick(32, 32, 1024) == (1, 1, 128)      # 256 programs: no split, no merge
+    assert pick(16, 16, 1024) == (4, 4, 64)       # 128 programs < 132 SMs: split
+    assert pick(32, 32, 1024) == (4, 1, 128)      # 256 programs: no split, no merge
     assert pick(2048, 1, 2048) == (16, 1, 64)     # prefill: query tiles, no split
+    # exact tile starts: a bucket of decodes launches one program per sequence, not 1.25
+    assert rpa._num_tiles(32, 32, 4) == 32 and rpa._num_tiles(1, 1, 1) == 1
+    assert rpa._num_tiles(4096, 4096, 4) == 4096 // 4 + 4096 + 1   # binary-search bound

@@ -164,3 +164,5 @@ def test_decode_configuration_lowers_for_cuda():
         *a, sm_scale=0.1, interpret=False, **{**mg.DECODE_CONFIG, "num_splits": 4}), *args)
     assert "mosaic_gpu" in exported.mlir_module()
     assert exported.out_avals[0].shape == args[0].shape
+    from jaxserve.pallas_kernels.cuda_lowering import triton_kernel_names
+    assert len(triton_kernel_names(exported)) == 1   # the splits are merged by the Triton kernel

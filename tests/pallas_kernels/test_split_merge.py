@@ -24,7 +24,7 @@ def partials(x, t, n, e, *, seed=0):
 
 
 @pytest.mark.parametrize("x,t,n,e", [(1, 3, 4, 32), (3, 5, 8, 16), (8, 2, 32, 128),
-                                     (33, 4, 4, 64)])
+                                     (33, 4, 4, 64), (3, 37, 9, 128)])   # last: rows % BR != 0
 def test_matches_reference(x, t, n, e):
     o, lse = partials(x, t, n, e, seed=x)
     out = np.asarray(sm.merge_splits(o, lse, impl="pallas"))
