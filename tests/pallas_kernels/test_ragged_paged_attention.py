@@ -146,14 +146,20 @@ def test_one_token_tiles(n, kh):
     check(args, block_q=1, num_splits=3, block_k=8, mask_all_steps=False, heavy_first=True)
 
 
-def test_binary_search_past_the_vector_search(monkeypatch):
-    # above VECTOR_SEARCH_MAX_SEQS sequences a program finds its own by binary search
+@pytest.fixture
+def binary_search(monkeypatch):
+    """Past VECTOR_SEARCH_MAX_SEQS (patched to 2) a program finds its sequence by binary
+    search; jit caches are cleared on both sides, so no trace crosses the patch."""
     monkeypatch.setattr(rpa, "VECTOR_SEARCH_MAX_SEQS", 2)
-    jax.clear_caches()   # the kernel is traced again under the patched threshold
+    jax.clear_caches()
+    yield
+    jax.clear_caches()
+
+
+def test_binary_search_past_the_vector_search(binary_search):
     args = paged_batch([9, 1, 0, 1, 17, 0], [25, 33, 0, 8, 17, 0], pad_tokens=5, seed=8)
     check(args, num_splits=2, block_k=8)
     check(args, block_q=1)
-
 
 
 def test_default_tiling_of_decode_batches():
@@ -171,3 +177,20 @@ def test_default_tiling_of_decode_batches():
     # exact tile starts: a bucket of decodes launches one program per sequence, not 1.25
     assert rpa._num_tiles(32, 32, 4) == 32 and rpa._num_tiles(1, 1, 1) == 1
     assert rpa._num_tiles(4096, 4096, 4) == 4096 // 4 + 4096 + 1   # binary-search bound
+
+
+def test_engine_bucket_shape_decodes_chunk_and_padding_sequences():
+    # the engine's small buckets: as many sequence slots as tokens (S = T), the tail slots
+    # padding sequences; default tiles (multi-token, exact starts) with and without splits
+    qlens = [1, 1, 5, 1, 0, 0, 0, 0, 0, 0, 0]
+    ctxs = [9, 30, 12, 17, 0, 0, 0, 0, 0, 0, 0]
+    args = paged_batch(qlens, ctxs, pad_tokens=len(qlens) - sum(qlens), seed=11)
+    assert args[0].shape[0] == len(qlens)
+    check(args)
+    check(args, num_splits=2, block_k=8, mask_all_steps=False)
+
+
+def test_binary_search_path_lowers_for_cuda(binary_search):
+    exported = export_for_cuda(lambda *a: rpa.ragged_paged_attention(
+        *a, sm_scale=0.1, impl="triton", interpret=False), *cuda_attention_shapes())
+    assert triton_kernel_names(exported)[0].startswith("ragged_paged_attention")
