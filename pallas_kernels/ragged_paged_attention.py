@@ -22,9 +22,9 @@ R = max(BQ * Gp, 16) rows of one tile (Gp = G rounded up to a power of two), BK 
 X context splits (flash-decoding: partial softmaxes merged afterwards).
 
 How the GPU kernel (Triton lowering of pallas_call) is laid out: the grid is (J, K, X);
-program j finds its (sequence, query tile) from query_start_loc itself (one vector load; a
-binary search past VECTOR_SEARCH_MAX_SEQS sequences), so no XLA kernel runs before the launch,
-which matters for small decode steps. A program loads its R
+program j finds its (sequence, query tile) from query_start_loc itself (every sequence's tile
+count and their prefix sum, from two vector loads; a binary search past VECTOR_SEARCH_MAX_SEQS
+sequences), so no XLA kernel runs before the launch, which matters for small decode steps. A program loads its R
 query rows (BQ tokens x the G heads that share kv head k: GQA costs one read of K/V per group,
 not per head), walks its causal key range BK keys at a time, gathering the slots through the
 block table, and keeps an online softmax (exp2; masks only on the causal and window edge
