@@ -1,8 +1,10 @@
-"""Choosing a kernel implementation: the `impl=` argument every public kernel wrapper takes."""
+"""What every public kernel wrapper shares: choosing the implementation (the `impl=` argument)
+and the block spec of an operand every program sees whole."""
 
 from __future__ import annotations
 
 import jax
+from jax.experimental import pallas as pl
 
 
 def resolve_impl(impl: str, allowed: tuple[str, ...] = ("pallas", "xla")) -> tuple[str, bool]:
@@ -14,3 +16,9 @@ def resolve_impl(impl: str, allowed: tuple[str, ...] = ("pallas", "xla")) -> tup
     if impl == "auto":
         impl = "pallas" if on_gpu else "xla"
     return impl, on_gpu
+
+
+def whole(*shape: int) -> pl.BlockSpec:
+    """BlockSpec of an array every program of the grid (of any rank) sees whole: the kernels
+    index it themselves."""
+    return pl.BlockSpec(shape, lambda *_: (0,) * len(shape))

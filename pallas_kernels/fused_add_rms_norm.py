@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jaxserve.pallas_kernels.dispatch import resolve_impl
+from jaxserve.pallas_kernels.dispatch import resolve_impl, whole
 
 # ---------------------------------------------------------------------------------------------
 # Reference
@@ -116,7 +116,6 @@ def fused_add_rms_norm(x_TD, residual_TD, w_D, *, eps: float, impl: str = "auto"
     has_res = residual_TD is not None
     if not has_res:
         kernel = _no_residual(kernel)
-    whole = lambda *shape: pl.BlockSpec(shape, lambda i: (0,) * len(shape))  # noqa: E731
     out_shape = [jax.ShapeDtypeStruct((t, d), x_TD.dtype)]
     if has_res:
         out_shape.insert(0, jax.ShapeDtypeStruct((t, d), residual_TD.dtype))

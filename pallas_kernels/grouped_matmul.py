@@ -43,7 +43,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jaxserve.pallas_kernels.dispatch import resolve_impl
+from jaxserve.pallas_kernels.dispatch import resolve_impl, whole
 
 MOSAIC_TILES = dict(block_m=64, block_n=256, block_k=64, max_concurrent_steps=3, grid_block_n=1)
 SPARSE_MAX_ROWS = 512   # "auto" takes the "pallas" kernel up to this M (measured: module doc)
@@ -204,7 +204,6 @@ def _sparse_grouped_matmul(x_MK, w_GKN, group_sizes_G, *, block_k, block_n, num_
     block_n = _block(n, block_n, 128, "block_n", "N")
     grp_S, first_S, end_S = _tile_list(group_sizes_G, m)
     s = grp_S.shape[0]
-    whole = lambda *shape: pl.BlockSpec(shape, lambda i, j: (0,) * len(shape))  # noqa: E731
     return pl.pallas_call(
         functools.partial(_sparse_kernel, m=m, k=k, groups=g, block_k=block_k,
                           block_n=block_n),

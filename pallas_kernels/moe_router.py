@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jaxserve.pallas_kernels.dispatch import resolve_impl
+from jaxserve.pallas_kernels.dispatch import resolve_impl, whole
 
 SCORINGS = ("softmax", "sigmoid")
 
@@ -138,7 +138,6 @@ def moe_router(logits_TX, *, top_k: int, scoring: str = "softmax", renormalize: 
         _router_kernel, num_tokens=t, num_experts=x, top_k=top_k, block_t=block_t,
         experts_p=pl.next_power_of_2(x), k_p=pl.next_power_of_2(top_k),
         sigmoid=scoring == "sigmoid", renormalize=renormalize, scaling=float(scaling))
-    whole = lambda *shape: pl.BlockSpec(shape, lambda i: (0,) * len(shape))  # noqa: E731
     return pl.pallas_call(
         kernel,
         grid=(pl.cdiv(t, block_t),),

@@ -36,7 +36,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jaxserve.models import layers
-from jaxserve.pallas_kernels.dispatch import resolve_impl
+from jaxserve.pallas_kernels.dispatch import resolve_impl, whole
 
 # ---------------------------------------------------------------------------------------------
 # Reference: the model's own XLA building blocks, in the model's order
@@ -156,7 +156,6 @@ def qk_norm_rope_kv_write(q_TNE, k_TKE, v_TKE, positions_T, slot_mapping_T, k_ca
                                k_pow2=pl.next_power_of_2(kh), eps=float(eps))
     if not has_norm:
         kernel = _without_norms(kernel)
-    whole = lambda *shape: pl.BlockSpec(shape, lambda i: (0,) * len(shape))  # noqa: E731
     cache_2d = (nb * p, kh * e)
     ins = [q_TNE, k_TKE, v_TKE, positions_T.astype(jnp.int32), slot_mapping_T.astype(jnp.int32),
            inv_freq_H.astype(jnp.float32)]

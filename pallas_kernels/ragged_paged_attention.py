@@ -43,7 +43,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jaxserve.pallas_kernels.dispatch import resolve_impl
+from jaxserve.pallas_kernels.dispatch import resolve_impl, whole
 from jaxserve.pallas_kernels.split_merge import merge_splits
 
 # ---------------------------------------------------------------------------------------------
@@ -431,7 +431,6 @@ def ragged_paged_attention(q_TNE, k_cache_NPKE, v_cache_NPKE, query_start_loc_S1
         out_shape = (jax.ShapeDtypeStruct((t, n, e), q_TNE.dtype),)
         out_specs = (pl.BlockSpec((t, n, e), lambda j, h, x: (0, 0, 0)),)
         kernel = _without_lse(kernel)
-    whole = lambda *shape: pl.BlockSpec(shape, lambda j, h, x: (0,) * len(shape))  # noqa: E731
     outs = pl.pallas_call(
         kernel,
         grid=(_num_tiles(t, s, block_q), kh, num_splits),

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jaxserve.pallas_kernels.dispatch import resolve_impl
+from jaxserve.pallas_kernels.dispatch import resolve_impl, whole
 
 # ---------------------------------------------------------------------------------------------
 # Reference
@@ -118,7 +118,6 @@ def merge_splits(o_XTNE, lse_XTN, *, out_dtype=jnp.float32, impl: str = "auto",
     block_r, block_e = _tiles(rows, e, xp)
     kernel = functools.partial(_merge_kernel, splits=x, xp=xp, rows=rows,
                                block_r=block_r, block_e=block_e)
-    whole = lambda *shape: pl.BlockSpec(shape, lambda i, c: (0,) * len(shape))  # noqa: E731
     out = pl.pallas_call(
         kernel,
         grid=(pl.cdiv(rows, block_r), e // block_e),
