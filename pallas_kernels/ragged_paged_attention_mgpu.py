@@ -21,29 +21,38 @@ CT = compute_wgs * BQ tokens per CTA, BKV keys per pipeline step (block_kv), W r
 (num_stages), X key-range splits (num_splits).
 
 Design:
-  * Grid (K, J) (or (K, J, X) with splits), one CTA per (query tile, kv head h, split), three
-    warpgroups (the prefill configuration; the decode one has one compute warpgroup). Two compute warpgroups
-    own 64 rows each = BQ tokens x the G query heads of kv head h (GQA: K/V read once per
-    group), ordered (head, token) so that each head's BQ tokens are one strided [BQ, E] TMA copy
-    of q. One memory warpgroup walks the same key steps and fills a W-deep ring of [BKV, E] K
+  * A persistent grid: one CTA per SM (num_ctas), each looping over work items (query tile,
+    kv head h, split) handed out in rounds (CTA c takes the c-th item of even rounds and the
+    c-th from the end of odd ones), with three warpgroups (the prefill configuration; the
+    decode one has one compute warpgroup). The K/V ring and its barriers carry from one item
+    to the next, so the memory warpgroup fetches the next item's keys while the compute
+    warpgroups finish the last one. Two compute warpgroups own 64 rows each = BQ tokens x the
+    G query heads of kv head h (GQA: K/V read once per group), ordered (head, token) so that
+    each head's BQ tokens are one strided [BQ, E] TMA copy of q. One memory warpgroup walks the
+    same key steps and fills a W-deep ring of [BKV, E] K
     and V tiles in shared memory page by page: BKV // P TMA copies of [P, E] from the cache
     viewed as [NB*P, K*E], through the block table, all arriving on one barrier per stage;
     the compute warpgroups hand a stage back through "consumed" barriers.
   * Per key step: wgmma S = Q K^T into registers, online softmax in exp2 units (the causal
     mask only on steps that need it), wgmma O += P V with P from registers. A two-party
     "schedule" barrier makes the two compute warpgroups alternate, so one's softmax overlaps
-    the other's matmuls (FA3's ping-pong). Tiles are launched longest-context first.
+    the other's matmuls (FA3's ping-pong). Tiles are handed out longest-context first.
   * Two ways of tiling the tokens (`tiling=`):
-    "sequence" (default): each CTA serves one sequence; sequence s owns tiles start(s) ..
-      start(s+1)-1, start(s) = qsl[s] // CT + s (as in the Triton kernel), so decode rows get
-      CTAs of their own and run in parallel. A tile starts at its sequence's first token
-      rounded down to 8 (TMA copies into the 8-row-tiled q buffer must start on a row that is
-      a multiple of 8; an unaligned start came out wrong on the H200), and only the rows of
-      the sequence are stored: from an untiled staging buffer, as a ladder of BQ, BQ/2, ..., 1
+    "sequence" (default): each tile serves one sequence, so decode rows get tiles of their own
+      and run in parallel. The tiles come from a small map computed by XLA before the launch
+      (sequence_tile_map: each tile's sequence and first token, longest causal range first,
+      and their count). Before it, the grid had a CTA for each of T // CT + S + 1 possible
+      tiles, found by a binary search over query_start_loc; in the engine's buckets (S = 256
+      slots, few of them used) most were idle, and they took 77 of the 166 us of a 2,048-token
+      prompt's kernel (1K-token prompt in a 1,024-token bucket: 106 us, now 28). A tile starts
+      at its sequence's first token rounded down to 8 (TMA copies into the 8-row-tiled q
+      buffer must start on a row that is a multiple of 8; an unaligned start came out wrong on
+      the H200), and only the rows of the sequence are stored: from an untiled staging buffer,
+      as a ladder of BQ, BQ/2, ..., 1
       row TMA stores (TMA boxes are static). That buffer needs Mosaic GPU's Lane lowering
       semantics (Warpgroup semantics' layout inference tiles it and rejects the row slices).
-    "flat": CTA j owns tokens [j*CT, (j+1)*CT) whatever sequences they belong to and runs one
-      key loop per sequence present (rows of other sequences masked out); no other CTA writes
+    "flat": tile j is tokens [j*CT, (j+1)*CT) whatever sequences they belong to, with one key
+      loop per sequence present (rows of other sequences masked out); no other tile writes
       those rows, so whole tiles are stored. Lowered with Warpgroup semantics, ~5% faster than
       "sequence" on prefill-only batches, but the loops of a tile run one after the other, so
       a tile full of decode rows is very slow (1.0 ms on the `mixed` case below): only for
@@ -67,15 +76,25 @@ Measured on one H200 (2026-11-29, jax 0.11.2; bf16, N=32, K=8, E=128, P=16, bloc
   (cuDNN gets them dense), and 1.46x / 1.54x Triton's speed; on the mixed step, 1.25x Triton's.
   * jax.nn's cuDNN causal mask is top-left aligned, wrong for chunks that start mid-context,
     so on `chunked` cuDNN ran without a mask and did 14% more work than needed.
+The persistent grid and the tile map (2026-11-30; `python3 benchmarks/kernels.py --only
+attention --quick` and BENCHMARKS.md's engine-bucket cases; kernel time, old -> new): prefill
+88.7 -> 84.2 us ("flat" 83.7 -> 76.0); in a 256-slot bucket, a 2,048-token prompt 165.6 ->
+84.3, a 1,024-token one 106.3 -> 28.4, eight 256-token chunks 208.2 -> 136.1, 32 decodes + a
+1,024-token chunk 203.6 -> 146.4. The XLA ops before the kernel (the map, the padded copies of
+the small inputs) take 7 us at S = 1 and 15 us at S = 256 when the kernel is called alone
+(prefill with them: 91.6 us, cuDNN 83.9 beside it); they depend only on the step's
+query_start_loc and seq_lens, so the engine's step computes them once for all layers (CSE).
 Decode configuration (DECODE_CONFIG: one compute warpgroup, a 4-deep ring of 64-key steps,
 key-range splits merged by log-sum-exp; measured, not dispatched): correct on the H200 (same
 errors as Triton) but slower than the Triton kernel on five decode cases and level on the
 sixth in session 4, e.g. 30.1 vs 15.0 us for one 8K-token sequence, 58.0 vs 41.2 us at 32 x 1K,
 975.9 vs 972.6 us at 128 x 8K (cuDNN: 10.9, 33.5, 954.7); slower on all eight cases since the
-Triton kernel's session-5 defaults (27.7 vs 11.2, 60.0 vs 37.1, 1001.0 vs 989.1 us). Each CTA needs ~180 KB of shared memory, so one runs per SM and its fixed
-start and end (q copy, block-table reads, first K/V copies, output store) are never hidden;
-more splits made it slower (26 -> 66 us from 16 to 128 splits at 8K). What it would take:
-a persistent grid that streams the next work item's K/V while finishing the last one.
+Triton kernel's session-5 defaults (27.7 vs 11.2, 60.0 vs 37.1, 1001.0 vs 989.1 us). Each
+CTA needs ~180 KB of shared memory, so one runs per SM and its fixed start and end (q copy,
+block-table reads, first K/V copies, output store) are never hidden;
+more splits made it slower (26 -> 66 us from 16 to 128 splits at 8K). The persistent grid
+helps it (21.4 / 56.7 / 147.0 us at 1 x 8K, 32 x 1K, 128 x 1K, from 27.7 / 60.0 / 159.1) but
+not past the Triton kernel (10.8 / 36.6 / 127.6).
 `python benchmarks/kernels.py --only decode --sweep`; BENCHMARKS.md, "Kernels".
 Tried and slower: block_kv=64 with 3 or 4 stages (102 vs 88 us; 3 stages of 128 keys do not
 fit in shared memory next to "sequence"'s staging buffer, and gave nothing on "flat"), no
@@ -93,7 +112,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxserve.pallas_kernels.ragged_paged_attention import (  # noqa: F401 (re-exported)
-    LOG2E, _validate, _without_lse, ref_ragged_paged_attention, splits_to_fill)
+    LOG2E, NUM_SMS, _validate, _without_lse, ref_ragged_paged_attention, splits_to_fill)
 from jaxserve.pallas_kernels.split_merge import merge_splits
 
 ROWS_PER_WG = 64          # wgmma M per warpgroup
@@ -171,6 +190,49 @@ def _own_buffer(x_N):
     return jnp.pad(x_N.astype(jnp.int32), (0, 64 - n % 64))
 
 
+def sequence_tile_map(query_start_loc_S1, seq_lens_S, num_tokens: int, num_tiles: int,
+                      tile_tokens: int, *, longest_first_block_kv: int | None = None) -> jax.Array:
+    """The tiles of the "sequence" tiling -> i32[2 * num_tiles + 1]: entry j is the sequence
+    of tile j (S for the padding tokens past query_start_loc[S]), entry num_tiles + j its first
+    token, and the last entry the number of tiles; entries past it are unused (-1, 0).
+    Sequence s needs ceil((end - start) / CT) tiles from its first token rounded down to 8 (TMA
+    row alignment; see the kernel), in order. num_tiles = T // CT + S + 1 is enough whatever
+    the batch: each sequence needs at most qsl[s+1] // CT - qsl[s] // CT + 1 tiles, CT being a
+    multiple of 8 (see the tests). With longest_first_block_kv, the tiles are ordered by their
+    number of key steps of that size, most first (stable): the persistent kernel hands them out
+    in that order, so the longest start first and the rest even out the CTAs' loads (longest
+    processing time first; in sequence order, four 512-token chunks at 2K took 141.4 us
+    instead of 136.4)."""
+    qsl = query_start_loc_S1.astype(jnp.int32)
+    begin_S1 = qsl                                              # S real + the padding one
+    end_S1 = jnp.append(qsl[1:], jnp.int32(num_tokens))
+    first_S1 = jnp.bitwise_and(begin_S1, -8)
+    tiles_S1 = jnp.where(end_S1 > begin_S1, pl.cdiv(end_S1 - first_S1, tile_tokens), 0)
+    ends_S1 = jnp.cumsum(tiles_S1)                              # one past each one's last tile
+    j_J = jnp.arange(num_tiles, dtype=jnp.int32)
+    # NOTE: a comparison matrix, not searchsorted's loop: one small fusion ((T/CT + S) x S)
+    seq_J = jnp.minimum(jnp.sum(ends_S1[None, :] <= j_J[:, None], axis=1, dtype=jnp.int32),
+                        qsl.shape[0] - 1)
+    t0_J = first_S1[seq_J] + (j_J - (ends_S1[seq_J] - tiles_S1[seq_J])) * tile_tokens
+    idle = j_J >= ends_S1[-1]
+    if longest_first_block_kv:
+        num_seqs = qsl.shape[0] - 1
+        real = seq_J < num_seqs                                 # not the padding tokens' tiles
+        s_c = jnp.minimum(seq_J, num_seqs - 1)
+        kv_end = jnp.minimum(t0_J + tile_tokens, end_S1[seq_J]) + seq_lens_S[s_c] - end_S1[seq_J]
+        steps = jnp.where(real, pl.cdiv(kv_end, longest_first_block_kv), 0)
+        # a stable sort by comparison matrices (NOTE: jnp.argsort's sort op, interpreted next
+        # to the Mosaic GPU interpreter, hung on 2 CPU cores; on the GPU these are two fusions)
+        key = jnp.where(idle, 1, -steps)
+        before = (key[None, :] < key[:, None]) | ((key[None, :] == key[:, None]) &
+                                                   (j_J[None, :] < j_J[:, None]))
+        rank_J = jnp.sum(before, axis=1, dtype=jnp.int32)         # where tile j goes
+        order = jnp.argmax(rank_J[None, :] == j_J[:, None], axis=1)
+        seq_J, t0_J, idle = seq_J[order], t0_J[order], idle[order]
+    return jnp.concatenate([jnp.where(idle, -1, seq_J), jnp.where(idle, 0, t0_J),
+                            ends_S1[-1:]])
+
+
 def supports(q_TNE, k_cache, *, sliding_window=None, soft_cap=None,
              block_kv: int = PREFILL_CONFIG["block_kv"],
              num_stages: int = PREFILL_CONFIG["num_stages"],
@@ -193,25 +255,28 @@ def supports(q_TNE, k_cache, *, sliding_window=None, soft_cap=None,
 
 def _rpa_mgpu_kernel(
     # inputs (GMEM)
-    qsl_ref, seq_lens_ref, bt_ref, q_ref, k_ref, v_ref,
+    qsl_ref, seq_lens_ref, bt_ref, map_ref, q_ref, k_ref, v_ref,
     # outputs (GMEM): o, or with key-range splits each split's o (f32) and log-sum-exp
     o_ref, lse_ref,
     # scratch (SMEM)
     q_smem, o_smem, lse_smem, k_smem, v_smem, q_bar, k_bar, v_bar, k_free, v_free, sched_bar,
     p_smem,
     *, tiling, num_tokens, num_seqs, blocks_per_seq, block_size, group, head_dim, block_kv,
-    num_stages, num_tiles, sm_scale, schedule_barrier, heavy_first, interpret, compute_wgs,
-    num_splits):
+    num_stages, num_tiles, kv_heads, num_ctas, sm_scale, schedule_barrier, heavy_first,
+    interpret, compute_wgs, num_splits):
     bq = ROWS_PER_WG // group              # tokens per warpgroup tile
-    ct = compute_wgs * bq                  # tokens per CTA
+    ct = compute_wgs * bq                  # tokens per tile
     pages = block_kv // block_size         # TMA copies per K (or V) tile
     flat = tiling == "flat"
-    h = lax.axis_index("kvh")
-    j = lax.axis_index("tile")
-    split = lax.axis_index("split") if num_splits > 1 else 0
-    if heavy_first:   # later tiles have longer causal ranges: launch them first
-        j = num_tiles - 1 - j
+    cta = lax.axis_index("cta")
     wg = lax.axis_index("wg")
+    # Work items (tile, kv head, split), tile-major: the CTAs take them in rounds of num_ctas,
+    # CTA c the c-th of even rounds and the c-th from the end of odd ones, so that with the
+    # tiles ordered longest first every CTA gets a similar share of long and short ones.
+    tiles_here = jnp.int32(num_tiles) if flat else map_ref[2 * num_tiles]
+    per_tile = kv_heads * num_splits
+    num_items = tiles_here * per_tile
+    rounds = lax.div(num_items + (num_ctas - 1), jnp.int32(num_ctas))
 
     def last_at_or_before(key, x, n):
         """Largest s in [0, n] with key(s) <= x, for a nondecreasing key (unrolled search)."""
@@ -222,49 +287,62 @@ def _rpa_mgpu_kernel(
             lo, hi = jnp.where(up, mid, lo), jnp.where(up, hi, mid - 1)
         return lo
 
-    if flat:
-        # CTA j owns tokens [j*CT, (j+1)*CT) whatever sequences they belong to: one key loop
-        # per sequence present; whole tiles are stored (no other CTA writes these rows).
-        t0 = j * ct
-        total = qsl_ref[num_seqs]
-        s_first = last_at_or_before(lambda s: qsl_ref[s], t0, num_seqs - 1)
-        s_last = last_at_or_before(lambda s: qsl_ref[s], jnp.minimum(t0 + ct, total) - 1,
-                                   num_seqs - 1)
-        n_seqs_here = jnp.where(t0 < total, s_last - s_first + 1, 0)
-    else:
-        # Sequence s owns tiles start(s) .. start(s+1) - 1 with start(s) = qsl[s] // CT + s; the
-        # padding tokens past qsl[S] form a last pseudo-sequence S (no keys, zeros written).
-        # NOTE: a tile starts at its sequence's first token rounded down to 8: a TMA copy into
-        # the 8-row-tiled q buffer views q as 8-row tiles and splits the start row into
-        # (row // 8, row % 8), so a copy starting inside a tile loads wrong rows (seen on the
-        # H200). The extra rows belong to the previous sequence and are never stored.
-        def start(s):
-            return lax.div(qsl_ref[s], jnp.int32(ct)) + s
+    def work_item(k):
+        """This CTA's k-th item: whether it exists, its kv head, split and tile (a dict also
+        holding the tile's first token t0, its first sequence, how many sequences have tokens
+        in it and, for "sequence" tiling, the bounds of that sequence's tokens)."""
+        c = jnp.where(lax.rem(k, jnp.int32(2)) == 0, cta, num_ctas - 1 - cta)
+        w = k * num_ctas + c
+        valid = w < num_items
+        w = jnp.minimum(w, jnp.maximum(num_items - 1, 0))
+        item = dict(valid=valid, h=lax.rem(lax.div(w, jnp.int32(num_splits)), jnp.int32(kv_heads)),
+                    split=lax.rem(w, jnp.int32(num_splits)))
+        j = lax.div(w, jnp.int32(per_tile))
+        if flat and heavy_first:   # later tiles have longer causal ranges: run them first
+            j = tiles_here - 1 - j
+        if flat:
+            # tile j is tokens [j*CT, (j+1)*CT) whatever sequences they belong to: one key loop
+            # per sequence present; whole tiles are stored (no other item writes these rows).
+            t0 = j * ct
+            total = qsl_ref[num_seqs]
+            s_first = last_at_or_before(lambda s: qsl_ref[s], t0, num_seqs - 1)
+            s_last = last_at_or_before(lambda s: qsl_ref[s], jnp.minimum(t0 + ct, total) - 1,
+                                       num_seqs - 1)
+            n_seqs = jnp.where(t0 < total, s_last - s_first + 1, 0)
+            item.update(t0=t0, s_first=s_first, seq_begin=None, seq_end=None)
+        else:
+            # tile j of the batch: its sequence (S for the padding tokens past qsl[S], a pseudo-
+            # sequence that gets zeros) and first token come from sequence_tile_map (which
+            # orders them longest first for heavy_first).
+            # NOTE: a tile starts at its sequence's first token rounded down to 8: a TMA copy
+            # into the 8-row-tiled q buffer views q as 8-row tiles and splits the start row
+            # into (row // 8, row % 8), so a copy starting inside a tile loads wrong rows (seen
+            # on the H200). The extra rows belong to the previous sequence and are not stored.
+            seq = map_ref[j]
+            is_pad = seq == num_seqs
+            n_seqs = jnp.where(is_pad, 0, 1)
+            item.update(t0=map_ref[num_tiles + j], s_first=seq, seq_begin=qsl_ref[seq],
+                        seq_end=jnp.where(is_pad, num_tokens,
+                                          qsl_ref[jnp.minimum(seq + 1, num_seqs)]))
+        item["n_seqs"] = jnp.where(valid, n_seqs, 0)
+        return item
 
-        seq = last_at_or_before(start, j, num_seqs)
-        is_pad = seq == num_seqs
-        seq_begin = qsl_ref[seq]
-        seq_end = jnp.where(is_pad, num_tokens, qsl_ref[jnp.minimum(seq + 1, num_seqs)])
-        t0 = lax.bitwise_and(seq_begin, jnp.int32(-8)) + (j - start(seq)) * ct
-        s_first = seq
-        n_seqs_here = jnp.where(is_pad | (t0 >= seq_end), 0, 1)
-
-    def seq_info(i):
+    def seq_info(item, i):
         """(sequence, first token, end token, pos offset, first and end key step) of the i-th
-        sequence with tokens in this tile; the position of token t is t + offset; with splits,
-        this CTA's share of the key steps."""
-        s = s_first + i
+        sequence with tokens in the item's tile; the position of token t is t + offset; with
+        splits, the item's share of the key steps."""
+        s = item["s_first"] + i
         q_begin = qsl_ref[s]
         q_end = qsl_ref[s + 1]
         offset = seq_lens_ref[s] - q_end
-        lo = jnp.maximum(t0, q_begin)
-        hi = jnp.minimum(t0 + ct, q_end)
+        lo = jnp.maximum(item["t0"], q_begin)
+        hi = jnp.minimum(item["t0"] + ct, q_end)
         kv_end = jnp.where(hi > lo, hi + offset, 0)
         steps = lax.div(kv_end + (block_kv - 1), jnp.int32(block_kv))
         if num_splits == 1:
             return s, q_begin, q_end, offset, jnp.int32(0), steps
         per_split = lax.div(steps + (num_splits - 1), jnp.int32(num_splits))
-        lo = jnp.minimum(split * per_split, steps)
+        lo = jnp.minimum(item["split"] * per_split, steps)
         return s, q_begin, q_end, offset, lo, jnp.minimum(lo + per_split, steps)
 
     def sync_schedule():
@@ -274,172 +352,201 @@ def _rpa_mgpu_kernel(
     @pl.when(wg < compute_wgs)
     def _compute():
         plgpu.set_max_registers(232, action="increase")
-        tq = t0 + wg * bq
         qs = q_smem.at[wg]
-        for g in range(group):
-            plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(tq, bq), h * group + g],
-                                    qs.at[pl.ds(g * bq, bq)], q_bar.at[wg])
-        plgpu.barrier_wait(q_bar.at[wg])
         scale = sm_scale * LOG2E
         rows = ROWS_PER_WG
-        acc = plgpu.layout_cast(jnp.zeros((rows, head_dim), jnp.float32), plgpu.Layout.WGMMA)
-        m_i = plgpu.layout_cast(jnp.full((rows,), -jnp.inf, jnp.float32),
-                                plgpu.Layout.WGMMA.reduce(1))
-        l_i = plgpu.layout_cast(jnp.zeros((rows,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
         if schedule_barrier:
             pl.when(wg == 1)(sync_schedule)
 
-        def key_step(jj, carry, *, base, masked, q_begin, q_end, offset):
-            acc, m_i, l_i = carry
-            slot = lax.rem(base + jj, jnp.int32(num_stages))
-            plgpu.barrier_wait(k_bar.at[slot])
+        def one_item(k, base):
+            item = work_item(k)
+            h, split, tq = item["h"], item["split"], item["t0"] + wg * bq
 
-            def qk_matmul(acc_ref):
-                plgpu.wgmma(acc_ref, qs, k_smem.at[slot].transpose((1, 0)))
-                if schedule_barrier:
-                    sync_schedule()
-                return acc_ref[...]
+            @pl.when(item["valid"])
+            def _copy_q():
+                for g in range(group):
+                    plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(tq, bq), h * group + g],
+                                            qs.at[pl.ds(g * bq, bq)], q_bar.at[wg])
+                plgpu.barrier_wait(q_bar.at[wg])
 
-            s = pl.run_scoped(qk_matmul, plgpu.ACC((rows, block_kv), jnp.float32))
-            plgpu.barrier_arrive(k_free.at[slot])
-            if masked:
-                r = plgpu.broadcasted_iota(jnp.int32, (rows, block_kv), 0,
-                                           layout=plgpu.Layout.WGMMA)
-                c = plgpu.broadcasted_iota(jnp.int32, (rows, block_kv), 1,
-                                           layout=plgpu.Layout.WGMMA)
-                tok = lax.rem(r, jnp.int32(bq)) + tq
-                vis = c + jj * block_kv <= tok + offset              # causal
-                if flat:   # rows of other sequences in the tile take no part in this loop
-                    vis = vis & (tok >= q_begin) & (tok < q_end)
-                s = jnp.where(vis, s, -jnp.inf)
-            m_new = jnp.maximum(m_i, s.max(axis=1) * scale)
-            # NOTE: a row whose keys so far are all masked keeps m = -inf; shifting it by 0
-            # keeps exp2 at exactly 0 instead of NaN.
-            m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-            alpha = jnp.exp2(m_i - m_safe)
-            p = jnp.exp2(s * scale - lax.broadcast_in_dim(m_safe, s.shape, [0]))
-            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-            l_i = l_i * alpha + p.sum(axis=1)
-            p16 = p.astype(qs.dtype)
-            if schedule_barrier:
-                acc, l_i, m_new, p16 = lax.optimization_barrier((acc, l_i, m_new, p16))
-                plgpu.barrier_arrive(sched_bar)
-            plgpu.barrier_wait(v_bar.at[slot])
-            if schedule_barrier:
-                plgpu.barrier_wait(sched_bar)
-            if interpret:
-                # NOTE: interpret mode has no rule for run_state (it would leak the wgmma
-                # effect), for storing into an accumulator, nor for a wgmma operand held in
-                # registers: P goes through shared memory and P V is added from a zeroed ACC.
-                p_smem.at[wg][...] = p16
-                plgpu.commit_smem()
+            acc = plgpu.layout_cast(jnp.zeros((rows, head_dim), jnp.float32),
+                                    plgpu.Layout.WGMMA)
+            m_i = plgpu.layout_cast(jnp.full((rows,), -jnp.inf, jnp.float32),
+                                    plgpu.Layout.WGMMA.reduce(1))
+            l_i = plgpu.layout_cast(jnp.zeros((rows,), jnp.float32),
+                                    plgpu.Layout.WGMMA.reduce(1))
 
-                def pv_scoped(acc_ref):
-                    plgpu.wgmma(acc_ref, p_smem.at[wg], v_smem.at[slot])
+            def key_step(jj, carry, *, base, masked, q_begin, q_end, offset):
+                acc, m_i, l_i = carry
+                slot = lax.rem(base + jj, jnp.int32(num_stages))
+                plgpu.barrier_wait(k_bar.at[slot])
+
+                def qk_matmul(acc_ref):
+                    plgpu.wgmma(acc_ref, qs, k_smem.at[slot].transpose((1, 0)))
+                    if schedule_barrier:
+                        sync_schedule()
                     return acc_ref[...]
 
-                acc = acc + pl.run_scoped(pv_scoped, plgpu.ACC((rows, head_dim), jnp.float32))
+                s = pl.run_scoped(qk_matmul, plgpu.ACC((rows, block_kv), jnp.float32))
+                plgpu.barrier_arrive(k_free.at[slot])
+                if masked:
+                    r = plgpu.broadcasted_iota(jnp.int32, (rows, block_kv), 0,
+                                               layout=plgpu.Layout.WGMMA)
+                    c = plgpu.broadcasted_iota(jnp.int32, (rows, block_kv), 1,
+                                               layout=plgpu.Layout.WGMMA)
+                    tok = lax.rem(r, jnp.int32(bq)) + tq
+                    vis = c + jj * block_kv <= tok + offset              # causal
+                    if flat:   # rows of other sequences in the tile take no part in this loop
+                        vis = vis & (tok >= q_begin) & (tok < q_end)
+                    s = jnp.where(vis, s, -jnp.inf)
+                m_new = jnp.maximum(m_i, s.max(axis=1) * scale)
+                # NOTE: a row whose keys so far are all masked keeps m = -inf; shifting it by 0
+                # keeps exp2 at exactly 0 instead of NaN.
+                m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+                alpha = jnp.exp2(m_i - m_safe)
+                p = jnp.exp2(s * scale - lax.broadcast_in_dim(m_safe, s.shape, [0]))
+                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                l_i = l_i * alpha + p.sum(axis=1)
+                p16 = p.astype(qs.dtype)
+                if schedule_barrier:
+                    acc, l_i, m_new, p16 = lax.optimization_barrier((acc, l_i, m_new, p16))
+                    plgpu.barrier_arrive(sched_bar)
+                plgpu.barrier_wait(v_bar.at[slot])
+                if schedule_barrier:
+                    plgpu.barrier_wait(sched_bar)
+                if interpret:
+                    # NOTE: interpret mode has no rule for run_state (it would leak the wgmma
+                    # effect), for storing into an accumulator, nor for a wgmma operand held in
+                    # registers: P goes through shared memory and P V is added from a zeroed
+                    # ACC.
+                    p_smem.at[wg][...] = p16
+                    plgpu.commit_smem()
+
+                    def pv_scoped(acc_ref):
+                        plgpu.wgmma(acc_ref, p_smem.at[wg], v_smem.at[slot])
+                        return acc_ref[...]
+
+                    acc = acc + pl.run_scoped(pv_scoped,
+                                              plgpu.ACC((rows, head_dim), jnp.float32))
+                else:
+                    def pv_matmul(acc_ref):
+                        plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+
+                    acc = pl.run_state(pv_matmul)(plgpu.ACC.init(acc))
+                plgpu.barrier_arrive(v_free.at[slot])
+                return acc, m_new, l_i
+
+            def one_sequence(i, carry):
+                base, acc, m_i, l_i = carry
+                _, q_begin, q_end, offset, lo, hi = seq_info(item, i)
+                # steps whose keys all (stored) rows of this warpgroup see need no mask
+                full = jnp.clip(lax.div(tq + offset + 1, jnp.int32(block_kv)), lo, hi)
+                if flat:   # ... and only if all its rows belong to this sequence
+                    full = jnp.where((q_begin <= tq) & (q_end >= tq + bq), full, lo)
+                # ring slot of step jj: (base + jj - lo) % num_stages, as the memory
+                # warpgroup counts
+                kw = dict(base=base - lo, q_begin=q_begin, q_end=q_end, offset=offset)
+                carry = lax.fori_loop(lo, full, functools.partial(key_step, masked=False, **kw),
+                                      (acc, m_i, l_i))
+                acc, m_i, l_i = lax.fori_loop(full, hi,
+                                              functools.partial(key_step, masked=True, **kw),
+                                              carry)
+                return base + hi - lo, acc, m_i, l_i
+
+            base, acc, m_i, l_i = lax.fori_loop(0, item["n_seqs"], one_sequence,
+                                                (base, acc, m_i, l_i))
+            empty = l_i == 0.0                            # padding rows: acc is 0, output 0
+            l_safe = jnp.where(empty, 1.0, l_i)
+            acc = acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])
+
+            def store_rows(src, dst):
+                """Only the rows of this sequence: TMA boxes have static shapes, so the n rows
+                are written as the binary digits of n (a ladder of bq, bq/2, ..., 1-row stores)
+                from an untiled buffer (row-granular slices). dst(g, first_token, size) is the
+                target."""
+                seq_begin, seq_end = item["seq_begin"], item["seq_end"]
+                first = jnp.clip(seq_begin - tq, 0, bq)
+                n = jnp.clip(jnp.minimum(tq + bq, seq_end) - jnp.maximum(tq, seq_begin), 0, bq)
+                n = jnp.where(item["valid"], n, 0)
+                for g in range(group):
+                    done = first
+                    size = bq
+                    while size >= 1:
+                        @pl.when(lax.bitwise_and(n, jnp.int32(size)) != 0)
+                        def _store(size=size, done=done, g=g):
+                            plgpu.copy_smem_to_gmem(src.at[pl.ds(g * bq + done, size)],
+                                                    dst(g, tq + done, size))
+                        done = done + lax.bitwise_and(n, jnp.int32(size))
+                        size //= 2
+
+            if num_splits > 1:
+                # this split's normalised output (f32) and log2-sum-exp2 (-inf when it saw no
+                # key), merged afterwards; the lse is broadcast over LSE_COLS columns (TMA
+                # boxes need 16+ bytes a row)
+                lse = jnp.where(empty, -jnp.inf, m_i + jnp.log(l_safe) * LOG2E)
+                os, ls = o_smem.at[wg], lse_smem.at[wg]
+                os[...] = acc
+                ls[...] = lax.broadcast_in_dim(lse, (ROWS_PER_WG, LSE_COLS), [0])
+                plgpu.commit_smem()
+                store_rows(os, lambda g, t, size: o_ref.at[split, pl.ds(t, size), h * group + g])
+                store_rows(ls, lambda g, t, size: lse_ref.at[split, pl.ds(t, size),
+                                                             h * group + g])
+            elif flat:   # whole tiles; rows past T are clipped by the TMA unit
+                qs[...] = acc.astype(qs.dtype)
+                plgpu.commit_smem()
+
+                @pl.when(item["valid"])
+                def _store():
+                    for g in range(group):
+                        plgpu.copy_smem_to_gmem(qs.at[pl.ds(g * bq, bq)],
+                                                o_ref.at[pl.ds(tq, bq), h * group + g])
             else:
-                def pv_matmul(acc_ref):
-                    plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+                os = o_smem.at[wg]
+                os[...] = acc.astype(os.dtype)
+                plgpu.commit_smem()
+                store_rows(os, lambda g, t, size: o_ref.at[pl.ds(t, size), h * group + g])
+            # the staging buffers (and q's) are rewritten by the next item
+            plgpu.wait_smem_to_gmem(0)
+            return base
 
-                acc = pl.run_state(pv_matmul)(plgpu.ACC.init(acc))
-            plgpu.barrier_arrive(v_free.at[slot])
-            return acc, m_new, l_i
-
-        def one_sequence(i, carry):
-            base, acc, m_i, l_i = carry
-            _, q_begin, q_end, offset, lo, hi = seq_info(i)
-            # steps whose keys all (stored) rows of this warpgroup see need no mask
-            full = jnp.clip(lax.div(tq + offset + 1, jnp.int32(block_kv)), lo, hi)
-            if flat:   # ... and only if all its rows belong to this sequence
-                full = jnp.where((q_begin <= tq) & (q_end >= tq + bq), full, lo)
-            # ring slot of step jj: (base + jj - lo) % num_stages, as the memory warpgroup counts
-            kw = dict(base=base - lo, q_begin=q_begin, q_end=q_end, offset=offset)
-            carry = lax.fori_loop(lo, full, functools.partial(key_step, masked=False, **kw),
-                                  (acc, m_i, l_i))
-            acc, m_i, l_i = lax.fori_loop(full, hi,
-                                          functools.partial(key_step, masked=True, **kw), carry)
-            return base + hi - lo, acc, m_i, l_i
-
-        _, acc, m_i, l_i = lax.fori_loop(0, n_seqs_here, one_sequence,
-                                         (jnp.int32(0), acc, m_i, l_i))
+        lax.fori_loop(0, rounds, one_item, jnp.int32(0))
         if schedule_barrier:
             pl.when(wg == 0)(sync_schedule)
-        empty = l_i == 0.0                            # padding rows: acc is 0, output 0
-        l_safe = jnp.where(empty, 1.0, l_i)
-        acc = acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])
-
-        def store_rows(src, dst):
-            """Only the rows of this sequence: TMA boxes have static shapes, so the n rows are
-            written as the binary digits of n (a ladder of bq, bq/2, ..., 1-row stores) from an
-            untiled buffer (row-granular slices). dst(g, first_token, size) is the target."""
-            first = jnp.clip(seq_begin - tq, 0, bq)
-            n = jnp.clip(jnp.minimum(tq + bq, seq_end) - jnp.maximum(tq, seq_begin), 0, bq)
-            for g in range(group):
-                done = first
-                size = bq
-                while size >= 1:
-                    @pl.when(lax.bitwise_and(n, jnp.int32(size)) != 0)
-                    def _store(size=size, done=done, g=g):
-                        plgpu.copy_smem_to_gmem(src.at[pl.ds(g * bq + done, size)],
-                                                dst(g, tq + done, size))
-                    done = done + lax.bitwise_and(n, jnp.int32(size))
-                    size //= 2
-
-        if num_splits > 1:
-            # this split's normalised output (f32) and log2-sum-exp2 (-inf when it saw no key),
-            # merged afterwards; the lse is broadcast over LSE_COLS columns (TMA boxes need 16+
-            # bytes a row)
-            lse = jnp.where(empty, -jnp.inf, m_i + jnp.log(l_safe) * LOG2E)
-            os, ls = o_smem.at[wg], lse_smem.at[wg]
-            os[...] = acc
-            ls[...] = lax.broadcast_in_dim(lse, (ROWS_PER_WG, LSE_COLS), [0])
-            plgpu.commit_smem()
-            store_rows(os, lambda g, t, size: o_ref.at[split, pl.ds(t, size), h * group + g])
-            store_rows(ls, lambda g, t, size: lse_ref.at[split, pl.ds(t, size), h * group + g])
-        elif flat:   # whole tiles; rows past T are clipped by the TMA unit
-            qs[...] = acc.astype(qs.dtype)
-            plgpu.commit_smem()
-            for g in range(group):
-                plgpu.copy_smem_to_gmem(qs.at[pl.ds(g * bq, bq)],
-                                        o_ref.at[pl.ds(tq, bq), h * group + g])
-        else:
-            os = o_smem.at[wg]
-            os[...] = acc.astype(os.dtype)
-            plgpu.commit_smem()
-            store_rows(os, lambda g, t, size: o_ref.at[pl.ds(t, size), h * group + g])
-        plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == compute_wgs)
     def _memory():
         plgpu.set_max_registers(40, action="decrease")
-        col = pl.ds(h * head_dim, head_dim)
 
-        def one_sequence(i, base):
-            s, _, _, _, lo, hi = seq_info(i)
-            table = s * blocks_per_seq
+        def one_item(k, base):
+            item = work_item(k)
+            col = pl.ds(item["h"] * head_dim, head_dim)
 
-            @pl.loop(lo, hi)
-            def _fill(jj):
-                n = base + jj - lo
-                slot = lax.rem(n, jnp.int32(num_stages))
-                pages_here = [bt_ref[table + jnp.minimum(jj * pages + c, blocks_per_seq - 1)]
-                              for c in range(pages)]
-                for cache, smem, ready, free in ((k_ref, k_smem, k_bar, k_free),
-                                                 (v_ref, v_smem, v_bar, v_free)):
-                    @pl.when(n >= num_stages)
-                    def _wait_free():
-                        plgpu.barrier_wait(free.at[slot])
+            def one_sequence(i, base):
+                s, _, _, _, lo, hi = seq_info(item, i)
+                table = s * blocks_per_seq
 
-                    for c, page in enumerate(pages_here):
-                        plgpu.copy_gmem_to_smem(
-                            cache.at[pl.ds(page * block_size, block_size), col],
-                            smem.at[slot, pl.ds(c * block_size, block_size)], ready.at[slot])
+                @pl.loop(lo, hi)
+                def _fill(jj):
+                    n = base + jj - lo
+                    slot = lax.rem(n, jnp.int32(num_stages))
+                    pages_here = [bt_ref[table + jnp.minimum(jj * pages + c, blocks_per_seq - 1)]
+                                  for c in range(pages)]
+                    for cache, smem, ready, free in ((k_ref, k_smem, k_bar, k_free),
+                                                     (v_ref, v_smem, v_bar, v_free)):
+                        @pl.when(n >= num_stages)
+                        def _wait_free():
+                            plgpu.barrier_wait(free.at[slot])
 
-            return base + hi - lo
+                        for c, page in enumerate(pages_here):
+                            plgpu.copy_gmem_to_smem(
+                                cache.at[pl.ds(page * block_size, block_size), col],
+                                smem.at[slot, pl.ds(c * block_size, block_size)], ready.at[slot])
 
-        total_steps = lax.fori_loop(0, n_seqs_here, one_sequence, jnp.int32(0))
+                return base + hi - lo
+
+            return lax.fori_loop(0, item["n_seqs"], one_sequence, base)
+
+        total_steps = lax.fori_loop(0, rounds, one_item, jnp.int32(0))
 
         # NOTE: observe the last releases too: every phase of a barrier is then waited on by
         # the thread that waits on it at all (interpret mode checks this when the CTA ends).
@@ -448,6 +555,8 @@ def _rpa_mgpu_kernel(
             slot = lax.rem(n, jnp.int32(num_stages))
             plgpu.barrier_wait(k_free.at[slot])
             plgpu.barrier_wait(v_free.at[slot])
+
+
 
 
 # ---------------------------------------------------------------------------------------------
@@ -468,13 +577,14 @@ TARGET_CTAS = 264
 
 @functools.partial(jax.jit, static_argnames=(
     "sm_scale", "sliding_window", "soft_cap", "tiling", "block_kv", "num_stages",
-    "schedule_barrier", "heavy_first", "interpret", "compute_wgs", "num_splits"))
+    "schedule_barrier", "heavy_first", "interpret", "compute_wgs", "num_splits", "num_ctas"))
 def ragged_paged_attention_mgpu(q_TNE, k_cache_NPKE, v_cache_NPKE, query_start_loc_S1,
                                 seq_lens_S, block_tables_SB, *, sm_scale: float,
                                 sliding_window: int | None = None, soft_cap: float | None = None,
                                 tiling: str = "sequence", block_kv: int = 128, num_stages: int = 2,
                                 compute_wgs: int = COMPUTE_WGS, num_splits: int | None = 1,
                                 schedule_barrier: bool = True, heavy_first: bool = True,
+                                num_ctas: int | None = None,
                                 interpret: bool | None = None) -> jax.Array:
     """Causal attention of a ragged batch over a paged KV cache -> o f[T, N, E].
 
@@ -489,7 +599,8 @@ def ragged_paged_attention_mgpu(q_TNE, k_cache_NPKE, v_cache_NPKE, query_start_l
     num_splits: CTAs per query tile along the key range ("sequence" tiling; partial outputs
     merged by their log-sum-exp afterwards; None = default_num_splits);
     schedule_barrier: make two compute warpgroups alternate (FA3 ping-pong); heavy_first: launch
-    the tiles with the longest causal range first; interpret: run in Mosaic GPU interpret mode
+    the tiles with the longest causal range first; num_ctas: CTAs of the persistent grid (default:
+    one per SM, fewer if there are fewer work items); interpret: run in Mosaic GPU interpret mode
     (default: when no GPU is present).
     """
     _validate(q_TNE, k_cache_NPKE, v_cache_NPKE, query_start_loc_S1, seq_lens_S, block_tables_SB)
@@ -508,7 +619,8 @@ def ragged_paged_attention_mgpu(q_TNE, k_cache_NPKE, v_cache_NPKE, query_start_l
     # NOTE: q is copied into 8-row tiled shared memory, and Mosaic GPU then wants T to be a
     # multiple of 8 (or below 8): pad odd token counts (a copy of q; engine buckets avoid it).
     t_pad = t if t % 8 == 0 or t < 8 else t + (-t) % 8
-    # flat: tiles of the token axis; sequence: see start(s) in the kernel
+    # flat: tiles of the token axis; sequence: at most qsl[s+1] // CT - qsl[s] // CT + 1 tiles
+    # per sequence (sequence_tile_map)
     num_tiles = pl.cdiv(t_pad, ct) if tiling == "flat" else t_pad // ct + s + 1
     if t_pad != t:
         q_TNE = jnp.pad(q_TNE, ((0, t_pad - t), (0, 0), (0, 0)))
@@ -522,13 +634,14 @@ def ragged_paged_attention_mgpu(q_TNE, k_cache_NPKE, v_cache_NPKE, query_start_l
         block_size=p, group=g, head_dim=e, block_kv=block_kv, num_stages=num_stages,
         num_tiles=num_tiles, sm_scale=float(sm_scale), schedule_barrier=schedule_barrier,
         heavy_first=heavy_first, interpret=interpret, compute_wgs=compute_wgs,
-        num_splits=num_splits)
+        num_splits=num_splits, kv_heads=kh,
+        num_ctas=num_ctas or min(NUM_SMS, num_tiles * kh * num_splits))
     if split:
         out_type = (jax.ShapeDtypeStruct((num_splits, t_pad, n, e), jnp.float32),
                     jax.ShapeDtypeStruct((num_splits, t_pad, n, LSE_COLS), jnp.float32))
     else:
         out_type = jax.ShapeDtypeStruct((t_pad, n, e), dtype)
-        kernel = _without_lse(kernel, lse_index=7)   # six inputs, then o
+        kernel = _without_lse(kernel, lse_index=8)   # seven inputs, then o
     rows = (compute_wgs, ROWS_PER_WG)
     call = plgpu.kernel(
         kernel,
@@ -550,10 +663,9 @@ def ragged_paged_attention_mgpu(q_TNE, k_cache_NPKE, v_cache_NPKE, query_start_l
             # P staging for interpret mode only (see the NOTE in the kernel)
             plgpu.SMEM((*rows, block_kv), dtype, transforms=tiled) if interpret else None,
         ),
-        # NOTE: no third grid axis without splits: the prefill configuration keeps the launch
-        # it was tuned with
-        grid=(kh, num_tiles, num_splits) if split else (kh, num_tiles),
-        grid_names=("kvh", "tile", "split") if split else ("kvh", "tile"),
+        # persistent: each CTA loops over work items (see the kernel)
+        grid=(num_ctas or min(NUM_SMS, num_tiles * kh * num_splits),),
+        grid_names=("cta",),
         num_threads=compute_wgs + 1,
         thread_name="wg",
         # NOTE: "sequence" needs Lane semantics: under Warpgroup semantics the layout inference
@@ -567,8 +679,13 @@ def ragged_paged_attention_mgpu(q_TNE, k_cache_NPKE, v_cache_NPKE, query_start_l
         kernel_name=f"ragged_paged_attention_mgpu_{tiling}_bkv{block_kv}_w{num_stages}"
                     f"_c{compute_wgs}_x{num_splits}",
     )
+    if tiling == "sequence":
+        tile_map = sequence_tile_map(query_start_loc_S1, seq_lens_S, t_pad, num_tiles, ct,
+                                     longest_first_block_kv=block_kv if heavy_first else None)
+    else:   # not read
+        tile_map = jnp.zeros(64, jnp.int32)
     outs = call(_own_buffer(query_start_loc_S1), _own_buffer(seq_lens_S),
-                _own_buffer(block_tables_SB.reshape(s * b)), q_TNE,
+                _own_buffer(block_tables_SB.reshape(s * b)), tile_map, q_TNE,
                 k_cache_NPKE.reshape(nb * p, kh * e), v_cache_NPKE.reshape(nb * p, kh * e))
     if split:
         # NOTE: interpreted, the merge is plain XLA: the Triton merge kernel's interpreter

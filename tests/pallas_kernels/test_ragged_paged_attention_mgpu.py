@@ -166,3 +166,66 @@ def test_decode_configuration_lowers_for_cuda():
     assert exported.out_avals[0].shape == args[0].shape
     from jaxserve.pallas_kernels.cuda_lowering import triton_kernel_names
     assert len(triton_kernel_names(exported)) == 1   # the splits are merged by the Triton kernel
+
+
+def expected_tiles(qsl, num_tokens, ct):
+    """Brute force: every sequence's tiles (and the padding tokens'), ct tokens each from its
+    first token rounded down to 8."""
+    bounds = list(zip(qsl, list(qsl[1:]) + [num_tokens]))
+    return [(s, (b & -8) + k * ct) for s, (b, e) in enumerate(bounds) if e > b
+            for k in range(-(-(e - (b & -8)) // ct))]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_tile_map_lists_every_tile_in_order_within_the_grid_bound(seed):
+    rng = np.random.default_rng(seed)
+    ct = 8 * int(rng.choice([1, 2, 4, 8]))
+    for _ in range(8):
+        s = int(rng.integers(1, 40))
+        # lengths around multiples of the tile and of 8 (the alignment edge cases), and zeros
+        qlens = rng.choice([0, 1, 7, ct - 1, ct, ct + 1, 2 * ct + 7, 3], size=s)
+        t = int(qlens.sum()) + int(rng.integers(0, 2 * ct))
+        qsl = np.concatenate([[0], np.cumsum(qlens)]).astype(np.int32)
+        num_tiles = t // ct + s + 1                      # the kernel's grid bound
+        want = expected_tiles([int(x) for x in qsl], t, ct)
+        assert len(want) <= num_tiles
+        seq_lens = qlens + rng.integers(0, 50, size=s)
+        args = (jnp.asarray(qsl), jnp.asarray(seq_lens, jnp.int32), t, num_tiles, ct)
+        got = np.asarray(mg.sequence_tile_map(*args))
+        seq, t0, count = got[:num_tiles], got[num_tiles:-1], got[-1]
+        assert count == len(want)
+        assert list(zip(seq[:count].tolist(), t0[:count].tolist())) == want
+        np.testing.assert_array_equal(seq[count:], -1)
+        # longest first: the same tiles, by key steps of their causal range, most first
+        got = np.asarray(mg.sequence_tile_map(*args, longest_first_block_kv=16))
+        seq, t0, count = got[:num_tiles], got[num_tiles:-1], got[-1]
+        pairs = list(zip(seq[:count].tolist(), t0[:count].tolist()))
+        assert sorted(pairs) == sorted(want)
+        np.testing.assert_array_equal(seq[count:], -1)
+
+        def steps(s_t0):
+            s_, t0_ = s_t0
+            if s_ == len(qlens):
+                return 0                      # the padding tokens' tiles: no keys
+            end = qsl[s_ + 1]
+            return -(-(min(t0_ + ct, end) + seq_lens[s_] - end) // 16)
+        assert [steps(x) for x in pairs] == sorted(map(steps, pairs), reverse=True)
+
+
+def test_engine_bucket_with_mostly_empty_sequence_slots():
+    # the engine's prefill buckets: a few real sequences, then many padding slots
+    args = batch([21, 1, 6] + [0] * 13, [40, 9, 6] + [0] * 13, seed=3, pad_tokens=11)
+    check(args, block_kv=64)
+
+
+@pytest.mark.parametrize("tiling", TILINGS)
+def test_few_ctas_each_loop_over_several_work_items(tiling):
+    # 3 CTAs for 2 kv heads x ~10 tiles: several rounds, alternate rounds taken in reverse
+    # order, the K/V ring and the barriers carried from one item to the next
+    args = batch([21, 1, 6, 0, 30], [40, 9, 6, 0, 30], seed=4, pad_tokens=5)
+    check(args, block_kv=64, num_ctas=3, tiling=tiling)
+
+
+def test_few_ctas_with_key_range_splits():
+    args = batch([1, 1, 12, 1], [70, 33, 40, 9], seed=5)
+    check(args, block_kv=64, num_ctas=5, num_splits=3, compute_wgs=1, num_stages=4)
