@@ -494,13 +494,38 @@ def bench_linear(rng, quick: bool):
 # ---------------------------------------------------------------------------------------------
 
 
+def bench_prefill_buckets(rng):
+    """Prefill-heavy steps as the engine runs them: T tokens in a bucket of 256 sequence slots,
+    most of them empty (max_num_seqs = 256 on a GPU); ours (the Mosaic GPU kernel for these)
+    beside the Triton kernel. Times include the small XLA ops before each kernel."""
+    from jaxserve.pallas_kernels import ragged_paged_attention as rpa
+    scale = E ** -0.5
+    cases = [("2K prompt", 2048, [2048], [2048]), ("1K prompt", 1024, [1024], [1024]),
+             ("8 x 256-token chunks at 2K", 2048, [256] * 8, [2048] * 8),
+             ("32 decodes + 1K chunk at 2K", 2048, [1] * 32 + [1024], [2048] * 33)]
+    for name, t, qlens, ctxs in cases:
+        pad = 256 - len(qlens)
+        c = paged_case(rng, qlens + [0] * pad, ctxs + [0] * pad)
+        c["q"] = jax.random.normal(jax.random.key(1), (t, N, E), jnp.bfloat16)  # padding tokens
+        args = (c["q"], c["k"], c["v"], c["qsl"], c["seq_lens"], c["bt"])
+        flops = sum(4 * N * E * sum(range(cx - ql + 1, cx + 1)) for ql, cx in zip(qlens, ctxs))
+        ref = jax.jit(functools.partial(rpa.xla_ragged_paged_attention, sm_scale=scale))(*args)
+        for impl in ("pallas", "triton"):
+            f = jax.jit(functools.partial(rpa.ragged_paged_attention, sm_scale=scale, impl=impl))
+            out = f(*args)
+            record("bucket", f"T={t} S=256 {name}", "pallas (default)" if impl == "pallas"
+                   else impl, gpu_time_ms(f, *args), flops=flops, err=rel_err(out, ref))
+        del c
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer shapes")
     ap.add_argument("--sweep", action="store_true", help="also sweep tuning options")
     ap.add_argument("--only", default="attention,rmsnorm,rope,topk,moe",
                     help="comma list of: attention, decode (the decode cases only: ours "
-                         "and cuDNN), rmsnorm, rope, topk, moe, router, linear")
+                         "and cuDNN), buckets (prefill-heavy engine steps), rmsnorm, rope, "
+                         "topk, moe, router, linear")
     ap.add_argument("--moe-auto-only", action="store_true",
                     help="MoE: no Mosaic tile shapes beside lax.ragged_dot, auto and pallas")
     ap.add_argument("--json", default=None, help="write all rows to this JSON file")
@@ -510,6 +535,7 @@ def main():
     groups = args.only.split(",")
     benches = dict(attention=lambda: bench_attention(rng, args.quick, args.sweep),
                    decode=lambda: bench_attention(rng, args.quick, args.sweep, decode_only=True),
+                   buckets=lambda: bench_prefill_buckets(rng),
                    rmsnorm=lambda: bench_rmsnorm(rng, args.quick, args.sweep),
                    rope=lambda: bench_rope(rng, args.quick),
                    router=lambda: bench_router(rng, args.quick, args.sweep),
