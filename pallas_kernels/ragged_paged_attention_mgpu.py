@@ -78,11 +78,11 @@ Measured on one H200 (2026-11-29, jax 0.11.2; bf16, N=32, K=8, E=128, P=16, bloc
     so on `chunked` cuDNN ran without a mask and did 14% more work than needed.
 The persistent grid and the tile map (2026-11-30; `python3 benchmarks/kernels.py --only
 attention --quick` and BENCHMARKS.md's engine-bucket cases; kernel time, old -> new): prefill
-88.7 -> 84.2 us ("flat" 83.7 -> 76.0); in a 256-slot bucket, a 2,048-token prompt 165.6 ->
-84.3, a 1,024-token one 106.3 -> 28.4, eight 256-token chunks 208.2 -> 136.1, 32 decodes + a
-1,024-token chunk 203.6 -> 146.4. The XLA ops before the kernel (the map, the padded copies of
-the small inputs) take 7 us at S = 1 and 15 us at S = 256 when the kernel is called alone
-(prefill with them: 91.6 us, cuDNN 83.9 beside it); they depend only on the step's
+88.7 -> 84.2 us ("flat" 83.5 -> 76.0); in a 256-slot bucket, a 2,048-token prompt 165.1 ->
+84.3, a 1,024-token one 106.5 -> 28.4, eight 256-token chunks 208.2 -> 136.1, 32 decodes + a
+1,024-token chunk 203.8 -> 146.4. The XLA ops before the kernel (the map with its sort, the
+padded copies of the small inputs) take 9 us at S = 1 and 15 us at S = 256 when the kernel is
+called alone (prefill with them: 91.6 us, cuDNN 83.9 beside it); they depend only on the step's
 query_start_loc and seq_lens, so the engine's step computes them once for all layers (CSE).
 Decode configuration (DECODE_CONFIG: one compute warpgroup, a 4-deep ring of 64-key steps,
 key-range splits merged by log-sum-exp; measured, not dispatched): correct on the H200 (same
@@ -90,11 +90,12 @@ errors as Triton) but slower than the Triton kernel on five decode cases and lev
 sixth in session 4, e.g. 30.1 vs 15.0 us for one 8K-token sequence, 58.0 vs 41.2 us at 32 x 1K,
 975.9 vs 972.6 us at 128 x 8K (cuDNN: 10.9, 33.5, 954.7); slower on all eight cases since the
 Triton kernel's session-5 defaults (27.7 vs 11.2, 60.0 vs 37.1, 1001.0 vs 989.1 us). Each
-CTA needs ~180 KB of shared memory, so one runs per SM and its fixed start and end (q copy,
-block-table reads, first K/V copies, output store) are never hidden;
-more splits made it slower (26 -> 66 us from 16 to 128 splits at 8K). The persistent grid
-helps it (21.4 / 56.7 / 147.0 us at 1 x 8K, 32 x 1K, 128 x 1K, from 27.7 / 60.0 / 159.1) but
-not past the Triton kernel (10.8 / 36.6 / 127.6).
+CTA needs ~180 KB of shared memory, so one runs per SM; with one CTA per work item, its fixed
+start and end (q copy, block-table reads, first K/V copies, output store) were never hidden,
+and more splits made it slower (26 -> 66 us from 16 to 128 splits at 8K). The persistent grid
+(the memory warpgroup fetches the next item's keys during the last one's math) helps it a
+little: 22.8 / 59.8 / 153.5 us at 1 x 8K, 32 x 1K, 128 x 1K against 28.0 / 62.7 / 157.1 one CTA
+per item, same session; the Triton kernel: 10.8 / 37.0 / 130.1.
 `python benchmarks/kernels.py --only decode --sweep`; BENCHMARKS.md, "Kernels".
 Tried and slower: block_kv=64 with 3 or 4 stages (102 vs 88 us; 3 stages of 128 keys do not
 fit in shared memory next to "sequence"'s staging buffer, and gave nothing on "flat"), no
@@ -201,8 +202,9 @@ def sequence_tile_map(query_start_loc_S1, seq_lens_S, num_tokens: int, num_tiles
     multiple of 8 (see the tests). With longest_first_block_kv, the tiles are ordered by their
     number of key steps of that size, most first (stable): the persistent kernel hands them out
     in that order, so the longest start first and the rest even out the CTAs' loads (longest
-    processing time first; in sequence order, four 512-token chunks at 2K took 141.4 us
-    instead of 136.4)."""
+    processing time first). Measured: four 512-token chunks at 2K took 136.4 us against 141.4 in
+    reverse sequence order, but in two calls on machines 3 % apart; the other cases moved
+    within 1.5 %; the sort adds ~5 us of XLA ops to a lone call (once per step in the engine)."""
     qsl = query_start_loc_S1.astype(jnp.int32)
     begin_S1 = qsl                                              # S real + the padding one
     end_S1 = jnp.append(qsl[1:], jnp.int32(num_tokens))
@@ -231,6 +233,14 @@ def sequence_tile_map(query_start_loc_S1, seq_lens_S, num_tokens: int, num_tiles
         seq_J, t0_J, idle = seq_J[order], t0_J[order], idle[order]
     return jnp.concatenate([jnp.where(idle, -1, seq_J), jnp.where(idle, 0, t0_J),
                             ends_S1[-1:]])
+
+
+def _num_sms() -> int:
+    """SMs of the GPU: one CTA of the persistent grid each (one fits an SM: ~180-190 KB of shared
+    memory); the H200's 132 when there is no GPU (interpret mode, lowering for export)."""
+    device = jax.devices()[0]
+    return int(getattr(device, "core_count", 0) or NUM_SMS) if device.platform == "gpu" \
+        else NUM_SMS
 
 
 def supports(q_TNE, k_cache, *, sliding_window=None, soft_cap=None,
@@ -566,8 +576,8 @@ def _rpa_mgpu_kernel(
 
 def default_num_splits(num_tokens: int, num_seqs: int, kv_heads: int, context: int,
                        block_kv: int) -> int:
-    """Key-range splits for decode-heavy batches: enough CTAs for TARGET_CTAS (a few per SM of
-    an H200's 132), keeping at least two key steps per split."""
+    """Key-range splits for decode-heavy batches: about TARGET_CTAS work items (two per SM of
+    an H200), keeping at least two key steps per split."""
     return splits_to_fill(num_tokens, num_seqs, kv_heads, context, programs=TARGET_CTAS,
                           min_keys=2 * block_kv)
 
@@ -585,23 +595,25 @@ def ragged_paged_attention_mgpu(q_TNE, k_cache_NPKE, v_cache_NPKE, query_start_l
                                 compute_wgs: int = COMPUTE_WGS, num_splits: int | None = 1,
                                 schedule_barrier: bool = True, heavy_first: bool = True,
                                 num_ctas: int | None = None,
-                                interpret: bool | None = None) -> jax.Array:
+                                interpret: bool | plgpu.InterpretGPUParams | None = None
+                                ) -> jax.Array:
     """Causal attention of a ragged batch over a paged KV cache -> o f[T, N, E].
 
     The defaults are the prefill configuration (PREFILL_CONFIG); DECODE_CONFIG is the one for
     decode-heavy batches.
-    tiling: "sequence" (each CTA serves one sequence: any batch, decode rows included) or
-    "flat" (CTAs tile the token axis whatever the sequences: faster on prefill-only batches, but
+    tiling: "sequence" (each tile serves one sequence: any batch, decode rows included) or
+    "flat" (tiles of the token axis whatever the sequences: faster on prefill-only batches, but
     a tile runs one key loop per sequence in it, so decode rows serialise: never use it for
     batches with decode rows).
     block_kv: keys per pipeline step (multiple of 64 and of P); num_stages: depth of the K/V
     ring in shared memory; compute_wgs: compute warpgroups per CTA (64 query rows each);
-    num_splits: CTAs per query tile along the key range ("sequence" tiling; partial outputs
-    merged by their log-sum-exp afterwards; None = default_num_splits);
-    schedule_barrier: make two compute warpgroups alternate (FA3 ping-pong); heavy_first: launch
-    the tiles with the longest causal range first; num_ctas: CTAs of the persistent grid (default:
-    one per SM, fewer if there are fewer work items); interpret: run in Mosaic GPU interpret mode
-    (default: when no GPU is present).
+    num_splits: work items per query tile and kv head along the key range ("sequence" tiling;
+    partial outputs merged by their log-sum-exp afterwards; None = default_num_splits);
+    schedule_barrier: make two compute warpgroups alternate (FA3 ping-pong); heavy_first: hand
+    out the tiles with the longest causal range first; num_ctas: CTAs of the persistent grid
+    (default: one per SM of the GPU, fewer if there are fewer work items); interpret: run in
+    Mosaic GPU interpret mode (default: when no GPU is present; an InterpretGPUParams sets its
+    options, e.g. race detection in the tests).
     """
     _validate(q_TNE, k_cache_NPKE, v_cache_NPKE, query_start_loc_S1, seq_lens_S, block_tables_SB)
     if tiling not in ("sequence", "flat"):
@@ -626,6 +638,10 @@ def ragged_paged_attention_mgpu(q_TNE, k_cache_NPKE, v_cache_NPKE, query_start_l
         q_TNE = jnp.pad(q_TNE, ((0, t_pad - t), (0, 0), (0, 0)))
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
+    interpret_params = (interpret if isinstance(interpret, plgpu.InterpretGPUParams)
+                        else plgpu.InterpretGPUParams() if interpret else None)
+    interpret = interpret_params is not None
+    num_ctas = num_ctas or min(_num_sms(), num_tiles * kh * num_splits)
     dtype = q_TNE.dtype
     split = num_splits > 1
     tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
@@ -634,8 +650,7 @@ def ragged_paged_attention_mgpu(q_TNE, k_cache_NPKE, v_cache_NPKE, query_start_l
         block_size=p, group=g, head_dim=e, block_kv=block_kv, num_stages=num_stages,
         num_tiles=num_tiles, sm_scale=float(sm_scale), schedule_barrier=schedule_barrier,
         heavy_first=heavy_first, interpret=interpret, compute_wgs=compute_wgs,
-        num_splits=num_splits, kv_heads=kh,
-        num_ctas=num_ctas or min(NUM_SMS, num_tiles * kh * num_splits))
+        num_splits=num_splits, kv_heads=kh, num_ctas=num_ctas)
     if split:
         out_type = (jax.ShapeDtypeStruct((num_splits, t_pad, n, e), jnp.float32),
                     jax.ShapeDtypeStruct((num_splits, t_pad, n, LSE_COLS), jnp.float32))
@@ -664,7 +679,7 @@ def ragged_paged_attention_mgpu(q_TNE, k_cache_NPKE, v_cache_NPKE, query_start_l
             plgpu.SMEM((*rows, block_kv), dtype, transforms=tiled) if interpret else None,
         ),
         # persistent: each CTA loops over work items (see the kernel)
-        grid=(num_ctas or min(NUM_SMS, num_tiles * kh * num_splits),),
+        grid=(num_ctas,),
         grid_names=("cta",),
         num_threads=compute_wgs + 1,
         thread_name="wg",
@@ -675,7 +690,7 @@ def ragged_paged_attention_mgpu(q_TNE, k_cache_NPKE, v_cache_NPKE, query_start_l
             approx_math=True,
             lowering_semantics=plgpu.LoweringSemantics.Lane if tiling == "sequence"
             else plgpu.LoweringSemantics.Warpgroup),
-        interpret=plgpu.InterpretGPUParams() if interpret else None,
+        interpret=interpret_params,
         kernel_name=f"ragged_paged_attention_mgpu_{tiling}_bkv{block_kv}_w{num_stages}"
                     f"_c{compute_wgs}_x{num_splits}",
     )

@@ -23,8 +23,8 @@ SCALE = 0.17
 
 def check(args, **kw):
     ref = np.asarray(ref_ragged_paged_attention(*args, sm_scale=SCALE), np.float32)
-    out = np.asarray(mg.ragged_paged_attention_mgpu(*args, sm_scale=SCALE, interpret=True, **kw),
-                     np.float32)
+    kw.setdefault("interpret", True)
+    out = np.asarray(mg.ragged_paged_attention_mgpu(*args, sm_scale=SCALE, **kw), np.float32)
     real = int(args[3][-1])
     assert np.isfinite(out).all(), "some output element is not finite"
     err = np.linalg.norm(out[:real] - ref[:real]) / np.linalg.norm(ref[:real])
@@ -218,12 +218,29 @@ def test_engine_bucket_with_mostly_empty_sequence_slots():
     check(args, block_kv=64)
 
 
+def race_checked():
+    """Interpret-mode options that record shared-memory races (a TMA store still reading a
+    buffer that the next work item writes, ...); the interpreter otherwise does TMA at once."""
+    from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+    return plgpu.InterpretGPUParams(detect_races=True), interpret_pallas_call.get_races
+
+
 @pytest.mark.parametrize("tiling", TILINGS)
 def test_few_ctas_each_loop_over_several_work_items(tiling):
     # 3 CTAs for 2 kv heads x ~10 tiles: several rounds, alternate rounds taken in reverse
-    # order, the K/V ring and the barriers carried from one item to the next
+    # order, the K/V ring, the barriers and the staging buffers reused from item to item
     args = batch([21, 1, 6, 0, 30], [40, 9, 6, 0, 30], seed=4, pad_tokens=5)
-    check(args, block_kv=64, num_ctas=3, tiling=tiling)
+    params, races = race_checked()
+    check(args, block_kv=64, num_ctas=3, tiling=tiling, interpret=params)
+    assert not races().races_found
+
+
+@pytest.mark.parametrize("tiling", TILINGS)
+def test_ctas_without_a_work_item_store_nothing(tiling):
+    # 2 tiles x 2 kv heads = 4 items for 5 CTAs: the last one's item index is past the end (it
+    # reads a clamped, real item's tile and must not write it: on the GPU that write races)
+    check(batch([40], [40], pad_tokens=0), block_kv=64, num_ctas=5, tiling=tiling)
 
 
 def test_few_ctas_with_key_range_splits():
