@@ -239,8 +239,8 @@ def _num_sms() -> int:
     """SMs of the GPU: one CTA of the persistent grid each (one fits an SM: ~180-190 KB of shared
     memory); the H200's 132 when there is no GPU (interpret mode, lowering for export)."""
     device = jax.devices()[0]
-    return int(getattr(device, "core_count", 0) or NUM_SMS) if device.platform == "gpu" \
-        else NUM_SMS
+    sms = int(getattr(device, "core_count", 0) or 0) if device.platform == "gpu" else 0
+    return sms if 0 < sms <= 1024 else NUM_SMS   # NOTE: the guard: not checked on a GPU yet
 
 
 def supports(q_TNE, k_cache, *, sliding_window=None, soft_cap=None,
