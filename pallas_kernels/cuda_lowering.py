@@ -16,10 +16,12 @@ import contextlib
 import jax
 from jax._src.mesh import AbstractDevice  # NOTE: no public alias for it in jax 0.11.2
 
+from jaxserve.pallas_kernels.dispatch import NUM_SMS
+
 TRITON_CUSTOM_CALL = "__gpu$xla.gpu.triton"
 
 
-def export_for_cuda(fn, *args, device_kind: str = "NVIDIA H200", num_cores: int = 132):
+def export_for_cuda(fn, *args, device_kind: str = "NVIDIA H200", num_cores: int = NUM_SMS):
     """jax.export the jitted `fn` at `args` (ShapeDtypeStructs) for platform "cuda"."""
     device = AbstractDevice(device_kind=device_kind, num_cores=num_cores, platform="cuda")
     mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)

@@ -1,10 +1,13 @@
-"""What every public kernel wrapper shares: choosing the implementation (the `impl=` argument)
-and the block spec of an operand every program sees whole."""
+"""What every public kernel wrapper shares: choosing the implementation (the `impl=` argument),
+the block spec of an operand every program sees whole, and the GPU the tiling rules were
+measured on."""
 
 from __future__ import annotations
 
 import jax
 from jax.experimental import pallas as pl
+
+NUM_SMS = 132   # SMs of an H200: the grid sizes and split rules of the kernels aim at it
 
 
 def resolve_impl(impl: str, allowed: tuple[str, ...] = ("pallas", "xla")) -> tuple[str, bool]:

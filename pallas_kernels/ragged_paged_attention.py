@@ -24,9 +24,9 @@ X context splits (flash-decoding: partial softmaxes merged afterwards).
 How the GPU kernel (Triton lowering of pallas_call) is laid out: the grid is (J, K, X);
 program j finds its (sequence, query tile) from query_start_loc itself (every sequence's tile
 count and their prefix sum, from two vector loads; a binary search past VECTOR_SEARCH_MAX_SEQS
-sequences), so no XLA kernel runs before the launch, which matters for small decode steps. A program loads its R
-query rows (BQ tokens x the G heads that share kv head k: GQA costs one read of K/V per group,
-not per head), walks its causal key range BK keys at a time, gathering the slots through the
+sequences), so no XLA kernel runs before the launch, which matters for small decode steps.
+A program loads its R query rows (BQ tokens x the G heads that share kv head k: GQA costs
+one read of K/V per group, not per head), walks its causal key range BK keys at a time, gathering the slots through the
 block table, and keeps an online softmax (exp2; masks only on the causal and window edge
 steps). With X > 1 each program covers 1/X of the key range and writes a normalised partial
 output and its log-sum-exp; a second small kernel (split_merge.py) merges them.
@@ -43,7 +43,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jaxserve.pallas_kernels.dispatch import resolve_impl, whole
+from jaxserve.pallas_kernels.dispatch import NUM_SMS, resolve_impl, whole
 from jaxserve.pallas_kernels.split_merge import merge_splits
 
 # ---------------------------------------------------------------------------------------------
@@ -340,9 +340,6 @@ def splits_to_fill(num_tokens: int, num_seqs: int, kv_heads: int, context: int, 
         return 1
     work = max(min(num_tokens, num_seqs) * kv_heads, 1)
     return int(max(1, min(pl.cdiv(programs, work), context // min_keys, 32)))
-
-
-NUM_SMS = 132   # H200
 
 
 def default_num_splits(num_tokens: int, num_seqs: int, kv_heads: int, block_q: int,

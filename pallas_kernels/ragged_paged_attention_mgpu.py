@@ -113,7 +113,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxserve.pallas_kernels.ragged_paged_attention import (  # noqa: F401 (re-exported)
-    LOG2E, NUM_SMS, _validate, _without_lse, ref_ragged_paged_attention, splits_to_fill)
+    LOG2E, _validate, _without_lse, ref_ragged_paged_attention, splits_to_fill)
+from jaxserve.pallas_kernels.dispatch import NUM_SMS
 from jaxserve.pallas_kernels.split_merge import merge_splits
 
 ROWS_PER_WG = 64          # wgmma M per warpgroup
@@ -582,7 +583,7 @@ def default_num_splits(num_tokens: int, num_seqs: int, kv_heads: int, context: i
                           min_keys=2 * block_kv)
 
 
-TARGET_CTAS = 264
+TARGET_CTAS = 2 * NUM_SMS
 
 
 @functools.partial(jax.jit, static_argnames=(
