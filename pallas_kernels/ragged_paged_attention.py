@@ -334,8 +334,7 @@ def splits_to_fill(num_tokens: int, num_seqs: int, kv_heads: int, context: int, 
                    programs: int, min_keys: int) -> int:
     """Key-range splits (at most 32) that bring a decode-heavy grid of one program per
     (sequence, kv head) up to about `programs`, keeping at least `min_keys` keys per split;
-    prefill-heavy batches already fill the GPU with query tiles (1). Both attention kernels
-    pick their splits with it."""
+    prefill-heavy batches already fill the GPU with query tiles (1)."""
     if prefill_heavy(num_tokens, num_seqs):
         return 1
     work = max(min(num_tokens, num_seqs) * kv_heads, 1)

@@ -33,6 +33,12 @@ Design:
     and V tiles in shared memory page by page: BKV // P TMA copies of [P, E] from the cache
     viewed as [NB*P, K*E], through the block table, all arriving on one barrier per stage;
     the compute warpgroups hand a stage back through "consumed" barriers.
+  * Nothing on a warpgroup's path waits for a small load: an item's fields (all in the tile
+    map) are loaded one item ahead (memory) or two (compute, which starts the next item's q
+    copy during the current one when q_buffers = 2), block-table entries bt_ahead key steps
+    ahead, and a stored output is waited for only until its buffer has been read. Under a full
+    memory load one such load takes ~1 us (a profile of the decode configuration), while a
+    key step's copies take about as long.
   * Per key step: wgmma S = Q K^T into registers, online softmax in exp2 units (the causal
     mask only on steps that need it), wgmma O += P V with P from registers. A two-party
     "schedule" barrier makes the two compute warpgroups alternate, so one's softmax overlaps
@@ -40,11 +46,12 @@ Design:
   * Two ways of tiling the tokens (`tiling=`):
     "sequence" (default): each tile serves one sequence, so decode rows get tiles of their own
       and run in parallel. The tiles come from a small map computed by XLA before the launch
-      (sequence_tile_map: each tile's sequence and first token, longest causal range first,
-      and their count). Before it, the grid had a CTA for each of T // CT + S + 1 possible
-      tiles, found by a binary search over query_start_loc; in the engine's buckets (S = 256
-      slots, few of them used) most were idle, and they took 77 of the 166 us of a 2,048-token
-      prompt's kernel (1K-token prompt in a 1,024-token bucket: 106 us, now 28). A tile starts
+      (sequence_tile_map: each tile's sequence, first token, its sequence's token bounds and
+      position offset, longest causal range first, and their count). Before it, the grid had
+      a CTA for each of T // CT + S + 1 possible tiles, found by a binary search over
+      query_start_loc; in the engine's buckets (S = 256 slots, few of them used) most were
+      idle, and they took 77 of the 166 us of a 2,048-token prompt's kernel (1K-token prompt
+      in a 1,024-token bucket: 106 us, now 28). A tile starts
       at its sequence's first token rounded down to 8 (TMA copies into the 8-row-tiled q
       buffer must start on a row that is a multiple of 8; an unaligned start came out wrong on
       the H200), and only the rows of the sequence are stored: from an untiled staging buffer,
@@ -97,6 +104,17 @@ and more splits made it slower (26 -> 66 us from 16 to 128 splits at 8K). The pe
 little: 22.8 / 59.8 / 153.5 us at 1 x 8K, 32 x 1K, 128 x 1K against 28.0 / 62.7 / 157.1 one CTA
 per item, same session; the Triton kernel: 10.8 / 37.0 / 130.1.
 `python benchmarks/kernels.py --only decode --sweep`; BENCHMARKS.md, "Kernels".
+Seventh session (2026-11-30, kernel time alone; the old kernel beside it in the same process):
+the carried item fields, read-only store waits and the richer map took the prefill cases 2.5-3.5%
+down (2K prefill 83.3-84.0 -> 80.8 us, four 512-token chunks 127.3-127.6 -> 123.9-124.5, the
+bucket cases 84.3-84.8 -> 81.5-81.7, 28.4 -> 27.0, 135.3-135.6 -> 131.9-132.1, 144.6-146.2 ->
+141.3-141.5), while the map's extra fields add
+~2.5 us of XLA ops at S = 256 (once per step in the engine). The decode configuration with a
+second q buffer, bt_ahead = 2 and splits that fit one round: 22.1 vs 22.7 us (Triton) at
+16 x 1K, 36.9 vs 36.6 at 32 x 1K, 132.0 vs 127.0 at 128 x 1K, 8.4 vs 5.3 at 1 x 1K; still not
+dispatched (cuDNN: 18.7, 34.8, 123.6, 6.1). A profile (CompilerParams(profile_space=...,
+profile_dir=...) times the named scopes) shows its first copies issued ~3 us after launch and
+CTAs with equal work ending up to 25% apart: static rounds cannot rebalance that.
 Tried and slower: block_kv=64 with 3 or 4 stages (102 vs 88 us; 3 stages of 128 keys do not
 fit in shared memory next to "sequence"'s staging buffer, and gave nothing on "flat"), no
 schedule barrier (+8%), launch order not longest-first (+7%, "flat").
@@ -113,18 +131,21 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxserve.pallas_kernels.ragged_paged_attention import (  # noqa: F401 (re-exported)
-    LOG2E, _validate, _without_lse, ref_ragged_paged_attention, splits_to_fill)
+    LOG2E, _validate, _without_lse, prefill_heavy, ref_ragged_paged_attention)
 from jaxserve.pallas_kernels.dispatch import NUM_SMS
 from jaxserve.pallas_kernels.split_merge import merge_splits
 
 ROWS_PER_WG = 64          # wgmma M per warpgroup
 COMPUTE_WGS = 2           # prefill: two compute warpgroups (FA3 ping-pong); decode: one
+TILE_FIELDS = ("seq", "t0", "seq_begin", "seq_end", "offset")   # sequence_tile_map's rows
 LSE_COLS = 8              # a split's log-sum-exp is stored as [rows, 8] (TMA boxes >= 16 bytes)
 # Tile configurations by measurement (module docstring): prefill-heavy batches fill the GPU
 # with query tiles; decode batches have 1 token per sequence, so one compute warpgroup, a deeper
 # ring of smaller key steps and key-range splits (num_splits: None = default_num_splits).
-PREFILL_CONFIG = dict(block_kv=128, num_stages=2, compute_wgs=2, num_splits=1)
-DECODE_CONFIG = dict(block_kv=64, num_stages=4, compute_wgs=1, num_splits=None)
+PREFILL_CONFIG = dict(block_kv=128, num_stages=2, compute_wgs=2, num_splits=1, q_buffers=1,
+                      bt_ahead=0)
+DECODE_CONFIG = dict(block_kv=64, num_stages=4, compute_wgs=1, num_splits=None, q_buffers=2,
+                     bt_ahead=2)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -136,19 +157,21 @@ MAX_SMEM_BYTES = 232448   # shared memory per block on an H100/H200 (227 KiB)
 
 
 def _smem_bytes(head_dim: int, block_kv: int, num_stages: int, tiling: str, itemsize: int,
-                compute_wgs: int = COMPUTE_WGS, num_splits: int = 1) -> int:
+                compute_wgs: int = COMPUTE_WGS, num_splits: int = 1, q_buffers: int = 1) -> int:
     """Shared memory of the GPU path: q tiles, the output staging ("sequence" tiling; f32 plus
     the log-sum-exp when the key range is split) and the K/V ring (barriers are a few hundred
     bytes; the margin covers them)."""
     rows = compute_wgs * ROWS_PER_WG
     staging = 0
     if tiling == "sequence":
-        staging = rows * head_dim * itemsize if num_splits == 1 else rows * (head_dim + LSE_COLS) * 4
-    return itemsize * (rows * head_dim + 2 * num_stages * block_kv * head_dim) + staging
+        staging = (rows * head_dim * itemsize if num_splits == 1
+                   else rows * (head_dim + LSE_COLS) * 4)
+    q_and_ring = q_buffers * rows * head_dim + 2 * num_stages * block_kv * head_dim
+    return itemsize * q_and_ring + staging
 
 
 def _check_supported(q_TNE, k_cache, block_kv, num_stages, sliding_window, soft_cap,
-                     tiling="sequence", compute_wgs=COMPUTE_WGS, num_splits=1):
+                     tiling="sequence", compute_wgs=COMPUTE_WGS, num_splits=1, q_buffers=1):
     if sliding_window is not None or soft_cap is not None:
         raise ValueError("ragged_paged_attention_mgpu supports neither sliding_window nor "
                          "soft_cap; use ragged_paged_attention(impl='pallas') for those")
@@ -174,8 +197,10 @@ def _check_supported(q_TNE, k_cache, block_kv, num_stages, sliding_window, soft_
         raise ValueError(f"compute_wgs must be 1 or 2; got {compute_wgs}")
     if num_splits < 1 or (num_splits > 1 and tiling != "sequence"):
         raise ValueError(f"num_splits must be >= 1, and 1 with tiling='flat'; got {num_splits}")
+    if q_buffers not in (1, 2):
+        raise ValueError(f"q_buffers must be 1 or 2; got {q_buffers}")
     smem = _smem_bytes(e, block_kv, num_stages, tiling, jnp.dtype(q_TNE.dtype).itemsize,
-                       compute_wgs, num_splits)
+                       compute_wgs, num_splits, q_buffers)
     if smem > MAX_SMEM_BYTES - 4096:
         raise ValueError(f"head dim E={e} with block_kv={block_kv} and num_stages={num_stages} "
                          f"needs {smem} bytes of shared memory; at most "
@@ -194,9 +219,11 @@ def _own_buffer(x_N):
 
 def sequence_tile_map(query_start_loc_S1, seq_lens_S, num_tokens: int, num_tiles: int,
                       tile_tokens: int, *, longest_first_block_kv: int | None = None) -> jax.Array:
-    """The tiles of the "sequence" tiling -> i32[2 * num_tiles + 1]: entry j is the sequence
-    of tile j (S for the padding tokens past query_start_loc[S]), entry num_tiles + j its first
-    token, and the last entry the number of tiles; entries past it are unused (-1, 0).
+    """The tiles of the "sequence" tiling -> i32[F * num_tiles + 1], F = len(TILE_FIELDS):
+    entry f * num_tiles + j is field f of tile j: its sequence (S for the padding tokens past
+    query_start_loc[S]), its first token, the first and end token of its sequence (the padding
+    tokens: qsl[S] and num_tokens) and the offset from a token to its position (seq_len - end);
+    the last entry is the number of tiles. Entries of the tiles past it are unused (-1, 0...).
     Sequence s needs ceil((end - start) / CT) tiles from its first token rounded down to 8 (TMA
     row alignment; see the kernel), in order. num_tiles = T // CT + S + 1 is enough whatever
     the batch: each sequence needs at most qsl[s+1] // CT - qsl[s] // CT + 1 tiles, CT being a
@@ -232,8 +259,10 @@ def sequence_tile_map(query_start_loc_S1, seq_lens_S, num_tokens: int, num_tiles
         rank_J = jnp.sum(before, axis=1, dtype=jnp.int32)         # where tile j goes
         order = jnp.argmax(rank_J[None, :] == j_J[:, None], axis=1)
         seq_J, t0_J, idle = seq_J[order], t0_J[order], idle[order]
-    return jnp.concatenate([jnp.where(idle, -1, seq_J), jnp.where(idle, 0, t0_J),
-                            ends_S1[-1:]])
+    seq_lens_S1 = jnp.append(seq_lens_S.astype(jnp.int32), end_S1[-1])   # padding: offset 0
+    fields = (seq_J, t0_J, begin_S1[seq_J], end_S1[seq_J], seq_lens_S1[seq_J] - end_S1[seq_J])
+    return jnp.concatenate([jnp.where(idle, -1 if f == 0 else 0, x) for f, x in enumerate(fields)]
+                           + [ends_S1[-1:]])
 
 
 def _num_sms() -> int:
@@ -247,13 +276,15 @@ def _num_sms() -> int:
 def supports(q_TNE, k_cache, *, sliding_window=None, soft_cap=None,
              block_kv: int = PREFILL_CONFIG["block_kv"],
              num_stages: int = PREFILL_CONFIG["num_stages"],
-             compute_wgs: int = PREFILL_CONFIG["compute_wgs"], num_splits: int | None = 1) -> bool:
+             compute_wgs: int = PREFILL_CONFIG["compute_wgs"], num_splits: int | None = 1,
+             q_buffers: int = PREFILL_CONFIG["q_buffers"], bt_ahead: int = 0) -> bool:
     """Whether this kernel handles these shapes and options (the prefill configuration by
-    default; num_splits None counts as 1). ragged_paged_attention's impl="pallas" falls back to
-    the Triton kernel otherwise."""
+    default; num_splits None counts as 1; any bt_ahead >= 0 is supported).
+    ragged_paged_attention's impl="pallas" falls back to the Triton kernel otherwise."""
     try:
         _check_supported(q_TNE, k_cache, block_kv, num_stages, sliding_window, soft_cap,
-                         compute_wgs=compute_wgs, num_splits=num_splits or 1)
+                         compute_wgs=compute_wgs, num_splits=num_splits or 1,
+                         q_buffers=q_buffers)
     except ValueError:
         return False
     return True
@@ -274,7 +305,7 @@ def _rpa_mgpu_kernel(
     p_smem,
     *, tiling, num_tokens, num_seqs, blocks_per_seq, block_size, group, head_dim, block_kv,
     num_stages, num_tiles, kv_heads, num_ctas, sm_scale, schedule_barrier, heavy_first,
-    interpret, compute_wgs, num_splits):
+    interpret, compute_wgs, num_splits, q_buffers, bt_ahead):
     bq = ROWS_PER_WG // group              # tokens per warpgroup tile
     ct = compute_wgs * bq                  # tokens per tile
     pages = block_kv // block_size         # TMA copies per K (or V) tile
@@ -284,7 +315,7 @@ def _rpa_mgpu_kernel(
     # Work items (tile, kv head, split), tile-major: the CTAs take them in rounds of num_ctas,
     # CTA c the c-th of even rounds and the c-th from the end of odd ones, so that with the
     # tiles ordered longest first every CTA gets a similar share of long and short ones.
-    tiles_here = jnp.int32(num_tiles) if flat else map_ref[2 * num_tiles]
+    tiles_here = jnp.int32(num_tiles) if flat else map_ref[len(TILE_FIELDS) * num_tiles]
     per_tile = kv_heads * num_splits
     num_items = tiles_here * per_tile
     rounds = lax.div(num_items + (num_ctas - 1), jnp.int32(num_ctas))
@@ -329,12 +360,11 @@ def _rpa_mgpu_kernel(
             # into the 8-row-tiled q buffer views q as 8-row tiles and splits the start row
             # into (row // 8, row % 8), so a copy starting inside a tile loads wrong rows (seen
             # on the H200). The extra rows belong to the previous sequence and are not stored.
+            # All of a tile's fields are in the map, so an item costs one round of loads.
             seq = map_ref[j]
-            is_pad = seq == num_seqs
-            n_seqs = jnp.where(is_pad, 0, 1)
-            item.update(t0=map_ref[num_tiles + j], s_first=seq, seq_begin=qsl_ref[seq],
-                        seq_end=jnp.where(is_pad, num_tokens,
-                                          qsl_ref[jnp.minimum(seq + 1, num_seqs)]))
+            n_seqs = jnp.where(seq == num_seqs, 0, 1)
+            item.update(s_first=seq, **{f: map_ref[i * num_tiles + j]
+                                        for i, f in enumerate(TILE_FIELDS) if i})
         item["n_seqs"] = jnp.where(valid, n_seqs, 0)
         return item
 
@@ -343,9 +373,12 @@ def _rpa_mgpu_kernel(
         sequence with tokens in the item's tile; the position of token t is t + offset; with
         splits, the item's share of the key steps."""
         s = item["s_first"] + i
-        q_begin = qsl_ref[s]
-        q_end = qsl_ref[s + 1]
-        offset = seq_lens_ref[s] - q_end
+        if flat:
+            q_begin = qsl_ref[s]
+            q_end = qsl_ref[s + 1]
+            offset = seq_lens_ref[s] - q_end
+        else:
+            q_begin, q_end, offset = item["seq_begin"], item["seq_end"], item["offset"]
         lo = jnp.maximum(item["t0"], q_begin)
         hi = jnp.minimum(item["t0"] + ct, q_end)
         kv_end = jnp.where(hi > lo, hi + offset, 0)
@@ -363,22 +396,46 @@ def _rpa_mgpu_kernel(
     @pl.when(wg < compute_wgs)
     def _compute():
         plgpu.set_max_registers(232, action="increase")
-        qs = q_smem.at[wg]
         scale = sm_scale * LOG2E
         rows = ROWS_PER_WG
         if schedule_barrier:
             pl.when(wg == 1)(sync_schedule)
 
-        def one_item(k, base):
-            item = work_item(k)
-            h, split, tq = item["h"], item["split"], item["t0"] + wg * bq
+        def copy_q(k, item):
+            """Start the q copy of this CTA's k-th item into q buffer k % q_buffers."""
+            buf = lax.rem(k, jnp.int32(q_buffers))
 
             @pl.when(item["valid"])
-            def _copy_q():
+            def _copy():
+                tq = item["t0"] + wg * bq
                 for g in range(group):
-                    plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(tq, bq), h * group + g],
-                                            qs.at[pl.ds(g * bq, bq)], q_bar.at[wg])
-                plgpu.barrier_wait(q_bar.at[wg])
+                    plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(tq, bq), item["h"] * group + g],
+                                            q_smem.at[wg, buf, pl.ds(g * bq, bq)],
+                                            q_bar.at[wg * q_buffers + buf])
+
+        # NOTE: an item's fields are loaded two items ahead and carried: a load of them on
+        # the spot stalls the warpgroup for a memory latency (~1 us under a full memory load)
+        first_items = (work_item(jnp.int32(0)), work_item(jnp.int32(1)))
+        if q_buffers > 1:
+            copy_q(jnp.int32(0), first_items[0])
+
+        def one_item(k, carry):
+            base, item, item_next = carry
+            item_after = work_item(k + 2)
+            h, split, tq = item["h"], item["split"], item["t0"] + wg * bq
+            buf = lax.rem(k, jnp.int32(q_buffers))
+            qs = q_smem.at[wg, buf]
+            if q_buffers > 1:
+                # the next item's q arrives during this one (its buffer was last read by the
+                # previous item's matmuls, which are done)
+                copy_q(k + 1, item_next)
+            else:
+                copy_q(k, item)
+
+            @pl.when(item["valid"])
+            def _wait_q():
+                with jax.named_scope("q_wait"):
+                    plgpu.barrier_wait(q_bar.at[wg * q_buffers + buf])
 
             acc = plgpu.layout_cast(jnp.zeros((rows, head_dim), jnp.float32),
                                     plgpu.Layout.WGMMA)
@@ -390,7 +447,8 @@ def _rpa_mgpu_kernel(
             def key_step(jj, carry, *, base, masked, q_begin, q_end, offset):
                 acc, m_i, l_i = carry
                 slot = lax.rem(base + jj, jnp.int32(num_stages))
-                plgpu.barrier_wait(k_bar.at[slot])
+                with jax.named_scope("k_wait"):
+                    plgpu.barrier_wait(k_bar.at[slot])
 
                 def qk_matmul(acc_ref):
                     plgpu.wgmma(acc_ref, qs, k_smem.at[slot].transpose((1, 0)))
@@ -422,7 +480,8 @@ def _rpa_mgpu_kernel(
                 if schedule_barrier:
                     acc, l_i, m_new, p16 = lax.optimization_barrier((acc, l_i, m_new, p16))
                     plgpu.barrier_arrive(sched_bar)
-                plgpu.barrier_wait(v_bar.at[slot])
+                with jax.named_scope("v_wait"):
+                    plgpu.barrier_wait(v_bar.at[slot])
                 if schedule_barrier:
                     plgpu.barrier_wait(sched_bar)
                 if interpret:
@@ -516,11 +575,14 @@ def _rpa_mgpu_kernel(
                 os[...] = acc.astype(os.dtype)
                 plgpu.commit_smem()
                 store_rows(os, lambda g, t, size: o_ref.at[pl.ds(t, size), h * group + g])
-            # the staging buffers (and q's) are rewritten by the next item
-            plgpu.wait_smem_to_gmem(0)
-            return base
+            # the staging buffers (and q's) are rewritten by the next item: wait until the
+            # stores have read them (their writes complete before the kernel ends)
+            with jax.named_scope("store_wait"):
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            return base, item_next, item_after
 
-        lax.fori_loop(0, rounds, one_item, jnp.int32(0))
+        lax.fori_loop(0, rounds, one_item, (jnp.int32(0), *first_items))
+        plgpu.wait_smem_to_gmem(0)
         if schedule_barrier:
             pl.when(wg == 0)(sync_schedule)
 
@@ -528,36 +590,49 @@ def _rpa_mgpu_kernel(
     def _memory():
         plgpu.set_max_registers(40, action="decrease")
 
-        def one_item(k, base):
-            item = work_item(k)
+        def one_item(k, carry):
+            base, item = carry
+            item_next = work_item(k + 1)      # loaded one item ahead (see the compute NOTE)
             col = pl.ds(item["h"] * head_dim, head_dim)
 
             def one_sequence(i, base):
                 s, _, _, _, lo, hi = seq_info(item, i)
                 table = s * blocks_per_seq
 
-                @pl.loop(lo, hi)
-                def _fill(jj):
+                def pages_of(jj):   # the cache blocks of key step jj (clamped into the row)
+                    return tuple(bt_ref[table + jnp.minimum(jj * pages + c, blocks_per_seq - 1)]
+                                 for c in range(pages))
+
+                # NOTE: block-table entries are loaded bt_ahead key steps before their copies
+                # (a FIFO carried in registers): each load takes a memory latency, ~1 us once
+                # the copies fill the memory system, and loaded on the spot it would hold up
+                # every step's copies.
+                def fill(jj, fifo):
                     n = base + jj - lo
                     slot = lax.rem(n, jnp.int32(num_stages))
-                    pages_here = [bt_ref[table + jnp.minimum(jj * pages + c, blocks_per_seq - 1)]
-                                  for c in range(pages)]
+                    fifo = fifo + pages_of(jj + bt_ahead)
+                    pages_here, fifo = fifo[:pages], fifo[pages:]
                     for cache, smem, ready, free in ((k_ref, k_smem, k_bar, k_free),
                                                      (v_ref, v_smem, v_bar, v_free)):
                         @pl.when(n >= num_stages)
                         def _wait_free():
-                            plgpu.barrier_wait(free.at[slot])
+                            with jax.named_scope("free_wait"):
+                                plgpu.barrier_wait(free.at[slot])
 
-                        for c, page in enumerate(pages_here):
-                            plgpu.copy_gmem_to_smem(
-                                cache.at[pl.ds(page * block_size, block_size), col],
-                                smem.at[slot, pl.ds(c * block_size, block_size)], ready.at[slot])
+                        with jax.named_scope("issue"):
+                            for c, page in enumerate(pages_here):
+                                plgpu.copy_gmem_to_smem(
+                                    cache.at[pl.ds(page * block_size, block_size), col],
+                                    smem.at[slot, pl.ds(c * block_size, block_size)],
+                                    ready.at[slot])
+                    return fifo
 
+                lax.fori_loop(lo, hi, fill, sum((pages_of(lo + d) for d in range(bt_ahead)), ()))
                 return base + hi - lo
 
-            return lax.fori_loop(0, item["n_seqs"], one_sequence, base)
+            return lax.fori_loop(0, item["n_seqs"], one_sequence, base), item_next
 
-        total_steps = lax.fori_loop(0, rounds, one_item, jnp.int32(0))
+        total_steps, _ = lax.fori_loop(0, rounds, one_item, (jnp.int32(0), work_item(jnp.int32(0))))
 
         # NOTE: observe the last releases too: every phase of a barrier is then waited on by
         # the thread that waits on it at all (interpret mode checks this when the CTA ends).
@@ -576,26 +651,31 @@ def _rpa_mgpu_kernel(
 
 
 def default_num_splits(num_tokens: int, num_seqs: int, kv_heads: int, context: int,
-                       block_kv: int) -> int:
-    """Key-range splits for decode-heavy batches: about TARGET_CTAS work items (two per SM of
-    an H200), keeping at least two key steps per split."""
-    return splits_to_fill(num_tokens, num_seqs, kv_heads, context, programs=TARGET_CTAS,
-                          min_keys=2 * block_kv)
-
-
-TARGET_CTAS = 2 * NUM_SMS
+                       block_kv: int, num_ctas: int = NUM_SMS) -> int:
+    """Key-range splits for decode-heavy batches: as many as keep the work items (sequences x
+    kv heads x splits) within one round of the persistent grid, with at least two key steps
+    per split (at most 32); 1 for prefill-heavy batches. A second, partial round costs a whole
+    item's time: one 8K-token decode took 13.5 us in 16 splits (128 items), 22.0 in 17 and
+    16.3 in 32; four 4K-token ones 24.4 in 4 splits against 34.5 in 5 (H200, kernel time;
+    BENCHMARKS.md, seventh session)."""
+    if prefill_heavy(num_tokens, num_seqs):
+        return 1
+    work = max(min(num_tokens, num_seqs) * kv_heads, 1)
+    return int(max(1, min(num_ctas // work, context // (2 * block_kv), 32)))
 
 
 @functools.partial(jax.jit, static_argnames=(
     "sm_scale", "sliding_window", "soft_cap", "tiling", "block_kv", "num_stages",
-    "schedule_barrier", "heavy_first", "interpret", "compute_wgs", "num_splits", "num_ctas"))
+    "schedule_barrier", "heavy_first", "interpret", "compute_wgs", "num_splits", "num_ctas",
+    "q_buffers", "bt_ahead"))
 def ragged_paged_attention_mgpu(q_TNE, k_cache_NPKE, v_cache_NPKE, query_start_loc_S1,
                                 seq_lens_S, block_tables_SB, *, sm_scale: float,
                                 sliding_window: int | None = None, soft_cap: float | None = None,
                                 tiling: str = "sequence", block_kv: int = 128, num_stages: int = 2,
                                 compute_wgs: int = COMPUTE_WGS, num_splits: int | None = 1,
                                 schedule_barrier: bool = True, heavy_first: bool = True,
-                                num_ctas: int | None = None,
+                                num_ctas: int | None = None, q_buffers: int = 1,
+                                bt_ahead: int = 0,
                                 interpret: bool | plgpu.InterpretGPUParams | None = None
                                 ) -> jax.Array:
     """Causal attention of a ragged batch over a paged KV cache -> o f[T, N, E].
@@ -612,7 +692,10 @@ def ragged_paged_attention_mgpu(q_TNE, k_cache_NPKE, v_cache_NPKE, query_start_l
     partial outputs merged by their log-sum-exp afterwards; None = default_num_splits);
     schedule_barrier: make two compute warpgroups alternate (FA3 ping-pong); heavy_first: hand
     out the tiles with the longest causal range first; num_ctas: CTAs of the persistent grid
-    (default: one per SM of the GPU, fewer if there are fewer work items); interpret: run in
+    (default: one per SM of the GPU, fewer if there are fewer work items); q_buffers: 2 copies
+    the next work item's q during the current one (shared memory for a second q tile);
+    bt_ahead: key steps ahead of its copies that the memory warpgroup loads the block-table
+    entries (registers: bt_ahead x block_kv // P of them); interpret: run in
     Mosaic GPU interpret mode (default: when no GPU is present; an InterpretGPUParams sets its
     options, e.g. race detection in the tests).
     """
@@ -623,10 +706,14 @@ def ragged_paged_attention_mgpu(q_TNE, k_cache_NPKE, v_cache_NPKE, query_start_l
     nb, p, kh, _ = k_cache_NPKE.shape
     s, b = block_tables_SB.shape
     g = n // kh
+    num_ctas = num_ctas or _num_sms()
     if num_splits is None:
-        num_splits = default_num_splits(t, s, kh, b * p, block_kv) if tiling == "sequence" else 1
+        num_splits = (default_num_splits(t, s, kh, b * p, block_kv, num_ctas)
+                      if tiling == "sequence" else 1)
     _check_supported(q_TNE, k_cache_NPKE, block_kv, num_stages, sliding_window, soft_cap, tiling,
-                     compute_wgs, num_splits)
+                     compute_wgs, num_splits, q_buffers)
+    if bt_ahead < 0:
+        raise ValueError(f"bt_ahead must be >= 0; got {bt_ahead}")
     schedule_barrier = schedule_barrier and compute_wgs == 2
     ct = compute_wgs * (ROWS_PER_WG // g)
     # NOTE: q is copied into 8-row tiled shared memory, and Mosaic GPU then wants T to be a
@@ -642,7 +729,7 @@ def ragged_paged_attention_mgpu(q_TNE, k_cache_NPKE, v_cache_NPKE, query_start_l
     interpret_params = (interpret if isinstance(interpret, plgpu.InterpretGPUParams)
                         else plgpu.InterpretGPUParams() if interpret else None)
     interpret = interpret_params is not None
-    num_ctas = num_ctas or min(_num_sms(), num_tiles * kh * num_splits)
+    num_ctas = min(num_ctas, num_tiles * kh * num_splits)
     dtype = q_TNE.dtype
     split = num_splits > 1
     tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
@@ -651,7 +738,8 @@ def ragged_paged_attention_mgpu(q_TNE, k_cache_NPKE, v_cache_NPKE, query_start_l
         block_size=p, group=g, head_dim=e, block_kv=block_kv, num_stages=num_stages,
         num_tiles=num_tiles, sm_scale=float(sm_scale), schedule_barrier=schedule_barrier,
         heavy_first=heavy_first, interpret=interpret, compute_wgs=compute_wgs,
-        num_splits=num_splits, kv_heads=kh, num_ctas=num_ctas)
+        num_splits=num_splits, kv_heads=kh, num_ctas=num_ctas, q_buffers=q_buffers,
+        bt_ahead=bt_ahead)
     if split:
         out_type = (jax.ShapeDtypeStruct((num_splits, t_pad, n, e), jnp.float32),
                     jax.ShapeDtypeStruct((num_splits, t_pad, n, LSE_COLS), jnp.float32))
@@ -663,14 +751,14 @@ def ragged_paged_attention_mgpu(q_TNE, k_cache_NPKE, v_cache_NPKE, query_start_l
         kernel,
         out_type=out_type,
         scratch_types=(
-            plgpu.SMEM((*rows, e), dtype, transforms=tiled),
+            plgpu.SMEM((compute_wgs, q_buffers, ROWS_PER_WG, e), dtype, transforms=tiled),
             # untiled output staging for row-granular stores ("sequence" tiling only)
             plgpu.SMEM((*rows, e), jnp.float32 if split else dtype)
             if tiling == "sequence" else None,
             plgpu.SMEM((*rows, LSE_COLS), jnp.float32) if split else None,
             plgpu.SMEM((num_stages, block_kv, e), dtype, transforms=tiled),
             plgpu.SMEM((num_stages, block_kv, e), dtype, transforms=tiled),
-            plgpu.Barrier(num_arrivals=g, num_barriers=compute_wgs),
+            plgpu.Barrier(num_arrivals=g, num_barriers=compute_wgs * q_buffers),
             plgpu.Barrier(num_arrivals=block_kv // p, num_barriers=num_stages),
             plgpu.Barrier(num_arrivals=block_kv // p, num_barriers=num_stages),
             plgpu.Barrier(num_arrivals=compute_wgs, num_barriers=num_stages),

@@ -124,7 +124,7 @@ def test_decode_rows_one_warpgroup_and_splits(splits):
     # decodes with contexts of 1 to 200 keys (some splits see no key at all), a padding
     # sequence, padding tokens after the last sequence
     args = batch([1, 1, 1, 0, 1], [200, 37, 1, 0, 130], seed=5)
-    check(args, block_kv=64, num_stages=4, compute_wgs=1, num_splits=splits)
+    check(args, **{**mg.DECODE_CONFIG, "num_splits": splits})
 
 
 @pytest.mark.parametrize("n,kh", [(4, 4), (16, 2)])   # GQA 1 and 8
@@ -150,8 +150,12 @@ def test_supports_takes_either_configuration():
 
 def test_default_splits_fill_the_gpu_only_for_decode():
     assert mg.default_num_splits(2048, 1, 8, 2048, 128) == 1                  # prefill-heavy
-    assert mg.default_num_splits(1, 1, 8, 8192, 64) == 32                     # one long decode
-    assert mg.default_num_splits(128, 128, 8, 1024, 64) == 1                  # 1024 CTAs already
+    # work items within one round of 132 CTAs, >= 2 key steps a split
+    assert mg.default_num_splits(1, 1, 8, 8192, 64) == 16                     # one long decode
+    assert mg.default_num_splits(1, 1, 8, 1024, 64) == 8                      # 2 steps a split
+    assert mg.default_num_splits(4, 4, 8, 4096, 64) == 4
+    assert mg.default_num_splits(4, 4, 8, 4096, 64, num_ctas=66) == 2
+    assert mg.default_num_splits(128, 128, 8, 1024, 64) == 1                  # 1024 items already
     with pytest.raises(ValueError, match="num_splits"):
         mg.ragged_paged_attention_mgpu(*batch([4], [4]), sm_scale=1.0, tiling="flat",
                                        num_splits=2, interpret=True)
@@ -191,14 +195,23 @@ def test_tile_map_lists_every_tile_in_order_within_the_grid_bound(seed):
         assert len(want) <= num_tiles
         seq_lens = qlens + rng.integers(0, 50, size=s)
         args = (jnp.asarray(qsl), jnp.asarray(seq_lens, jnp.int32), t, num_tiles, ct)
-        got = np.asarray(mg.sequence_tile_map(*args))
-        seq, t0, count = got[:num_tiles], got[num_tiles:-1], got[-1]
+        def fields(got):
+            seq, t0, *rest = got[:-1].reshape(len(mg.TILE_FIELDS), num_tiles)
+            count = got[-1]
+            # each tile carries its sequence's token bounds and position offset (padding: 0)
+            ends = list(qsl[1:]) + [t]
+            for j in range(count):
+                sj = seq[j]
+                offset = seq_lens[sj] - ends[sj] if sj < s else 0
+                assert [x[j] for x in rest] == [qsl[sj], ends[sj], offset], (j, sj)
+            return seq, t0, count
+
+        seq, t0, count = fields(np.asarray(mg.sequence_tile_map(*args)))
         assert count == len(want)
         assert list(zip(seq[:count].tolist(), t0[:count].tolist())) == want
         np.testing.assert_array_equal(seq[count:], -1)
         # longest first: the same tiles, by key steps of their causal range, most first
-        got = np.asarray(mg.sequence_tile_map(*args, longest_first_block_kv=16))
-        seq, t0, count = got[:num_tiles], got[num_tiles:-1], got[-1]
+        seq, t0, count = fields(np.asarray(mg.sequence_tile_map(*args, longest_first_block_kv=16)))
         pairs = list(zip(seq[:count].tolist(), t0[:count].tolist()))
         assert sorted(pairs) == sorted(want)
         np.testing.assert_array_equal(seq[count:], -1)
@@ -226,13 +239,15 @@ def race_checked():
     return plgpu.InterpretGPUParams(detect_races=True), interpret_pallas_call.get_races
 
 
-@pytest.mark.parametrize("tiling", TILINGS)
-def test_few_ctas_each_loop_over_several_work_items(tiling):
+@pytest.mark.parametrize("tiling,q_buffers", [("sequence", 1), ("flat", 1), ("sequence", 2),
+                                               ("flat", 2)])
+def test_few_ctas_each_loop_over_several_work_items(tiling, q_buffers):
     # 3 CTAs for 2 kv heads x ~10 tiles: several rounds, alternate rounds taken in reverse
-    # order, the K/V ring, the barriers and the staging buffers reused from item to item
+    # order, the K/V ring, the barriers, the staging buffers and (with 2 q buffers) the next
+    # item's q copy in flight during this one
     args = batch([21, 1, 6, 0, 30], [40, 9, 6, 0, 30], seed=4, pad_tokens=5)
     params, races = race_checked()
-    check(args, block_kv=64, num_ctas=3, tiling=tiling, interpret=params)
+    check(args, block_kv=64, num_ctas=3, tiling=tiling, q_buffers=q_buffers, interpret=params)
     assert not races().races_found
 
 
@@ -243,6 +258,12 @@ def test_ctas_without_a_work_item_store_nothing(tiling):
     check(batch([40], [40], pad_tokens=0), block_kv=64, num_ctas=5, tiling=tiling)
 
 
-def test_few_ctas_with_key_range_splits():
+@pytest.mark.parametrize("bt_ahead", [0, 3])
+def test_few_ctas_with_key_range_splits(bt_ahead):
+    # the decode configuration looping: each item's q copy in flight during the previous item,
+    # block-table entries loaded bt_ahead key steps early (across sequence and item ends)
     args = batch([1, 1, 12, 1], [70, 33, 40, 9], seed=5)
-    check(args, block_kv=64, num_ctas=5, num_splits=3, compute_wgs=1, num_stages=4)
+    params, races = race_checked()
+    check(args, **{**mg.DECODE_CONFIG, "num_splits": 3, "bt_ahead": bt_ahead}, num_ctas=5,
+          interpret=params)
+    assert not races().races_found
