@@ -33,12 +33,17 @@ Design:
     and V tiles in shared memory page by page: BKV // P TMA copies of [P, E] from the cache
     viewed as [NB*P, K*E], through the block table, all arriving on one barrier per stage;
     the compute warpgroups hand a stage back through "consumed" barriers.
-  * Nothing on a warpgroup's path waits for a small load: an item's fields (all in the tile
-    map) are loaded one item ahead (memory) or two (compute, which starts the next item's q
-    copy during the current one when q_buffers = 2), block-table entries bt_ahead key steps
-    ahead, and a stored output is waited for only until its buffer has been read. Under a full
-    memory load one such load takes ~1 us (a profile of the decode configuration), while a
-    key step's copies take about as long.
+  * Small loads are kept off the warpgroups' paths where that is cheap: in the "sequence"
+    tiling every field of a tile is in the tile map (passed with the block table as one
+    buffer; query_start_loc and seq_lens are not read), and each warpgroup loads an item's
+    fields ahead and carries them, computing nothing from them until they are used (the
+    memory warpgroup one item ahead, the compute warpgroups two: they start the next item's q
+    copy during the current one when q_buffers = 2); the memory warpgroup loads block-table
+    entries bt_ahead key steps before their copies; a stored output is waited for only until
+    its buffer has been read. Still on the path: the chain at the kernel's start (tile count,
+    the first item's fields, its first block-table entries: the first copies go out ~3 us
+    after launch in a profile), each sequence's first bt_ahead lookups, and the "flat"
+    tiling's per-tile search.
   * Per key step: wgmma S = Q K^T into registers, online softmax in exp2 units (the causal
     mask only on steps that need it), wgmma O += P V with P from registers. A two-party
     "schedule" barrier makes the two compute warpgroups alternate, so one's softmax overlaps
@@ -104,17 +109,20 @@ and more splits made it slower (26 -> 66 us from 16 to 128 splits at 8K). The pe
 little: 22.8 / 59.8 / 153.5 us at 1 x 8K, 32 x 1K, 128 x 1K against 28.0 / 62.7 / 157.1 one CTA
 per item, same session; the Triton kernel: 10.8 / 37.0 / 130.1.
 `python benchmarks/kernels.py --only decode --sweep`; BENCHMARKS.md, "Kernels".
-Seventh session (2026-11-30, kernel time alone; the old kernel beside it in the same process):
-the carried item fields, read-only store waits and the richer map took the prefill cases 2.5-3.5%
-down (2K prefill 83.3-84.0 -> 80.8 us, four 512-token chunks 127.3-127.6 -> 123.9-124.5, the
-bucket cases 84.3-84.8 -> 81.5-81.7, 28.4 -> 27.0, 135.3-135.6 -> 131.9-132.1, 144.6-146.2 ->
-141.3-141.5), while the map's extra fields add
-~2.5 us of XLA ops at S = 256 (once per step in the engine). The decode configuration with a
-second q buffer, bt_ahead = 2 and splits that fit one round: 22.1 vs 22.7 us (Triton) at
-16 x 1K, 36.9 vs 36.6 at 32 x 1K, 132.0 vs 127.0 at 128 x 1K, 8.4 vs 5.3 at 1 x 1K; still not
-dispatched (cuDNN: 18.7, 34.8, 123.6, 6.1). A profile (CompilerParams(profile_space=...,
-profile_dir=...) times the named scopes) shows its first copies issued ~3 us after launch and
-CTAs with equal work ending up to 25% apart: static rounds cannot rebalance that.
+Seventh session (2026-11-30, kernel time alone, the previous kernel beside it in the same
+process; BENCHMARKS.md): the carried item fields, read-only store waits and the richer map took
+the prefill cases 2.5-4.9% down (2K prefill 83.3-84.0 -> 80.8 us, four 512-token chunks
+127.3-127.6 -> 123.9-124.5, the bucket cases 84.3-84.8 -> 81.5-81.7, 28.4 -> 27.0, 135.3-135.6
+-> 131.9-132.1, 144.6-146.2 -> 141.3-141.5); passing the map and the block table as one buffer
+then took 0.5-5.3 us of XLA ops off a lone call (2K prefill 90.4 -> 87.0 us per call, a 1K
+prompt in 256 slots 43.9 -> 38.6). The decode configuration (second q buffer, bt_ahead = 2,
+splits that fit one round) against the Triton kernel, kernel alone: 22.1 vs 22.7 us at 16 x 1K,
+36.9 vs 36.6 at 32 x 1K, 250.9 vs 246.8 at 32 x 8K, but 8.4 vs 5.3 at 1 x 1K, 14.0 vs 10.9 at
+1 x 8K and 132.0 vs 127.0 at 128 x 1K: not dispatched (cuDNN: 18.7, 34.8, 236.3, 6.1, 11.0,
+123.6). A profile (CompilerParams(profile_space=..., profile_dir=...) times the named scopes;
+it about doubles the kernel's time) shows its first copies issued ~3 us after launch and, at
+16 x 1K, CTAs with equal work (16 key steps) ending 1.25-1.34 x apart, which static rounds
+cannot rebalance.
 Tried and slower: block_kv=64 with 3 or 4 stages (102 vs 88 us; 3 stages of 128 keys do not
 fit in shared memory next to "sequence"'s staging buffer, and gave nothing on "flat"), no
 schedule barrier (+8%), launch order not longest-first (+7%, "flat").
@@ -171,7 +179,8 @@ def _smem_bytes(head_dim: int, block_kv: int, num_stages: int, tiling: str, item
 
 
 def _check_supported(q_TNE, k_cache, block_kv, num_stages, sliding_window, soft_cap,
-                     tiling="sequence", compute_wgs=COMPUTE_WGS, num_splits=1, q_buffers=1):
+                     tiling="sequence", compute_wgs=COMPUTE_WGS, num_splits=1, q_buffers=1,
+                     bt_ahead=0):
     if sliding_window is not None or soft_cap is not None:
         raise ValueError("ragged_paged_attention_mgpu supports neither sliding_window nor "
                          "soft_cap; use ragged_paged_attention(impl='pallas') for those")
@@ -199,6 +208,8 @@ def _check_supported(q_TNE, k_cache, block_kv, num_stages, sliding_window, soft_
         raise ValueError(f"num_splits must be >= 1, and 1 with tiling='flat'; got {num_splits}")
     if q_buffers not in (1, 2):
         raise ValueError(f"q_buffers must be 1 or 2; got {q_buffers}")
+    if bt_ahead < 0:
+        raise ValueError(f"bt_ahead must be >= 0; got {bt_ahead}")
     smem = _smem_bytes(e, block_kv, num_stages, tiling, jnp.dtype(q_TNE.dtype).itemsize,
                        compute_wgs, num_splits, q_buffers)
     if smem > MAX_SMEM_BYTES - 4096:
@@ -279,12 +290,12 @@ def supports(q_TNE, k_cache, *, sliding_window=None, soft_cap=None,
              compute_wgs: int = PREFILL_CONFIG["compute_wgs"], num_splits: int | None = 1,
              q_buffers: int = PREFILL_CONFIG["q_buffers"], bt_ahead: int = 0) -> bool:
     """Whether this kernel handles these shapes and options (the prefill configuration by
-    default; num_splits None counts as 1; any bt_ahead >= 0 is supported).
+    default; num_splits None counts as 1).
     ragged_paged_attention's impl="pallas" falls back to the Triton kernel otherwise."""
     try:
         _check_supported(q_TNE, k_cache, block_kv, num_stages, sliding_window, soft_cap,
                          compute_wgs=compute_wgs, num_splits=num_splits or 1,
-                         q_buffers=q_buffers)
+                         q_buffers=q_buffers, bt_ahead=bt_ahead)
     except ValueError:
         return False
     return True
@@ -305,7 +316,7 @@ def _rpa_mgpu_kernel(
     p_smem,
     *, tiling, num_tokens, num_seqs, blocks_per_seq, block_size, group, head_dim, block_kv,
     num_stages, num_tiles, kv_heads, num_ctas, sm_scale, schedule_barrier, heavy_first,
-    interpret, compute_wgs, num_splits, q_buffers, bt_ahead):
+    interpret, compute_wgs, num_splits, q_buffers, bt_ahead, bt_offset):
     bq = ROWS_PER_WG // group              # tokens per warpgroup tile
     ct = compute_wgs * bq                  # tokens per tile
     pages = block_kv // block_size         # TMA copies per K (or V) tile
@@ -331,8 +342,10 @@ def _rpa_mgpu_kernel(
 
     def work_item(k):
         """This CTA's k-th item: whether it exists, its kv head, split and tile (a dict also
-        holding the tile's first token t0, its first sequence, how many sequences have tokens
-        in it and, for "sequence" tiling, the bounds of that sequence's tokens)."""
+        holding the tile's first token t0 and its first sequence; for "flat" tiling how many
+        sequences have tokens in it, for "sequence" tiling the bounds of that sequence's tokens
+        and its position offset). NOTE: "sequence" items are only loaded here, nothing is
+        computed from the loaded values, so that loading an item ahead never waits for them."""
         c = jnp.where(lax.rem(k, jnp.int32(2)) == 0, cta, num_ctas - 1 - cta)
         w = k * num_ctas + c
         valid = w < num_items
@@ -351,7 +364,8 @@ def _rpa_mgpu_kernel(
             s_last = last_at_or_before(lambda s: qsl_ref[s], jnp.minimum(t0 + ct, total) - 1,
                                        num_seqs - 1)
             n_seqs = jnp.where(t0 < total, s_last - s_first + 1, 0)
-            item.update(t0=t0, s_first=s_first, seq_begin=None, seq_end=None)
+            item.update(t0=t0, s_first=s_first, seq_begin=None, seq_end=None,
+                        n_seqs=jnp.where(valid, n_seqs, 0))
         else:
             # tile j of the batch: its sequence (S for the padding tokens past qsl[S], a pseudo-
             # sequence that gets zeros) and first token come from sequence_tile_map (which
@@ -361,12 +375,15 @@ def _rpa_mgpu_kernel(
             # into (row // 8, row % 8), so a copy starting inside a tile loads wrong rows (seen
             # on the H200). The extra rows belong to the previous sequence and are not stored.
             # All of a tile's fields are in the map, so an item costs one round of loads.
-            seq = map_ref[j]
-            n_seqs = jnp.where(seq == num_seqs, 0, 1)
-            item.update(s_first=seq, **{f: map_ref[i * num_tiles + j]
-                                        for i, f in enumerate(TILE_FIELDS) if i})
-        item["n_seqs"] = jnp.where(valid, n_seqs, 0)
+            item.update(s_first=map_ref[j], **{f: map_ref[i * num_tiles + j]
+                                               for i, f in enumerate(TILE_FIELDS) if i})
         return item
+
+    def seqs_in(item):
+        """How many sequences the item's key loops serve (the padding tile's: none)."""
+        if flat:
+            return item["n_seqs"]
+        return jnp.where(item["valid"] & (item["s_first"] != num_seqs), 1, 0)
 
     def seq_info(item, i):
         """(sequence, first token, end token, pos offset, first and end key step) of the i-th
@@ -523,7 +540,7 @@ def _rpa_mgpu_kernel(
                                               carry)
                 return base + hi - lo, acc, m_i, l_i
 
-            base, acc, m_i, l_i = lax.fori_loop(0, item["n_seqs"], one_sequence,
+            base, acc, m_i, l_i = lax.fori_loop(0, seqs_in(item), one_sequence,
                                                 (base, acc, m_i, l_i))
             empty = l_i == 0.0                            # padding rows: acc is 0, output 0
             l_safe = jnp.where(empty, 1.0, l_i)
@@ -597,7 +614,7 @@ def _rpa_mgpu_kernel(
 
             def one_sequence(i, base):
                 s, _, _, _, lo, hi = seq_info(item, i)
-                table = s * blocks_per_seq
+                table = bt_offset + s * blocks_per_seq
 
                 def pages_of(jj):   # the cache blocks of key step jj (clamped into the row)
                     return tuple(bt_ref[table + jnp.minimum(jj * pages + c, blocks_per_seq - 1)]
@@ -630,7 +647,7 @@ def _rpa_mgpu_kernel(
                 lax.fori_loop(lo, hi, fill, sum((pages_of(lo + d) for d in range(bt_ahead)), ()))
                 return base + hi - lo
 
-            return lax.fori_loop(0, item["n_seqs"], one_sequence, base), item_next
+            return lax.fori_loop(0, seqs_in(item), one_sequence, base), item_next
 
         total_steps, _ = lax.fori_loop(0, rounds, one_item, (jnp.int32(0), work_item(jnp.int32(0))))
 
@@ -657,7 +674,8 @@ def default_num_splits(num_tokens: int, num_seqs: int, kv_heads: int, context: i
     per split (at most 32); 1 for prefill-heavy batches. A second, partial round costs a whole
     item's time: one 8K-token decode took 13.5 us in 16 splits (128 items), 22.0 in 17 and
     16.3 in 32; four 4K-token ones 24.4 in 4 splits against 34.5 in 5 (H200, kernel time;
-    BENCHMARKS.md, seventh session)."""
+    BENCHMARKS.md, seventh session). Approximate: it counts min(T, S) sequences, not the
+    padding tokens' tile nor sequences that span several tiles."""
     if prefill_heavy(num_tokens, num_seqs):
         return 1
     work = max(min(num_tokens, num_seqs) * kv_heads, 1)
@@ -695,7 +713,8 @@ def ragged_paged_attention_mgpu(q_TNE, k_cache_NPKE, v_cache_NPKE, query_start_l
     (default: one per SM of the GPU, fewer if there are fewer work items); q_buffers: 2 copies
     the next work item's q during the current one (shared memory for a second q tile);
     bt_ahead: key steps ahead of its copies that the memory warpgroup loads the block-table
-    entries (registers: bt_ahead x block_kv // P of them); interpret: run in
+    entries (registers: up to (bt_ahead + 1) x block_kv // P of them, in a warpgroup capped at
+    40; a sequence's last bt_ahead steps load entries that go unused); interpret: run in
     Mosaic GPU interpret mode (default: when no GPU is present; an InterpretGPUParams sets its
     options, e.g. race detection in the tests).
     """
@@ -711,9 +730,7 @@ def ragged_paged_attention_mgpu(q_TNE, k_cache_NPKE, v_cache_NPKE, query_start_l
         num_splits = (default_num_splits(t, s, kh, b * p, block_kv, num_ctas)
                       if tiling == "sequence" else 1)
     _check_supported(q_TNE, k_cache_NPKE, block_kv, num_stages, sliding_window, soft_cap, tiling,
-                     compute_wgs, num_splits, q_buffers)
-    if bt_ahead < 0:
-        raise ValueError(f"bt_ahead must be >= 0; got {bt_ahead}")
+                     compute_wgs, num_splits, q_buffers, bt_ahead)
     schedule_barrier = schedule_barrier and compute_wgs == 2
     ct = compute_wgs * (ROWS_PER_WG // g)
     # NOTE: q is copied into 8-row tiled shared memory, and Mosaic GPU then wants T to be a
@@ -739,7 +756,8 @@ def ragged_paged_attention_mgpu(q_TNE, k_cache_NPKE, v_cache_NPKE, query_start_l
         num_tiles=num_tiles, sm_scale=float(sm_scale), schedule_barrier=schedule_barrier,
         heavy_first=heavy_first, interpret=interpret, compute_wgs=compute_wgs,
         num_splits=num_splits, kv_heads=kh, num_ctas=num_ctas, q_buffers=q_buffers,
-        bt_ahead=bt_ahead)
+        bt_ahead=bt_ahead,
+        bt_offset=len(TILE_FIELDS) * num_tiles + 1 if tiling == "sequence" else 0)
     if split:
         out_type = (jax.ShapeDtypeStruct((num_splits, t_pad, n, e), jnp.float32),
                     jax.ShapeDtypeStruct((num_splits, t_pad, n, LSE_COLS), jnp.float32))
@@ -781,16 +799,23 @@ def ragged_paged_attention_mgpu(q_TNE, k_cache_NPKE, v_cache_NPKE, query_start_l
             else plgpu.LoweringSemantics.Warpgroup),
         interpret=interpret_params,
         kernel_name=f"ragged_paged_attention_mgpu_{tiling}_bkv{block_kv}_w{num_stages}"
-                    f"_c{compute_wgs}_x{num_splits}",
+                    f"_c{compute_wgs}_x{num_splits}_q{q_buffers}_a{bt_ahead}",
     )
+    bt_flat = block_tables_SB.reshape(s * b).astype(jnp.int32)
     if tiling == "sequence":
-        tile_map = sequence_tile_map(query_start_loc_S1, seq_lens_S, t_pad, num_tiles, ct,
-                                     longest_first_block_kv=block_kv if heavy_first else None)
-    else:   # not read
-        tile_map = jnp.zeros(64, jnp.int32)
-    outs = call(_own_buffer(query_start_loc_S1), _own_buffer(seq_lens_S),
-                _own_buffer(block_tables_SB.reshape(s * b)), tile_map, q_TNE,
-                k_cache_NPKE.reshape(nb * p, kh * e), v_cache_NPKE.reshape(nb * p, kh * e))
+        # The kernel reads the map (which holds every tile's bounds) and the block table only:
+        # one buffer, bt_offset entries in, computed in the map's fusion; a fresh allocation,
+        # so aligned (see _own_buffer). query_start_loc and seq_lens are not read.
+        meta = jnp.concatenate([
+            sequence_tile_map(query_start_loc_S1, seq_lens_S, t_pad, num_tiles, ct,
+                              longest_first_block_kv=block_kv if heavy_first else None),
+            bt_flat])
+        small = (meta, meta, meta, meta)
+    else:   # the map is not read
+        small = (_own_buffer(query_start_loc_S1), _own_buffer(seq_lens_S), _own_buffer(bt_flat),
+                 jnp.zeros(64, jnp.int32))
+    outs = call(*small, q_TNE, k_cache_NPKE.reshape(nb * p, kh * e),
+                v_cache_NPKE.reshape(nb * p, kh * e))
     if split:
         # NOTE: interpreted, the merge is plain XLA: the Triton merge kernel's interpreter
         # after Mosaic GPU's interpreted kernel in one program deadlocked on 2 CPU cores

@@ -146,6 +146,7 @@ def test_supports_takes_either_configuration():
     q, cache = sds((64, 32, 128), jnp.bfloat16), sds((64, 16, 8, 128), jnp.bfloat16)
     assert mg.supports(q, cache, **mg.DECODE_CONFIG) and mg.supports(q, cache, **mg.PREFILL_CONFIG)
     assert not mg.supports(q, cache, **{**mg.DECODE_CONFIG, "num_stages": 9})   # shared memory
+    assert not mg.supports(q, cache, **{**mg.DECODE_CONFIG, "bt_ahead": -1})
 
 
 def test_default_splits_fill_the_gpu_only_for_decode():
@@ -258,12 +259,21 @@ def test_ctas_without_a_work_item_store_nothing(tiling):
     check(batch([40], [40], pad_tokens=0), block_kv=64, num_ctas=5, tiling=tiling)
 
 
-@pytest.mark.parametrize("bt_ahead", [0, 3])
-def test_few_ctas_with_key_range_splits(bt_ahead):
-    # the decode configuration looping: each item's q copy in flight during the previous item,
-    # block-table entries loaded bt_ahead key steps early (across sequence and item ends)
+def test_few_ctas_with_key_range_splits():
+    # the decode configuration looping: each item's q copy in flight during the previous item
     args = batch([1, 1, 12, 1], [70, 33, 40, 9], seed=5)
     params, races = race_checked()
-    check(args, **{**mg.DECODE_CONFIG, "num_splits": 3, "bt_ahead": bt_ahead}, num_ctas=5,
+    check(args, **{**mg.DECODE_CONFIG, "num_splits": 3}, num_ctas=5, interpret=params)
+    assert not races().races_found
+
+
+@pytest.mark.parametrize("bt_ahead,n,kh", [(0, 8, 2), (1, 8, 2), (3, 8, 2), (2, 4, 4),
+                                           (2, 16, 2)])
+def test_block_table_entries_loaded_ahead_over_many_key_steps(bt_ahead, n, kh):
+    # items of 2-5 key steps of 64 keys (8 cache blocks of 8 each), several items per CTA:
+    # the FIFO carries entries from step to step; two q buffers at GQA 4, 1 and 8
+    args = batch([1, 1, 1], [300, 200, 130], n=n, kh=kh, seed=6)
+    params, races = race_checked()
+    check(args, **{**mg.DECODE_CONFIG, "num_splits": 2, "bt_ahead": bt_ahead}, num_ctas=2,
           interpret=params)
     assert not races().races_found
