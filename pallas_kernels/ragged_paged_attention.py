@@ -26,9 +26,9 @@ program j finds its (sequence, query tile) from query_start_loc itself (every se
 count and their prefix sum, from two vector loads; a binary search past VECTOR_SEARCH_MAX_SEQS
 sequences), so no XLA kernel runs before the launch, which matters for small decode steps.
 A program loads its R query rows (BQ tokens x the G heads that share kv head k: GQA costs
-one read of K/V per group, not per head), walks its causal key range BK keys at a time, gathering the slots through the
-block table, and keeps an online softmax (exp2; masks only on the causal and window edge
-steps). With X > 1 each program covers 1/X of the key range and writes a normalised partial
+one read of K/V per group, not per head), walks its causal key range BK keys at a time,
+gathering the slots through the block table, and keeps an online softmax (exp2; masks only on
+the causal and window edge steps). With X > 1 each program covers 1/X of the key range and writes a normalised partial
 output and its log-sum-exp; a second small kernel (split_merge.py) merges them.
 This is what keeps a batch of one or a few long decodes from leaving most SMs idle.
 """
