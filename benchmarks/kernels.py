@@ -130,7 +130,7 @@ def bench_attention(rng, quick: bool, sweep: bool, decode_only: bool = False):
     from jaxserve.pallas_kernels import ragged_paged_attention as rpa
     scale = E ** -0.5
     decode_cases = [(1, 1024), (1, 8192), (4, 4096), (16, 1024), (32, 1024), (32, 8192),
-                    (128, 1024), (128, 8192)]
+                    (64, 1024), (64, 2048), (128, 1024), (128, 8192)]
     if quick:
         decode_cases = [(1, 8192), (32, 1024), (128, 1024)]
     for s, ctx in decode_cases:
@@ -518,13 +518,50 @@ def bench_prefill_buckets(rng):
         del c
 
 
+def bench_decode_buckets(rng, sweep: bool):
+    """Decode steps as the engine runs them: a bucket of T = S sequence slots (64 or 128) of
+    which only some hold a decode, the rest padding sequences. Ours (the default key-step size
+    by wave fill) beside cuDNN on the real sequences; with --sweep also 128- and 64-key steps
+    forced (the Triton kernel)."""
+    from jaxserve.pallas_kernels import ragged_paged_attention as rpa
+    scale = E ** -0.5
+    for slots, real, ctx in ((64, 64, 1024), (64, 56, 1024), (64, 48, 1024), (64, 40, 1024),
+                             (64, 64, 2048), (64, 48, 2048), (128, 128, 1024), (128, 96, 1024)):
+        pad = slots - real
+        c = paged_case(rng, [1] * real + [0] * pad, [ctx] * real + [0] * pad)
+        c["q"] = jax.random.normal(jax.random.key(2), (slots, N, E), jnp.bfloat16)
+        args = (c["q"], c["k"], c["v"], c["qsl"], c["seq_lens"], c["bt"])
+        case = f"S={slots} {real} decodes L={ctx}"
+        byts = 2 * real * ctx * KH * E * 2 + 2 * real * N * E * 2
+        ref = jax.jit(functools.partial(rpa.xla_ragged_paged_attention, sm_scale=scale))(*args)
+        variants = [("pallas (default)", {})]
+        if sweep:
+            variants += [(f"triton bk{bk}", dict(impl="triton", block_k=bk)) for bk in (128, 64)]
+        for label, kw in variants:
+            f = jax.jit(functools.partial(rpa.ragged_paged_attention, sm_scale=scale,
+                                          **{"impl": "pallas", **kw}))
+            out = f(*args)
+            record("dec-bucket", case, label, gpu_time_ms(f, *args), bytes_=byts,
+                   err=rel_err(out[:real], ref[:real]))
+        k_d, v_d = dense_kv(dict(c, bt=c["bt"][:real]))
+        q4 = c["q"][:real].reshape(real, 1, N, E)
+        fc = jax.jit(lambda q4, k_d, v_d: jax.nn.dot_product_attention(
+            q4, k_d, v_d, scale=scale, implementation="cudnn"))
+        oc = try_run("cudnn decode bucket", lambda: fc(q4, k_d, v_d))
+        if oc is not None:
+            record("dec-bucket", case, "cudnn (dense kv, real)", gpu_time_ms(fc, q4, k_d, v_d),
+                   bytes_=byts, err=rel_err(oc.reshape(real, N, E), ref[:real]))
+        del c, k_d, v_d
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer shapes")
     ap.add_argument("--sweep", action="store_true", help="also sweep tuning options")
     ap.add_argument("--only", default="attention,rmsnorm,rope,topk,moe",
                     help="comma list of: attention, decode (the decode cases only: ours "
-                         "and cuDNN), buckets (prefill-heavy engine steps), rmsnorm, rope, "
+                         "and cuDNN), buckets (prefill-heavy engine steps), decode-buckets "
+                         "(decode steps in partly filled buckets), rmsnorm, rope, "
                          "topk, moe, router, linear")
     ap.add_argument("--moe-auto-only", action="store_true",
                     help="MoE: no Mosaic tile shapes beside lax.ragged_dot, auto and pallas")
@@ -536,6 +573,7 @@ def main():
     benches = dict(attention=lambda: bench_attention(rng, args.quick, args.sweep),
                    decode=lambda: bench_attention(rng, args.quick, args.sweep, decode_only=True),
                    buckets=lambda: bench_prefill_buckets(rng),
+                   **{"decode-buckets": lambda: bench_decode_buckets(rng, args.sweep)},
                    rmsnorm=lambda: bench_rmsnorm(rng, args.quick, args.sweep),
                    rope=lambda: bench_rope(rng, args.quick),
                    router=lambda: bench_router(rng, args.quick, args.sweep),

@@ -28,9 +28,11 @@ sequences), so no XLA kernel runs before the launch, which matters for small dec
 A program loads its R query rows (BQ tokens x the G heads that share kv head k: GQA costs
 one read of K/V per group, not per head), walks its causal key range BK keys at a time,
 gathering the slots through the block table, and keeps an online softmax (exp2; masks only on
-the causal and window edge steps). With X > 1 each program covers 1/X of the key range and writes a normalised partial
-output and its log-sum-exp; a second small kernel (split_merge.py) merges them.
-This is what keeps a batch of one or a few long decodes from leaving most SMs idle.
+the causal and window edge steps). With X > 1 each program covers 1/X of the key range and
+writes a normalised partial output and its log-sum-exp; a second small kernel (split_merge.py)
+merges them. This is what keeps a batch of one or a few long decodes from leaving most SMs
+idle. Keys per step (BK) also set how many programs an SM holds at once, so for decode grids
+they are chosen to fill the grid's waves (default_block_k).
 """
 
 from __future__ import annotations
@@ -315,13 +317,39 @@ def default_block_q(num_tokens: int, num_seqs: int, group: int) -> int:
     return max(1, min(max(bq, 16 // gp), max(1, 64 // gp)))
 
 
-def default_block_k(block_q: int, group: int, context: int, num_splits: int = 1) -> int:
+# Programs of a decode tile (16 rows, 4 warps, 256-byte K/V rows: E = 128 in bf16) that one
+# H200 SM holds at once, by keys per step: 3 at 128 keys (72 KB of shared memory each), 4 at
+# 64. Inferred from where the eighth session's sweep (BENCHMARKS.md) found each step size
+# ahead, not read from the compiled kernel.
+DECODE_PROGRAMS_PER_SM = {128: 3, 64: 4}
+
+
+def wave_fill(programs: int, per_sm: int) -> float:
+    """Fraction of the grid's resident slots that its programs fill, over all its waves (1.0:
+    every wave full; a last wave a third full costs about as much as a full one)."""
+    per_wave = per_sm * NUM_SMS
+    return programs / (pl.cdiv(programs, per_wave) * per_wave)
+
+
+def default_block_k(block_q: int, group: int, context: int, num_splits: int = 1, *,
+                    programs: int | None = None, row_bytes: int | None = None) -> int:
     """Keys per step: 128 for decode-like tiles (fewer, longer loads), 64 for prefill tiles
-    and for splits of at most 256 keys (more steps to overlap; H200 sweep, BENCHMARKS.md)."""
+    and for splits of at most 256 keys (more steps to overlap; H200 sweep, BENCHMARKS.md).
+    An unsplit decode grid of `programs` programs (256-byte K/V rows) takes 64 when that
+    fills its waves much better (wave_fill at least 0.25 higher): 64 sequences x 8 kv heads =
+    512 programs are 0.97 of one wave of 64-key programs but 1.29 waves of 128-key ones (H200:
+    64 x 1K decodes 72.6 -> 65.6 us, 64 x 2K 138.9 -> 124.0; cuDNN 64.7 and 122.1). Smaller
+    differences are left alone: at 1,024 programs (+0.11) 64-key steps measured 1 % either
+    way; where 128-key steps fill better (96 sequences, 768 programs) 64-key ones were 9 %
+    slower."""
     rows = _tile_rows(block_q, pl.next_power_of_2(group))
     short_splits = num_splits > 1 and context // num_splits <= 256
-    return max(16, min(128 if rows <= 16 and not short_splits else 64,
-                       pl.next_power_of_2(context)))
+    block_k = 128 if rows <= 16 and not short_splits else 64
+    if block_k == 128 and num_splits == 1 and programs and row_bytes == 256 and (
+            wave_fill(programs, DECODE_PROGRAMS_PER_SM[64])
+            - wave_fill(programs, DECODE_PROGRAMS_PER_SM[128]) >= 0.25):
+        block_k = 64
+    return max(16, min(block_k, pl.next_power_of_2(context)))
 
 
 def prefill_heavy(num_tokens: int, num_seqs: int) -> bool:
@@ -403,7 +431,9 @@ def ragged_paged_attention(q_TNE, k_cache_NPKE, v_cache_NPKE, query_start_loc_S1
                          f"use impl='xla'")
     block_q = block_q or default_block_q(t, s, g)
     num_splits = num_splits or default_num_splits(t, s, kh, block_q, b * p)
-    block_k = block_k or default_block_k(block_q, g, b * p, num_splits)
+    block_k = block_k or default_block_k(
+        block_q, g, b * p, num_splits, programs=_num_tiles(t, s, block_q) * kh * num_splits,
+        row_bytes=e * k_cache_NPKE.dtype.itemsize)
     interpret = (not on_gpu) if interpret is None else interpret
     rows = _tile_rows(block_q, gp)
     num_warps = num_warps or (4 if rows <= 64 else 8)

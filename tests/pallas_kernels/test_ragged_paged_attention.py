@@ -164,15 +164,25 @@ def test_binary_search_past_the_vector_search(binary_search):
 
 def test_default_tiling_of_decode_batches():
     # (T, S, K, context) -> splits, keys per step (the H200 sweep in BENCHMARKS.md)
-    def pick(t, s, ctx, kh=8, g=4):
+    def pick(t, s, ctx, kh=8, g=4, row_bytes=256):
         bq = rpa.default_block_q(t, s, g)
         x = rpa.default_num_splits(t, s, kh, bq, ctx)
-        return bq, x, rpa.default_block_k(bq, g, ctx, x)
+        programs = rpa._num_tiles(t, s, bq) * kh * x
+        return bq, x, rpa.default_block_k(bq, g, ctx, x, programs=programs,
+                                          row_bytes=row_bytes)
     assert pick(1, 1, 1024) == (1, 16, 64)        # a lone decode: 64 keys a split
     assert pick(1, 1, 8192) == (1, 32, 64)
     assert pick(1, 1, 32768) == (1, 32, 128)      # long splits: 128-key steps
     assert pick(16, 16, 1024) == (4, 4, 64)       # 128 programs < 132 SMs: split
     assert pick(32, 32, 1024) == (4, 1, 128)      # 256 programs: no split, no merge
+    # step size by wave fill: 512 programs are one wave of 64-key programs (4 an SM) but 1.29
+    # of 128-key ones (3 an SM); 768 and 1,024 stay at 128 keys
+    assert pick(64, 64, 1024) == (4, 1, 64)
+    assert pick(64, 64, 2048) == (4, 1, 64)
+    assert pick(64, 64, 1024, row_bytes=512) == (4, 1, 128)   # only measured for 256-byte rows
+    assert pick(96, 96, 1024) == (4, 1, 128)
+    assert pick(128, 128, 1024) == (4, 1, 128)
+    assert pick(48, 48, 1024) == (4, 1, 128)
     assert pick(2048, 1, 2048) == (16, 1, 64)     # prefill: query tiles, no split
     # exact tile starts: a bucket of decodes launches one program per sequence, not 1.25
     assert rpa._num_tiles(32, 32, 4) == 32 and rpa._num_tiles(1, 1, 1) == 1
