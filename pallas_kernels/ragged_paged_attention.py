@@ -31,8 +31,8 @@ gathering the slots through the block table, and keeps an online softmax (exp2; 
 the causal and window edge steps). With X > 1 each program covers 1/X of the key range and
 writes a normalised partial output and its log-sum-exp; a second small kernel (split_merge.py)
 merges them. This is what keeps a batch of one or a few long decodes from leaving most SMs
-idle. Keys per step (BK) also set how many programs an SM holds at once, so for decode grids
-they are chosen to fill the grid's waves (default_block_k).
+idle. Keys per step (BK) also set how many programs an SM holds at once (their shared memory
+and registers); default_block_k uses that for one grid size where it was measured to matter.
 """
 
 from __future__ import annotations
@@ -317,10 +317,10 @@ def default_block_q(num_tokens: int, num_seqs: int, group: int) -> int:
     return max(1, min(max(bq, 16 // gp), max(1, 64 // gp)))
 
 
-# Programs of a decode tile (16 rows, 4 warps, 256-byte K/V rows: E = 128 in bf16) that one
-# H200 SM holds at once, by keys per step: 3 at 128 keys (72 KB of shared memory each), 4 at
-# 64. Inferred from where the eighth session's sweep (BENCHMARKS.md) found each step size
-# ahead, not read from the compiled kernel.
+# Programs of a decode tile (16 rows, 4 warps, E = 128 in 2-byte K/V) that one H200 SM holds
+# at once, by keys per step: 3 at 128 keys (72 KB of shared memory each, from XLA's thunk
+# metadata; 3 fit in the SM's 228 KB) and 4 at 64 (38 KB each, so six would fit: the limit of 4
+# is inferred from the times in BENCHMARKS.md's eighth session, not read from the kernel).
 DECODE_PROGRAMS_PER_SM = {128: 3, 64: 4}
 
 
@@ -332,21 +332,28 @@ def wave_fill(programs: int, per_sm: int) -> float:
 
 
 def default_block_k(block_q: int, group: int, context: int, num_splits: int = 1, *,
-                    programs: int | None = None, row_bytes: int | None = None) -> int:
-    """Keys per step: 128 for decode-like tiles (fewer, longer loads), 64 for prefill tiles
-    and for splits of at most 256 keys (more steps to overlap; H200 sweep, BENCHMARKS.md).
-    An unsplit decode grid of `programs` programs (256-byte K/V rows) takes 64 when that
-    fills its waves much better (wave_fill at least 0.25 higher): 64 sequences x 8 kv heads =
-    512 programs are 0.97 of one wave of 64-key programs but 1.29 waves of 128-key ones (H200:
-    64 x 1K decodes 72.6 -> 65.6 us, 64 x 2K 138.9 -> 124.0; cuDNN 64.7 and 122.1). Smaller
-    differences are left alone: at 1,024 programs (+0.11) 64-key steps measured 1 % either
-    way; where 128-key steps fill better (96 sequences, 768 programs) 64-key ones were 9 %
-    slower. The rule sees the bucket, not how many of its slots hold a sequence: a 64-slot
-    bucket with 40-48 decodes ran 2-15 % slower with it, one with 56-64 10-16 % faster."""
+                    programs: int | None = None, head_dim: int | None = None,
+                    itemsize: int | None = None, num_warps: int = 4) -> int:
+    """Keys per step: 128 by default for decode-like tiles (fewer, longer loads), 64 for
+    prefill tiles and for splits of at most 256 keys (more steps to overlap; H200 sweep,
+    BENCHMARKS.md).
+
+    An unsplit decode grid of `programs` programs (E = 128, 2-byte K/V, 4 warps: the case
+    measured) takes 64-key steps when they fill its waves much better (wave_fill at least 0.25
+    higher). With 3 and 4 programs an SM that holds exactly for 3 x 132 < programs <= 4 x 132:
+    e.g. 512 programs (64 sequences x 8 kv heads, or 128 x 4) are 0.97 of one wave of 64-key
+    programs but 1.29 waves of 128-key ones. H200: 64 x 1K decodes 72.9 -> 65.9 us, 64 x 2K
+    138.9 -> 124.2 (cuDNN 64.8 and 122.0); with 4 kv heads, 128 x 1K 73.8 -> 66.2. Elsewhere
+    the gain is at most 0.11 and the rule keeps 128 keys: at 1,024 programs 64-key steps
+    measured within 1 %, at 768 (96 sequences) about 20 % slower. The rule sees the bucket,
+    not how many of its slots hold a sequence: buckets of 512 programs with three quarters of
+    their slots used or fewer took 2-18 % more time with it (40-48 of 64 sequences: 2-11 %; 96
+    of 128 at 4 kv heads: 3-18 %), ones seven eighths full or more 9-16 % less."""
     rows = _tile_rows(block_q, pl.next_power_of_2(group))
     short_splits = num_splits > 1 and context // num_splits <= 256
     block_k = 128 if rows <= 16 and not short_splits else 64
-    if block_k == 128 and num_splits == 1 and programs and row_bytes == 256 and (
+    measured = num_splits == 1 and (head_dim, itemsize, num_warps) == (128, 2, 4)
+    if block_k == 128 and measured and programs and (
             wave_fill(programs, DECODE_PROGRAMS_PER_SM[64])
             - wave_fill(programs, DECODE_PROGRAMS_PER_SM[128]) >= 0.25):
         block_k = 64
@@ -432,12 +439,12 @@ def ragged_paged_attention(q_TNE, k_cache_NPKE, v_cache_NPKE, query_start_loc_S1
                          f"use impl='xla'")
     block_q = block_q or default_block_q(t, s, g)
     num_splits = num_splits or default_num_splits(t, s, kh, block_q, b * p)
-    block_k = block_k or default_block_k(
-        block_q, g, b * p, num_splits, programs=_num_tiles(t, s, block_q) * kh * num_splits,
-        row_bytes=e * k_cache_NPKE.dtype.itemsize)
-    interpret = (not on_gpu) if interpret is None else interpret
     rows = _tile_rows(block_q, gp)
     num_warps = num_warps or (4 if rows <= 64 else 8)
+    block_k = block_k or default_block_k(
+        block_q, g, b * p, num_splits, programs=_num_tiles(t, s, block_q) * kh * num_splits,
+        head_dim=e, itemsize=k_cache_NPKE.dtype.itemsize, num_warps=num_warps)
+    interpret = (not on_gpu) if interpret is None else interpret
     heavy_first = prefill_heavy(t, s) if heavy_first is None else heavy_first
     prefetch_slots = prefill_heavy(t, s) if prefetch_slots is None else prefetch_slots
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -163,30 +165,53 @@ def test_binary_search_past_the_vector_search(binary_search):
 
 
 def test_default_tiling_of_decode_batches():
-    # (T, S, K, context) -> splits, keys per step (the H200 sweep in BENCHMARKS.md)
-    def pick(t, s, ctx, kh=8, g=4, row_bytes=256):
+    # (T tokens, S sequences, context) -> (query tile, splits, keys per step) with the wrapper's
+    # arguments (the H200 sweeps in BENCHMARKS.md)
+    def pick(t, s, ctx, kh=8, g=4, head_dim=128, itemsize=2, num_warps=4):
         bq = rpa.default_block_q(t, s, g)
         x = rpa.default_num_splits(t, s, kh, bq, ctx)
         programs = rpa._num_tiles(t, s, bq) * kh * x
-        return bq, x, rpa.default_block_k(bq, g, ctx, x, programs=programs,
-                                          row_bytes=row_bytes)
+        return bq, x, rpa.default_block_k(bq, g, ctx, x, programs=programs, head_dim=head_dim,
+                                          itemsize=itemsize, num_warps=num_warps)
     assert pick(1, 1, 1024) == (1, 16, 64)        # a lone decode: 64 keys a split
     assert pick(1, 1, 8192) == (1, 32, 64)
     assert pick(1, 1, 32768) == (1, 32, 128)      # long splits: 128-key steps
     assert pick(16, 16, 1024) == (4, 4, 64)       # 128 programs < 132 SMs: split
     assert pick(32, 32, 1024) == (4, 1, 128)      # 256 programs: no split, no merge
-    # step size by wave fill: 512 programs are one wave of 64-key programs (4 an SM) but 1.29
-    # of 128-key ones (3 an SM); 768 and 1,024 stay at 128 keys
-    assert pick(64, 64, 1024) == (4, 1, 64)
-    assert pick(64, 64, 2048) == (4, 1, 64)
-    assert pick(64, 64, 1024, row_bytes=512) == (4, 1, 128)   # only measured for 256-byte rows
-    assert pick(96, 96, 1024) == (4, 1, 128)
-    assert pick(128, 128, 1024) == (4, 1, 128)
-    assert pick(48, 48, 1024) == (4, 1, 128)
     assert pick(2048, 1, 2048) == (16, 1, 64)     # prefill: query tiles, no split
+    # step size by wave fill: 397-528 programs are one wave of 64-key programs (4 an SM) but
+    # more than one of 128-key ones (3 an SM); measured at 512 (64 x 8 and 128 x 4 kv heads),
+    # not at the window's other sizes
+    assert pick(64, 64, 1024) == pick(64, 64, 2048) == (4, 1, 64)
+    assert pick(128, 128, 1024, kh=4, g=8) == (2, 1, 64)
+    assert pick(50, 50, 1024) == pick(66, 66, 1024) == (4, 1, 64)          # 400, 528 programs
+    assert pick(49, 49, 1024) == pick(67, 67, 1024) == (4, 1, 128)         # 392, 536
+    assert pick(48, 48, 1024) == pick(96, 96, 1024) == pick(128, 128, 1024) == (4, 1, 128)
+    assert pick(4, 4, 32768) == (4, 16, 128)      # 512 programs, but split: not measured
+    for other in (dict(head_dim=64), dict(itemsize=4), dict(num_warps=8)):   # not measured
+        assert pick(64, 64, 1024, **other) == (4, 1, 128)
+    assert rpa.default_block_k(4, 4, 1024) == 128   # no grid size given: the plain rule
     # exact tile starts: a bucket of decodes launches one program per sequence, not 1.25
     assert rpa._num_tiles(32, 32, 4) == 32 and rpa._num_tiles(1, 1, 1) == 1
     assert rpa._num_tiles(4096, 4096, 4) == 4096 // 4 + 4096 + 1   # binary-search bound
+
+
+def test_wrapper_passes_the_grid_to_the_step_size_rule():
+    # the kernel name carries the tiling the wrapper chose (traced only, nothing runs)
+    sds = jax.ShapeDtypeStruct
+
+    def name(s, kh=8, n=32, e=128, dtype=jnp.bfloat16, **kw):
+        cache = sds((s * 64 + 1, 16, kh, e), dtype)
+        args = (sds((s, n, e), dtype), cache, cache, sds((s + 1,), jnp.int32),
+                sds((s,), jnp.int32), sds((s, 64), jnp.int32))
+        jaxpr = jax.make_jaxpr(lambda *a: rpa.ragged_paged_attention(
+            *a, sm_scale=SCALE, impl="triton", interpret=True, **kw))(*args)
+        return re.search(r"ragged_paged_attention_bq\d+_bk\d+_x\d+", str(jaxpr)).group()
+    assert name(64) == "ragged_paged_attention_bq4_bk64_x1"
+    assert name(128, kh=4) == "ragged_paged_attention_bq2_bk64_x1"    # Qwen3-30B-A3B's heads
+    assert name(128) == name(48) == "ragged_paged_attention_bq4_bk128_x1"
+    assert name(64, dtype=jnp.float32) == name(64, e=64) == name(64, num_warps=8) == \
+        "ragged_paged_attention_bq4_bk128_x1"
 
 
 def test_engine_bucket_shape_decodes_chunk_and_padding_sequences():
