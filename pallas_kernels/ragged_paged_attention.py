@@ -326,7 +326,8 @@ DECODE_PROGRAMS_PER_SM = {128: 3, 64: 4}
 
 def wave_fill(programs: int, per_sm: int) -> float:
     """Fraction of the grid's resident slots that its programs fill, over all its waves (1.0:
-    every wave full; a last wave a third full costs about as much as a full one)."""
+    every wave full). The model behind it: a partly filled last wave takes about as long as a
+    full one, so a grid of 1.29 waves costs like two."""
     per_wave = per_sm * NUM_SMS
     return programs / (pl.cdiv(programs, per_wave) * per_wave)
 
