@@ -32,7 +32,7 @@ the causal and window edge steps). With X > 1 each program covers 1/X of the key
 writes a normalised partial output and its log-sum-exp; a second small kernel (split_merge.py)
 merges them. This is what keeps a batch of one or a few long decodes from leaving most SMs
 idle. Keys per step (BK) also set how many programs an SM holds at once (their shared memory
-and registers); default_block_k uses that for one grid size where it was measured to matter.
+and registers); default_block_k takes 64 for decode grids that only then fit in one wave.
 """
 
 from __future__ import annotations
@@ -318,18 +318,14 @@ def default_block_q(num_tokens: int, num_seqs: int, group: int) -> int:
 
 
 # Programs of a decode tile (16 rows, 4 warps, E = 128 in 2-byte K/V) that one H200 SM holds
-# at once, by keys per step: 3 at 128 keys (72 KB of shared memory each, from XLA's thunk
-# metadata; 3 fit in the SM's 228 KB) and 4 at 64 (38 KB each, so six would fit: the limit of 4
-# is inferred from the times in BENCHMARKS.md's eighth session, not read from the kernel).
-DECODE_PROGRAMS_PER_SM = {128: 3, 64: 4}
+# at once, by keys per step (Nsight Compute's occupancy limits, by registers and by shared
+# memory alike: 162-165 registers a thread and 72 KB at 128 keys, 96 and 38 KB at 64).
+DECODE_PROGRAMS_PER_SM = {128: 3, 64: 5}
 
 
-def wave_fill(programs: int, per_sm: int) -> float:
-    """Fraction of the grid's resident slots that its programs fill, over all its waves (1.0:
-    every wave full). The model behind it: a partly filled last wave takes about as long as a
-    full one, so a grid of 1.29 waves costs like two."""
-    per_wave = per_sm * NUM_SMS
-    return programs / (pl.cdiv(programs, per_wave) * per_wave)
+def waves(programs: int, per_sm: int) -> int:
+    """Rounds of `per_sm` programs on every SM that a grid of `programs` takes."""
+    return pl.cdiv(programs, per_sm * NUM_SMS)
 
 
 def default_block_k(block_q: int, group: int, context: int, num_splits: int = 1, *,
@@ -340,23 +336,22 @@ def default_block_k(block_q: int, group: int, context: int, num_splits: int = 1,
     BENCHMARKS.md).
 
     An unsplit decode grid of `programs` programs (E = 128, 2-byte K/V, 4 warps: the case
-    measured) takes 64-key steps when they fill its waves much better (wave_fill at least 0.25
-    higher). With 3 and 4 programs an SM that holds exactly for 3 x 132 < programs <= 4 x 132:
-    e.g. 512 programs (64 sequences x 8 kv heads, or 128 x 4) are 0.97 of one wave of 64-key
-    programs but 1.29 waves of 128-key ones. H200: 64 x 1K decodes 72.9 -> 65.9 us, 64 x 2K
-    138.9 -> 124.2 (cuDNN 64.8 and 122.0); with 4 kv heads, 128 x 1K 73.8 -> 66.2. Elsewhere
-    the gain is at most 0.11 and the rule keeps 128 keys: at 1,024 programs 64-key steps
-    measured within 1 %, at 768 (96 sequences) about 20 % slower. The rule sees the bucket,
-    not how many of its slots hold a sequence: buckets of 512 programs with three quarters of
-    their slots used or fewer took 2-18 % more time with it (40-48 of 64 sequences: 2-11 %; 96
-    of 128 at 4 kv heads: 3-18 %), ones seven eighths full or more 9-16 % less."""
+    measured) takes 64-key steps when it fits in one wave of them but not in one wave of
+    128-key ones: 397-660 programs on an H200, e.g. 512 (64 sequences x 8 kv heads, or 128 x
+    4). H200: 64 x 1K decodes 72.9 -> 65.9 us, 64 x 2K 138.9 -> 124.2 (cuDNN 64.8 and 122.0);
+    with 4 kv heads 128 x 1K 73.8 -> 66.2; 72-82 x 1K 1.5-3.5 % less time, while at 84 x 1K
+    (672 programs, past one wave) 64-key steps took 21 % more. Past one wave 128-key steps were
+    as fast or faster (768, 1,024 and 2,048 programs), and so below 397 (256 and 384). The rule
+    sees the bucket, not how many of its slots hold a sequence: buckets of 512 programs three
+    quarters full or less took 2-18 % more time with it (40-48 of 64 sequences: 2-11 %; 96 of
+    128 at 4 kv heads: 3-18 %), ones seven eighths full or more 9-16 % less."""
     rows = _tile_rows(block_q, pl.next_power_of_2(group))
     short_splits = num_splits > 1 and context // num_splits <= 256
     block_k = 128 if rows <= 16 and not short_splits else 64
     measured = num_splits == 1 and (head_dim, itemsize, num_warps) == (128, 2, 4)
     if block_k == 128 and measured and programs and (
-            wave_fill(programs, DECODE_PROGRAMS_PER_SM[64])
-            - wave_fill(programs, DECODE_PROGRAMS_PER_SM[128]) >= 0.25):
+            waves(programs, DECODE_PROGRAMS_PER_SM[64]) == 1
+            < waves(programs, DECODE_PROGRAMS_PER_SM[128])):
         block_k = 64
     return max(16, min(block_k, pl.next_power_of_2(context)))
 

@@ -179,13 +179,13 @@ def test_default_tiling_of_decode_batches():
     assert pick(16, 16, 1024) == (4, 4, 64)       # 128 programs < 132 SMs: split
     assert pick(32, 32, 1024) == (4, 1, 128)      # 256 programs: no split, no merge
     assert pick(2048, 1, 2048) == (16, 1, 64)     # prefill: query tiles, no split
-    # step size by wave fill: 397-528 programs are one wave of 64-key programs (4 an SM) but
-    # more than one of 128-key ones (3 an SM); measured at 512 (64 x 8 and 128 x 4 kv heads),
-    # not at the window's other sizes
+    # step size by waves: 397-660 programs are one wave of 64-key programs (5 an SM) but more
+    # than one of 128-key ones (3 an SM); measured at 512 (64 x 8 and 128 x 4 kv heads) and
+    # 576-672, not at 400
     assert pick(64, 64, 1024) == pick(64, 64, 2048) == (4, 1, 64)
     assert pick(128, 128, 1024, kh=4, g=8) == (2, 1, 64)
-    assert pick(50, 50, 1024) == pick(66, 66, 1024) == (4, 1, 64)          # 400, 528 programs
-    assert pick(49, 49, 1024) == pick(67, 67, 1024) == (4, 1, 128)         # 392, 536
+    assert pick(50, 50, 1024) == pick(82, 82, 1024) == (4, 1, 64)          # 400, 656 programs
+    assert pick(49, 49, 1024) == pick(83, 83, 1024) == (4, 1, 128)         # 392, 664
     assert pick(48, 48, 1024) == pick(96, 96, 1024) == pick(128, 128, 1024) == (4, 1, 128)
     assert pick(4, 4, 32768) == (4, 16, 128)      # 512 programs, but split: not measured
     for other in (dict(head_dim=64), dict(itemsize=4), dict(num_warps=8)):   # not measured
