@@ -521,7 +521,7 @@ def bench_prefill_buckets(rng):
 def bench_decode_buckets(rng, sweep: bool):
     """Decode steps as the engine runs them: a bucket of T = S sequence slots (64 or 128) of
     which only some hold a decode, the rest padding sequences. Ours (the default key-step size
-    by wave fill) beside cuDNN on the real sequences; with --sweep also 128- and 64-key steps
+    by waves) beside cuDNN on the real sequences; with --sweep also 128- and 64-key steps
     forced (the Triton kernel)."""
     from jaxserve.pallas_kernels import ragged_paged_attention as rpa
     scale = E ** -0.5

@@ -317,9 +317,11 @@ def default_block_q(num_tokens: int, num_seqs: int, group: int) -> int:
     return max(1, min(max(bq, 16 // gp), max(1, 64 // gp)))
 
 
-# Programs of a decode tile (16 rows, 4 warps, E = 128 in 2-byte K/V) that one H200 SM holds
-# at once, by keys per step (Nsight Compute's occupancy limits, by registers and by shared
-# memory alike: 162-165 registers a thread and 72 KB at 128 keys, 96 and 38 KB at 64).
+# Programs of a decode tile (16 rows, 4 warps, 2 stages, E = 128 in 2-byte K/V) that one H200
+# SM holds at once, by keys per step: Nsight Compute's occupancy limits, by registers and by
+# shared memory alike (162-165 registers a thread and 72 KiB at 128 keys, 96 and 38 KiB at 64),
+# read from the kernels of jax 0.11.2's Triton; a compiler that used ~4 more registers at 128
+# keys would make it 2.
 DECODE_PROGRAMS_PER_SM = {128: 3, 64: 5}
 
 
@@ -330,25 +332,28 @@ def waves(programs: int, per_sm: int) -> int:
 
 def default_block_k(block_q: int, group: int, context: int, num_splits: int = 1, *,
                     programs: int | None = None, head_dim: int | None = None,
-                    itemsize: int | None = None, num_warps: int = 4) -> int:
+                    itemsize: int | None = None, num_warps: int = 4,
+                    num_stages: int = 2) -> int:
     """Keys per step: 128 by default for decode-like tiles (fewer, longer loads), 64 for
     prefill tiles and for splits of at most 256 keys (more steps to overlap; H200 sweep,
     BENCHMARKS.md).
 
-    An unsplit decode grid of `programs` programs (E = 128, 2-byte K/V, 4 warps: the case
-    measured) takes 64-key steps when it fits in one wave of them but not in one wave of
-    128-key ones: 397-660 programs on an H200, e.g. 512 (64 sequences x 8 kv heads, or 128 x
-    4). H200: 64 x 1K decodes 72.9 -> 65.9 us, 64 x 2K 138.9 -> 124.2 (cuDNN 64.8 and 122.0);
-    with 4 kv heads 128 x 1K 73.8 -> 66.2; 72-82 x 1K 1.5-3.5 % less time, while at 84 x 1K
-    (672 programs, past one wave) 64-key steps took 21 % more. Past one wave 128-key steps were
-    as fast or faster (768, 1,024 and 2,048 programs), and so below 397 (256 and 384). The rule
-    sees the bucket, not how many of its slots hold a sequence: buckets of 512 programs three
-    quarters full or less took 2-18 % more time with it (40-48 of 64 sequences: 2-11 %; 96 of
-    128 at 4 kv heads: 3-18 %), ones seven eighths full or more 9-16 % less."""
+    An unsplit decode grid of `programs` programs (E = 128, 2-byte K/V, 4 warps, 2 stages: the
+    case measured; the wrapper passes `programs` only for decode buckets, T <= S) takes 64-key
+    steps when it fits in one wave of them but not in one wave of 128-key ones: 397-660
+    programs on an H200. Of the engine's decode buckets (powers of two) that is 512 programs:
+    64 sequences x 8 kv heads, or 128 x 4. H200: 64 x 1K decodes 72.9 -> 65.9 us, 64 x 2K 138.9
+    -> 124.2 (cuDNN 64.8 and 122.0); with 4 kv heads 128 x 1K 73.8 -> 66.2; 72, 80 and 82 x 1K
+    1.5-3.5 % less time, while at 84 x 1K (672 programs, past one wave) 64-key steps took 21 %
+    more. Past one wave 128-key steps were as fast or faster (768, 1,024 and 2,048 programs),
+    and so at 256 and 384 programs; nothing between 384 and 512 was timed. The rule sees the
+    bucket, not how many of its slots hold a sequence: buckets of 512 programs three quarters
+    full or less took 2-18 % more time with it (40-48 of 64 sequences: 2-11 %; 96 of 128 at 4
+    kv heads: 3-18 %), ones seven eighths full or more 9-16 % less."""
     rows = _tile_rows(block_q, pl.next_power_of_2(group))
     short_splits = num_splits > 1 and context // num_splits <= 256
     block_k = 128 if rows <= 16 and not short_splits else 64
-    measured = num_splits == 1 and (head_dim, itemsize, num_warps) == (128, 2, 4)
+    measured = num_splits == 1 and (head_dim, itemsize, num_warps, num_stages) == (128, 2, 4, 2)
     if block_k == 128 and measured and programs and (
             waves(programs, DECODE_PROGRAMS_PER_SM[64]) == 1
             < waves(programs, DECODE_PROGRAMS_PER_SM[128])):
@@ -437,9 +442,12 @@ def ragged_paged_attention(q_TNE, k_cache_NPKE, v_cache_NPKE, query_start_loc_S1
     num_splits = num_splits or default_num_splits(t, s, kh, block_q, b * p)
     rows = _tile_rows(block_q, gp)
     num_warps = num_warps or (4 if rows <= 64 else 8)
-    block_k = block_k or default_block_k(
-        block_q, g, b * p, num_splits, programs=_num_tiles(t, s, block_q) * kh * num_splits,
-        head_dim=e, itemsize=k_cache_NPKE.dtype.itemsize, num_warps=num_warps)
+    # the grid's size only for decode buckets (no more tokens than sequence slots): the rule
+    # was measured on those, not on buckets of prompt chunks and decodes (T > S)
+    programs = _num_tiles(t, s, block_q) * kh * num_splits if t <= s else None
+    block_k = block_k or default_block_k(block_q, g, b * p, num_splits, programs=programs,
+                                         head_dim=e, itemsize=k_cache_NPKE.dtype.itemsize,
+                                         num_warps=num_warps, num_stages=num_stages)
     interpret = (not on_gpu) if interpret is None else interpret
     heavy_first = prefill_heavy(t, s) if heavy_first is None else heavy_first
     prefetch_slots = prefill_heavy(t, s) if prefetch_slots is None else prefetch_slots

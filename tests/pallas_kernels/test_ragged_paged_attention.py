@@ -167,12 +167,13 @@ def test_binary_search_past_the_vector_search(binary_search):
 def test_default_tiling_of_decode_batches():
     # (T tokens, S sequences, context) -> (query tile, splits, keys per step) with the wrapper's
     # arguments (the H200 sweeps in BENCHMARKS.md)
-    def pick(t, s, ctx, kh=8, g=4, head_dim=128, itemsize=2, num_warps=4):
+    def pick(t, s, ctx, kh=8, g=4, head_dim=128, itemsize=2, num_warps=4, num_stages=2):
         bq = rpa.default_block_q(t, s, g)
         x = rpa.default_num_splits(t, s, kh, bq, ctx)
         programs = rpa._num_tiles(t, s, bq) * kh * x
         return bq, x, rpa.default_block_k(bq, g, ctx, x, programs=programs, head_dim=head_dim,
-                                          itemsize=itemsize, num_warps=num_warps)
+                                          itemsize=itemsize, num_warps=num_warps,
+                                          num_stages=num_stages)
     assert pick(1, 1, 1024) == (1, 16, 64)        # a lone decode: 64 keys a split
     assert pick(1, 1, 8192) == (1, 32, 64)
     assert pick(1, 1, 32768) == (1, 32, 128)      # long splits: 128-key steps
@@ -180,16 +181,16 @@ def test_default_tiling_of_decode_batches():
     assert pick(32, 32, 1024) == (4, 1, 128)      # 256 programs: no split, no merge
     assert pick(2048, 1, 2048) == (16, 1, 64)     # prefill: query tiles, no split
     # step size by waves: 397-660 programs are one wave of 64-key programs (5 an SM) but more
-    # than one of 128-key ones (3 an SM); measured at 512 (64 x 8 and 128 x 4 kv heads) and
-    # 576-672, not at 400
+    # than one of 128-key ones (3 an SM); measured at 512 (64 x 8 and 128 x 4 kv heads), 576,
+    # 640, 656 and 672, not at 400
     assert pick(64, 64, 1024) == pick(64, 64, 2048) == (4, 1, 64)
     assert pick(128, 128, 1024, kh=4, g=8) == (2, 1, 64)
     assert pick(50, 50, 1024) == pick(82, 82, 1024) == (4, 1, 64)          # 400, 656 programs
     assert pick(49, 49, 1024) == pick(83, 83, 1024) == (4, 1, 128)         # 392, 664
     assert pick(48, 48, 1024) == pick(96, 96, 1024) == pick(128, 128, 1024) == (4, 1, 128)
     assert pick(4, 4, 32768) == (4, 16, 128)      # 512 programs, but split: not measured
-    for other in (dict(head_dim=64), dict(itemsize=4), dict(num_warps=8)):   # not measured
-        assert pick(64, 64, 1024, **other) == (4, 1, 128)
+    for other in (dict(head_dim=64), dict(itemsize=4), dict(num_warps=8), dict(num_stages=3)):
+        assert pick(64, 64, 1024, **other) == (4, 1, 128)                   # not measured
     assert rpa.default_block_k(4, 4, 1024) == 128   # no grid size given: the plain rule
     # exact tile starts: a bucket of decodes launches one program per sequence, not 1.25
     assert rpa._num_tiles(32, 32, 4) == 32 and rpa._num_tiles(1, 1, 1) == 1
@@ -200,9 +201,9 @@ def test_wrapper_passes_the_grid_to_the_step_size_rule():
     # the kernel name carries the tiling the wrapper chose (traced only, nothing runs)
     sds = jax.ShapeDtypeStruct
 
-    def name(s, kh=8, n=32, e=128, dtype=jnp.bfloat16, **kw):
+    def name(s, kh=8, n=32, e=128, dtype=jnp.bfloat16, t=None, **kw):
         cache = sds((s * 64 + 1, 16, kh, e), dtype)
-        args = (sds((s, n, e), dtype), cache, cache, sds((s + 1,), jnp.int32),
+        args = (sds((t or s, n, e), dtype), cache, cache, sds((s + 1,), jnp.int32),
                 sds((s,), jnp.int32), sds((s, 64), jnp.int32))
         jaxpr = jax.make_jaxpr(lambda *a: rpa.ragged_paged_attention(
             *a, sm_scale=SCALE, impl="triton", interpret=True, **kw))(*args)
@@ -212,6 +213,8 @@ def test_wrapper_passes_the_grid_to_the_step_size_rule():
     assert name(128) == name(48) == "ragged_paged_attention_bq4_bk128_x1"
     assert name(64, dtype=jnp.float32) == name(64, e=64) == name(64, num_warps=8) == \
         "ragged_paged_attention_bq4_bk128_x1"
+    # 128 tokens in 64 slots (chunks and decodes): 640 programs, but not a decode bucket
+    assert name(64, t=128) == "ragged_paged_attention_bq4_bk128_x1"
 
 
 def test_engine_bucket_shape_decodes_chunk_and_padding_sequences():
