@@ -87,6 +87,19 @@ def try_run(label, fn):
         return None
 
 
+def record_cudnn(group: str, case: str, label: str, q4, k_d, v_d, ref, *, scale: float,
+                 is_causal: bool = False, **metrics):
+    """cuDNN's attention (jax.nn.dot_product_attention) on dense q [S, L, N, E] and K/V
+    [S, L, K, E], timed and checked against `ref` beside ours; reported, not fatal, if it
+    cannot run."""
+    fc = jax.jit(lambda q4, k_d, v_d: jax.nn.dot_product_attention(
+        q4, k_d, v_d, scale=scale, is_causal=is_causal, implementation="cudnn"))
+    out = try_run(f"cudnn ({case})", lambda: fc(q4, k_d, v_d))
+    if out is not None:
+        record(group, case, label, gpu_time_ms(fc, q4, k_d, v_d),
+               err=rel_err(out.reshape(ref.shape), ref), **metrics)
+
+
 # ---------------------------------------------------------------------------------------------
 # attention
 # ---------------------------------------------------------------------------------------------
@@ -161,14 +174,8 @@ def bench_attention(rng, quick: bool, sweep: bool, decode_only: bool = False):
                    bytes_=byts)
         k_d, v_d = dense_kv(c)
         q4 = c["q"].reshape(s, 1, N, E)
-
-        def cudnn(q4, k_d, v_d):
-            return jax.nn.dot_product_attention(q4, k_d, v_d, scale=scale, implementation="cudnn")
-        fc = jax.jit(cudnn)
-        oc = try_run("cudnn decode", lambda: fc(q4, k_d, v_d))
-        if oc is not None:
-            record("attention", case, "cudnn (dense kv)", gpu_time_ms(fc, q4, k_d, v_d),
-                   bytes_=byts, err=rel_err(oc.reshape(s, N, E), ref))
+        record_cudnn("attention", case, "cudnn (dense kv)", q4, k_d, v_d, ref, scale=scale,
+                     bytes_=byts)
         if decode_only:
             continue
         fxd = jax.jit(lambda q4, k_d, v_d: jax.nn.dot_product_attention(
@@ -232,12 +239,8 @@ def bench_attention(rng, quick: bool, sweep: bool, decode_only: bool = False):
             L = ctxs[0]
             q4 = c["q"].reshape(s, L, N, E)
             k_d, v_d = dense_kv(c)
-            fc = jax.jit(lambda q4, k_d, v_d: jax.nn.dot_product_attention(
-                q4, k_d, v_d, scale=scale, is_causal=True, implementation="cudnn"))
-            oc = try_run("cudnn prefill", lambda: fc(q4, k_d, v_d))
-            if oc is not None:
-                record("attention", case, "cudnn (dense, causal)", gpu_time_ms(fc, q4, k_d, v_d),
-                       flops=flops, err=rel_err(oc.reshape(-1, N, E), ref))
+            record_cudnn("attention", case, "cudnn (dense, causal)", q4, k_d, v_d, ref,
+                         scale=scale, is_causal=True, flops=flops)
             try_run("jax ops.gpu attention_mgpu", lambda: bench_attention_mgpu(case, q4, k_d, v_d,
                                                                            flops))
         record("attention", case, "xla fallback", gpu_time_ms(fx, *args, iters=5), flops=flops)
@@ -545,12 +548,8 @@ def bench_decode_buckets(rng, sweep: bool):
                    err=rel_err(out, ref))   # padding tokens included: both give zeros there
         k_d, v_d = dense_kv(dict(c, bt=c["bt"][:real]))
         q4 = c["q"][:real].reshape(real, 1, N, E)
-        fc = jax.jit(lambda q4, k_d, v_d: jax.nn.dot_product_attention(
-            q4, k_d, v_d, scale=scale, implementation="cudnn"))
-        oc = try_run("cudnn decode bucket", lambda: fc(q4, k_d, v_d))
-        if oc is not None:
-            record("dec-bucket", case, "cudnn (dense kv, real)", gpu_time_ms(fc, q4, k_d, v_d),
-                   bytes_=byts, err=rel_err(oc.reshape(real, N, E), ref[:real]))
+        record_cudnn("dec-bucket", case, "cudnn (dense kv, real)", q4, k_d, v_d, ref[:real],
+                     scale=scale, bytes_=byts)
         del c, k_d, v_d
 
 
