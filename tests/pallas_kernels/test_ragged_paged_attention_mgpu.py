@@ -232,12 +232,14 @@ def test_engine_bucket_with_mostly_empty_sequence_slots():
     check(args, block_kv=64)
 
 
-def race_checked():
-    """Interpret-mode options that record shared-memory races (a TMA store still reading a
-    buffer that the next work item writes, ...); the interpreter otherwise does TMA at once."""
+def check_race_free(args, **kw):
+    """check() in interpret mode with shared-memory race detection (a TMA store still reading a
+    buffer that the next work item writes, ...; the interpreter otherwise does TMA at once),
+    then that no race was found."""
     from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
     from jax.experimental.pallas import mosaic_gpu as plgpu
-    return plgpu.InterpretGPUParams(detect_races=True), interpret_pallas_call.get_races
+    check(args, **kw, interpret=plgpu.InterpretGPUParams(detect_races=True))
+    assert not interpret_pallas_call.get_races().races_found
 
 
 @pytest.mark.parametrize("tiling,q_buffers", [("sequence", 1), ("flat", 1), ("sequence", 2),
@@ -247,9 +249,7 @@ def test_few_ctas_each_loop_over_several_work_items(tiling, q_buffers):
     # order, the K/V ring, the barriers, the staging buffers and (with 2 q buffers) the next
     # item's q copy in flight during this one
     args = batch([21, 1, 6, 0, 30], [40, 9, 6, 0, 30], seed=4, pad_tokens=5)
-    params, races = race_checked()
-    check(args, block_kv=64, num_ctas=3, tiling=tiling, q_buffers=q_buffers, interpret=params)
-    assert not races().races_found
+    check_race_free(args, block_kv=64, num_ctas=3, tiling=tiling, q_buffers=q_buffers)
 
 
 @pytest.mark.parametrize("tiling", TILINGS)
@@ -262,9 +262,7 @@ def test_ctas_without_a_work_item_store_nothing(tiling):
 def test_few_ctas_with_key_range_splits():
     # the decode configuration looping: each item's q copy in flight during the previous item
     args = batch([1, 1, 12, 1], [70, 33, 40, 9], seed=5)
-    params, races = race_checked()
-    check(args, **{**mg.DECODE_CONFIG, "num_splits": 3}, num_ctas=5, interpret=params)
-    assert not races().races_found
+    check_race_free(args, **{**mg.DECODE_CONFIG, "num_splits": 3}, num_ctas=5)
 
 
 @pytest.mark.parametrize("bt_ahead,n,kh", [(0, 8, 2), (1, 8, 2), (3, 8, 2), (2, 4, 4),
@@ -273,7 +271,5 @@ def test_block_table_entries_loaded_ahead_over_many_key_steps(bt_ahead, n, kh):
     # items of 2-5 key steps of 64 keys (8 cache blocks of 8 each), several items per CTA:
     # the FIFO carries entries from step to step; two q buffers at GQA 4, 1 and 8
     args = batch([1, 1, 1], [300, 200, 130], n=n, kh=kh, seed=6)
-    params, races = race_checked()
-    check(args, **{**mg.DECODE_CONFIG, "num_splits": 2, "bt_ahead": bt_ahead}, num_ctas=2,
-          interpret=params)
-    assert not races().races_found
+    check_race_free(args, **{**mg.DECODE_CONFIG, "num_splits": 2, "bt_ahead": bt_ahead},
+                    num_ctas=2)
