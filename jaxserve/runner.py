@@ -82,7 +82,8 @@ def _step(params, kv_cache, packed_W, prev_ids_M, *, model, cfg: ModelConfig, at
     x = dataclasses.replace(x, token_ids=token_ids_T)
     kv_cache, hidden_TD = model.forward(cfg, params, kv_cache, x, attention_impl)
     logits_SV = model.compute_logits(cfg, params, hidden_TD[x.logits_indices])
-    out = sampler.sample(logits_SV, x.sampling, variant.num_top, truncate=variant.full)
+    out = sampler.sample(logits_SV, x.sampling, variant.num_top, truncate=variant.full,
+                         kernels=attention_impl != "xla")
     prompt = None
     if variant.prompt_logprobs:
         prompt = sampler.prompt_logprobs(model.compute_logits(cfg, params, hidden_TD),

@@ -20,6 +20,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from jaxserve.pallas_kernels.topk_threshold import topk_threshold, topp_threshold
 from jaxserve.sampling_params import GREEDY_TEMPERATURE
 from jaxserve.sampling_tensors import SamplingRow, SamplingTensors, make_sampling_tensors, needs_extras
 
@@ -37,11 +38,14 @@ class SamplerOutput:
     top_logprobs: jax.Array  # f32[S, N] their log-probabilities
 
 
-def sample(logits_SV: jax.Array, t: SamplingTensors, num_top: int, truncate: bool = True) -> SamplerOutput:
-    """Draw one token per row; call inside jit (`num_top` and `truncate` are static).
+def sample(logits_SV: jax.Array, t: SamplingTensors, num_top: int, truncate: bool = True,
+           kernels: bool = True) -> SamplerOutput:
+    """Draw one token per row; call inside jit (`num_top`, `truncate`, `kernels` are static).
 
-    `truncate=False` leaves min_p / top_k / top_p out of the program (no sort over the
-    vocabulary): the runner passes it when no row of the step uses them."""
+    `truncate=False` leaves min_p / top_k / top_p out of the program (no passes over the
+    vocabulary for their thresholds): the runner passes it when no row of the step uses them.
+    `kernels=False` keeps the Pallas threshold kernels out (a full sort instead): the runner's
+    XLA path, which a device mesh also takes (the kernels are not wrapped in shard_map)."""
     logits_SV = logits_SV.astype(jnp.float32)
     x_SV = processed_logits(logits_SV, t)
     greedy_S = jnp.argmax(x_SV, axis=-1).astype(jnp.int32)
@@ -49,7 +53,7 @@ def sample(logits_SV: jax.Array, t: SamplingTensors, num_top: int, truncate: boo
     temp_S = jnp.where(is_greedy_S, 1.0, t.temperature)
     x_SV = x_SV / temp_S[:, None]
     if truncate:
-        x_SV = _truncate(x_SV, t)
+        x_SV = _truncate(x_SV, t, kernels)
     noise_SV = jax.vmap(lambda key: jax.random.gumbel(key, x_SV.shape[-1:], jnp.float32))(
         row_keys(t.seeds, t.offsets))
     drawn_S = jnp.argmax(x_SV + noise_SV, axis=-1).astype(jnp.int32)
@@ -101,12 +105,34 @@ def _apply_penalties(x_SV: jax.Array, t: SamplingTensors) -> jax.Array:
     return x_SV - t.presence_penalty[:, None] * (out_counts_SV > 0)
 
 
-def _truncate(x_SV: jax.Array, t: SamplingTensors) -> jax.Array:
-    """min_p, then top_k, then top_p (over what top_k kept); dropped tokens become -inf."""
+# Up to this many rows top_k / top_p thresholds come from the radix-select kernels on a GPU;
+# past it from one full sort of each row, which serves both (H200, min_p + top_k + top_p over
+# 128K logits: 56 vs 65 us at 1 row, 372 vs 925 at 32, about level from 128: 1,331 vs 1,348,
+# and 1,691 vs 1,554 over 152K; BENCHMARKS.md).
+THRESHOLD_KERNEL_MAX_ROWS = 64
+
+
+def threshold_kernels_apply(num_rows: int, kernels: bool) -> bool:
+    """Whether _truncate finds its thresholds with the Pallas kernels (a GPU, `kernels`, and
+    at most THRESHOLD_KERNEL_MAX_ROWS rows) rather than by one sort."""
+    return kernels and num_rows <= THRESHOLD_KERNEL_MAX_ROWS and jax.default_backend() == "gpu"
+
+
+def _truncate(x_SV: jax.Array, t: SamplingTensors, kernels: bool = True) -> jax.Array:
+    """min_p, then top_k, then top_p (over what top_k kept); dropped tokens become -inf.
+
+    top_k and top_p keep every logit >= a per-row threshold: found without sorting the rows
+    where threshold_kernels_apply (pallas_kernels/topk_threshold.py: radix select; tokens tied
+    with the k-th largest then all count in top_p's mass), else from one descending sort."""
     V = x_SV.shape[-1]
     # min_p: p >= min_p * p_max  <=>  logit >= max logit + log(min_p)
     max_S1 = jnp.max(x_SV, axis=-1, keepdims=True)
     x_SV = jnp.where(x_SV >= max_S1 + jnp.log(t.min_p)[:, None], x_SV, -jnp.inf)
+    if threshold_kernels_apply(x_SV.shape[0], kernels):
+        kth_S = topk_threshold(x_SV, t.top_k, impl="pallas")       # -inf where top_k is off
+        cut_S = topp_threshold(x_SV, t.top_p, kth_S, impl="pallas")  # -inf where top_p is 1
+        keep_SV = (x_SV >= kth_S[:, None]) & (x_SV >= cut_S[:, None])
+        return jnp.where(keep_SV, x_SV, -jnp.inf)
     sorted_SV = -jnp.sort(-x_SV, axis=-1)   # descending
     k_S = jnp.where(t.top_k > 0, jnp.minimum(t.top_k, V), V)
     kth_S1 = jnp.take_along_axis(sorted_SV, (k_S - 1)[:, None], axis=-1)

@@ -211,3 +211,47 @@ def test_without_extras_same_draws_and_refuses_rows_that_need_them():
         assert needs_extras(row)
         with pytest.raises(ValueError, match="with_extras=False"):
             make_sampling_tensors(row, n, vocab, L, with_extras=False)
+
+
+def test_truncation_thresholds_of_the_gpu_kernels_match_the_sort(monkeypatch):
+    # on a GPU _truncate finds the top-k / top-p thresholds by radix select (Pallas kernels,
+    # interpreted here); rows with ties, bans and every truncation option keep the same tokens
+    # as the one-sort path
+    from jaxserve import sampler
+    from jaxserve.pallas_kernels import topk_threshold as tk
+
+    rng = np.random.default_rng(3)
+    v = 700
+    x = rng.standard_normal((6, v)).astype(np.float32) * 3
+    x[1, :40] = x[1].max()                    # ties at the top
+    x[2, ::5] = -np.inf                       # banned tokens
+    params = [SamplingParams(top_k=10), SamplingParams(top_p=0.8), SamplingParams(min_p=0.05),
+              SamplingParams(top_k=50, top_p=0.6), SamplingParams(top_k=v + 5, top_p=0.95),
+              SamplingParams(min_p=0.01, top_k=200, top_p=0.3)]
+    t = make_sampling_tensors([SamplingRow(p, [1], [], seed=i, offset=0)
+                               for i, p in enumerate(params)], 6, v, L)
+    assert not sampler.threshold_kernels_apply(6, True)          # CPU: the sort
+    want = np.asarray(jax.jit(sampler._truncate)(x, t))
+    kernel = dict(block_v=128, programs=12)   # interpreted; several chunks a row
+    monkeypatch.setattr(sampler, "threshold_kernels_apply", lambda rows, kernels: True)
+    monkeypatch.setattr(sampler, "topk_threshold",
+                        lambda x, k, impl: tk.topk_threshold(x, k, impl=impl, **kernel))
+    monkeypatch.setattr(sampler, "topp_threshold",
+                        lambda x, p, floor, impl: tk.topp_threshold(x, p, floor, impl=impl,
+                                                                    **kernel))
+    got = np.asarray(jax.jit(lambda x, t: sampler._truncate(x, t))(x, t))   # a fresh trace
+    np.testing.assert_array_equal(got, want)
+    kept = np.isfinite(got).sum(axis=1)
+    assert kept[0] == 10 and kept[1] < v and 0 < kept[5] <= 200, kept
+
+
+def test_threshold_kernels_only_where_they_were_measured_faster(monkeypatch):
+    # the runner's XLA path (and a device mesh) passes kernels=False; past
+    # THRESHOLD_KERNEL_MAX_ROWS rows one sort serves both thresholds faster (H200)
+    from jaxserve import sampler
+
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert sampler.threshold_kernels_apply(1, True)
+    assert sampler.threshold_kernels_apply(sampler.THRESHOLD_KERNEL_MAX_ROWS, True)
+    assert not sampler.threshold_kernels_apply(sampler.THRESHOLD_KERNEL_MAX_ROWS + 1, True)
+    assert not sampler.threshold_kernels_apply(4, False)
