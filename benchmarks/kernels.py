@@ -6,9 +6,10 @@ Times are the median over many runs of the kernels' own GPU time (CUPTI, through
 jax.experimental.mosaic.gpu.profiler.measure; wall clock around block_until_ready if CUPTI is
 unavailable), after a warm-up. Each line gives the time and the fraction of the ceiling that
 bounds it: HBM bandwidth (4.24 TB/s, measured device copy on an H200) for memory-bound kernels,
-the bf16 matmul rate (794 TFLOP/s measured) for compute-bound ones. Shapes: Llama-3.1-8B
-attention (N=32, K=8, E=128) and norms (D=4096); Qwen3-30B-A3B experts (D=2048, F=768, 128
-experts, top-8).
+the bf16 matmul rate (794 TFLOP/s measured) for compute-bound ones. Shapes: `--model`'s
+attention heads (N, K, E), hidden size D (add+RMSNorm), RoPE theta and vocabulary (top-k):
+Llama-3.1-8B (N=32, K=8, E=128, D=4096; the default) or Qwen3-30B-A3B (N=32, K=4, E=128,
+D=2048); the MoE groups always use Qwen3-30B-A3B's experts (D=2048, F=768, 128 experts, top-8).
 
 Legend: S sequences, T tokens, N query heads, K kv heads, E head dim, P block size, L context.
 """
@@ -104,7 +105,21 @@ def record_cudnn(group: str, case: str, label: str, q4, k_d, v_d, ref, *, scale:
 # attention
 # ---------------------------------------------------------------------------------------------
 
-N, KH, E = 32, 8, 128
+# per model: query heads, kv heads, head dim, hidden size, RoPE theta, vocabulary, RMSNorm eps
+MODELS = {
+    "llama3-8b": dict(n=32, kh=8, e=128, d=4096, theta=500000.0, vocab=128256, eps=1e-5),
+    "qwen3-30b-a3b": dict(n=32, kh=4, e=128, d=2048, theta=1000000.0, vocab=151936, eps=1e-6),
+}
+N, KH, E = 32, 8, 128          # set from --model in main()
+D_MODEL, ROPE_THETA, VOCAB, RMS_EPS = 4096, 500000.0, 128256, 1e-5
+
+
+def use_model(name: str) -> None:
+    """Point the shape globals above at one model of MODELS."""
+    global N, KH, E, D_MODEL, ROPE_THETA, VOCAB, RMS_EPS
+    m = MODELS[name]
+    N, KH, E = m["n"], m["kh"], m["e"]
+    D_MODEL, ROPE_THETA, VOCAB, RMS_EPS = m["d"], m["theta"], m["vocab"], m["eps"]
 
 
 def paged_case(rng, qlens, ctxs, p=16, dtype=jnp.bfloat16):
@@ -298,7 +313,7 @@ def bench_attention_mgpu(case, q4, k_d, v_d, flops):
 
 def bench_rmsnorm(rng, quick: bool, sweep: bool = False):
     from jaxserve.pallas_kernels import fused_add_rms_norm as farn
-    d = 4096
+    d = D_MODEL
     for t in ((128, 2048, 8192) if quick else (1, 128, 2048, 8192, 32768)):
         key = jax.random.key(int(rng.integers(1 << 30)))
         k1, k2, k3 = jax.random.split(key, 3)
@@ -306,9 +321,9 @@ def bench_rmsnorm(rng, quick: bool, sweep: bool = False):
         r = jax.random.normal(k2, (t, d), jnp.bfloat16)
         w = jax.random.normal(k3, (d,), jnp.bfloat16)
         byts = 4 * t * d * 2 + d * 2
-        fx = jax.jit(functools.partial(farn.fused_add_rms_norm, eps=1e-5, impl="xla"))
+        fx = jax.jit(functools.partial(farn.fused_add_rms_norm, eps=RMS_EPS, impl="xla"))
         ref = fx(x, r, w)
-        fp = jax.jit(functools.partial(farn.fused_add_rms_norm, eps=1e-5, impl="pallas"))
+        fp = jax.jit(functools.partial(farn.fused_add_rms_norm, eps=RMS_EPS, impl="pallas"))
         out = fp(x, r, w)
         err = max(rel_err(out[0], ref[0]), rel_err(out[1], ref[1]))
         record("rmsnorm", f"add+rmsnorm T={t} D={d}", "pallas", gpu_time_ms(fp, x, r, w),
@@ -317,7 +332,7 @@ def bench_rmsnorm(rng, quick: bool, sweep: bool = False):
                gpu_time_ms(fx, x, r, w), bytes_=byts)
         if sweep and t in (128, 2048, 8192):
             for br, nw in ((1, 4), (1, 8), (1, 16), (2, 8), (2, 16), (4, 16), (4, 32)):
-                g = jax.jit(functools.partial(farn.fused_add_rms_norm, eps=1e-5, impl="pallas",
+                g = jax.jit(functools.partial(farn.fused_add_rms_norm, eps=RMS_EPS, impl="pallas",
                                               rows_per_program=br, num_warps=nw))
                 ms = try_run("rmsnorm sweep", lambda: gpu_time_ms(g, x, r, w))
                 if ms is not None:
@@ -393,7 +408,7 @@ def bench_mgpu(case, x, w, gs, ref, byts, flops):
 
 
 # ---------------------------------------------------------------------------------------------
-# fused QK-norm + RoPE + KV write (Qwen3-like: q/k norms; Llama-3.1-8B head layout)
+# fused QK-norm + RoPE + KV write (Qwen3-style q/k norms; --model's head layout)
 # ---------------------------------------------------------------------------------------------
 
 
@@ -408,7 +423,7 @@ def bench_rope(rng, quick: bool):
     from jaxserve.models import layers
     from jaxserve.pallas_kernels import qk_norm_rope_kv_write as qrk
     nb, p = 4096, 16
-    inv = layers.rope_inv_freq(E, 500000.0, None)
+    inv = layers.rope_inv_freq(E, ROPE_THETA, None)
     for t in ((2048,) if quick else (32, 2048, 8192)):
         key = jax.random.key(int(rng.integers(1 << 30)))
         ks = jax.random.split(key, 6)
@@ -436,25 +451,65 @@ def bench_rope(rng, quick: bool):
 
 
 # ---------------------------------------------------------------------------------------------
-# top-k threshold (sampling) over a Llama-3 vocabulary
+# top-k / top-p thresholds (sampling) over --model's vocabulary
 # ---------------------------------------------------------------------------------------------
 
 
-def bench_topk(rng, quick: bool):
+def bench_topk(rng, quick: bool, sweep: bool = False):
+    """Top-k and top-p thresholds (our radix-select kernels) beside a full sort and
+    lax.top_k(2048), and the sampler's truncation (min_p, top_k, top_p) by the kernels and by
+    one sort of each row."""
+    from jaxserve import sampler
     from jaxserve.pallas_kernels import topk_threshold as tk
-    v = 128256
-    for s in ((32,) if quick else (1, 32, 128)):
+    from jaxserve.sampling_params import SamplingParams
+    v = VOCAB
+    for s in ((32,) if quick else (1, 32, 128, 256)):
         x = jax.random.normal(jax.random.key(int(rng.integers(1 << 30))), (s, v), jnp.float32)
         for kk in (50, 2048):
             k = jnp.full((s,), kk, jnp.int32)
             want = tk.topk_threshold(x, k, impl="sort")
-            case = f"S={s} V={v} k={kk}"
+            case = f"top-k S={s} V={v} k={kk}"
             for impl in ("pallas", "xla", "sort"):
                 f = jax.jit(functools.partial(tk.topk_threshold, impl=impl))
-                out = f(x, k)
-                err = float(np.abs(np.asarray(out) - np.asarray(want)).max())
+                err = float(np.abs(np.asarray(f(x, k)) - np.asarray(want)).max())
                 record("topk", case, impl if impl != "xla" else "lax.top_k(2048)",
                        gpu_time_ms(f, x, k), bytes_=s * v * 4, err=err)
+        p = jnp.full((s,), 0.9, jnp.float32)
+        floor = tk.topk_threshold(x, jnp.full((s,), 2048, jnp.int32), impl="sort")
+        want = tk.topp_threshold(x, p, floor, impl="sort")
+        for impl in ("pallas", "sort"):
+            f = jax.jit(functools.partial(tk.topp_threshold, impl=impl))
+            err = float(np.abs(np.asarray(f(x, p, floor)) - np.asarray(want)).max())
+            record("topk", f"top-p S={s} V={v} p=0.9", impl, gpu_time_ms(f, x, p, floor),
+                   bytes_=s * v * 4, err=err)
+        if sweep:
+            for bv, nw, progs in ((1024, 4, 264), (1024, 4, 1056), (2048, 4, 528), (2048, 8, 528),
+                                  (4096, 8, 528), (512, 4, 528), (1024, 8, 528)):
+                k = jnp.full((s,), 50, jnp.int32)
+                f = jax.jit(functools.partial(tk.topk_threshold, impl="pallas", block_v=bv,
+                                              num_warps=nw, programs=progs))
+                ms = try_run("topk sweep", lambda: gpu_time_ms(f, x, k, iters=10))
+                if ms is not None:
+                    record("topk-sweep", f"top-k S={s} V={v} k=50", f"pallas bv{bv} w{nw} "
+                           f"programs{progs}", ms, bytes_=s * v * 4)
+        # the sampler's min_p / top_k / top_p truncation by the two kernels and by one sort
+        # (what it does past THRESHOLD_KERNEL_MAX_ROWS rows, and did everywhere before)
+        params = [SamplingParams(top_k=50, top_p=0.9)] * s
+        t = sampler.make_sampling_tensors(
+            [sampler.SamplingRow(prm, [1], [], seed=i, offset=0) for i, prm in enumerate(params)],
+            s, v, 16, with_extras=False)
+        t = jax.tree.map(jnp.asarray, t)
+        limit = sampler.THRESHOLD_KERNEL_MAX_ROWS
+        for label, max_rows in (("sampler truncation (kernels)", s), ("sampler truncation "
+                                                                      "(one sort)", 0)):
+            sampler.THRESHOLD_KERNEL_MAX_ROWS = max_rows      # read when the jit traces
+            try:
+                f = jax.jit(lambda x, t: sampler._truncate(x, t))
+                jax.block_until_ready(f(x, t))
+            finally:
+                sampler.THRESHOLD_KERNEL_MAX_ROWS = limit
+            record("topk", f"truncate S={s} V={v} top_k=50 top_p=0.9", label, gpu_time_ms(f, x, t),
+                   bytes_=s * v * 4)
 
 
 def bench_router(rng, quick: bool, sweep: bool = False):
@@ -564,9 +619,13 @@ def main():
                          "topk, moe, router, linear")
     ap.add_argument("--moe-auto-only", action="store_true",
                     help="MoE: no Mosaic tile shapes beside lax.ragged_dot, auto and pallas")
+    ap.add_argument("--model", default="llama3-8b", choices=sorted(MODELS),
+                    help="attention heads, hidden size, RoPE theta and vocabulary of this model")
     ap.add_argument("--json", default=None, help="write all rows to this JSON file")
     args = ap.parse_args()
-    print(f"# jax {jax.__version__}, devices {jax.devices()}", flush=True)
+    use_model(args.model)
+    print(f"# jax {jax.__version__}, devices {jax.devices()}; {args.model}: N={N} K={KH} E={E} "
+          f"D={D_MODEL} V={VOCAB}", flush=True)
     rng = np.random.default_rng(0)
     groups = args.only.split(",")
     benches = dict(attention=lambda: bench_attention(rng, args.quick, args.sweep),
@@ -577,7 +636,7 @@ def main():
                    rope=lambda: bench_rope(rng, args.quick),
                    router=lambda: bench_router(rng, args.quick, args.sweep),
                    linear=lambda: bench_linear(rng, args.quick),
-                   topk=lambda: bench_topk(rng, args.quick),
+                   topk=lambda: bench_topk(rng, args.quick, args.sweep),
                    moe=lambda: bench_moe(rng, args.quick, args.moe_auto_only, args.sweep))
     for name in groups:
         try_run(name, benches[name])   # one failing group does not hide the others

@@ -116,7 +116,8 @@ def test_latency_bench_runs_in_process(llm):
     from jaxserve.bench.latency import bench_batch
 
     args = argparse.Namespace(input_len=8, output_len=4, num_iters=1, num_iters_warmup=0,
-                              device_only_iters=2, hbm_bandwidth=None, profile_dir=None)
+                              device_only_iters=2, hbm_bandwidth=None, profile_dir=None,
+                              top_p=0.8, top_k=20)   # truncation in the timed steps
     row = bench_batch(llm, 2, args)
     assert row["batch_size"] == 2 and row["latency_mean_s"] > 0
     assert row["num_decode_steps"] >= 1 and row["ms_per_output_token"] > 0

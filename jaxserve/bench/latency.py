@@ -32,6 +32,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--output-len", type=int, default=128)
     g.add_argument("--num-iters", type=int, default=3, help="timed iterations per batch size")
     g.add_argument("--num-iters-warmup", type=int, default=1, help="untimed iterations per batch size")
+    g.add_argument("--top-p", type=float, default=1.0,
+                   help="nucleus sampling for every request (1: off); with --top-k, the "
+                        "sampler's truncation is in the timed steps")
+    g.add_argument("--top-k", type=int, default=0, help="top-k sampling (0: off)")
     g.add_argument("--device-only-iters", type=int, default=20,
                    help="back-to-back replays of one decode step (0: skip)")
     g.add_argument("--profile-dir", default=None,
@@ -67,7 +71,7 @@ def bench_batch(llm, batch: int, args, bar=None) -> dict:
     engine = llm.engine
     cfg = engine.config.model
     vocab = cfg.vocab_size
-    params = dict(temperature=1.0, top_p=1.0, ignore_eos=True)
+    params = dict(temperature=1.0, top_p=args.top_p, top_k=args.top_k, ignore_eos=True)
     reqs = lambda seed: random_requests(batch, args.input_len, args.output_len, vocab, seed=seed)  # noqa: E731
     for i in range(args.num_iters_warmup):
         generate_once(engine, reqs(1000 + i), params)
