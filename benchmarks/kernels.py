@@ -437,14 +437,16 @@ def bench_rope(rng, quick: bool):
         kc = jnp.zeros((nb, p, KH, E), jnp.bfloat16)
         vc = jnp.zeros((nb, p, KH, E), jnp.bfloat16)
         byts = 2 * t * (N + 2 * KH) * E * 2
-        want = qrk.qk_norm_rope_kv_write(q, k, v, pos, slots, kc, vc, inv, qn, kn, impl="xla")
-        got = qrk.qk_norm_rope_kv_write(q, k, v, pos, slots, kc, vc, inv, qn, kn, impl="pallas")
+        want = qrk.qk_norm_rope_kv_write(q, k, v, pos, slots, kc, vc, inv, qn, kn, eps=RMS_EPS,
+                                         impl="xla")
+        got = qrk.qk_norm_rope_kv_write(q, k, v, pos, slots, kc, vc, inv, qn, kn, eps=RMS_EPS,
+                                        impl="pallas")
         err = max(rel_err(got[0], want[0]), rel_err(got[1], want[1]), rel_err(got[2], want[2]))
         for impl in ("pallas", "xla"):
             def step(c, impl=impl):
                 q_, kc_, vc_ = c
                 return qrk.qk_norm_rope_kv_write(q_, k, v, pos, slots, kc_, vc_, inv, qn, kn,
-                                                 impl=impl)
+                                                 eps=RMS_EPS, impl=impl)
             ms = loop_time_ms(step, (q, kc, vc))
             record("qk-rope-kv", f"qknorm+rope+kv write T={t}", impl, ms, bytes_=byts,
                    err=err if impl == "pallas" else None)

@@ -52,6 +52,19 @@ def test_topp_matches_sort_over_the_whole_row_and_over_the_top_k(programs):
     assert cuts[0] >= cuts[1] >= cuts[2] > -np.inf
 
 
+def test_topp_just_below_one_keeps_what_the_sort_keeps():
+    # the kernel's mass sums (in another order than the target's) can all fall short of
+    # p * mass when p is the float just below 1: the cut must then keep everything, not NaN
+    rng = np.random.default_rng(0)            # a row where they do (seeds 0 and 11 of 12)
+    x = jnp.asarray((rng.standard_normal((1, 5000)) * 0.3).astype(np.float32))
+    p = jnp.asarray([np.nextafter(np.float32(1), np.float32(0))])
+    for floor in (jnp.asarray([-jnp.inf]), jnp.asarray([0.2])):
+        got = tk.topp_threshold(x, p, floor, impl="pallas")
+        want = tk.ref_topp_threshold(x, p, floor)
+        assert not np.isnan(np.asarray(got)).any()
+        np.testing.assert_array_equal(np.asarray(x >= got[:, None]), np.asarray(x >= want[:, None]))
+
+
 def test_topp_of_a_peaked_row_keeps_the_peak_only():
     x = jnp.asarray(np.r_[[30.0], np.zeros(999)].astype(np.float32))[None]
     got = tk.topp_threshold(x, jnp.asarray([0.9]), jnp.asarray([-jnp.inf]), impl="pallas",
