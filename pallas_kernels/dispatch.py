@@ -1,6 +1,6 @@
 """What every public kernel wrapper shares: choosing the implementation (the `impl=` argument),
-the block spec of an operand every program sees whole, and the GPU the tiling rules were
-measured on."""
+the block spec of an operand every program sees whole, a kernel body called without some of
+its optional refs, and the GPU the tiling rules were measured on."""
 
 from __future__ import annotations
 
@@ -25,3 +25,14 @@ def whole(*shape: int) -> pl.BlockSpec:
     """BlockSpec of an array every program of the grid (of any rank) sees whole: the kernels
     index it themselves."""
     return pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
+
+
+def absent_refs(kernel, *positions: int):
+    """`kernel` called with None at `positions` (ascending indices into its full list of refs):
+    the optional inputs or outputs that this pallas_call / plgpu.kernel does not pass."""
+    def call(*refs):
+        refs = list(refs)
+        for i in positions:
+            refs.insert(i, None)
+        return kernel(*refs)
+    return call

@@ -45,7 +45,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jaxserve.pallas_kernels.dispatch import NUM_SMS, resolve_impl, whole
+from jaxserve.pallas_kernels.dispatch import NUM_SMS, absent_refs, resolve_impl, whole
 from jaxserve.pallas_kernels.split_merge import merge_splits
 
 # ---------------------------------------------------------------------------------------------
@@ -468,7 +468,7 @@ def ragged_paged_attention(q_TNE, k_cache_NPKE, v_cache_NPKE, query_start_loc_S1
     else:
         out_shape = (jax.ShapeDtypeStruct((t, n, e), q_TNE.dtype),)
         out_specs = (pl.BlockSpec((t, n, e), lambda j, h, x: (0, 0, 0)),)
-        kernel = _without_lse(kernel)
+        kernel = absent_refs(kernel, 7)    # six inputs, then o: no lse
     outs = pl.pallas_call(
         kernel,
         grid=(_num_tiles(t, s, block_q), kh, num_splits),
@@ -498,15 +498,6 @@ def _pallas_kernel_for(q_TNE, k_cache_NPKE, seq_lens_S, *, on_gpu: bool, interpr
     supported = mgpu.supports(q_TNE, k_cache_NPKE, sliding_window=sliding_window,
                               soft_cap=soft_cap)
     return "mgpu" if supported else "triton"
-
-
-def _without_lse(kernel, lse_index: int | None = None):
-    """The kernel called without its lse output: None in the refs at lse_index (default: it is
-    the last ref)."""
-    def k(*refs):
-        i = len(refs) if lse_index is None else lse_index
-        return kernel(*refs[:i], None, *refs[i:])
-    return k
 
 
 # ---------------------------------------------------------------------------------------------

@@ -139,8 +139,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxserve.pallas_kernels.ragged_paged_attention import (  # noqa: F401 (re-exported)
-    LOG2E, _validate, _without_lse, prefill_heavy, ref_ragged_paged_attention)
-from jaxserve.pallas_kernels.dispatch import NUM_SMS
+    LOG2E, _validate, prefill_heavy, ref_ragged_paged_attention)
+from jaxserve.pallas_kernels.dispatch import NUM_SMS, absent_refs
 from jaxserve.pallas_kernels.split_merge import merge_splits
 
 ROWS_PER_WG = 64          # wgmma M per warpgroup
@@ -763,7 +763,7 @@ def ragged_paged_attention_mgpu(q_TNE, k_cache_NPKE, v_cache_NPKE, query_start_l
                     jax.ShapeDtypeStruct((num_splits, t_pad, n, LSE_COLS), jnp.float32))
     else:
         out_type = jax.ShapeDtypeStruct((t_pad, n, e), dtype)
-        kernel = _without_lse(kernel, lse_index=8)   # seven inputs, then o
+        kernel = absent_refs(kernel, 8)   # seven inputs, then o: no lse
     rows = (compute_wgs, ROWS_PER_WG)
     call = plgpu.kernel(
         kernel,

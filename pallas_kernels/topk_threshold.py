@@ -45,7 +45,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jaxserve.pallas_kernels.dispatch import NUM_SMS, resolve_impl, whole
+from jaxserve.pallas_kernels.dispatch import NUM_SMS, absent_refs, resolve_impl, whole
 
 INT_MIN = -(2 ** 31)
 BITS = 4                       # bits of the key fixed per pass
@@ -185,7 +185,7 @@ def _radix_select(x_SV, target_S, max_S, *, weighted: bool, block_v: int, num_wa
         if part is None:     # the first pass: no sums to finish, the prefix stays 0
             args, in_specs = (x_SV, prefix, target_S, max_S), [whole(s, v)] + [rows] * 3
             out_specs = [parts]
-            kernel = _without(kernel, prev=1, prefix_out=6)
+            kernel = absent_refs(kernel, 1, 6)   # no last-pass sums, no prefix out
         else:
             args = (x_SV, part, prefix, target_S, max_S)
             in_specs, out_specs = [whole(s, v), parts] + [rows] * 3, [parts, rows]
@@ -200,17 +200,6 @@ def _radix_select(x_SV, target_S, max_S, *, weighted: bool, block_v: int, num_wa
         part, prefix = outs if len(outs) == 2 else (outs[0], prefix)
     digit = jnp.max(jnp.where(part.sum(axis=1) >= target_S[:, None], d[None, :], 0), axis=1)
     return _key_to_float(prefix | digit)
-
-
-def _without(kernel, *, prev: int, prefix_out: int):
-    """The pass kernel without the previous pass's sums and the prefix output (first pass):
-    None at their places among the refs."""
-    def k(*refs):
-        refs = list(refs)
-        refs.insert(prev, None)
-        refs.insert(prefix_out, None)
-        return kernel(*refs)
-    return k
 
 
 # ---------------------------------------------------------------------------------------------
