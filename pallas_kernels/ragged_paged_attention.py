@@ -33,6 +33,8 @@ writes a normalised partial output and its log-sum-exp; a second small kernel (s
 merges them. This is what keeps a batch of one or a few long decodes from leaving most SMs
 idle. Keys per step (BK) also set how many programs an SM holds at once (their shared memory
 and registers); default_block_k takes 64 for decode grids that only then fit in one wave.
+A decode grid of about one program per SM with nearly every SM busy is not split but
+pipelined: 128-key steps whose K/V Triton double-buffers (pipelined_decode).
 """
 
 from __future__ import annotations
@@ -361,6 +363,46 @@ def default_block_k(block_q: int, group: int, context: int, num_splits: int = 1,
     return max(16, min(block_k, pl.next_power_of_2(context)))
 
 
+# Unsplit decode grids with more busy programs than this share of NUM_SMS run pipelined, below.
+PIPELINED_MIN_FILL = 0.9
+
+
+def pipelined_decode(num_tokens: int, num_seqs: int, kv_heads: int, block_q: int,
+                     busy_seqs: int | None) -> bool:
+    """One pipelined program per SM for a decode grid that, unsplit, has at most one program
+    per SM and keeps nearly all SMs busy (more than PIPELINED_MIN_FILL of them: `busy_seqs`
+    sequences with query tokens, at least; None: all num_seqs).
+
+    Such a program takes its whole key range in 128-key steps, looks up the next step's slots
+    one step early (prefetch_slots) and runs 3 stages, so that Triton's pipeliner double-buffers
+    K/V in shared memory (136 KiB: one program an SM) and the next step's copy overlaps this
+    step's math. Otherwise (2 stages, or slots looked up in the same step) it keeps one buffer
+    and copies a step's K/V only after the last step's math (Triton 3.9's output, read on CPU).
+    H200, cold inputs, against the default for these grids (split to fill the SMs, then a merge
+    kernel): 16 x 1K to 16 x 8K decodes (8 kv heads: 128 programs) 9-11 % less time (16 x 1K
+    23.8 -> 21.3 us, cuDNN 19.4; 16 x 8K 144.8 -> 129.9, cuDNN 121.9), Qwen3-30B-A3B's heads
+    at 32 x 1K to 32 x 8K 10-12 %. A program alone on its SM streams about 32 GB/s, so with
+    fewer busy SMs a long context takes longer than split over all of them (by about
+    115 / busy programs, from these figures; 8 x 1K, 64 programs: 15.8 against 15.1 us), hence
+    the bound: a padded bucket's caller (the engine) says how many slots are busy."""
+    busy = num_seqs if busy_seqs is None else min(busy_seqs, num_seqs)
+    programs = _num_tiles(num_tokens, num_seqs, block_q) * kv_heads
+    return (num_tokens <= num_seqs and programs <= NUM_SMS
+            and busy * kv_heads > PIPELINED_MIN_FILL * NUM_SMS)
+
+
+def pipelined_busy_floor(kv_heads: int) -> int:
+    """The fewest busy sequences at which pipelined_decode can hold."""
+    return int(PIPELINED_MIN_FILL * NUM_SMS) // kv_heads + 1
+
+
+def pipelined_decode_for(num_tokens: int, num_seqs: int, num_heads: int, kv_heads: int,
+                         busy_seqs: int | None) -> bool:
+    """pipelined_decode with the wrapper's default query tile (for callers that pick programs)."""
+    block_q = default_block_q(num_tokens, num_seqs, num_heads // kv_heads)
+    return pipelined_decode(num_tokens, num_seqs, kv_heads, block_q, busy_seqs)
+
+
 def prefill_heavy(num_tokens: int, num_seqs: int) -> bool:
     """More than two tokens per sequence slot: mostly prompt chunks (a static test on the
     step's shapes). Such batches need no key-range splits, and on a GPU go to the Mosaic kernel."""
@@ -391,15 +433,17 @@ def default_num_splits(num_tokens: int, num_seqs: int, kv_heads: int, block_q: i
 
 @functools.partial(jax.jit, static_argnames=(
     "sm_scale", "sliding_window", "soft_cap", "impl", "block_q", "block_k", "num_splits",
-    "num_warps", "num_stages", "interpret", "mask_all_steps", "heavy_first", "prefetch_slots"))
+    "num_warps", "num_stages", "interpret", "mask_all_steps", "heavy_first", "prefetch_slots",
+    "busy_seqs"))
 def ragged_paged_attention(q_TNE, k_cache_NPKE, v_cache_NPKE, query_start_loc_S1, seq_lens_S,
                            block_tables_SB, *, sm_scale: float, sliding_window: int | None = None,
                            soft_cap: float | None = None, impl: str = "auto",
                            block_q: int | None = None, block_k: int | None = None,
                            num_splits: int | None = None, num_warps: int | None = None,
-                           num_stages: int = 2, interpret: bool | None = None,
+                           num_stages: int | None = None, interpret: bool | None = None,
                            mask_all_steps: bool | None = None, heavy_first: bool | None = None,
-                           prefetch_slots: bool | None = None) -> jax.Array:
+                           prefetch_slots: bool | None = None,
+                           busy_seqs: int | None = None) -> jax.Array:
     """Attention of a mixed prefill/decode batch over a paged KV cache -> o f[T, N, E].
 
     impl: "pallas" (our kernels: on a GPU, prefill-heavy batches (T > 2 S) that the Mosaic GPU
@@ -413,6 +457,9 @@ def ragged_paged_attention(q_TNE, k_cache_NPKE, v_cache_NPKE, query_start_loc_S1
     heavy_first: launch the query tiles in reverse, the longest causal ranges first;
     prefetch_slots: look up the next key step's cache slots one step early. Both default to on
     for prefill-heavy batches (H200, 2K-token prefill: 132 -> 127.5 us; BENCHMARKS.md).
+    busy_seqs: at least this many of the S sequence slots have query tokens (None: all of
+    them). A caller that pads its batch to fixed sizes says how full it is, so that a decode
+    grid about one program per SM is pipelined only when most SMs get work (pipelined_decode).
     """
     _validate(q_TNE, k_cache_NPKE, v_cache_NPKE, query_start_loc_S1, seq_lens_S, block_tables_SB)
     impl, on_gpu = resolve_impl(impl, ("pallas", "triton", "mgpu", "xla"))
@@ -439,6 +486,11 @@ def ragged_paged_attention(q_TNE, k_cache_NPKE, v_cache_NPKE, query_start_loc_S1
         raise ValueError(f"the pallas kernel needs a power-of-two head dim >= 16; got E={e}; "
                          f"use impl='xla'")
     block_q = block_q or default_block_q(t, s, g)
+    tuned = (num_splits, block_k, num_stages, prefetch_slots) != (None,) * 4
+    if not tuned and e == 128 and k_cache_NPKE.dtype.itemsize == 2 and pipelined_decode(
+            t, s, kh, block_q, busy_seqs):
+        num_splits, block_k, num_stages, prefetch_slots = 1, 128, 3, True
+    num_stages = num_stages or 2
     num_splits = num_splits or default_num_splits(t, s, kh, block_q, b * p)
     rows = _tile_rows(block_q, gp)
     num_warps = num_warps or (4 if rows <= 64 else 8)

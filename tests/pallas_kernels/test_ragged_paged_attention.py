@@ -217,6 +217,50 @@ def test_wrapper_passes_the_grid_to_the_step_size_rule():
     assert name(64, t=128) == "ragged_paged_attention_bq4_bk128_x1"
 
 
+def test_pipelined_decode_for_nearly_full_one_program_per_sm_grids():
+    # unsplit decode grids of at most one program per SM with more than 0.9 x 132 busy
+    assert rpa.pipelined_decode_for(16, 16, 32, 8, None)        # 128 programs (Llama-3.1-8B)
+    assert rpa.pipelined_decode_for(32, 32, 32, 4, None)        # Qwen3-30B-A3B's heads
+    assert rpa.pipelined_decode_for(15, 15, 32, 8, None)        # 120 busy
+    assert not rpa.pipelined_decode_for(14, 14, 32, 8, None)    # 112: split over all SMs
+    assert not rpa.pipelined_decode_for(17, 17, 32, 8, None)    # 136 > 132 SMs
+    assert not rpa.pipelined_decode_for(16, 16, 32, 8, 14)      # a padded bucket, 14 busy
+    assert rpa.pipelined_decode_for(16, 16, 32, 8, 15)
+    assert not rpa.pipelined_decode_for(32, 16, 32, 8, None)    # more tokens than slots
+    assert rpa.pipelined_busy_floor(8) == 15 and rpa.pipelined_busy_floor(4) == 30
+    assert rpa.pipelined_decode_for(16, 16, 32, 8, rpa.pipelined_busy_floor(8))
+    assert not rpa.pipelined_decode_for(16, 16, 32, 8, rpa.pipelined_busy_floor(8) - 1)
+
+
+def test_wrapper_pipelines_nearly_full_decode_grids():
+    # the tiling and stage count the wrapper picks, read off the CUDA lowering
+    sds = jax.ShapeDtypeStruct
+
+    def tiling(s, kh=8, dtype=jnp.bfloat16, **kw):
+        cache = sds((s * 64 + 1, 16, kh, 128), dtype)
+        args = (sds((s, 32, 128), dtype), cache, cache, sds((s + 1,), jnp.int32),
+                sds((s,), jnp.int32), sds((s, 64), jnp.int32))
+        exported = export_for_cuda(lambda *a: rpa.ragged_paged_attention(
+            *a, sm_scale=SCALE, impl="triton", interpret=False, **kw), *args)
+        return re.findall(r'name = "(ragged_paged_attention_[^"]+)", num_stages = (\d+)',
+                          exported.mlir_module())[0]
+    assert tiling(16) == ("ragged_paged_attention_bq4_bk128_x1", "3")
+    assert tiling(32, kh=4) == ("ragged_paged_attention_bq2_bk128_x1", "3")
+    assert tiling(16, busy_seqs=14) == ("ragged_paged_attention_bq4_bk64_x4", "2")
+    assert tiling(16, dtype=jnp.float32)[1] == "2"                # not measured
+    assert tiling(16, num_splits=4) == ("ragged_paged_attention_bq4_bk64_x4", "2")   # as asked
+
+
+def test_pipelined_decode_tiling_matches_reference():
+    # the pipelined tiling (unsplit, 128-key steps, slots one step early) on 16 decodes of
+    # 8 kv heads x 128 dims in bf16 (what picks it), contexts from one key to past a step
+    ctxs = [1, 7, 16, 17, 100, 127, 128, 129, 200, 255, 256, 300, 5, 64, 2, 140]
+    args = paged_batch([1] * 16, ctxs, n=32, kh=8, e=128, pad_tokens=0, seed=21,
+                       dtype=jnp.bfloat16)
+    assert rpa.pipelined_decode_for(16, 16, 32, 8, None)
+    check(args, atol=2e-2)
+
+
 def test_engine_bucket_shape_decodes_chunk_and_padding_sequences():
     # the engine's small buckets: as many sequence slots as tokens (S = T), the tail slots
     # padding sequences; default tiles (multi-token, exact starts) with and without splits
