@@ -44,6 +44,9 @@ class StepVariant:
     num_top: int = 0                # logprobs returned per sequence (0 or max_logprobs)
     full: bool = False              # penalties, logit_bias, masks and truncation in the program
     prompt_logprobs: bool = False   # also log-softmax every position's logits
+    # At least this many sequence slots hold a chunk (0: not said). Set only where it changes
+    # the attention kernel's tiling (ModelRunner.busy_floor), so it adds few programs.
+    busy_seqs: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,7 +83,8 @@ def _step(params, kv_cache, packed_W, prev_ids_M, *, model, cfg: ModelConfig, at
     from_prev_T = x.prev_token_rows >= 0
     token_ids_T = jnp.where(from_prev_T, prev_ids_M[jnp.maximum(x.prev_token_rows, 0)], x.token_ids)
     x = dataclasses.replace(x, token_ids=token_ids_T)
-    kv_cache, hidden_TD = model.forward(cfg, params, kv_cache, x, attention_impl)
+    kv_cache, hidden_TD = model.forward(cfg, params, kv_cache, x, attention_impl,
+                                        busy_seqs=variant.busy_seqs)
     logits_SV = model.compute_logits(cfg, params, hidden_TD[x.logits_indices])
     out = sampler.sample(logits_SV, x.sampling, variant.num_top, truncate=variant.full,
                          kernels=attention_impl != "xla")
@@ -132,6 +136,8 @@ class ModelRunner:
         # "auto": the model picks the Pallas kernels on a GPU where they apply, XLA elsewhere.
         # NOTE: the kernels are not wrapped in shard_map yet, so a mesh runs the XLA path.
         impl = self.attention_impl = "xla" if mesh is not None else config.attention_impl
+        self._pallas_attention = (jax.default_backend() == "gpu" and hasattr(model, "kernel_impl")
+                                  and model.kernel_impl(self.cfg, impl) == "pallas")
         self._step = jax.jit(functools.partial(_step, model=model, cfg=self.cfg, attention_impl=impl),
                              donate_argnums=(1,), static_argnames=("variant", "layout"))
         self.warmup_variants = (StepVariant(), StepVariant(config.max_logprobs, full=True))
@@ -164,6 +170,20 @@ class ModelRunner:
         # No use holding more than every sequence at full length.
         useful = self.config.scheduler.max_num_seqs * self.max_blocks_per_seq + 1
         return max(2, min(budget // self.bytes_per_block, useful))
+
+    def busy_floor(self, num_tokens: int, num_seqs: int, busy: int) -> int:
+        """The variant's busy_seqs for a step of `busy` chunks in a (num_tokens, num_seqs)
+        bucket: the least count at which the Pallas attention pipelines this bucket's decode
+        grid, if `busy` reaches it; else 0. (A padded bucket with few chunks must not be
+        tiled as a full one: ragged_paged_attention.pipelined_decode.)"""
+        if not self._pallas_attention:
+            return 0
+        from jaxserve.pallas_kernels import ragged_paged_attention as rpa
+        floor = rpa.pipelined_busy_floor(self.cfg.num_kv_heads)
+        heads, kh = self.cfg.num_heads, self.cfg.num_kv_heads
+        if busy < floor or not rpa.pipelined_decode_for(num_tokens, num_seqs, heads, kh, floor):
+            return 0
+        return floor
 
     def bucket(self, num_tokens: int) -> tuple[int, int]:
         t = next(b for b in self.buckets if b >= num_tokens)
@@ -225,7 +245,8 @@ class ModelRunner:
                       token_seq_ids=seq_ids, query_start_loc=qsl, seq_lens=seq_lens,
                       block_tables=tables, logits_indices=logits_idx, next_token_ids=next_ids,
                       prev_token_rows=prev_rows, sampling=tensors)
-        variant = StepVariant(self.config.max_logprobs if full else 0, full, prompt_lp)
+        variant = StepVariant(self.config.max_logprobs if full else 0, full, prompt_lp,
+                              self.busy_floor(t_pad, s_pad, len(out.chunks)))
         return x, variant
 
     def run(self, x: StepInput, variant: StepVariant):
@@ -314,7 +335,11 @@ class ModelRunner:
         jobs = []
         for t in self.buckets:
             x, _ = self.prepare(dataclasses.replace(empty, num_tokens=t))
-            for variant in self.warmup_variants:
+            t_pad, s_pad = self.bucket(t)
+            busy = self.busy_floor(t_pad, s_pad, s_pad)     # a full bucket's own programs too
+            variants = self.warmup_variants + tuple(
+                dataclasses.replace(v, busy_seqs=busy) for v in self.warmup_variants if busy)
+            for variant in variants:
                 if variant.full:
                     x = dataclasses.replace(x, sampling=make_sampling_tensors(
                         [], x.num_seqs, self.cfg.vocab_size, self.config.scheduler.max_model_len))

@@ -116,3 +116,32 @@ def test_warmup_all_waits_for_the_full_programs_too(monkeypatch):
     runner = llm.engine.runner
     assert all(f.done() for f in runner._pending.values())
     assert len(runner._executables) == len(runner.buckets) * 2
+
+
+def test_busy_floor_marks_only_nearly_full_buckets_of_pipelined_grids(monkeypatch):
+    # A step's variant says how many sequence slots are busy only where the Pallas attention
+    # tiles a full bucket differently (ragged_paged_attention.pipelined_decode): 8 kv heads,
+    # 16 slots = 128 programs, at least 15 busy; never off the GPU's Pallas path.
+    from types import SimpleNamespace
+    from jaxserve.models import llama
+    from jaxserve.pallas_kernels import ragged_paged_attention as rpa
+    fake = SimpleNamespace(cfg=SimpleNamespace(num_heads=32, num_kv_heads=8), _pallas_attention=True)
+    floor = runner_module.ModelRunner.busy_floor
+    assert floor(fake, 16, 16, 16) == floor(fake, 16, 16, 15) == 15
+    assert floor(fake, 16, 16, 14) == 0            # padded: tiled as a bucket of few decodes
+    assert floor(fake, 32, 32, 32) == 0            # 256 programs: not one an SM
+    assert floor(fake, 1, 1, 1) == 0
+    fake.cfg.num_kv_heads = 4                      # Qwen3-30B-A3B's heads: 32 slots
+    assert floor(fake, 32, 32, 31) == 30 and floor(fake, 32, 32, 29) == 0
+    fake._pallas_attention = False
+    assert floor(fake, 32, 32, 32) == 0
+    # ... and the model hands it to the kernel
+    seen = {}
+    monkeypatch.setattr(rpa, "ragged_paged_attention", lambda *a, **kw: seen.update(kw))
+    cfg = SimpleNamespace(head_dim=128, sliding_window=None)
+    monkeypatch.setattr(llama, "kernel_impl", lambda cfg, impl: impl)
+    x = SimpleNamespace(query_start_loc=None, seq_lens=None, block_tables=None)
+    llama.make_attention_fn(cfg, "pallas", busy_seqs=15)(None, None, None, x)
+    assert seen["busy_seqs"] == 15
+    llama.make_attention_fn(cfg, "pallas")(None, None, None, x)
+    assert seen["busy_seqs"] == 0                  # unknown: never tiled as a full bucket
