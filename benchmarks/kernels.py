@@ -5,10 +5,12 @@
 Times are the median over many runs of the kernels' own GPU time (CUPTI, through
 jax.experimental.mosaic.gpu.profiler.measure; wall clock around block_until_ready if CUPTI is
 unavailable), after a warm-up. Decode attention is timed with its inputs out of L2 unless
-`--warm`: the calls rotate through copies of the query and K/V (at least four times the L2 a
-round), as in the engine, where a layer's K/V were last read a whole step ago; K/V of up to a
-few tens of MB (a lone 8K decode: 34 MB; 16 x 1K: 67 MB) otherwise stay partly in the H200's
-60 MB L2 between runs, and the time measures the cache. Each line gives the time and the fraction of the ceiling that
+`--warm`: the calls rotate through copies of K/V (and of the query when it is over 1 MB), at
+least four times the L2 a round (64 copies at most: 2.2 times for Qwen3's lone 1K decode),
+as in the engine, where a layer's K/V
+were last read a whole step ago; K/V of a few tens of MB (a lone 8K decode: 34 MB; 16 x 1K:
+67 MB) otherwise stay partly in the H200's 60 MB L2 between runs, and the time measures the
+cache. Each line gives the time and the fraction of the ceiling that
 bounds it: HBM bandwidth (4.24 TB/s, measured device copy on an H200) for memory-bound kernels,
 the bf16 matmul rate (794 TFLOP/s measured) for compute-bound ones. Shapes: `--model`'s
 attention heads (N, K, E), hidden size D (add+RMSNorm), RoPE theta and vocabulary (top-k):
@@ -128,7 +130,8 @@ def record_cudnn(group: str, case: str, label: str, q4, k_d, v_d, ref, *, scale:
         q4, k_d, v_d, scale=scale, is_causal=is_causal, implementation="cudnn"))
     out = try_run(f"cudnn ({case})", lambda: fc(q4, k_d, v_d))
     if out is not None:
-        ms = (time_ms(fc, q4, k_d, v_d, bytes_=metrics["bytes_"]) if cold_inputs else
+        byts = metrics.get("bytes_") or sum(a.nbytes for a in (q4, k_d, v_d))
+        ms = (time_ms(fc, q4, k_d, v_d, bytes_=byts) if cold_inputs else
               gpu_time_ms(fc, q4, k_d, v_d))
         record(group, case, label, ms, err=rel_err(out.reshape(ref.shape), ref), **metrics)
 

@@ -138,6 +138,7 @@ class ModelRunner:
         impl = self.attention_impl = "xla" if mesh is not None else config.attention_impl
         self._pallas_attention = (jax.default_backend() == "gpu" and hasattr(model, "kernel_impl")
                                   and model.kernel_impl(self.cfg, impl) == "pallas")
+        self._busy_floors: dict[tuple[int, int], int] = {}
         self._step = jax.jit(functools.partial(_step, model=model, cfg=self.cfg, attention_impl=impl),
                              donate_argnums=(1,), static_argnames=("variant", "layout"))
         self.warmup_variants = (StepVariant(), StepVariant(config.max_logprobs, full=True))
@@ -176,14 +177,19 @@ class ModelRunner:
         bucket: the least count at which the Pallas attention pipelines this bucket's decode
         grid, if `busy` reaches it; else 0. (A padded bucket with few chunks must not be
         tiled as a full one: ragged_paged_attention.pipelined_decode.)"""
-        if not self._pallas_attention:
-            return 0
-        from jaxserve.pallas_kernels import ragged_paged_attention as rpa
-        floor = rpa.pipelined_busy_floor(self.cfg.num_kv_heads)
-        heads, kh = self.cfg.num_heads, self.cfg.num_kv_heads
-        if busy < floor or not rpa.pipelined_decode_for(num_tokens, num_seqs, heads, kh, floor):
-            return 0
-        return floor
+        key = (num_tokens, num_seqs)
+        if key not in self._busy_floors:      # once per bucket: prepare() runs every step
+            self._busy_floors[key] = 0
+            if self._pallas_attention:
+                from jaxserve.pallas_kernels import ragged_paged_attention as rpa
+                cfg = self.cfg
+                floor = rpa.pipelined_busy_floor(cfg.num_kv_heads)
+                if rpa.pipelined_decode(num_tokens, num_seqs, cfg.num_heads, cfg.num_kv_heads,
+                                        floor, head_dim=cfg.head_dim,
+                                        itemsize=self.dtype.itemsize):
+                    self._busy_floors[key] = floor
+        floor = self._busy_floors[key]
+        return floor if floor and busy >= floor else 0
 
     def bucket(self, num_tokens: int) -> tuple[int, int]:
         t = next(b for b in self.buckets if b >= num_tokens)
@@ -334,16 +340,15 @@ class ModelRunner:
         empty = SchedulerOutput(chunks=[], num_tokens=0, preempted_ids=[], new_ids=[], num_cached_tokens=0)
         jobs = []
         for t in self.buckets:
-            x, _ = self.prepare(dataclasses.replace(empty, num_tokens=t))
+            lean, _ = self.prepare(dataclasses.replace(empty, num_tokens=t))
+            full = dataclasses.replace(lean, sampling=make_sampling_tensors(
+                [], lean.num_seqs, self.cfg.vocab_size, self.config.scheduler.max_model_len))
             t_pad, s_pad = self.bucket(t)
             busy = self.busy_floor(t_pad, s_pad, s_pad)     # a full bucket's own programs too
             variants = self.warmup_variants + tuple(
                 dataclasses.replace(v, busy_seqs=busy) for v in self.warmup_variants if busy)
             for variant in variants:
-                if variant.full:
-                    x = dataclasses.replace(x, sampling=make_sampling_tensors(
-                        [], x.num_seqs, self.cfg.vocab_size, self.config.scheduler.max_model_len))
-                packed, layout = packing.pack(x)
+                packed, layout = packing.pack(full if variant.full else lean)
                 jobs.append((layout, variant, len(packed)))
 
         threads = os.cpu_count() or 1

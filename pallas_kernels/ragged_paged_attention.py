@@ -367,40 +367,38 @@ def default_block_k(block_q: int, group: int, context: int, num_splits: int = 1,
 PIPELINED_MIN_FILL = 0.9
 
 
-def pipelined_decode(num_tokens: int, num_seqs: int, kv_heads: int, block_q: int,
-                     busy_seqs: int | None) -> bool:
+def pipelined_decode(num_tokens: int, num_seqs: int, num_heads: int, kv_heads: int,
+                     busy_seqs: int | None, *, head_dim: int = 128, itemsize: int = 2) -> bool:
     """One pipelined program per SM for a decode grid that, unsplit, has at most one program
-    per SM and keeps nearly all SMs busy (more than PIPELINED_MIN_FILL of them: `busy_seqs`
-    sequences with query tokens, at least; None: all num_seqs).
+    per SM and keeps nearly all SMs busy: more than PIPELINED_MIN_FILL of them (`busy_seqs`
+    sequences with query tokens, at least; None: all num_seqs). Only the case measured: the
+    wrapper's default 16-row query tile, E = 128, 2-byte K/V (sliding windows and soft caps
+    give the same results; their speed was not timed).
 
     Such a program takes its whole key range in 128-key steps, looks up the next step's slots
     one step early (prefetch_slots) and runs 3 stages, so that Triton's pipeliner double-buffers
     K/V in shared memory (136 KiB: one program an SM) and the next step's copy overlaps this
     step's math. Otherwise (2 stages, or slots looked up in the same step) it keeps one buffer
-    and copies a step's K/V only after the last step's math (Triton 3.9's output, read on CPU).
-    H200, cold inputs, against the default for these grids (split to fill the SMs, then a merge
-    kernel): 16 x 1K to 16 x 8K decodes (8 kv heads: 128 programs) 9-11 % less time (16 x 1K
-    23.8 -> 21.3 us, cuDNN 19.4; 16 x 8K 144.8 -> 129.9, cuDNN 121.9), Qwen3-30B-A3B's heads
-    at 32 x 1K to 32 x 8K 10-12 %. A program alone on its SM streams about 32 GB/s, so with
-    fewer busy SMs a long context takes longer than split over all of them (by about
-    115 / busy programs, from these figures; 8 x 1K, 64 programs: 15.8 against 15.1 us), hence
-    the bound: a padded bucket's caller (the engine) says how many slots are busy."""
+    and copies a step's K/V only after the last step's math (Triton 3.9's output, read on CPU
+    with benchmarks/triton_ir.py). H200, cold inputs, against the default for these grids (split
+    to fill the SMs, then a merge kernel): 16 decodes of 1K-8K keys at 8 kv heads (128
+    programs) 9-11 % less time (16 x 1K 23.9 -> 21.5 us, cuDNN 19.4; 16 x 8K 144.2 -> 129.2,
+    cuDNN 121.6), 32 decodes at Qwen3-30B-A3B's 4 kv heads 7-12 %. A lone program streams about
+    32 GB/s, so grids with fewer busy programs can do better split over all SMs (8 x 1K, 64
+    programs: 15.8 against 15.1 us), and a padded bucket holding a few long decodes would
+    stream them through a few SMs: hence the bound, for which a padded bucket's caller (the
+    engine) says how many slots are busy."""
+    block_q = default_block_q(num_tokens, num_seqs, num_heads // kv_heads)
+    rows = _tile_rows(block_q, pl.next_power_of_2(num_heads // kv_heads))
     busy = num_seqs if busy_seqs is None else min(busy_seqs, num_seqs)
     programs = _num_tiles(num_tokens, num_seqs, block_q) * kv_heads
-    return (num_tokens <= num_seqs and programs <= NUM_SMS
-            and busy * kv_heads > PIPELINED_MIN_FILL * NUM_SMS)
+    return (num_tokens <= num_seqs and (head_dim, itemsize, rows) == (128, 2, 16)
+            and programs <= NUM_SMS and busy * kv_heads > PIPELINED_MIN_FILL * NUM_SMS)
 
 
 def pipelined_busy_floor(kv_heads: int) -> int:
     """The fewest busy sequences at which pipelined_decode can hold."""
     return int(PIPELINED_MIN_FILL * NUM_SMS) // kv_heads + 1
-
-
-def pipelined_decode_for(num_tokens: int, num_seqs: int, num_heads: int, kv_heads: int,
-                         busy_seqs: int | None) -> bool:
-    """pipelined_decode with the wrapper's default query tile (for callers that pick programs)."""
-    block_q = default_block_q(num_tokens, num_seqs, num_heads // kv_heads)
-    return pipelined_decode(num_tokens, num_seqs, kv_heads, block_q, busy_seqs)
 
 
 def prefill_heavy(num_tokens: int, num_seqs: int) -> bool:
@@ -485,11 +483,11 @@ def ragged_paged_attention(q_TNE, k_cache_NPKE, v_cache_NPKE, query_start_loc_S1
     if e != pl.next_power_of_2(e) or e < 16:
         raise ValueError(f"the pallas kernel needs a power-of-two head dim >= 16; got E={e}; "
                          f"use impl='xla'")
-    block_q = block_q or default_block_q(t, s, g)
-    tuned = (num_splits, block_k, num_stages, prefetch_slots) != (None,) * 4
-    if not tuned and e == 128 and k_cache_NPKE.dtype.itemsize == 2 and pipelined_decode(
-            t, s, kh, block_q, busy_seqs):
+    tuned = (block_q, num_splits, block_k, num_warps, num_stages, prefetch_slots) != (None,) * 6
+    if not tuned and pipelined_decode(t, s, n, kh, busy_seqs, head_dim=e,
+                                      itemsize=k_cache_NPKE.dtype.itemsize):
         num_splits, block_k, num_stages, prefetch_slots = 1, 128, 3, True
+    block_q = block_q or default_block_q(t, s, g)
     num_stages = num_stages or 2
     num_splits = num_splits or default_num_splits(t, s, kh, block_q, b * p)
     rows = _tile_rows(block_q, gp)

@@ -125,16 +125,21 @@ def test_busy_floor_marks_only_nearly_full_buckets_of_pipelined_grids(monkeypatc
     from types import SimpleNamespace
     from jaxserve.models import llama
     from jaxserve.pallas_kernels import ragged_paged_attention as rpa
-    fake = SimpleNamespace(cfg=SimpleNamespace(num_heads=32, num_kv_heads=8), _pallas_attention=True)
+    def fake(kv_heads=8, head_dim=128, dtype=jax.numpy.dtype("bfloat16"), pallas=True):
+        return SimpleNamespace(cfg=SimpleNamespace(num_heads=32, num_kv_heads=kv_heads,
+                                                   head_dim=head_dim),
+                               dtype=dtype, _pallas_attention=pallas, _busy_floors={})
     floor = runner_module.ModelRunner.busy_floor
-    assert floor(fake, 16, 16, 16) == floor(fake, 16, 16, 15) == 15
-    assert floor(fake, 16, 16, 14) == 0            # padded: tiled as a bucket of few decodes
-    assert floor(fake, 32, 32, 32) == 0            # 256 programs: not one an SM
-    assert floor(fake, 1, 1, 1) == 0
-    fake.cfg.num_kv_heads = 4                      # Qwen3-30B-A3B's heads: 32 slots
-    assert floor(fake, 32, 32, 31) == 30 and floor(fake, 32, 32, 29) == 0
-    fake._pallas_attention = False
-    assert floor(fake, 32, 32, 32) == 0
+    llama8b = fake()
+    assert floor(llama8b, 16, 16, 16) == floor(llama8b, 16, 16, 15) == 15
+    assert floor(llama8b, 16, 16, 14) == 0         # padded: tiled as a bucket of few decodes
+    assert floor(llama8b, 32, 32, 32) == 0         # 256 programs: not one an SM
+    assert floor(llama8b, 1, 1, 1) == 0
+    qwen = fake(kv_heads=4)                        # Qwen3-30B-A3B's heads: 32 slots
+    assert floor(qwen, 32, 32, 31) == 30 and floor(qwen, 32, 32, 29) == 0
+    assert floor(fake(pallas=False), 16, 16, 16) == 0
+    assert floor(fake(head_dim=64), 16, 16, 16) == 0                      # not the measured case
+    assert floor(fake(dtype=jax.numpy.dtype("float32")), 16, 16, 16) == 0
     # ... and the model hands it to the kernel
     seen = {}
     monkeypatch.setattr(rpa, "ragged_paged_attention", lambda *a, **kw: seen.update(kw))
@@ -145,3 +150,23 @@ def test_busy_floor_marks_only_nearly_full_buckets_of_pipelined_grids(monkeypatc
     assert seen["busy_seqs"] == 15
     llama.make_attention_fn(cfg, "pallas")(None, None, None, x)
     assert seen["busy_seqs"] == 0                  # unknown: never tiled as a full bucket
+
+
+def test_warmup_packs_busy_variants_like_the_steps_that_use_them(monkeypatch):
+    # where a bucket has busy variants (only on a GPU), warm-up compiles them with the layout
+    # of their lean / full twins: the (layout, variant) keys a step of that bucket asks for
+    import dataclasses
+    llm = LLM(TINY, dtype="float32", max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64,
+              warmup=False)
+    runner = llm.engine.runner
+    monkeypatch.setattr(runner, "busy_floor",
+                        lambda t, s, busy: 3 if (t, s) == (16, 4) and busy >= 3 else 0)
+    jobs = []
+    monkeypatch.setattr(runner._compiler, "start", lambda js, threads: jobs.extend(js) or {})
+    runner.warmup()
+    keys = {(layout, variant) for layout, variant, _ in jobs}
+    busy = [(layout, variant) for layout, variant in keys if variant.busy_seqs]
+    assert sorted(v.full for _, v in busy) == [False, True]
+    for layout, variant in busy:
+        assert (layout, dataclasses.replace(variant, busy_seqs=0)) in keys
+    assert len(keys) == 2 * len(runner.buckets) + 2

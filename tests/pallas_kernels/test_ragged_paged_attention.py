@@ -217,19 +217,23 @@ def test_wrapper_passes_the_grid_to_the_step_size_rule():
     assert name(64, t=128) == "ragged_paged_attention_bq4_bk128_x1"
 
 
-def test_pipelined_decode_for_nearly_full_one_program_per_sm_grids():
+def test_pipelined_decode_of_nearly_full_one_program_per_sm_grids():
     # unsplit decode grids of at most one program per SM with more than 0.9 x 132 busy
-    assert rpa.pipelined_decode_for(16, 16, 32, 8, None)        # 128 programs (Llama-3.1-8B)
-    assert rpa.pipelined_decode_for(32, 32, 32, 4, None)        # Qwen3-30B-A3B's heads
-    assert rpa.pipelined_decode_for(15, 15, 32, 8, None)        # 120 busy
-    assert not rpa.pipelined_decode_for(14, 14, 32, 8, None)    # 112: split over all SMs
-    assert not rpa.pipelined_decode_for(17, 17, 32, 8, None)    # 136 > 132 SMs
-    assert not rpa.pipelined_decode_for(16, 16, 32, 8, 14)      # a padded bucket, 14 busy
-    assert rpa.pipelined_decode_for(16, 16, 32, 8, 15)
-    assert not rpa.pipelined_decode_for(32, 16, 32, 8, None)    # more tokens than slots
+    assert rpa.pipelined_decode(16, 16, 32, 8, None)        # 128 programs (Llama-3.1-8B)
+    assert rpa.pipelined_decode(32, 32, 32, 4, None)        # Qwen3-30B-A3B's heads
+    assert rpa.pipelined_decode(15, 15, 32, 8, None)        # 120 busy
+    assert not rpa.pipelined_decode(14, 14, 32, 8, None)    # 112: split over all SMs
+    assert not rpa.pipelined_decode(17, 17, 32, 8, None)    # 136 > 132 SMs
+    assert not rpa.pipelined_decode(16, 16, 32, 8, 14)      # a padded bucket, 14 busy
+    assert rpa.pipelined_decode(16, 16, 32, 8, 15)
+    assert not rpa.pipelined_decode(32, 16, 32, 8, None)    # more tokens than slots
     assert rpa.pipelined_busy_floor(8) == 15 and rpa.pipelined_busy_floor(4) == 30
-    assert rpa.pipelined_decode_for(16, 16, 32, 8, rpa.pipelined_busy_floor(8))
-    assert not rpa.pipelined_decode_for(16, 16, 32, 8, rpa.pipelined_busy_floor(8) - 1)
+    assert rpa.pipelined_decode(16, 16, 32, 8, rpa.pipelined_busy_floor(8))
+    assert not rpa.pipelined_decode(16, 16, 32, 8, rpa.pipelined_busy_floor(8) - 1)
+    # only the measured case: E = 128, 2-byte K/V, 16-row query tiles
+    assert not rpa.pipelined_decode(16, 16, 32, 8, None, head_dim=64)
+    assert not rpa.pipelined_decode(16, 16, 32, 8, None, itemsize=4)
+    assert not rpa.pipelined_decode(128, 128, 32, 1, None)      # 32-row tiles (G = 32)
 
 
 def test_wrapper_pipelines_nearly_full_decode_grids():
@@ -249,6 +253,7 @@ def test_wrapper_pipelines_nearly_full_decode_grids():
     assert tiling(16, busy_seqs=14) == ("ragged_paged_attention_bq4_bk64_x4", "2")
     assert tiling(16, dtype=jnp.float32)[1] == "2"                # not measured
     assert tiling(16, num_splits=4) == ("ragged_paged_attention_bq4_bk64_x4", "2")   # as asked
+    assert tiling(16, num_warps=4)[1] == "2"                      # any tuning option: as asked
 
 
 def test_pipelined_decode_tiling_matches_reference():
@@ -257,7 +262,7 @@ def test_pipelined_decode_tiling_matches_reference():
     ctxs = [1, 7, 16, 17, 100, 127, 128, 129, 200, 255, 256, 300, 5, 64, 2, 140]
     args = paged_batch([1] * 16, ctxs, n=32, kh=8, e=128, pad_tokens=0, seed=21,
                        dtype=jnp.bfloat16)
-    assert rpa.pipelined_decode_for(16, 16, 32, 8, None)
+    assert rpa.pipelined_decode(16, 16, 32, 8, None)
     check(args, atol=2e-2)
 
 
