@@ -486,7 +486,8 @@ def ragged_paged_attention(q_TNE, k_cache_NPKE, v_cache_NPKE, query_start_loc_S1
     tuned = (block_q, num_splits, block_k, num_warps, num_stages, prefetch_slots) != (None,) * 6
     if not tuned and pipelined_decode(t, s, n, kh, busy_seqs, head_dim=e,
                                       itemsize=k_cache_NPKE.dtype.itemsize):
-        num_splits, block_k, num_stages, prefetch_slots = 1, 128, 3, True
+        num_splits, num_stages, prefetch_slots = 1, 3, True
+        block_k = max(16, min(128, pl.next_power_of_2(b * p)))   # no longer than the context
     block_q = block_q or default_block_q(t, s, g)
     num_stages = num_stages or 2
     num_splits = num_splits or default_num_splits(t, s, kh, block_q, b * p)
