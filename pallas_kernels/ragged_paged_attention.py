@@ -363,8 +363,9 @@ def default_block_k(block_q: int, group: int, context: int, num_splits: int = 1,
     return max(16, min(block_k, pl.next_power_of_2(context)))
 
 
-# Unsplit decode grids with more busy programs than this share of NUM_SMS run pipelined, below.
-PIPELINED_MIN_FILL = 0.9
+# Unsplit decode grids with more busy programs than this share of NUM_SMS (103 of 132) run
+# pipelined, below: from 104 busy programs it was faster in every case timed; at 96 mixed.
+PIPELINED_MIN_FILL = 0.78
 
 
 def pipelined_decode(num_tokens: int, num_seqs: int, num_heads: int, kv_heads: int,
@@ -383,11 +384,12 @@ def pipelined_decode(num_tokens: int, num_seqs: int, num_heads: int, kv_heads: i
     with benchmarks/triton_ir.py). H200, cold inputs, against the default for these grids (split
     to fill the SMs, then a merge kernel): 16 decodes of 1K-8K keys at 8 kv heads (128
     programs) 9-11 % less time (16 x 1K 23.9 -> 21.5 us, cuDNN 19.4; 16 x 8K 144.2 -> 129.2,
-    cuDNN 121.6), 32 decodes at Qwen3-30B-A3B's 4 kv heads 7-12 %. A lone program streams about
-    32 GB/s, so grids with fewer busy programs can do better split over all SMs (8 x 1K, 64
-    programs: 15.8 against 15.1 us), and a padded bucket holding a few long decodes would
-    stream them through a few SMs: hence the bound, for which a padded bucket's caller (the
-    engine) says how many slots are busy."""
+    cuDNN 121.6), 32 decodes at Qwen3-30B-A3B's 4 kv heads 7-12 %, and 104-120 busy programs
+    (13-15 decodes at 8 kv heads, 26-30 at 4) 2-16 %. At 96 it was mixed (12 x 1K-4K 5-7 %
+    faster, 12 x 8K level, 24 x 8K at 4 kv heads 5 % slower), and below that splitting can
+    win (8 x 1K, 64 programs: 15.1 against 15.8 us): a lone program streams about 32 GB/s, and
+    a padded bucket holding a few long decodes would stream them through a few SMs. Hence the
+    bound, for which a padded bucket's caller (the engine) says how many slots are busy."""
     block_q = default_block_q(num_tokens, num_seqs, num_heads // kv_heads)
     rows = _tile_rows(block_q, pl.next_power_of_2(num_heads // kv_heads))
     busy = num_seqs if busy_seqs is None else min(busy_seqs, num_seqs)
