@@ -6,16 +6,16 @@ Times are the median over many runs of the kernels' own GPU time (CUPTI, through
 jax.experimental.mosaic.gpu.profiler.measure; wall clock around block_until_ready if CUPTI is
 unavailable), after a warm-up. Decode attention is timed with its inputs out of L2 unless
 `--warm`: the calls rotate through copies of K/V (and of the query when it is over 1 MB), at
-least four times the L2 a round (64 copies at most: 2.2 times for Qwen3's lone 1K decode),
-as in the engine, where a layer's K/V
-were last read a whole step ago; K/V of a few tens of MB (a lone 8K decode: 34 MB; 16 x 1K:
-67 MB) otherwise stay partly in the H200's 60 MB L2 between runs, and the time measures the
-cache. Each line gives the time and the fraction of the ceiling that
-bounds it: HBM bandwidth (4.24 TB/s, measured device copy on an H200) for memory-bound kernels,
-the bf16 matmul rate (794 TFLOP/s measured) for compute-bound ones. Shapes: `--model`'s
-attention heads (N, K, E), hidden size D (add+RMSNorm), RoPE theta and vocabulary (top-k):
-Llama-3.1-8B (N=32, K=8, E=128, D=4096; the default) or Qwen3-30B-A3B (N=32, K=4, E=128,
-D=2048); the MoE groups always use Qwen3-30B-A3B's experts (D=2048, F=768, 128 experts, top-8).
+least four times the L2 a round (64 copies at most: 2.2 times for Qwen3's lone 1K decode), as
+in the engine, where a layer's K/V were last read a whole step ago; K/V of a few tens of MB (a
+lone 8K decode: 34 MB; 16 x 1K: 67 MB) otherwise stay partly in the H200's 60 MB L2 between
+runs, and the time measures the cache. Each line gives the time and the fraction of the
+ceiling that bounds it: HBM bandwidth (4.24 TB/s, measured device copy on an H200) for
+memory-bound kernels, the bf16 matmul rate (794 TFLOP/s measured) for compute-bound ones.
+Shapes: `--model`'s attention heads (N, K, E), hidden size D (add+RMSNorm), RoPE theta and
+vocabulary (top-k): Llama-3.1-8B (N=32, K=8, E=128, D=4096; the default) or Qwen3-30B-A3B
+(N=32, K=4, E=128, D=2048); the MoE groups always use Qwen3-30B-A3B's experts (D=2048, F=768,
+128 experts, top-8).
 
 Legend: S sequences, T tokens, N query heads, K kv heads, E head dim, P block size, L context.
 """

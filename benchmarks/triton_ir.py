@@ -34,31 +34,20 @@ def dump(outdir: str, seqs: int, context: int, options: list[str], *, heads: int
          kv_heads: int = 8, head_dim: int = 128, block_size: int = 16) -> None:
     import jax
     import jax.numpy as jnp
-    from jax._src.pallas.triton import lowering   # NOTE: private (jax 0.11.2), as in cuda_lowering
     from jaxserve.pallas_kernels import ragged_paged_attention as rpa
     from jaxserve.pallas_kernels.cuda_lowering import export_for_cuda
 
     kw = dict(o.split("=", 1) for o in options)
     kw = {k: _value(v) for k, v in kw.items()}
     blocks = context // block_size
-    modules = []
-    original = lowering.lower_jaxpr_to_triton_module
-
-    def keep(*a, **k):
-        result = original(*a, **k)
-        modules.append(result.module.operation.get_asm(enable_debug_info=False))
-        return result
-
+    modules: list[str] = []
     sds = jax.ShapeDtypeStruct
     cache = sds((seqs * blocks + 1, block_size, kv_heads, head_dim), jnp.bfloat16)
     args = (sds((seqs, heads, head_dim), jnp.bfloat16), cache, cache,
             sds((seqs + 1,), jnp.int32), sds((seqs,), jnp.int32), sds((seqs, blocks), jnp.int32))
-    lowering.lower_jaxpr_to_triton_module = keep
-    try:
-        export_for_cuda(functools.partial(rpa.ragged_paged_attention, sm_scale=head_dim ** -0.5,
-                                          impl="triton", interpret=False, **kw), *args)
-    finally:
-        lowering.lower_jaxpr_to_triton_module = original
+    export_for_cuda(functools.partial(rpa.ragged_paged_attention, sm_scale=head_dim ** -0.5,
+                                      impl="triton", interpret=False, **kw), *args,
+                    triton_ir=modules)
     os.makedirs(outdir, exist_ok=True)
     for i, text in enumerate(modules):
         path = os.path.join(outdir, f"k{i}.ttir")

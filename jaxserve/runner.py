@@ -343,8 +343,8 @@ class ModelRunner:
             lean, _ = self.prepare(dataclasses.replace(empty, num_tokens=t))
             full = dataclasses.replace(lean, sampling=make_sampling_tensors(
                 [], lean.num_seqs, self.cfg.vocab_size, self.config.scheduler.max_model_len))
-            t_pad, s_pad = self.bucket(t)
-            busy = self.busy_floor(t_pad, s_pad, s_pad)     # a full bucket's own programs too
+            s = lean.num_seqs
+            busy = self.busy_floor(t, s, s)     # a full bucket's own programs too
             variants = self.warmup_variants + tuple(
                 dataclasses.replace(v, busy_seqs=busy) for v in self.warmup_variants if busy)
             for variant in variants:

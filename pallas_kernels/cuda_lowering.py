@@ -21,11 +21,13 @@ from jaxserve.pallas_kernels.dispatch import NUM_SMS
 TRITON_CUSTOM_CALL = "__gpu$xla.gpu.triton"
 
 
-def export_for_cuda(fn, *args, device_kind: str = "NVIDIA H200", num_cores: int = NUM_SMS):
-    """jax.export the jitted `fn` at `args` (ShapeDtypeStructs) for platform "cuda"."""
+def export_for_cuda(fn, *args, device_kind: str = "NVIDIA H200", num_cores: int = NUM_SMS,
+                    triton_ir: list[str] | None = None):
+    """jax.export the jitted `fn` at `args` (ShapeDtypeStructs) for platform "cuda"; each
+    Triton module's IR text is appended to `triton_ir` if given (benchmarks/triton_ir.py)."""
     device = AbstractDevice(device_kind=device_kind, num_cores=num_cores, platform="cuda")
     mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)
-    with jax.sharding.use_abstract_mesh(mesh), _verifying_triton_modules():
+    with jax.sharding.use_abstract_mesh(mesh), _verifying_triton_modules(triton_ir):
         return jax.export.export(
             jax.jit(fn), platforms=["cuda"],
             disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON_CUSTOM_CALL)],
@@ -39,8 +41,9 @@ def triton_kernel_names(exported) -> list[str]:
 
 
 @contextlib.contextmanager
-def _verifying_triton_modules():
-    """Verify every Triton module the Pallas lowering builds (as the GPU will, before PTX)."""
+def _verifying_triton_modules(texts: list[str] | None = None):
+    """Verify every Triton module the Pallas lowering builds (as the GPU will, before PTX),
+    keeping its IR text in `texts` if given."""
     # NOTE: private jax API (jax 0.11.2); the public lowering does not verify these modules.
     from jax._src.pallas.triton import lowering
 
@@ -50,6 +53,8 @@ def _verifying_triton_modules():
         result = original(*args, **kwargs)
         if not result.module.operation.verify():
             raise ValueError("the Triton module failed MLIR verification")
+        if texts is not None:
+            texts.append(result.module.operation.get_asm(enable_debug_info=False))
         return result
 
     lowering.lower_jaxpr_to_triton_module = lower_and_verify
