@@ -27,14 +27,15 @@ count and their prefix sum, from two vector loads; a binary search past VECTOR_S
 sequences), so no XLA kernel runs before the launch, which matters for small decode steps.
 A program loads its R query rows (BQ tokens x the G heads that share kv head k: GQA costs
 one read of K/V per group, not per head), walks its causal key range BK keys at a time,
-gathering the slots through the block table, and keeps an online softmax (exp2; masks only on
-the causal and window edge steps). With X > 1 each program covers 1/X of the key range and
-writes a normalised partial output and its log-sum-exp; a second small kernel (split_merge.py)
-merges them. This is what keeps a batch of one or a few long decodes from leaving most SMs
-idle. Keys per step (BK) also set how many programs an SM holds at once (their shared memory
-and registers); default_block_k takes 64 for decode grids that only then fit in one wave.
-A decode grid of about one program per SM with nearly every SM busy is not split but
-pipelined: 128-key steps whose K/V Triton double-buffers (pipelined_decode).
+gathering the slots through the block table, and keeps an online softmax (exp2; decode
+buckets mask every key step in one loop, other batches only the causal and window edge
+steps). With X > 1 each program covers 1/X of the key range and writes a normalised partial
+output and its log-sum-exp; a second small kernel (split_merge.py) merges them. This is what
+keeps a batch of one or a few long decodes from leaving most SMs idle. Keys per step (BK) also
+set how many programs an SM holds at once (their shared memory and registers); default_block_k
+takes 64 for decode grids that only then fit in one wave. A decode grid of up to two programs
+per SM with most SMs busy is not split but pipelined: 128- or 64-key steps whose K/V Triton
+double-buffers (pipelined_decode).
 """
 
 from __future__ import annotations
@@ -280,7 +281,7 @@ def _rpa_kernel(
     carry = (jnp.zeros((rows, head_dim), jnp.float32), jnp.full((rows,), -jnp.inf, jnp.float32),
              jnp.zeros((rows,), jnp.float32), slots(step_lo))
     masked_body = functools.partial(body, masked=True)
-    if mask_all_steps:   # one loop: a third of the code to compile (used in interpret mode)
+    if mask_all_steps:   # one loop: a third of the code, and one pipeline for Triton to fill
         acc, m_R, l_R, _ = jax.lax.fori_loop(step_lo, step_hi, masked_body, carry)
     else:
         carry = jax.lax.fori_loop(step_lo, full_lo, masked_body, carry)       # window edge
@@ -363,39 +364,68 @@ def default_block_k(block_q: int, group: int, context: int, num_splits: int = 1,
     return max(16, min(block_k, pl.next_power_of_2(context)))
 
 
-# Unsplit decode grids with more busy programs than this share of NUM_SMS (103 of 132) run
-# pipelined, below: from 104 busy programs it was faster in every case timed; at 96 mixed.
+# Decode grids of up to two programs per SM with more busy programs than this share of NUM_SMS
+# (103 of 132) run pipelined, below. Set with three key loops (session 10): from 104 busy
+# programs faster in every case timed, at 96 mixed, below that slower. With one loop 96 busy
+# programs gained (12 x 1K 19.3 -> 17.7 us; 12 of 32 slots 1.3 %): it may now be conservative.
 PIPELINED_MIN_FILL = 0.78
 
 
 def pipelined_decode(num_tokens: int, num_seqs: int, num_heads: int, kv_heads: int,
-                     busy_seqs: int | None, *, head_dim: int = 128, itemsize: int = 2) -> bool:
-    """One pipelined program per SM for a decode grid that, unsplit, has at most one program
-    per SM and keeps nearly all SMs busy: more than PIPELINED_MIN_FILL of them (`busy_seqs`
-    sequences with query tokens, at least; None: all num_seqs). Only the case measured: the
-    wrapper's default 16-row query tile, E = 128, 2-byte K/V (sliding windows and soft caps
-    give the same results; their speed was not timed).
+                     busy_seqs: int | None, *, head_dim: int = 128, itemsize: int = 2) -> int:
+    """Keys per step of the pipelined tiling for a decode grid (T <= S) that takes it, else 0.
+    Only the case measured: the wrapper's default 16-row query tile, E = 128, 2-byte K/V
+    (sliding windows and soft caps give the same results; their speed was not timed).
 
-    Such a program takes its whole key range in 128-key steps, looks up the next step's slots
-    one step early (prefetch_slots) and runs 3 stages, so that Triton's pipeliner double-buffers
-    K/V in shared memory (136 KiB: one program an SM) and the next step's copy overlaps this
-    step's math. Otherwise (2 stages, or slots looked up in the same step) it keeps one buffer
-    and copies a step's K/V only after the last step's math (Triton 3.9's output, read on CPU
-    with benchmarks/triton_ir.py). H200, cold inputs, against the default for these grids (split
-    to fill the SMs, then a merge kernel): 16 decodes of 1K-8K keys at 8 kv heads (128
-    programs) 9-11 % less time (16 x 1K 23.9 -> 21.5 us, cuDNN 19.4; 16 x 8K 144.2 -> 129.2,
-    cuDNN 121.6), 32 decodes at Qwen3-30B-A3B's 4 kv heads 7-12 %, and 104-120 busy programs
-    (13-15 decodes at 8 kv heads, 26-30 at 4) 2-16 %. At 96 it was mixed (12 x 1K-4K 5-7 %
-    faster, 12 x 8K level, 24 x 8K at 4 kv heads 5 % slower), and below that splitting can
-    win (8 x 1K, 64 programs: 15.1 against 15.8 us): a lone program streams about 32 GB/s, and
-    a padded bucket holding a few long decodes would stream them through a few SMs. Hence the
-    bound, for which a padded bucket's caller (the engine) says how many slots are busy."""
-    block_q = default_block_q(num_tokens, num_seqs, num_heads // kv_heads)
-    rows = _tile_rows(block_q, pl.next_power_of_2(num_heads // kv_heads))
-    busy = num_seqs if busy_seqs is None else min(busy_seqs, num_seqs)
+    A pipelined program takes its whole key range unsplit, looks up the next step's slots one
+    step early (prefetch_slots) and runs 3 stages, so that Triton's pipeliner double-buffers K/V
+    in shared memory and the next step's copy overlaps this step's math. Otherwise (2 stages,
+    or slots looked up in the same step) it keeps one buffer and copies a step's K/V only after
+    the last step's math (Triton 3.9's output, read on CPU with benchmarks/triton_ir.py). Like
+    every decode grid it runs one masked key loop (mask_all_steps), which this tiling gains
+    most from (the default; mask_all_steps=False gives three loops, each pipelined on its
+    own): its pipeline is no longer drained before a separate last-step loop. It needs
+    more busy programs than PIPELINED_MIN_FILL of the SMs (`busy_seqs` sequences with query
+    tokens, at least; None: all num_seqs), in two regions:
+
+    - At most one program per SM (<= NUM_SMS): 128-key steps (136 KiB: one program an SM). H200,
+      cold, against the default for these grids (split to fill the SMs, then a merge kernel): 16
+      decodes of 1K-8K keys at 8 kv heads (128 programs) 9-11 % less time (16 x 1K 23.9 -> 21.5
+      us, cuDNN 19.4; 16 x 8K 144.2 -> 129.2, cuDNN 121.6), 32 decodes at Qwen3-30B-A3B's 4 kv
+      heads 7-12 %, and 104-120 busy programs (13-15 decodes at 8 kv heads, 26-30 at 4) 2-16 %;
+      one loop then took 16 x 1K to 20.6 us and 32 x 1K at 4 kv heads 21.8 -> 20.9. At 96 it was
+      mixed (12 x 1K-4K 5-7 % faster, 12 x 8K level, 24 x 8K at 4 kv heads 5 % slower), and
+      below that splitting can win (8 x 1K, 64 programs: 15.1 against 15.8 us): a lone program
+      streams about 32 GB/s, and a padded bucket holding a few long decodes would stream them
+      through a few SMs. Hence the bound, for which a padded bucket's caller (the engine) says
+      how many slots are busy. A third K/V buffer (4 stages, 200 KiB) took 0.5-9 % more time, 8
+      warps 3-14 %.
+    - Over one and at most two programs per SM (up to 2 x NUM_SMS), which the default leaves
+      unsplit anyway: 64-key steps (72 KiB, so both programs of an SM fit). H200, cold, one
+      loop both ways, against the default 128-key 2-stage steps: 256 programs with 17-32 of 32
+      slots busy at 8 kv heads (1K-8K keys, one case with a 6-token chunk) and 33-64 of 64 at 4
+      kv heads: 0.7-6 % less time in 15 cases of 16, level in the 16th (48 x 4K at 4 kv heads,
+      111.1 against 111.5 us); e.g. 32 x 1K 36.35 -> 35.95 us, 32 x 8K 246.5 -> 242.1 (cuDNN
+      34.5 and 236.5). The fewest busy programs timed above the bound were 132 (33 of 64 slots
+      at 4 kv heads) and 136 (17 of 32 at 8): 104-131 were not timed here. With 80-96 busy
+      programs it was level, with 48 or fewer 3-13 % slower (6 x 8K in 32 slots 153 -> 173 us;
+      3 x 1K 21.9 -> 24.7), as in the first region. At 512 programs (64-key pipelined against
+      the default 64-key 2-stage steps) it took 17-18 % more (64 x 1K 66.3 -> 77.4 us, 64 x 2K
+      126.4 -> 148.6, 128 x 1K at 4 kv heads 66.7 -> 77.9), and at 1,024 1 % more (128 x 1K);
+      265-511 were not timed."""
+    group = num_heads // kv_heads
+    block_q = default_block_q(num_tokens, num_seqs, group)
+    if num_tokens > num_seqs or (head_dim, itemsize,
+                                 _tile_rows(block_q, pl.next_power_of_2(group))) != (128, 2, 16):
+        return 0
+    # at most T sequences hold a token
+    busy = min(num_seqs if busy_seqs is None else busy_seqs, num_seqs, num_tokens)
+    if busy * kv_heads <= PIPELINED_MIN_FILL * NUM_SMS:
+        return 0
     programs = _num_tiles(num_tokens, num_seqs, block_q) * kv_heads
-    return (num_tokens <= num_seqs and (head_dim, itemsize, rows) == (128, 2, 16)
-            and programs <= NUM_SMS and busy * kv_heads > PIPELINED_MIN_FILL * NUM_SMS)
+    if programs <= NUM_SMS:
+        return 128
+    return 64 if programs <= 2 * NUM_SMS else 0
 
 
 def pipelined_busy_floor(kv_heads: int) -> int:
@@ -452,14 +482,21 @@ def ragged_paged_attention(q_TNE, k_cache_NPKE, v_cache_NPKE, query_start_loc_S1
     interpreted), "triton" or "mgpu" (that kernel only), "xla" (plain XLA, memory-bounded) or
     "auto" (pallas on GPU, xla elsewhere). The tuning options below are the Triton kernel's
     and are picked from the shapes if None.
-    mask_all_steps: apply the causal/window mask on every key step instead of only on the edge
-    steps (same result; default True only in interpret mode, where it compiles 3x faster).
+    mask_all_steps: one key loop that applies the causal/window mask on every step, instead of
+    three (window edge, unmasked middle, causal edge; same result). Default True in interpret
+    mode (3x faster to compile) and for decode buckets (T <= S) of 16-row tiles, where the
+    mask is cheap and Triton then pipelines one loop rather than draining between three
+    (H200, cold, same tiling, E = 128 in bf16: 21 of 24 decode cases 0.5-5 % faster, 16 x 1K
+    21.6 -> 20.7 us, a lone 2K decode 8.0 -> 7.6; one level, two within 1 % slower;
+    BENCHMARKS.md; other head dims and dtypes were not timed). Other batches keep three
+    loops: larger tiles' masked steps cost more, and they were not timed one-loop.
     heavy_first: launch the query tiles in reverse, the longest causal ranges first;
     prefetch_slots: look up the next key step's cache slots one step early. Both default to on
     for prefill-heavy batches (H200, 2K-token prefill: 132 -> 127.5 us; BENCHMARKS.md).
     busy_seqs: at least this many of the S sequence slots have query tokens (None: all of
     them). A caller that pads its batch to fixed sizes says how full it is, so that a decode
-    grid about one program per SM is pipelined only when most SMs get work (pipelined_decode).
+    grid of up to two programs per SM is pipelined only when most SMs get work
+    (pipelined_decode).
     """
     _validate(q_TNE, k_cache_NPKE, v_cache_NPKE, query_start_loc_S1, seq_lens_S, block_tables_SB)
     impl, on_gpu = resolve_impl(impl, ("pallas", "triton", "mgpu", "xla"))
@@ -486,10 +523,11 @@ def ragged_paged_attention(q_TNE, k_cache_NPKE, v_cache_NPKE, query_start_loc_S1
         raise ValueError(f"the pallas kernel needs a power-of-two head dim >= 16; got E={e}; "
                          f"use impl='xla'")
     tuned = (block_q, num_splits, block_k, num_warps, num_stages, prefetch_slots) != (None,) * 6
-    if not tuned and pipelined_decode(t, s, n, kh, busy_seqs, head_dim=e,
-                                      itemsize=k_cache_NPKE.dtype.itemsize):
+    pipelined_k = 0 if tuned else pipelined_decode(t, s, n, kh, busy_seqs, head_dim=e,
+                                                   itemsize=k_cache_NPKE.dtype.itemsize)
+    if pipelined_k:
         num_splits, num_stages, prefetch_slots = 1, 3, True
-        block_k = max(16, min(128, pl.next_power_of_2(b * p)))   # no longer than the context
+        block_k = max(16, min(pipelined_k, pl.next_power_of_2(b * p)))   # <= the context
     block_q = block_q or default_block_q(t, s, g)
     num_stages = num_stages or 2
     num_splits = num_splits or default_num_splits(t, s, kh, block_q, b * p)
@@ -510,7 +548,8 @@ def ragged_paged_attention(q_TNE, k_cache_NPKE, v_cache_NPKE, query_start_loc_S1
         block_q=block_q, g=g, gp=gp, kv_heads=kh, head_dim=e, block_size=p, blocks_per_seq=b,
         block_k=block_k, num_splits=num_splits, num_tokens=t, num_seqs=s,
         fast_exp2=not interpret,
-        mask_all_steps=interpret if mask_all_steps is None else mask_all_steps,
+        mask_all_steps=(interpret or (t <= s and rows <= 16)) if mask_all_steps is None
+        else mask_all_steps,
         heavy_first=heavy_first, prefetch_slots=prefetch_slots)
     split_out = num_splits > 1
     if split_out:

@@ -121,7 +121,7 @@ def test_warmup_all_waits_for_the_full_programs_too(monkeypatch):
 def test_busy_floor_marks_only_nearly_full_buckets_of_pipelined_grids(monkeypatch):
     # A step's variant says how many sequence slots are busy only where the Pallas attention
     # tiles a full bucket differently (ragged_paged_attention.pipelined_decode): 8 kv heads,
-    # 16 slots = 128 programs, at least 13 busy; never off the GPU's Pallas path.
+    # 16 or 32 slots = 128 or 256 programs, at least 13 busy; never off the GPU's Pallas path.
     from types import SimpleNamespace
     from jaxserve.models import llama
     from jaxserve.pallas_kernels import ragged_paged_attention as rpa
@@ -133,10 +133,13 @@ def test_busy_floor_marks_only_nearly_full_buckets_of_pipelined_grids(monkeypatc
     llama8b = fake()
     assert floor(llama8b, 16, 16, 16) == floor(llama8b, 16, 16, 13) == 13
     assert floor(llama8b, 16, 16, 12) == 0         # padded: tiled as a bucket of few decodes
-    assert floor(llama8b, 32, 32, 32) == 0         # 256 programs: not one an SM
+    assert floor(llama8b, 32, 32, 32) == 13        # 256 programs: pipelined from 104 busy
+    assert floor(llama8b, 32, 32, 12) == 0
+    assert floor(llama8b, 64, 64, 64) == 0         # 512 programs: never pipelined
     assert floor(llama8b, 1, 1, 1) == 0
     qwen = fake(kv_heads=4)                        # Qwen3-30B-A3B's heads: 32 slots
     assert floor(qwen, 32, 32, 31) == 26 and floor(qwen, 32, 32, 25) == 0
+    assert floor(qwen, 64, 64, 64) == 26
     assert floor(fake(pallas=False), 16, 16, 16) == 0
     assert floor(fake(head_dim=64), 16, 16, 16) == 0                      # not the measured case
     assert floor(fake(dtype=jax.numpy.dtype("float32")), 16, 16, 16) == 0

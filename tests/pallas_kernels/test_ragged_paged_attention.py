@@ -218,12 +218,12 @@ def test_wrapper_passes_the_grid_to_the_step_size_rule():
 
 
 def test_pipelined_decode_of_nearly_full_one_program_per_sm_grids():
-    # unsplit decode grids of at most one program per SM with more than 0.78 x 132 busy
-    assert rpa.pipelined_decode(16, 16, 32, 8, None)        # 128 programs (Llama-3.1-8B)
-    assert rpa.pipelined_decode(32, 32, 32, 4, None)        # Qwen3-30B-A3B's heads
-    assert rpa.pipelined_decode(13, 13, 32, 8, None)        # 104 busy
+    # unsplit decode grids of at most one program per SM with more than 0.78 x 132 busy:
+    # 128-key steps
+    assert rpa.pipelined_decode(16, 16, 32, 8, None) == 128     # 128 programs (Llama-3.1-8B)
+    assert rpa.pipelined_decode(32, 32, 32, 4, None) == 128     # Qwen3-30B-A3B's heads
+    assert rpa.pipelined_decode(13, 13, 32, 8, None) == 128     # 104 busy
     assert not rpa.pipelined_decode(12, 12, 32, 8, None)    # 96: split over all SMs
-    assert not rpa.pipelined_decode(17, 17, 32, 8, None)    # 136 > 132 SMs
     assert not rpa.pipelined_decode(16, 16, 32, 8, 12)      # a padded bucket, 12 busy
     assert rpa.pipelined_decode(16, 16, 32, 8, 13)
     assert not rpa.pipelined_decode(32, 16, 32, 8, None)    # more tokens than slots
@@ -234,6 +234,22 @@ def test_pipelined_decode_of_nearly_full_one_program_per_sm_grids():
     assert not rpa.pipelined_decode(16, 16, 32, 8, None, head_dim=64)
     assert not rpa.pipelined_decode(16, 16, 32, 8, None, itemsize=4)
     assert not rpa.pipelined_decode(128, 128, 32, 1, None)      # 32-row tiles (G = 32)
+
+
+def test_pipelined_decode_of_two_programs_per_sm_grids():
+    # 133-264 programs (unsplit by default anyway) with more than 0.78 x 132 busy: 64-key steps
+    assert rpa.pipelined_decode(17, 17, 32, 8, None) == 64      # 136 programs
+    assert rpa.pipelined_decode(32, 32, 32, 8, None) == 64      # 256 (Llama-3.1-8B)
+    assert rpa.pipelined_decode(32, 32, 32, 8, 13) == 64        # a padded bucket, 104 busy
+    assert not rpa.pipelined_decode(32, 32, 32, 8, 12)          # 96 busy: the default
+    assert not rpa.pipelined_decode(32, 32, 32, 8, 0)
+    assert rpa.pipelined_decode(64, 64, 32, 4, 26) == 64        # Qwen3-30B-A3B's heads
+    assert not rpa.pipelined_decode(64, 64, 32, 4, 25)
+    assert rpa.pipelined_decode(33, 33, 32, 8, None) == 64      # 264 = 2 x 132
+    assert not rpa.pipelined_decode(34, 34, 32, 8, None)        # 272: past two an SM
+    assert not rpa.pipelined_decode(64, 64, 32, 8, None)        # 512: 64-key 2-stage waves
+    assert not rpa.pipelined_decode(64, 32, 32, 8, None)        # more tokens than slots
+    assert not rpa.pipelined_decode(12, 32, 32, 8, None)        # 12 tokens: 96 busy at most
 
 
 def test_wrapper_pipelines_nearly_full_decode_grids():
@@ -251,9 +267,32 @@ def test_wrapper_pipelines_nearly_full_decode_grids():
     assert tiling(16) == ("ragged_paged_attention_bq4_bk128_x1", "3")
     assert tiling(32, kh=4) == ("ragged_paged_attention_bq2_bk128_x1", "3")
     assert tiling(16, busy_seqs=12) == ("ragged_paged_attention_bq4_bk64_x4", "2")
+    assert tiling(32) == ("ragged_paged_attention_bq4_bk64_x1", "3")             # two an SM
+    assert tiling(32, busy_seqs=13) == ("ragged_paged_attention_bq4_bk64_x1", "3")
+    assert tiling(32, busy_seqs=0) == ("ragged_paged_attention_bq4_bk128_x1", "2")
     assert tiling(16, dtype=jnp.float32)[1] == "2"                # not measured
     assert tiling(16, num_splits=4) == ("ragged_paged_attention_bq4_bk64_x4", "2")   # as asked
     assert tiling(16, num_warps=4)[1] == "2"                      # any tuning option: as asked
+
+
+def test_decode_buckets_walk_their_keys_in_one_masked_loop():
+    # T <= S: one key loop masking every step (what Triton pipelines without a drain between
+    # loops); other batches: window edge, unmasked middle, causal edge, as three loops
+    sds = jax.ShapeDtypeStruct
+
+    def key_loops(t, s, **kw):
+        cache = sds((s * 64 + 1, 16, 8, 128), jnp.bfloat16)
+        args = (sds((t, 32, 128), jnp.bfloat16), cache, cache, sds((s + 1,), jnp.int32),
+                sds((s,), jnp.int32), sds((s, 64), jnp.int32))
+        modules: list[str] = []
+        export_for_cuda(lambda *a: rpa.ragged_paged_attention(
+            *a, sm_scale=SCALE, impl="triton", interpret=False, **kw), *args, triton_ir=modules)
+        return modules[0].count("scf.for")
+    assert key_loops(16, 16) == 1                  # pipelined tiling
+    assert key_loops(4, 4) == 1                    # split tiling (attention kernel, then merge)
+    assert key_loops(24, 16) == 3                  # more tokens than slots
+    assert key_loops(16, 16, mask_all_steps=False) == 3
+    assert key_loops(16, 16, block_q=8) == 3        # 32-row tiles: not timed one-loop
 
 
 def test_pipelined_decode_tiling_matches_reference():
@@ -263,6 +302,18 @@ def test_pipelined_decode_tiling_matches_reference():
     args = paged_batch([1] * 16, ctxs, n=32, kh=8, e=128, pad_tokens=0, seed=21,
                        dtype=jnp.bfloat16)
     assert rpa.pipelined_decode(16, 16, 32, 8, None)
+    check(args, atol=2e-2)
+
+
+def test_two_programs_per_sm_pipelined_tiling_matches_reference():
+    # 64-key pipelined steps in the engine's 32-slot bucket (256 programs): decodes, a 6-token
+    # prompt chunk, padding slots and padding tokens
+    qlens = [1] * 24 + [6] + [0] * 7
+    ctxs = [1, 7, 16, 17, 63, 64, 65, 100, 127, 128, 129, 200, 5, 2, 40, 90, 33, 31, 70, 150,
+            9, 12, 48, 80, 70] + [0] * 7
+    args = paged_batch(qlens, ctxs, n=32, kh=8, e=128, pad_tokens=2, seed=22,
+                       dtype=jnp.bfloat16)
+    assert args[0].shape[0] == 32 and rpa.pipelined_decode(32, 32, 32, 8, None) == 64
     check(args, atol=2e-2)
 
 
