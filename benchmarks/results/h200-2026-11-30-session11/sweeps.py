@@ -1,7 +1,7 @@
-"""The eleventh session's decode sweeps on the H200 (runs 1-4 of README.md), kernel timings with
+"""The eleventh session's decode sweeps on the H200 (runs 1-4 and 7 of README.md), kernel timings with
 inputs out of L2 through benchmarks/kernels.py's helpers, two timings a variant:
 
-    python3 benchmarks/results/h200-2026-11-30-session11/sweeps.py run1|run2|run3|run4
+    python3 benchmarks/results/h200-2026-11-30-session11/sweeps.py run1|run2|run3|run4|run7
 
 "default" is the code of the moment (see README.md for the code each run had)."""
 import functools
@@ -126,7 +126,33 @@ def run4(rng):
         time_case("sw14", model, slots, qlens, ctx, variants, rng, cudnn=0, busy_label=True)
 
 
+def run7(rng):
+    """The engine's decode buckets in run 5 (16 and 32 slots, contexts 1000-1032, 65 blocks a
+    sequence, the busy variant's busy_seqs=13): this session's tiling against the previous one
+    (three key loops; 32 slots unpipelined), alternated twice."""
+    variants = {16: {"new": dict(busy_seqs=13), "old": dict(busy_seqs=13, mask_all_steps=False)},
+                32: {"new": dict(busy_seqs=13), "old": dict(num_splits=1, block_k=128,
+                                                            mask_all_steps=False)}}
+    for slots in (16, 32):
+        kb.use_model("llama3-8b")
+        ctxs = [int(c) for c in rng.integers(1000, 1033, slots)]
+        c = kb.paged_case(rng, [1] * slots, ctxs)
+        args = (c["q"], c["k"], c["v"], c["qsl"], c["seq_lens"], c["bt"])
+        byts = 2 * sum(ctxs) * kb.KH * kb.E * 2 + 2 * slots * kb.N * kb.E * 2
+        scale = kb.E ** -0.5
+        ref = jax.jit(functools.partial(rpa.xla_ragged_paged_attention, sm_scale=scale))(*args)
+        fns = {name: jax.jit(functools.partial(rpa.ragged_paged_attention, sm_scale=scale,
+                                               impl="pallas", **opts))
+               for name, opts in variants[slots].items()}
+        for _ in range(2):
+            for name, f in fns.items():
+                kb.record("engine-shape", f"S={slots} L=1000-1032", name,
+                          kb.time_ms(f, *args, bytes_=byts), bytes_=byts,
+                          err=kb.rel_err(f(*args), ref))
+
+
 if __name__ == "__main__":
-    run = {"run1": (run1, 0), "run2": (run2, 1), "run3": (run3, 2), "run4": (run4, 3)}
+    run = {"run1": (run1, 0), "run2": (run2, 1), "run3": (run3, 2), "run4": (run4, 3),
+           "run7": (run7, 7)}
     fn, seed = run[sys.argv[1]]
     fn(np.random.default_rng(seed))
