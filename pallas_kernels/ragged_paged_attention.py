@@ -381,12 +381,12 @@ def pipelined_decode(num_tokens: int, num_seqs: int, num_heads: int, kv_heads: i
     step early (prefetch_slots) and runs 3 stages, so that Triton's pipeliner double-buffers K/V
     in shared memory and the next step's copy overlaps this step's math. Otherwise (2 stages,
     or slots looked up in the same step) it keeps one buffer and copies a step's K/V only after
-    the last step's math (Triton 3.9's output, read on CPU with benchmarks/triton_ir.py). Like
-    every decode grid it runs one masked key loop (mask_all_steps), which this tiling gains
-    most from (the default; mask_all_steps=False gives three loops, each pipelined on its
-    own): its pipeline is no longer drained before a separate last-step loop. It needs
-    more busy programs than PIPELINED_MIN_FILL of the SMs (`busy_seqs` sequences with query
-    tokens, at least; None: all num_seqs), in two regions:
+    the last step's math (Triton 3.9's output, read on CPU with benchmarks/triton_ir.py). With
+    the default mask_all_steps it walks its keys in one masked loop, as every decode grid does,
+    and gains most from that: its pipeline is no longer drained before a separate last-step
+    loop (mask_all_steps=False gives three loops, each pipelined on its own). It needs more
+    busy programs than PIPELINED_MIN_FILL of the SMs (`busy_seqs` sequences with query tokens,
+    at least; None: all num_seqs), in two regions:
 
     - At most one program per SM (<= NUM_SMS): 128-key steps (136 KiB: one program an SM). H200,
       cold, against the default for these grids (split to fill the SMs, then a merge kernel): 16
