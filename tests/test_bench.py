@@ -128,6 +128,19 @@ def test_latency_bench_runs_in_process(llm):
     assert not llm.engine.has_unfinished_requests()
 
 
+def test_latency_bench_says_when_no_step_decoded_the_whole_batch(llm, capsys):
+    # 4 prompts of 30 tokens through 32-token steps: the first finishes its 2 tokens before
+    # the last leaves prefill, so no decode step holds all 4 and there is nothing to replay
+    from jaxserve.bench.latency import bench_batch
+
+    args = argparse.Namespace(input_len=30, output_len=2, num_iters=1, num_iters_warmup=0,
+                              device_only_iters=2, hbm_bandwidth=None, profile_dir=None,
+                              top_p=1.0, top_k=0)
+    row = bench_batch(llm, 4, args)
+    assert row["latency_mean_s"] > 0 and "device_only_step_ms" not in row
+    assert "no decode step held all 4 requests" in capsys.readouterr().err
+
+
 def test_throughput_bench_runs_in_process(llm):
     from jaxserve.bench.throughput import run_throughput
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import statistics
+import sys
 import time
 
 from jaxserve.bench import report, roofline
@@ -107,6 +108,11 @@ def bench_batch(llm, batch: int, args, bar=None) -> dict:
         row.update(weight_gb=weight_bytes / 1e9, step_bytes_gb=step_bytes / 1e9, roofline_ms=1e3 * floor_s,
                    roofline_fraction=floor_s / step_s)
         captured = timer.decode_inputs.get(batch)
+        if args.device_only_iters and captured is None:
+            # e.g. short outputs behind chunked prompts: the first requests finish before the
+            # last ones leave prefill, so no step decodes the whole batch
+            print(f"# batch {batch}: no decode step held all {batch} requests at once, so no "
+                  f"device-only timing; a longer --output-len overlaps them", file=sys.stderr)
         if args.device_only_iters and captured is not None:
             dev_s = device_only_step_seconds(engine.runner, *captured, iters=args.device_only_iters)
             row.update(device_only_step_ms=1e3 * dev_s, device_only_roofline_fraction=floor_s / dev_s,
