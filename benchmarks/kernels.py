@@ -218,6 +218,20 @@ def bench_attention(rng, quick: bool, sweep: bool, decode_only: bool = False):
                                                                       iters=10))
                     if ms is not None:
                         record("attn-sweep", case, f"pallas x{xs} bk{bk}", ms, bytes_=byts)
+            # pipelined, split to about one program an SM: slots looked up one step early with
+            # 3 stages (pipelined_decode's tiling), or in their step with 5 (Triton then copies
+            # the block-table entries asynchronously: session 11's untimed lead)
+            xs = max(1, 132 // (s * KH))
+            for bk in (64, 128):
+                for label, kw in (("pf s3", dict(prefetch_slots=True, num_stages=3)),
+                                  ("s5 async slots", dict(prefetch_slots=False, num_stages=5))):
+                    g = jax.jit(functools.partial(rpa.ragged_paged_attention, sm_scale=scale,
+                                                  impl="triton", block_k=bk, num_splits=xs, **kw))
+                    ms = try_run("decode sweep", lambda: time_ms(g, *args, bytes_=byts,
+                                                                      iters=10))
+                    if ms is not None:
+                        record("attn-sweep", case, f"pallas x{xs} bk{bk} {label}", ms,
+                               bytes_=byts)
         try_run("mosaic decode", lambda: bench_decode_mgpu(case, args, ref, byts, sweep))
         if not decode_only:
             fx = jax.jit(functools.partial(rpa.xla_ragged_paged_attention, sm_scale=scale))
