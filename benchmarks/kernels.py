@@ -191,6 +191,7 @@ def dense_kv(c):
 
 def bench_attention(rng, quick: bool, sweep: bool, decode_only: bool = False):
     from jaxserve.pallas_kernels import ragged_paged_attention as rpa
+    from jaxserve.pallas_kernels.dispatch import NUM_SMS
     scale = E ** -0.5
     decode_cases = [(1, 1024), (1, 8192), (4, 4096), (16, 1024), (32, 1024), (32, 8192),
                     (64, 1024), (64, 2048), (128, 1024), (128, 8192)]
@@ -207,31 +208,25 @@ def bench_attention(rng, quick: bool, sweep: bool, decode_only: bool = False):
         out = f(*args)
         record("attention", case, "pallas (default)", time_ms(f, *args, bytes_=byts),
                bytes_=byts, err=rel_err(out, ref))
-        if sweep:   # Triton: key-range splits (merged by a second kernel) x keys per step
-            for xs in (1, 2, 4, 8, 16, 32, 64):
-                for bk in (64, 128):
-                    if ctx // xs < bk or s * KH * xs > 2048:
-                        continue
-                    g = jax.jit(functools.partial(rpa.ragged_paged_attention, sm_scale=scale,
-                                                  impl="triton", block_k=bk, num_splits=xs))
-                    ms = try_run("decode sweep", lambda: time_ms(g, *args, bytes_=byts,
-                                                                      iters=10))
-                    if ms is not None:
-                        record("attn-sweep", case, f"pallas x{xs} bk{bk}", ms, bytes_=byts)
-            # pipelined, split to about one program an SM: slots looked up one step early with
-            # 3 stages (pipelined_decode's tiling), or in their step with 5 (Triton then copies
-            # the block-table entries asynchronously: session 11's untimed lead)
-            xs = max(1, 132 // (s * KH))
-            for bk in (64, 128):
-                for label, kw in (("pf s3", dict(prefetch_slots=True, num_stages=3)),
-                                  ("s5 async slots", dict(prefetch_slots=False, num_stages=5))):
-                    g = jax.jit(functools.partial(rpa.ragged_paged_attention, sm_scale=scale,
-                                                  impl="triton", block_k=bk, num_splits=xs, **kw))
-                    ms = try_run("decode sweep", lambda: time_ms(g, *args, bytes_=byts,
-                                                                      iters=10))
-                    if ms is not None:
-                        record("attn-sweep", case, f"pallas x{xs} bk{bk} {label}", ms,
-                               bytes_=byts)
+        if sweep:   # Triton: key-range splits (merged by a second kernel) x keys per step,
+            # then pipelined, split to about one program an SM: slots looked up one step early
+            # with 3 stages (pipelined_decode's tiling), or in their step with 5 (Triton then
+            # copies the block-table entries asynchronously: session 11's untimed lead)
+            variants = [(f"x{xs} bk{bk}", dict(block_k=bk, num_splits=xs))
+                        for xs in (1, 2, 4, 8, 16, 32, 64) for bk in (64, 128)
+                        if ctx // xs >= bk and s * KH * xs <= 2048]
+            fill = max(1, NUM_SMS // (s * KH))
+            variants += [(f"x{fill} bk{bk} {label}", dict(block_k=bk, num_splits=fill, **kw))
+                         for bk in (64, 128)
+                         for label, kw in (("pf s3", dict(prefetch_slots=True, num_stages=3)),
+                                           ("s5 async slots", dict(prefetch_slots=False,
+                                                                   num_stages=5)))]
+            for label, kw in variants:
+                g = jax.jit(functools.partial(rpa.ragged_paged_attention, sm_scale=scale,
+                                              impl="triton", **kw))
+                ms = try_run("decode sweep", lambda: time_ms(g, *args, bytes_=byts, iters=10))
+                if ms is not None:
+                    record("attn-sweep", case, f"pallas {label}", ms, bytes_=byts)
         try_run("mosaic decode", lambda: bench_decode_mgpu(case, args, ref, byts, sweep))
         if not decode_only:
             fx = jax.jit(functools.partial(rpa.xla_ragged_paged_attention, sm_scale=scale))

@@ -184,10 +184,11 @@ class ModelRunner:
                 from jaxserve.pallas_kernels import ragged_paged_attention as rpa
                 cfg = self.cfg
                 floor = rpa.pipelined_busy_floor(cfg.num_kv_heads)
-                tiling = functools.partial(rpa.pipelined_decode, num_tokens, num_seqs,
-                                           cfg.num_heads, cfg.num_kv_heads, head_dim=cfg.head_dim,
-                                           itemsize=self.dtype.itemsize)
-                if tiling(floor) != tiling(0):    # only where the count changes the tiling
+                # with busy_seqs 0 (unknown) no grid is pipelined: the floor matters wherever
+                # it pipelines
+                if rpa.pipelined_decode(num_tokens, num_seqs, cfg.num_heads, cfg.num_kv_heads,
+                                        floor, head_dim=cfg.head_dim,
+                                        itemsize=self.dtype.itemsize):
                     self._busy_floors[key] = floor
         floor = self._busy_floors[key]
         return floor if floor and busy >= floor else 0

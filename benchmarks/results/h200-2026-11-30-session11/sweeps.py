@@ -15,6 +15,7 @@ import numpy as np  # noqa: E402
 
 import kernels as kb  # noqa: E402
 from jaxserve.pallas_kernels import ragged_paged_attention as rpa  # noqa: E402
+from jaxserve.pallas_kernels.dispatch import NUM_SMS  # noqa: E402
 
 PIPELINED = dict(prefetch_slots=True, num_stages=3)
 
@@ -60,7 +61,7 @@ def time_case(group, model, slots, qlens, ctx, variants, rng, *, cudnn=2, busy_l
 
 def fill(units):
     """Splits that bring `units` programs up to about one an SM."""
-    return max(1, 132 // units)
+    return max(1, NUM_SMS // units)
 
 
 def run1(rng):
@@ -83,7 +84,7 @@ def run1(rng):
 def run2(rng):
     """One loop on the default tiling; small grids filled; 256-program grids pipelined."""
     def extra(units, ctx):
-        if units < 132:
+        if units < NUM_SMS:
             x = fill(units)
             bk = min(128, 1 << max(4, (ctx // x - 1).bit_length()))
             return f"fill x{x} bk{bk} pf s3 onemask", dict(
