@@ -210,8 +210,8 @@ def bench_attention(rng, quick: bool, sweep: bool, decode_only: bool = False):
                bytes_=byts, err=rel_err(out, ref))
         if sweep:   # Triton: key-range splits (merged by a second kernel) x keys per step,
             # then pipelined, split to about one program an SM: slots looked up one step early
-            # with 3 stages (pipelined_decode's tiling), or in their step with 5 (Triton then
-            # copies the block-table entries asynchronously: session 11's untimed lead)
+            # with 3 stages (pipelined_decode's tiling until session 12), or in their step with
+            # 5 (Triton then copies the block-table entries asynchronously: its tiling since)
             variants = [(f"x{xs} bk{bk}", dict(block_k=bk, num_splits=xs))
                         for xs in (1, 2, 4, 8, 16, 32, 64) for bk in (64, 128)
                         if ctx // xs >= bk and s * KH * xs <= 2048]

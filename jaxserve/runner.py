@@ -174,22 +174,18 @@ class ModelRunner:
 
     def busy_floor(self, num_tokens: int, num_seqs: int, busy: int) -> int:
         """The variant's busy_seqs for a step of `busy` chunks in a (num_tokens, num_seqs)
-        bucket: the least count at which the Pallas attention pipelines this bucket's decode
-        grid, if `busy` reaches it; else 0. (A padded bucket with few chunks must not be
-        tiled as a full one: ragged_paged_attention.pipelined_decode.)"""
+        bucket: the least count from which the Pallas attention tiles this bucket's decode
+        grid as a full one's, if `busy` reaches it; else 0. (A padded bucket with few chunks
+        must not be tiled as a full one: ragged_paged_attention.tiling_busy_floor.)"""
         key = (num_tokens, num_seqs)
         if key not in self._busy_floors:      # once per bucket: prepare() runs every step
             self._busy_floors[key] = 0
             if self._pallas_attention:
                 from jaxserve.pallas_kernels import ragged_paged_attention as rpa
                 cfg = self.cfg
-                floor = rpa.pipelined_busy_floor(cfg.num_kv_heads)
-                # with busy_seqs 0 (unknown) no grid is pipelined: the floor matters wherever
-                # it pipelines
-                if rpa.pipelined_decode(num_tokens, num_seqs, cfg.num_heads, cfg.num_kv_heads,
-                                        floor, head_dim=cfg.head_dim,
-                                        itemsize=self.dtype.itemsize):
-                    self._busy_floors[key] = floor
+                self._busy_floors[key] = rpa.tiling_busy_floor(
+                    num_tokens, num_seqs, cfg.num_heads, cfg.num_kv_heads,
+                    head_dim=cfg.head_dim, itemsize=self.dtype.itemsize)
         floor = self._busy_floors[key]
         return floor if floor and busy >= floor else 0
 

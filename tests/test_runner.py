@@ -118,10 +118,11 @@ def test_warmup_all_waits_for_the_full_programs_too(monkeypatch):
     assert len(runner._executables) == len(runner.buckets) * 2
 
 
-def test_busy_floor_marks_only_nearly_full_buckets_of_pipelined_grids(monkeypatch):
+def test_busy_floor_marks_only_nearly_full_buckets_of_specially_tiled_grids(monkeypatch):
     # A step's variant says how many sequence slots are busy only where the Pallas attention
-    # tiles a full bucket differently (ragged_paged_attention.pipelined_decode): 8 kv heads,
-    # 16 or 32 slots = 128 or 256 programs, at least 13 busy; never off the GPU's Pallas path.
+    # tiles a full bucket differently (ragged_paged_attention.tiling_busy_floor): 8 kv heads,
+    # 16 or 32 slots = 128 or 256 programs, at least 13 busy; 128 slots, at least 100; never
+    # off the GPU's Pallas path.
     from types import SimpleNamespace
     from jaxserve.models import llama
     from jaxserve.pallas_kernels import ragged_paged_attention as rpa
@@ -136,6 +137,9 @@ def test_busy_floor_marks_only_nearly_full_buckets_of_pipelined_grids(monkeypatc
     assert floor(llama8b, 32, 32, 32) == 13        # 256 programs: pipelined from 104 busy
     assert floor(llama8b, 32, 32, 12) == 0
     assert floor(llama8b, 64, 64, 64) == 0         # 512 programs: never pipelined
+    # 1,024 programs: 64-key 3-stage steps from 100 busy (ragged_paged_attention.many_wave_decode)
+    assert floor(llama8b, 128, 128, 128) == floor(llama8b, 128, 128, 100) == 100
+    assert floor(llama8b, 128, 128, 99) == 0
     assert floor(llama8b, 1, 1, 1) == 0
     qwen = fake(kv_heads=4)                        # Qwen3-30B-A3B's heads: 32 slots
     assert floor(qwen, 32, 32, 31) == 26 and floor(qwen, 32, 32, 25) == 0

@@ -210,7 +210,8 @@ def test_wrapper_passes_the_grid_to_the_step_size_rule():
         return re.search(r"ragged_paged_attention_bq\d+_bk\d+_x\d+", str(jaxpr)).group()
     assert name(64) == "ragged_paged_attention_bq4_bk64_x1"
     assert name(128, kh=4) == "ragged_paged_attention_bq2_bk64_x1"    # Qwen3-30B-A3B's heads
-    assert name(128) == name(48) == "ragged_paged_attention_bq4_bk128_x1"
+    assert name(48) == "ragged_paged_attention_bq4_bk128_x1"          # 384 programs
+    assert name(128) == "ragged_paged_attention_bq4_bk64_x1"          # 1,024: many_wave_decode
     assert name(64, dtype=jnp.float32) == name(64, e=64) == name(64, num_warps=8) == \
         "ragged_paged_attention_bq4_bk128_x1"
     # 128 tokens in 64 slots (chunks and decodes): 640 programs, but not a decode bucket
@@ -264,15 +265,83 @@ def test_wrapper_pipelines_nearly_full_decode_grids():
             *a, sm_scale=SCALE, impl="triton", interpret=False, **kw), *args)
         return re.findall(r'name = "(ragged_paged_attention_[^"]+)", num_stages = (\d+)',
                           exported.mlir_module())[0]
-    assert tiling(16) == ("ragged_paged_attention_bq4_bk128_x1", "3")
-    assert tiling(32, kh=4) == ("ragged_paged_attention_bq2_bk128_x1", "3")
+    assert tiling(16) == ("ragged_paged_attention_bq4_bk128_x1", "5")
+    assert tiling(32, kh=4) == ("ragged_paged_attention_bq2_bk128_x1", "5")
     assert tiling(16, busy_seqs=12) == ("ragged_paged_attention_bq4_bk64_x4", "2")
-    assert tiling(32) == ("ragged_paged_attention_bq4_bk64_x1", "3")             # two an SM
-    assert tiling(32, busy_seqs=13) == ("ragged_paged_attention_bq4_bk64_x1", "3")
+    assert tiling(32) == ("ragged_paged_attention_bq4_bk64_x1", "5")             # two an SM
+    assert tiling(32, busy_seqs=13) == ("ragged_paged_attention_bq4_bk64_x1", "5")
     assert tiling(32, busy_seqs=0) == ("ragged_paged_attention_bq4_bk128_x1", "2")
     assert tiling(16, dtype=jnp.float32)[1] == "2"                # not measured
     assert tiling(16, num_splits=4) == ("ragged_paged_attention_bq4_bk64_x4", "2")   # as asked
     assert tiling(16, num_warps=4)[1] == "2"                      # any tuning option: as asked
+    assert tiling(128) == ("ragged_paged_attention_bq4_bk64_x1", "3")    # many_wave_decode
+    assert tiling(128, busy_seqs=100) == ("ragged_paged_attention_bq4_bk64_x1", "3")
+    assert tiling(128, busy_seqs=0) == ("ragged_paged_attention_bq4_bk128_x1", "2")
+    assert tiling(96) == ("ragged_paged_attention_bq4_bk128_x1", "2")
+
+
+def test_many_wave_decode_takes_the_tiling_whose_waves_are_fuller():
+    # past one wave of 64-key 2-stage steps (660 programs), 64-key 3-stage steps (4 an SM)
+    # where their last wave is fuller than 128-key 2-stage steps' (3 an SM)
+    assert rpa.wave_fill(528, 4) == 1.0 and rpa.wave_fill(529, 4) < 0.51
+    assert rpa.many_wave_decode(128, 128, 32, 8)            # 1,024 programs: 1.94 waves of 528
+    assert rpa.many_wave_decode(256, 256, 32, 8)            # 2,048
+    assert rpa.many_wave_decode(256, 256, 32, 4)            # Qwen3-30B-A3B's heads, 1,024
+    assert not rpa.many_wave_decode(96, 96, 32, 8)          # 768: 1.45 waves against 1.94
+    assert not rpa.many_wave_decode(64, 64, 32, 8)          # 512: one wave of 64-key 2-stage
+    assert not rpa.many_wave_decode(32, 32, 32, 8)
+    assert not rpa.many_wave_decode(256, 128, 32, 8)        # more tokens than slots
+    assert not rpa.many_wave_decode(128, 128, 32, 8, head_dim=64)     # only the measured case
+    assert not rpa.many_wave_decode(128, 128, 32, 8, itemsize=4)
+    # a padded bucket: the busy programs (launched first) set the waves
+    assert rpa.many_wave_decode(128, 128, 32, 8, 65)        # 520 programs: one wave of 528
+    assert not rpa.many_wave_decode(128, 128, 32, 8, 80)    # 640: 1.21 waves against 1.62
+    assert rpa.many_wave_decode(128, 128, 32, 8, 112)
+    assert not rpa.many_wave_decode(128, 128, 32, 8, 0)     # not said: the default
+
+
+def test_tiling_busy_floor_is_where_a_padded_bucket_tiles_as_a_full_one():
+    # from the floor up (and only there) a bucket takes its full tiling, with busy_seqs = floor
+    def floor(s, kh):
+        return rpa.tiling_busy_floor(s, s, 32, kh)
+    assert floor(16, 8) == floor(32, 8) == rpa.pipelined_busy_floor(8) == 13
+    assert floor(32, 4) == floor(64, 4) == rpa.pipelined_busy_floor(4) == 26
+    assert floor(64, 8) == floor(128, 4) == floor(1, 8) == 0    # 512 programs; a lone decode
+    assert floor(128, 8) == 100 and floor(256, 8) == 248 and floor(256, 4) == 199
+    for s, kh in ((128, 8), (256, 8), (256, 4), (32, 8)):
+        f = floor(s, kh)
+        full = bool(rpa.pipelined_decode(s, s, 32, kh, None)) or rpa.many_wave_decode(s, s, 32, kh)
+        assert full
+        for busy in range(f, s + 1):
+            assert bool(rpa.pipelined_decode(s, s, 32, kh, busy)) or \
+                rpa.many_wave_decode(s, s, 32, kh, busy)
+        assert not (rpa.pipelined_decode(s, s, 32, kh, f - 1) or
+                    rpa.many_wave_decode(s, s, 32, kh, f - 1))
+    assert rpa.tiling_busy_floor(128, 128, 32, 8, head_dim=64) == 0   # not the measured case
+
+
+def test_unsplit_decode_grids_launch_kv_heads_side_by_side():
+    # grid (K, J, X) for unsplit decode grids, (J, K, X) for split ones and prefill buckets
+    sds = jax.ShapeDtypeStruct
+
+    def grid(s, t=None, **kw):
+        cache = sds((s * 64 + 1, 16, 8, 128), jnp.bfloat16)
+        args = (sds((t or s, 32, 128), jnp.bfloat16), cache, cache, sds((s + 1,), jnp.int32),
+                sds((s,), jnp.int32), sds((s, 64), jnp.int32))
+        mlir = export_for_cuda(lambda *a: rpa.ragged_paged_attention(
+            *a, sm_scale=SCALE, impl="triton", interpret=False, **kw), *args).mlir_module()
+        return tuple(int(g) for g in re.findall(r"grid_[xyz] = (\d+)", mlir)[:3])
+    assert grid(32) == (8, 32, 1)                      # kv heads first
+    assert grid(32, heads_inner=False) == (32, 8, 1)
+    assert grid(4) == (4, 8, 16)                       # split: 4 tiles x 8 kv heads x 16 splits
+    assert grid(32, t=40) == (34, 8, 1)                # more tokens than slots: 34 tiles
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_kv_heads_inner_launch_order_changes_no_output(num_splits):
+    args = paged_batch([9, 1, 0, 1, 17, 0], [25, 33, 0, 8, 17, 0], seed=7)
+    for heads_inner in (True, False):
+        check(args, num_splits=num_splits, block_k=8, heads_inner=heads_inner)
 
 
 def test_decode_buckets_walk_their_keys_in_one_masked_loop():
@@ -296,7 +365,7 @@ def test_decode_buckets_walk_their_keys_in_one_masked_loop():
 
 
 def test_pipelined_decode_tiling_matches_reference():
-    # the pipelined tiling (unsplit, 128-key steps, slots one step early) on 16 decodes of
+    # the pipelined tiling (unsplit, 128-key steps, slots in their step, 5 stages) on 16 decodes of
     # 8 kv heads x 128 dims in bf16 (what picks it), contexts from one key to past a step
     ctxs = [1, 7, 16, 17, 100, 127, 128, 129, 200, 255, 256, 300, 5, 64, 2, 140]
     args = paged_batch([1] * 16, ctxs, n=32, kh=8, e=128, pad_tokens=0, seed=21,
