@@ -391,6 +391,22 @@ def default_block_k(block_q: int, group: int, context: int, num_splits: int = 1,
 PIPELINED_MIN_FILL = 0.78
 
 
+def _measured_decode_grid(num_tokens: int, num_seqs: int, num_heads: int, kv_heads: int,
+                          busy_seqs: int | None, *, head_dim: int,
+                          itemsize: int) -> tuple[int, int] | None:
+    """(programs, busy programs) of an unsplit decode grid (T <= S) in the case the decode
+    tiling rules were measured on (the wrapper's 16-row query tile, E = 128, 2-byte K/V), else
+    None. Busy programs: `busy_seqs` sequences with query tokens (None: all num_seqs; at most
+    T hold one) x kv_heads."""
+    group = num_heads // kv_heads
+    block_q = default_block_q(num_tokens, num_seqs, group)
+    if num_tokens > num_seqs or (head_dim, itemsize,
+                                 _tile_rows(block_q, pl.next_power_of_2(group))) != (128, 2, 16):
+        return None
+    busy = min(num_seqs if busy_seqs is None else busy_seqs, num_seqs, num_tokens)
+    return _num_tiles(num_tokens, num_seqs, block_q) * kv_heads, busy * kv_heads
+
+
 def pipelined_decode(num_tokens: int, num_seqs: int, num_heads: int, kv_heads: int,
                      busy_seqs: int | None, *, head_dim: int = 128, itemsize: int = 2) -> int:
     """Keys per step of the pipelined tiling for a decode grid (T <= S) that takes it, else 0.
@@ -448,16 +464,13 @@ def pipelined_decode(num_tokens: int, num_seqs: int, num_heads: int, kv_heads: i
     at 8 kv heads 18.7 -> 17.3 us; 16-24 of 32 at 4 kv heads 3.2-4.25 us less) and 0.3 us more
     in the sixth (8 of 16 at 8 kv heads), with 4K keys up to 13.55 us more (8 of 16 at 8 kv
     heads 39.55 -> 53.1; 10: 46.35 -> 53.95)."""
-    group = num_heads // kv_heads
-    block_q = default_block_q(num_tokens, num_seqs, group)
-    if num_tokens > num_seqs or (head_dim, itemsize,
-                                 _tile_rows(block_q, pl.next_power_of_2(group))) != (128, 2, 16):
+    grid = _measured_decode_grid(num_tokens, num_seqs, num_heads, kv_heads, busy_seqs,
+                                 head_dim=head_dim, itemsize=itemsize)
+    if grid is None:
         return 0
-    # at most T sequences hold a token
-    busy = min(num_seqs if busy_seqs is None else busy_seqs, num_seqs, num_tokens)
-    if busy * kv_heads <= PIPELINED_MIN_FILL * NUM_SMS:
+    programs, busy = grid
+    if busy <= PIPELINED_MIN_FILL * NUM_SMS:
         return 0
-    programs = _num_tiles(num_tokens, num_seqs, block_q) * kv_heads
     if programs <= NUM_SMS:
         return 128
     return 64 if programs <= 2 * NUM_SMS else 0
@@ -497,13 +510,11 @@ def many_wave_decode(num_tokens: int, num_seqs: int, num_heads: int, kv_heads: i
     6, the rule then counting the whole grid). The tiling holds over several ranges of busy
     counts (there: 50-66 and 100-128); the engine only uses the top one (tiling_busy_floor: one
     more program per bucket), so 65 busy of 128 run the default tiling (73.05 us in run 7)."""
-    group = num_heads // kv_heads
-    block_q = default_block_q(num_tokens, num_seqs, group)
-    if num_tokens > num_seqs or (head_dim, itemsize,
-                                 _tile_rows(block_q, pl.next_power_of_2(group))) != (128, 2, 16):
+    grid = _measured_decode_grid(num_tokens, num_seqs, num_heads, kv_heads, busy_seqs,
+                                 head_dim=head_dim, itemsize=itemsize)
+    if grid is None:
         return False
-    programs = _num_tiles(num_tokens, num_seqs, block_q) * kv_heads
-    busy = min(num_seqs if busy_seqs is None else busy_seqs, num_seqs, num_tokens) * kv_heads
+    programs, busy = grid
     return (busy > 0 and waves(programs, DECODE_PROGRAMS_PER_SM[64]) > 1 and
             wave_fill(busy, ASYNC_64_PROGRAMS_PER_SM)
             > wave_fill(busy, DECODE_PROGRAMS_PER_SM[128]))
@@ -514,21 +525,36 @@ def pipelined_busy_floor(kv_heads: int) -> int:
     return int(PIPELINED_MIN_FILL * NUM_SMS) // kv_heads + 1
 
 
+def special_decode_tiling(num_tokens: int, num_seqs: int, num_heads: int, kv_heads: int,
+                          busy_seqs: int | None, *, head_dim: int = 128,
+                          itemsize: int = 2) -> tuple[int, int] | None:
+    """(keys per step, stages) of the decode tiling that replaces the default for this grid,
+    with slots looked up in their step and no split: pipelined_decode's (5 stages) or
+    many_wave_decode's (64 keys, 3 stages); None where neither holds."""
+    kw = dict(head_dim=head_dim, itemsize=itemsize)
+    step = pipelined_decode(num_tokens, num_seqs, num_heads, kv_heads, busy_seqs, **kw)
+    if step:
+        return step, 5
+    if many_wave_decode(num_tokens, num_seqs, num_heads, kv_heads, busy_seqs, **kw):
+        return 64, 3
+    return None
+
+
 def tiling_busy_floor(num_tokens: int, num_seqs: int, num_heads: int, kv_heads: int, *,
                       head_dim: int = 128, itemsize: int = 2) -> int:
     """The fewest busy sequences from which a padded decode bucket is tiled as the full one
-    (pipelined_decode or many_wave_decode, with busy_seqs = that count), every count up to full
-    included; 0 where a full bucket takes neither tiling. A caller that pads steps to buckets
-    (the engine) passes busy_seqs = this floor from it up and 0 below: one more program per
-    such bucket, not one per busy count."""
-    def special(busy):
-        kw = dict(head_dim=head_dim, itemsize=itemsize)
-        return bool(pipelined_decode(num_tokens, num_seqs, num_heads, kv_heads, busy, **kw)
-                    or many_wave_decode(num_tokens, num_seqs, num_heads, kv_heads, busy, **kw))
+    (special_decode_tiling, with busy_seqs = that count), every count up to full included; 0
+    where a full bucket keeps the default. A caller that pads steps to buckets (the engine)
+    passes busy_seqs = this floor from it up and 0 below: one more program per such bucket,
+    not one per busy count."""
+    def tiling(busy):
+        return special_decode_tiling(num_tokens, num_seqs, num_heads, kv_heads, busy,
+                                     head_dim=head_dim, itemsize=itemsize)
     floor = min(num_seqs, num_tokens)
-    if not special(floor):
+    full = tiling(floor)
+    if full is None:
         return 0
-    while floor > 1 and special(floor - 1):
+    while floor > 1 and tiling(floor - 1) == full:
         floor -= 1
     return floor
 
@@ -635,15 +661,12 @@ def ragged_paged_attention(q_TNE, k_cache_NPKE, v_cache_NPKE, query_start_loc_S1
         raise ValueError(f"the pallas kernel needs a power-of-two head dim >= 16; got E={e}; "
                          f"use impl='xla'")
     tuned = (block_q, num_splits, block_k, num_warps, num_stages, prefetch_slots) != (None,) * 6
-    pipelined_k = 0 if tuned else pipelined_decode(t, s, n, kh, busy_seqs, head_dim=e,
-                                                   itemsize=k_cache_NPKE.dtype.itemsize)
-    if pipelined_k:
-        num_splits, num_stages, prefetch_slots = 1, 5, False
-        block_k = max(16, min(pipelined_k, pl.next_power_of_2(b * p)))   # <= the context
-    elif not tuned and many_wave_decode(t, s, n, kh, busy_seqs, head_dim=e,
-                                        itemsize=k_cache_NPKE.dtype.itemsize):
-        num_splits, num_stages, prefetch_slots = 1, 3, False
-        block_k = max(16, min(64, pl.next_power_of_2(b * p)))
+    special = None if tuned else special_decode_tiling(t, s, n, kh, busy_seqs, head_dim=e,
+                                                       itemsize=k_cache_NPKE.dtype.itemsize)
+    if special:
+        step, num_stages = special
+        num_splits, prefetch_slots = 1, False
+        block_k = max(16, min(step, pl.next_power_of_2(b * p)))   # <= the context
     block_q = block_q or default_block_q(t, s, g)
     num_stages = num_stages or 2
     num_splits = num_splits or default_num_splits(t, s, kh, block_q, b * p)
