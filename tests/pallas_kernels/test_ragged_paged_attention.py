@@ -18,6 +18,19 @@ from kernel_batches import cuda_attention_shapes, paged_batch
 SCALE = 0.17
 
 
+def bucket_shapes(s, t=None, kh=8, n=32, e=128, dtype=jnp.bfloat16):
+    """Abstract inputs of an engine-like bucket: s sequence slots, t tokens (default s), 64
+    cache blocks a sequence."""
+    return cuda_attention_shapes(t=t or s, n=n, kh=kh, e=e, nb=s * 64 + 1, s=s, b=64,
+                                 dtype=dtype)
+
+
+def export_triton(args, triton_ir=None, **kw):
+    """The Triton kernel's CUDA lowering at `args` (abstract), with wrapper options `kw`."""
+    return export_for_cuda(lambda *a: rpa.ragged_paged_attention(
+        *a, sm_scale=SCALE, impl="triton", interpret=False, **kw), *args, triton_ir=triton_ir)
+
+
 def check(args, *, impl="pallas", atol=2e-5, **kw):
     opts = {k: kw.pop(k) for k in ("sliding_window", "soft_cap") if k in kw}
     ref = np.asarray(rpa.ref_ragged_paged_attention(*args, sm_scale=SCALE, **opts))
@@ -199,12 +212,8 @@ def test_default_tiling_of_decode_batches():
 
 def test_wrapper_passes_the_grid_to_the_step_size_rule():
     # the kernel name carries the tiling the wrapper chose (traced only, nothing runs)
-    sds = jax.ShapeDtypeStruct
-
     def name(s, kh=8, n=32, e=128, dtype=jnp.bfloat16, t=None, **kw):
-        cache = sds((s * 64 + 1, 16, kh, e), dtype)
-        args = (sds((t or s, n, e), dtype), cache, cache, sds((s + 1,), jnp.int32),
-                sds((s,), jnp.int32), sds((s, 64), jnp.int32))
+        args = bucket_shapes(s, t, kh=kh, n=n, e=e, dtype=dtype)
         jaxpr = jax.make_jaxpr(lambda *a: rpa.ragged_paged_attention(
             *a, sm_scale=SCALE, impl="triton", interpret=True, **kw))(*args)
         return re.search(r"ragged_paged_attention_bq\d+_bk\d+_x\d+", str(jaxpr)).group()
@@ -255,14 +264,8 @@ def test_pipelined_decode_of_two_programs_per_sm_grids():
 
 def test_wrapper_pipelines_nearly_full_decode_grids():
     # the tiling and stage count the wrapper picks, read off the CUDA lowering
-    sds = jax.ShapeDtypeStruct
-
     def tiling(s, kh=8, dtype=jnp.bfloat16, **kw):
-        cache = sds((s * 64 + 1, 16, kh, 128), dtype)
-        args = (sds((s, 32, 128), dtype), cache, cache, sds((s + 1,), jnp.int32),
-                sds((s,), jnp.int32), sds((s, 64), jnp.int32))
-        exported = export_for_cuda(lambda *a: rpa.ragged_paged_attention(
-            *a, sm_scale=SCALE, impl="triton", interpret=False, **kw), *args)
+        exported = export_triton(bucket_shapes(s, kh=kh, dtype=dtype), **kw)
         return re.findall(r'name = "(ragged_paged_attention_[^"]+)", num_stages = (\d+)',
                           exported.mlir_module())[0]
     assert tiling(16) == ("ragged_paged_attention_bq4_bk128_x1", "5")
@@ -322,14 +325,8 @@ def test_tiling_busy_floor_is_where_a_padded_bucket_tiles_as_a_full_one():
 
 def test_unsplit_decode_grids_launch_kv_heads_side_by_side():
     # grid (K, J, X) for unsplit decode grids, (J, K, X) for split ones and prefill buckets
-    sds = jax.ShapeDtypeStruct
-
     def grid(s, t=None, **kw):
-        cache = sds((s * 64 + 1, 16, 8, 128), jnp.bfloat16)
-        args = (sds((t or s, 32, 128), jnp.bfloat16), cache, cache, sds((s + 1,), jnp.int32),
-                sds((s,), jnp.int32), sds((s, 64), jnp.int32))
-        mlir = export_for_cuda(lambda *a: rpa.ragged_paged_attention(
-            *a, sm_scale=SCALE, impl="triton", interpret=False, **kw), *args).mlir_module()
+        mlir = export_triton(bucket_shapes(s, t), **kw).mlir_module()
         return tuple(int(g) for g in re.findall(r"grid_[xyz] = (\d+)", mlir)[:3])
     assert grid(32) == (8, 32, 1)                      # kv heads first
     assert grid(32, heads_inner=False) == (32, 8, 1)
@@ -347,15 +344,9 @@ def test_kv_heads_inner_launch_order_changes_no_output(num_splits):
 def test_decode_buckets_walk_their_keys_in_one_masked_loop():
     # T <= S: one key loop masking every step (what Triton pipelines without a drain between
     # loops); other batches: window edge, unmasked middle, causal edge, as three loops
-    sds = jax.ShapeDtypeStruct
-
     def key_loops(t, s, **kw):
-        cache = sds((s * 64 + 1, 16, 8, 128), jnp.bfloat16)
-        args = (sds((t, 32, 128), jnp.bfloat16), cache, cache, sds((s + 1,), jnp.int32),
-                sds((s,), jnp.int32), sds((s, 64), jnp.int32))
         modules: list[str] = []
-        export_for_cuda(lambda *a: rpa.ragged_paged_attention(
-            *a, sm_scale=SCALE, impl="triton", interpret=False, **kw), *args, triton_ir=modules)
+        export_triton(bucket_shapes(s, t), triton_ir=modules, **kw)
         return modules[0].count("scf.for")
     assert key_loops(16, 16) == 1                  # pipelined tiling
     assert key_loops(4, 4) == 1                    # split tiling (attention kernel, then merge)
