@@ -185,6 +185,7 @@ class ModelRunner:
                 cfg = self.cfg
                 self._busy_floors[key] = rpa.tiling_busy_floor(
                     num_tokens, num_seqs, cfg.num_heads, cfg.num_kv_heads,
+                    context=self.max_blocks_per_seq * self.block_size,
                     head_dim=cfg.head_dim, itemsize=self.dtype.itemsize)
         floor = self._busy_floors[key]
         return floor if floor and busy >= floor else 0

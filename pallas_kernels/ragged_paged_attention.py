@@ -40,13 +40,19 @@ takes 64 for decode grids that only then fit in one wave. A decode grid of up to
 per SM with most SMs busy is not split but pipelined: 128- or 64-key steps whose K/V Triton
 double-buffers (pipelined_decode); one of several waves whose busy programs fill 64-key 3-stage
 waves better than 128-key 2-stage ones takes those (many_wave_decode). Both hold for a padded
-bucket from tiling_busy_floor busy sequences up, which its caller says (busy_seqs).
+bucket from tiling_busy_floor busy sequences up, which its caller says (busy_seqs). A decode
+grid of fewer programs than SMs is split into one pipelined wave (split_decode_tiling): X from
+the grid's size when every slot is busy; in a padded bucket whose busy count is not said, the
+grid is 2 x NUM_SMS programs and the kernel itself counts the busy (tile, kv head) items and
+splits each to fill them (fill_splits: grid (P,), the split count a run-time value that the
+merge is told through a small `live` output).
 """
 
 from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -166,15 +172,18 @@ def _rpa_kernel(
     # inputs
     qsl_ref, seq_lens_ref, bt_ref, q_ref, k_ref, v_ref,
     # outputs
-    o_ref, lse_ref,
+    o_ref, lse_ref, live_ref,
     *, sm_scale, sliding_window, soft_cap, block_q, g, gp, kv_heads, head_dim, block_size,
     blocks_per_seq, block_k, num_splits, num_tokens, num_seqs, fast_exp2, mask_all_steps,
-    heavy_first, prefetch_slots, heads_inner):
-    j, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    if heads_inner:   # grid (K, J, X): a tile's kv heads are neighbours in launch order
-        j, h = h, j
-    if heavy_first:   # launch the last query tiles (longest causal range) first
-        j = _num_tiles(num_tokens, num_seqs, block_q) - 1 - j
+    heavy_first, prefetch_slots, heads_inner, fill_splits):
+    if fill_splits:   # grid (P,): the work item and split come from the busy count, below
+        p, num_programs = pl.program_id(0), pl.num_programs(0)
+    else:
+        j, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+        if heads_inner:   # grid (K, J, X): a tile's kv heads are neighbours in launch order
+            j, h = h, j
+        if heavy_first:   # launch the last query tiles (longest causal range) first
+            j = _num_tiles(num_tokens, num_seqs, block_q) - 1 - j
     rows = _tile_rows(block_q, gp)
     n = kv_heads * g
     # --- which sequence and query tile: the last s whose first tile start(s) is <= j (start is
@@ -191,6 +200,26 @@ def _rpa_kernel(
         len_all = plgpu.load(seq_lens_ref.at[jnp.minimum(s_all, num_seqs - 1)])
         tiles_all = jnp.where(s_all <= num_seqs, pl.cdiv(end_all - begin_all, block_q), 0)
         start_all = jnp.cumsum(tiles_all) - tiles_all
+        if fill_splits:
+            # the busy tiles are the first ones (the padding pseudo-sequence's come after);
+            # each (tile, kv head) item of them gets as many splits as fill the programs
+            items = kv_heads * jnp.sum(jnp.where(s_all < num_seqs, tiles_all, 0))
+            live_splits = jnp.clip(num_programs // jnp.maximum(items, 1), 1, fill_splits)
+            # NOTE: the busy programs, busy = items x live_splits <= P of them, are spread
+            # evenly over the grid (the i-th is program floor(i P / busy)), not packed at its
+            # start: on the H200, 80 busy 8K-key programs (one an SM, 128-key steps) first in
+            # a grid of 132 took 114.4 us (the kernel alone), spread 103.4, in a grid of 80
+            # 87.0 (session 13, runs 5-6; why idle programs slow the busy ones at all was not
+            # found out)
+            busy = items * live_splits
+            i = pl.cdiv(p * busy, num_programs)
+            item, split = i // live_splits, i % live_splits
+            j, h = item // kv_heads, item % kv_heads
+            idle = (i >= busy) | ((i * num_programs) // jnp.maximum(busy, 1) != p)
+            real_tokens = jnp.sum(jnp.where(s_all == num_seqs, begin_all, 0))
+            plgpu.store(live_ref.at[jnp.arange(2, dtype=jnp.int32)],
+                        jnp.where(jnp.arange(2) == 0, live_splits, real_tokens),
+                        mask=jnp.full((2,), p == 0))
         seq = jnp.sum(((start_all <= j) & (s_all <= num_seqs)).astype(jnp.int32)) - 1
 
         def pick(x_all):
@@ -215,6 +244,8 @@ def _rpa_kernel(
         q_end = jnp.where(seq == num_seqs, num_tokens, qsl_ref[jnp.minimum(seq + 1, num_seqs)])
         own_len = seq_lens_ref[jnp.minimum(seq, num_seqs - 1)]
     is_pad = seq == num_seqs          # the padding pseudo-sequence: empty context, zero output
+    if fill_splits:                   # a program past the busy items: no keys, no store
+        is_pad |= idle
     qlen = q_end - q_begin
     qblk = j - first_tile
     seq_len = jnp.where(is_pad, qlen, own_len)
@@ -225,6 +256,8 @@ def _rpa_kernel(
     tok_R = jnp.where(real_row, q_begin + qblk * block_q + r // gp, num_tokens + r)
     head_R = h * g + r % gp
     valid_R = (tok_R < q_end) & (r % gp < g) & real_row
+    if fill_splits:
+        valid_R &= ~idle
     pos_R = seq_len - qlen + (tok_R - q_begin)
 
     # --- key range: causal end of the tile, window start, then this split's share (in steps)
@@ -235,7 +268,7 @@ def _rpa_kernel(
     if sliding_window is not None:
         kv_begin = jnp.maximum(first_pos - sliding_window + 1, 0) // block_k * block_k
     steps = jnp.maximum(pl.cdiv(kv_end - kv_begin, block_k), 0)
-    per_split = pl.cdiv(steps, num_splits)
+    per_split = pl.cdiv(steps, live_splits if fill_splits else num_splits)
     step_lo = jnp.minimum(split * per_split, steps)
     step_hi = jnp.minimum(step_lo + per_split, steps)
     # steps whose keys every row sees: no mask needed there (most of a long context)
@@ -310,11 +343,15 @@ def _rpa_kernel(
     o = acc / jnp.where(empty, 1.0, l_R)[:, None]
     # NOTE: stores use the unclamped (token, head) of each row: masked-off rows then never
     # alias a real row (interpret mode would otherwise write back stale values over it).
-    plgpu.store(o_ref.at[tok_R[:, None], head_R[:, None], e_1E], o.astype(o_ref.dtype),
-                mask=valid_R[:, None])
-    if lse_ref is not None:   # log2-sum-exp2 of the split, -inf when it saw no key
+    if lse_ref is None:
+        plgpu.store(o_ref.at[tok_R[:, None], head_R[:, None], e_1E], o.astype(o_ref.dtype),
+                    mask=valid_R[:, None])
+    else:   # split x's normalised partial and log2-sum-exp2 (-inf when it saw no key)
+        x_R = jnp.full((rows,), split, jnp.int32)
+        plgpu.store(o_ref.at[x_R[:, None], tok_R[:, None], head_R[:, None], e_1E], o,
+                    mask=valid_R[:, None])
         lse = jnp.where(empty, -jnp.inf, m_R + jnp.log2(jnp.where(empty, 1.0, l_R)))
-        plgpu.store(lse_ref.at[tok_R, head_R], lse, mask=valid_R)
+        plgpu.store(lse_ref.at[x_R, tok_R, head_R], lse, mask=valid_R)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -525,34 +562,98 @@ def pipelined_busy_floor(kv_heads: int) -> int:
     return int(PIPELINED_MIN_FILL * NUM_SMS) // kv_heads + 1
 
 
+class DecodeTiling(NamedTuple):
+    """A decode grid's tiling in place of the default, with slots looked up in their step."""
+    num_splits: int          # key-range splits; with fill_splits, the most an item takes
+    block_k: int             # keys per step
+    num_stages: int
+    fill_splits: bool = False  # splits per item set in the kernel from the busy items
+
+
+# Splits of a decode grid of fewer programs than SMs (split_decode_tiling) take 128-key steps
+# from this many keys a split, 64-key ones below.
+SPLIT_128_KEYS = 512
+# A fill_splits grid has this many programs an SM (64-key 5-stage steps: 72 KiB, three fit).
+FILL_PROGRAMS_PER_SM = 2
+
+
+def split_decode_tiling(num_tokens: int, num_seqs: int, num_heads: int, kv_heads: int,
+                        busy_seqs: int | None, *, context: int, head_dim: int = 128,
+                        itemsize: int = 2) -> DecodeTiling | None:
+    """The tiling of a decode grid (T <= S; the measured case of _measured_decode_grid) of at
+    most one program per SM: one wave of pipelined programs (5 stages, slots looked up in their
+    step), the key range split to fill the SMs; None for larger grids (the other rules) and
+    where no split is possible in a padded bucket (the default then).
+
+    - Every slot busy (busy_seqs None or the whole bucket; a one-slot bucket always): X =
+      NUM_SMS // programs splits (at most 32, at least 64 keys each), 128-key steps (one
+      program an SM) from SPLIT_128_KEYS keys a split, else 64-key. X = 1 from 67 programs up:
+      pipelined_decode's tiling, below its busy bound too.
+    - Busy count not said or short of the bucket (a padded bucket below its tiling_busy_floor):
+      fill_splits over FILL_PROGRAMS_PER_SM x NUM_SMS programs of 64-key steps; the kernel
+      counts the busy (tile, kv head) items and gives each P // items splits (at most
+      num_splits = min(P // kv_heads, 32, context // 64)), its busy programs spread evenly over
+      the grid.
+
+    H200, cold, CUPTI time with the merge, HEAD before session 13 -> this (cuDNN on the busy
+    sequences), session 13 run 8 (benchmarks/results/h200-2026-11-30-session13/; the default
+    before: splits towards 512 programs by the slot count, 2 stages):
+    - full buckets at 8 kv heads: 1 x 8K 15.1 -> 13.0 us (15.1), 4 x 4K 22.8 -> 21.7 (22.1),
+      8 x 4K 40.4 -> 36.5 (36.0), 12 x 1K 18.75 -> 16.6 (16.05); at 4 kv heads 1 x 8K 12.6 ->
+      9.7 (12.5), 4 x 4K 14.3 -> 13.4 (14.8), 24 x 1K 19.3 -> 17.9 (16.2); 1 x 1K level.
+    - the engine's 16-slot bucket at 8 kv heads, busy_seqs 0: 1 busy at 8K keys 44.45 -> 15.1
+      (15.1), 2 47.9 -> 23.1 (22.3), 4 53.85 -> 37.8 (36.4), 8 69.6 -> 67.1 (65.6), 10 84.0 ->
+      82.5 (86.2), 12 96.9 -> 96.5 (94.6); at 1K keys 1 busy 12.0 -> 7.5 (7.1), 12 19.9 -> 19.0
+      (16.1). At 4 kv heads, 32 slots: 4 busy at 8K 50.5 -> 24.3 (22.6), 24 99.0 -> 98.6 (95.1).
+      With a 6-token prompt chunk among 5 busy of 11 slots: 39.9 -> 34.5.
+    Fill grids tried and not kept (runs 4-7): 132 programs of 128-key steps, within 6 % of 264
+    either way with 2-8 busy decodes but 7-25 % slower than the old default from 80 busy items
+    up, where each item gets one split (10 of 16 busy at 8K: 105 against 84 us), even with the
+    busy programs spread (packed at the grid's start: 114 us); 396 programs of 64-key steps,
+    1-8 % slower than 264 with 2-8 busy decodes (faster on the bucket with a chunk: 28.6 against
+    34.3 us)."""
+    grid = _measured_decode_grid(num_tokens, num_seqs, num_heads, kv_heads, busy_seqs,
+                                 head_dim=head_dim, itemsize=itemsize)
+    if grid is None or grid[0] > NUM_SMS:
+        return None
+    programs, busy = grid
+    if busy == programs or min(num_tokens, num_seqs) == 1:
+        x = max(1, min(NUM_SMS // programs, 32, context // 64))
+        return DecodeTiling(x, 128 if x == 1 or context // x >= SPLIT_128_KEYS else 64, 5)
+    most = min(FILL_PROGRAMS_PER_SM * NUM_SMS // kv_heads, 32, context // 64)
+    return DecodeTiling(most, 64, 5, fill_splits=True) if most > 1 else None
+
+
 def special_decode_tiling(num_tokens: int, num_seqs: int, num_heads: int, kv_heads: int,
-                          busy_seqs: int | None, *, head_dim: int = 128,
-                          itemsize: int = 2) -> tuple[int, int] | None:
-    """(keys per step, stages) of the decode tiling that replaces the default for this grid,
-    with slots looked up in their step and no split: pipelined_decode's (5 stages) or
-    many_wave_decode's (64 keys, 3 stages); None where neither holds."""
+                          busy_seqs: int | None, *, context: int = 32768, head_dim: int = 128,
+                          itemsize: int = 2) -> DecodeTiling | None:
+    """The decode tiling that replaces the default for this grid: pipelined_decode's (unsplit,
+    5 stages), many_wave_decode's (unsplit, 64 keys, 3 stages) or split_decode_tiling's; None
+    where none holds. context: the bucket's keys a sequence (B x P)."""
     kw = dict(head_dim=head_dim, itemsize=itemsize)
     step = pipelined_decode(num_tokens, num_seqs, num_heads, kv_heads, busy_seqs, **kw)
     if step:
-        return step, 5
+        return DecodeTiling(1, step, 5)
     if many_wave_decode(num_tokens, num_seqs, num_heads, kv_heads, busy_seqs, **kw):
-        return 64, 3
-    return None
+        return DecodeTiling(1, 64, 3)
+    return split_decode_tiling(num_tokens, num_seqs, num_heads, kv_heads, busy_seqs,
+                               context=context, **kw)
 
 
 def tiling_busy_floor(num_tokens: int, num_seqs: int, num_heads: int, kv_heads: int, *,
-                      head_dim: int = 128, itemsize: int = 2) -> int:
+                      context: int = 32768, head_dim: int = 128, itemsize: int = 2) -> int:
     """The fewest busy sequences from which a padded decode bucket is tiled as the full one
     (special_decode_tiling, with busy_seqs = that count), every count up to full included; 0
-    where a full bucket keeps the default. A caller that pads steps to buckets (the engine)
-    passes busy_seqs = this floor from it up and 0 below: one more program per such bucket,
-    not one per busy count."""
+    where the busy count changes nothing (a full bucket keeps the default, or is tiled as one
+    whose count is not said). A caller that pads steps to buckets (the engine) passes
+    busy_seqs = this floor from it up and 0 below: one more program per such bucket, not one
+    per busy count."""
     def tiling(busy):
         return special_decode_tiling(num_tokens, num_seqs, num_heads, kv_heads, busy,
-                                     head_dim=head_dim, itemsize=itemsize)
+                                     context=context, head_dim=head_dim, itemsize=itemsize)
     floor = min(num_seqs, num_tokens)
     full = tiling(floor)
-    if full is None:
+    if full is None or tiling(0) == full:
         return 0
     while floor > 1 and tiling(floor - 1) == full:
         floor -= 1
@@ -590,7 +691,7 @@ def default_num_splits(num_tokens: int, num_seqs: int, kv_heads: int, block_q: i
 @functools.partial(jax.jit, static_argnames=(
     "sm_scale", "sliding_window", "soft_cap", "impl", "block_q", "block_k", "num_splits",
     "num_warps", "num_stages", "interpret", "mask_all_steps", "heavy_first", "prefetch_slots",
-    "busy_seqs", "heads_inner"))
+    "busy_seqs", "heads_inner", "fill_splits", "fill_programs"))
 def ragged_paged_attention(q_TNE, k_cache_NPKE, v_cache_NPKE, query_start_loc_S1, seq_lens_S,
                            block_tables_SB, *, sm_scale: float, sliding_window: int | None = None,
                            soft_cap: float | None = None, impl: str = "auto",
@@ -600,7 +701,9 @@ def ragged_paged_attention(q_TNE, k_cache_NPKE, v_cache_NPKE, query_start_loc_S1
                            mask_all_steps: bool | None = None, heavy_first: bool | None = None,
                            prefetch_slots: bool | None = None,
                            busy_seqs: int | None = None,
-                           heads_inner: bool | None = None) -> jax.Array:
+                           heads_inner: bool | None = None,
+                           fill_splits: bool | None = None,
+                           fill_programs: int | None = None) -> jax.Array:
     """Attention of a mixed prefill/decode batch over a paged KV cache -> o f[T, N, E].
 
     impl: "pallas" (our kernels: on a GPU, prefill-heavy batches (T > 2 S) that the Mosaic GPU
@@ -623,8 +726,14 @@ def ragged_paged_attention(q_TNE, k_cache_NPKE, v_cache_NPKE, query_start_loc_S1
     busy_seqs: at least this many of the S sequence slots have query tokens (None: all of
     them). A caller that pads its batch to fixed sizes says how full it is, so that a decode
     grid of up to two programs per SM is pipelined only when most SMs get work
-    (pipelined_decode), and one of several waves takes 64-key 3-stage steps only where its busy
-    programs fill their waves (many_wave_decode); 0: not said (neither).
+    (pipelined_decode), one of several waves takes 64-key 3-stage steps only where its busy
+    programs fill their waves (many_wave_decode), and one of fewer programs than SMs splits
+    by its own size only when it is full (split_decode_tiling); 0: not said (none of these;
+    fill_splits for the last).
+    fill_splits: split each busy (query tile, kv head) item of the step into as many parts
+    (at most num_splits) as fill a grid of fill_programs programs (default 2 x NUM_SMS), the
+    count found in the kernel from query_start_loc; the default for padded decode buckets of
+    fewer programs than SMs whose busy count is not said (split_decode_tiling).
     heads_inner: launch a query tile's kv heads side by side (grid (K, J, X)) rather than a kv
     head's tiles (J, K, X). Default on for unsplit decode grids (T <= S, one split): the busy
     programs of a padded bucket, the first in launch order, then go to separate SMs. H200, cold
@@ -661,15 +770,17 @@ def ragged_paged_attention(q_TNE, k_cache_NPKE, v_cache_NPKE, query_start_loc_S1
         raise ValueError(f"the pallas kernel needs a power-of-two head dim >= 16; got E={e}; "
                          f"use impl='xla'")
     tuned = (block_q, num_splits, block_k, num_warps, num_stages, prefetch_slots) != (None,) * 6
-    special = None if tuned else special_decode_tiling(t, s, n, kh, busy_seqs, head_dim=e,
-                                                       itemsize=k_cache_NPKE.dtype.itemsize)
+    special = None if tuned else special_decode_tiling(
+        t, s, n, kh, busy_seqs, context=b * p, head_dim=e, itemsize=k_cache_NPKE.dtype.itemsize)
+    fill = special.fill_splits if special else bool(fill_splits)
     if special:
-        step, num_stages = special
-        num_splits, prefetch_slots = 1, False
+        num_splits, step, num_stages, _ = special
+        prefetch_slots = False
         block_k = max(16, min(step, pl.next_power_of_2(b * p)))   # <= the context
     block_q = block_q or default_block_q(t, s, g)
     num_stages = num_stages or 2
     num_splits = num_splits or default_num_splits(t, s, kh, block_q, b * p)
+    fill = fill and num_splits > 1
     rows = _tile_rows(block_q, gp)
     num_warps = num_warps or (4 if rows <= 64 else 8)
     # the grid's size only for decode buckets (no more tokens than sequence slots): the rule
@@ -690,28 +801,41 @@ def ragged_paged_attention(q_TNE, k_cache_NPKE, v_cache_NPKE, query_start_loc_S1
         fast_exp2=not interpret,
         mask_all_steps=(interpret or (t <= s and rows <= 16)) if mask_all_steps is None
         else mask_all_steps,
-        heavy_first=heavy_first, prefetch_slots=prefetch_slots, heads_inner=bool(heads_inner))
+        heavy_first=heavy_first, prefetch_slots=prefetch_slots, heads_inner=bool(heads_inner),
+        fill_splits=num_splits if fill else 0)
     split_out = num_splits > 1
-    if split_out:
+    if split_out:   # every split's partial and log-sum-exp (and with fill, what was written)
         out_shape = (jax.ShapeDtypeStruct((num_splits, t, n, e), jnp.float32),
                      jax.ShapeDtypeStruct((num_splits, t, n), jnp.float32))
-        out_specs = (pl.BlockSpec((None, t, n, e), lambda j, h, x: (x, 0, 0, 0)),
-                     pl.BlockSpec((None, t, n), lambda j, h, x: (x, 0, 0)))
+        out_specs = (whole(num_splits, t, n, e), whole(num_splits, t, n))
+        if fill:
+            out_shape += (jax.ShapeDtypeStruct((2,), jnp.int32),)
+            out_specs += (whole(2),)
+        else:
+            kernel = absent_refs(kernel, 8)    # six inputs, o and lse: no live
     else:
         out_shape = (jax.ShapeDtypeStruct((t, n, e), q_TNE.dtype),)
-        out_specs = (pl.BlockSpec((t, n, e), lambda j, h, x: (0, 0, 0)),)
-        kernel = absent_refs(kernel, 7)    # six inputs, then o: no lse
+        out_specs = (whole(t, n, e),)
+        kernel = absent_refs(kernel, 7, 8)     # six inputs, then o: no lse, no live
+    if fill:        # one program an SM, each finding its item and split (fill_splits)
+        grid = (fill_programs or FILL_PROGRAMS_PER_SM * NUM_SMS,)
+        if grid[0] < _num_tiles(t, s, block_q) * kh:
+            raise ValueError(f"fill_programs={grid[0]} must be at least the grid's "
+                             f"{_num_tiles(t, s, block_q) * kh} (query tile, kv head) items")
+    else:
+        grid = ((kh, _num_tiles(t, s, block_q)) if heads_inner else
+                (_num_tiles(t, s, block_q), kh)) + (num_splits,)
     outs = pl.pallas_call(
         kernel,
-        grid=((kh, _num_tiles(t, s, block_q)) if heads_inner else
-              (_num_tiles(t, s, block_q), kh)) + (num_splits,),
+        grid=grid,
         in_specs=[whole(s + 1), whole(s), whole(s * b), whole(t, n, e), whole(nb * p, kh * e),
                   whole(nb * p, kh * e)],
         out_specs=out_specs,
         out_shape=out_shape,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
-        name=f"ragged_paged_attention_bq{block_q}_bk{block_k}_x{num_splits}",
+        name=f"ragged_paged_attention_bq{block_q}_bk{block_k}_x{num_splits}"
+             + ("_fill" if fill else ""),
     )(query_start_loc_S1.astype(jnp.int32), seq_lens_S.astype(jnp.int32),
       block_tables_SB.astype(jnp.int32).reshape(s * b), q_TNE,
       k_cache_NPKE.reshape(nb * p, kh * e), v_cache_NPKE.reshape(nb * p, kh * e))

@@ -9,6 +9,9 @@ and its log2-sum-exp2 lse[x, r] (-inf for a split that saw no key). The merged r
 and 0 where every split is empty.
 
 Layouts: o_XTNE f32[X, T, N, E], lse_XTN f32[X, T, N] -> o_TNE [T, N, E] (out_dtype).
+Optionally live i32[2] = (splits written, tokens written): an attention kernel that sets its
+split count at run time (ragged_paged_attention's fill_splits) writes only the first live[0]
+splits of the first live[1] tokens; the rest is never read and merges to 0.
 
 Legend: X splits (Xp rounded up to a power of two, the tail masked), T tokens, N heads, E head
 dim, R = T * N output rows, BR rows and BE columns per program.
@@ -29,7 +32,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jaxserve.pallas_kernels.dispatch import NUM_SMS, resolve_impl, whole
+from jaxserve.pallas_kernels.dispatch import NUM_SMS, absent_refs, resolve_impl, whole
 
 # ---------------------------------------------------------------------------------------------
 # Reference
@@ -37,12 +40,14 @@ from jaxserve.pallas_kernels.dispatch import NUM_SMS, resolve_impl, whole
 
 
 def ref_merge_splits(o_XTNE, lse_XTN):
-    """Combine normalised partial outputs by their log2-sum-exp2 weights (empty splits: -inf);
-    f32 out."""
+    """Combine normalised partial outputs by their log2-sum-exp2 weights (empty splits: -inf,
+    their partial ignored); f32 out."""
     m_TN = lse_XTN.max(axis=0)
     w_XTN = jnp.exp2(lse_XTN - jnp.where(m_TN == -jnp.inf, 0.0, m_TN)[None])
     den_TN = w_XTN.sum(axis=0)
-    return (o_XTNE * w_XTN[..., None]).sum(axis=0) / jnp.where(den_TN == 0, 1.0, den_TN)[..., None]
+    # splits of weight 0 (empty) are dropped, not multiplied by 0: they may hold NaN
+    o_TNE = jnp.where(w_XTN[..., None] > 0, o_XTNE * w_XTN[..., None], 0.0).sum(axis=0)
+    return o_TNE / jnp.where(den_TN == 0, 1.0, den_TN)[..., None]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -77,7 +82,8 @@ def _tiles(rows: int, e: int, xp: int) -> tuple[int, int]:
 # ---------------------------------------------------------------------------------------------
 
 
-def _merge_kernel(lse_ref, o_ref, out_ref, *, splits, xp, rows, block_r, block_e):
+def _merge_kernel(live_ref, lse_ref, o_ref, out_ref, *, splits, xp, rows, heads, block_r,
+                  block_e):
     i, c = pl.program_id(0), pl.program_id(1)
     x = jnp.arange(xp, dtype=jnp.int32)
     r = i * block_r + jnp.arange(block_r, dtype=jnp.int32)
@@ -85,12 +91,20 @@ def _merge_kernel(lse_ref, o_ref, out_ref, *, splits, xp, rows, block_r, block_e
     # NOTE: columns are not clamped (BE divides E): Triton vectorises the loads only where it
     # sees contiguous addresses
     x_c, r_c = jnp.minimum(x, splits - 1), jnp.minimum(r, rows - 1)
-    lse = plgpu.load(lse_ref.at[x_c[:, None], r_c[None, :]])                      # [Xp, BR]
-    lse = jnp.where((x < splits)[:, None], lse, -jnp.inf)
+    lse_at = lse_ref.at[x_c[:, None], r_c[None, :]]
+    o_at = o_ref.at[x_c[:, None, None], r_c[None, :, None], col[None, None, :]]
+    if live_ref is None:
+        live = jnp.broadcast_to((x < splits)[:, None], (xp, block_r))
+        lse, o = plgpu.load(lse_at), plgpu.load(o_at)
+    else:   # only what the attention kernel wrote: the rest is never loaded
+        live = (x < jnp.minimum(live_ref[0], splits))[:, None] & \
+            (r < live_ref[1] * heads)[None, :]
+        lse = plgpu.load(lse_at, mask=live, other=-jnp.inf)
+        o = plgpu.load(o_at, mask=live[:, :, None], other=0.0)
+    lse = jnp.where(live, lse, -jnp.inf)                                          # [Xp, BR]
     m = lse.max(axis=0)
     w = jnp.exp2(lse - jnp.where(m == -jnp.inf, 0.0, m)[None, :])                 # 0 if empty
     den = w.sum(axis=0)
-    o = plgpu.load(o_ref.at[x_c[:, None, None], r_c[None, :, None], col[None, None, :]])
     # NOTE: splits of weight 0 are dropped, not multiplied by 0: their partial may be NaN
     merged = jnp.where(w[:, :, None] > 0, o * w[:, :, None], 0.0).sum(axis=0)
     merged = merged / jnp.where(den == 0, 1.0, den)[:, None]
@@ -103,30 +117,46 @@ def _merge_kernel(lse_ref, o_ref, out_ref, *, splits, xp, rows, block_r, block_e
 # ---------------------------------------------------------------------------------------------
 
 
+def _live_only(lse_XTN, live):
+    """lse with the splits and tokens outside live (splits, tokens) empty (-inf)."""
+    x, t = lse_XTN.shape[:2]
+    dead = (jnp.arange(x) >= live[0])[:, None] | (jnp.arange(t) >= live[1])[None, :]
+    return jnp.where(dead[..., None], -jnp.inf, lse_XTN)
+
+
 @functools.partial(jax.jit, static_argnames=("out_dtype", "impl", "interpret"))
-def merge_splits(o_XTNE, lse_XTN, *, out_dtype=jnp.float32, impl: str = "auto",
+def merge_splits(o_XTNE, lse_XTN, live=None, *, out_dtype=jnp.float32, impl: str = "auto",
                  interpret: bool | None = None) -> jax.Array:
-    """Merged o_TNE (out_dtype) of X key-range splits. impl: "pallas" (the kernel above; on CPU
-    interpreted), "xla" (ref_merge_splits) or "auto" (pallas on GPU, xla elsewhere)."""
+    """Merged o_TNE (out_dtype) of X key-range splits, of which only live i32[2] = (splits,
+    tokens) were written if given. impl: "pallas" (the kernel above; on CPU interpreted), "xla"
+    (ref_merge_splits) or "auto" (pallas on GPU, xla elsewhere)."""
     _validate(o_XTNE, lse_XTN)
     impl, on_gpu = resolve_impl(impl)
     if impl == "xla":
+        if live is not None:
+            lse_XTN = _live_only(lse_XTN, live)
         return ref_merge_splits(o_XTNE, lse_XTN).astype(out_dtype)
     x, t, n, e = o_XTNE.shape
     rows = t * n
     xp = pl.next_power_of_2(x)
     block_r, block_e = _tiles(rows, e, xp)
-    kernel = functools.partial(_merge_kernel, splits=x, xp=xp, rows=rows,
+    kernel = functools.partial(_merge_kernel, splits=x, xp=xp, rows=rows, heads=n,
                                block_r=block_r, block_e=block_e)
+    in_specs = [whole(x, rows), whole(x, rows, e)]
+    if live is None:
+        kernel = absent_refs(kernel, 0)
+    else:
+        in_specs.insert(0, whole(2))
     out = pl.pallas_call(
         kernel,
         grid=(pl.cdiv(rows, block_r), e // block_e),
-        in_specs=[whole(x, rows), whole(x, rows, e)],
+        in_specs=in_specs,
         out_specs=whole(rows, e),
         out_shape=jax.ShapeDtypeStruct((rows, e), out_dtype),
         compiler_params=plgpu.CompilerParams(
             num_warps=2 if xp * block_r * block_e <= 4096 else 4, num_stages=1),
         interpret=(not on_gpu) if interpret is None else interpret,
         name=f"merge_splits_x{x}_br{block_r}_be{block_e}",
-    )(lse_XTN.astype(jnp.float32).reshape(x, rows), o_XTNE.astype(jnp.float32).reshape(x, rows, e))
+    )(*([] if live is None else [live.astype(jnp.int32)]),
+      lse_XTN.astype(jnp.float32).reshape(x, rows), o_XTNE.astype(jnp.float32).reshape(x, rows, e))
     return out.reshape(t, n, e)

@@ -121,15 +121,16 @@ def test_warmup_all_waits_for_the_full_programs_too(monkeypatch):
 def test_busy_floor_marks_only_nearly_full_buckets_of_specially_tiled_grids(monkeypatch):
     # A step's variant says how many sequence slots are busy only where the Pallas attention
     # tiles a full bucket differently (ragged_paged_attention.tiling_busy_floor): 8 kv heads,
-    # 16 or 32 slots = 128 or 256 programs, at least 13 busy; 128 slots, at least 100; never
-    # off the GPU's Pallas path.
+    # 16 or 32 slots = 128 or 256 programs, at least 13 busy; 128 slots, at least 100; 4 kv
+    # heads, 16 slots, all; never off the GPU's Pallas path.
     from types import SimpleNamespace
     from jaxserve.models import llama
     from jaxserve.pallas_kernels import ragged_paged_attention as rpa
     def fake(kv_heads=8, head_dim=128, dtype=jax.numpy.dtype("bfloat16"), pallas=True):
         return SimpleNamespace(cfg=SimpleNamespace(num_heads=32, num_kv_heads=kv_heads,
                                                    head_dim=head_dim),
-                               dtype=dtype, _pallas_attention=pallas, _busy_floors={})
+                               dtype=dtype, _pallas_attention=pallas, _busy_floors={},
+                               max_blocks_per_seq=512, block_size=16)
     floor = runner_module.ModelRunner.busy_floor
     llama8b = fake()
     assert floor(llama8b, 16, 16, 16) == floor(llama8b, 16, 16, 13) == 13
@@ -144,6 +145,8 @@ def test_busy_floor_marks_only_nearly_full_buckets_of_specially_tiled_grids(monk
     qwen = fake(kv_heads=4)                        # Qwen3-30B-A3B's heads: 32 slots
     assert floor(qwen, 32, 32, 31) == 26 and floor(qwen, 32, 32, 25) == 0
     assert floor(qwen, 64, 64, 64) == 26
+    # 16 slots = 64 programs: split two ways when all are busy, fill_splits below
+    assert floor(qwen, 16, 16, 16) == 16 and floor(qwen, 16, 16, 15) == 0
     assert floor(fake(pallas=False), 16, 16, 16) == 0
     assert floor(fake(head_dim=64), 16, 16, 16) == 0                      # not the measured case
     assert floor(fake(dtype=jax.numpy.dtype("float32")), 16, 16, 16) == 0

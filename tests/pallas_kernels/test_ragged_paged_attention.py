@@ -270,7 +270,8 @@ def test_wrapper_pipelines_nearly_full_decode_grids():
                           exported.mlir_module())[0]
     assert tiling(16) == ("ragged_paged_attention_bq4_bk128_x1", "5")
     assert tiling(32, kh=4) == ("ragged_paged_attention_bq2_bk128_x1", "5")
-    assert tiling(16, busy_seqs=12) == ("ragged_paged_attention_bq4_bk64_x4", "2")
+    # a padded bucket below its floor: fill_splits (at most 16 splits of the 1K-key context)
+    assert tiling(16, busy_seqs=12) == ("ragged_paged_attention_bq4_bk64_x16_fill", "5")
     assert tiling(32) == ("ragged_paged_attention_bq4_bk64_x1", "5")             # two an SM
     assert tiling(32, busy_seqs=13) == ("ragged_paged_attention_bq4_bk64_x1", "5")
     assert tiling(32, busy_seqs=0) == ("ragged_paged_attention_bq4_bk128_x1", "2")
@@ -281,6 +282,60 @@ def test_wrapper_pipelines_nearly_full_decode_grids():
     assert tiling(128, busy_seqs=100) == ("ragged_paged_attention_bq4_bk64_x1", "3")
     assert tiling(128, busy_seqs=0) == ("ragged_paged_attention_bq4_bk128_x1", "2")
     assert tiling(96) == ("ragged_paged_attention_bq4_bk128_x1", "2")
+
+
+def test_split_decode_tiling_of_grids_smaller_than_the_gpu():
+    T = rpa.DecodeTiling
+    def tiling(s, kh=8, busy=None, ctx=8192, t=None, **kw):
+        return rpa.split_decode_tiling(t or s, s, 32, kh, busy, context=ctx, **kw)
+    # every slot busy: NUM_SMS // programs splits, 128-key steps from 512 keys a split
+    assert tiling(1) == T(16, 128, 5)                 # 8 programs x 16 = 128
+    assert tiling(1, ctx=4096) == T(16, 64, 5)        # 256 keys a split
+    assert tiling(1, ctx=1024) == T(16, 64, 5)
+    assert tiling(1, kh=4) == T(32, 64, 5)            # at most 32 splits
+    assert tiling(4, ctx=4096) == T(4, 128, 5)
+    assert tiling(6, ctx=1024) == T(2, 128, 5)        # 48 programs x 2
+    assert tiling(12, ctx=1024) == tiling(16, ctx=1024) == T(1, 128, 5)   # one wave unsplit
+    assert tiling(1, ctx=100) == T(1, 128, 5)         # at least 64 keys a split
+    assert tiling(1, busy=0) == tiling(1)             # a one-slot bucket is always full
+    assert tiling(16, busy=16) == tiling(16)
+    # busy count not said (or short of the bucket): fill_splits over 2 x NUM_SMS programs
+    assert tiling(16, busy=0) == tiling(16, busy=15) == T(32, 64, 5, fill_splits=True)
+    assert tiling(16, busy=0, ctx=1024) == T(16, 64, 5, fill_splits=True)
+    assert tiling(32, kh=4, busy=3) == T(32, 64, 5, fill_splits=True)
+    assert tiling(16, busy=0, ctx=64) is None         # one split at most: the default
+    # larger grids and the unmeasured cases: other rules
+    assert tiling(17) is None and tiling(32) is None
+    assert tiling(1, head_dim=64) is None and tiling(1, itemsize=4) is None
+    assert tiling(32, t=64) is None                   # more tokens than slots
+
+
+def test_fill_splits_over_padded_buckets_chunks_and_padding_tokens():
+    # the kernel counts the busy (tile, kv head) items and splits each to fill its programs;
+    # unwritten splits and rows stay NaN in interpret mode, so the merge must skip them
+    qlens = [1, 0, 5, 1, 0, 1, 0, 0, 0, 0, 0, 1]
+    ctxs = [9, 0, 40, 17, 0, 70, 0, 0, 0, 0, 0, 23]
+    args = paged_batch(qlens, ctxs, pad_tokens=len(qlens) - sum(qlens), seed=13)
+    # 6 busy tiles x 2 kv heads = 12 items: 16 splits each (of 264 programs), 2 (24 of 30,
+    # spread), 3 (36 of 37)
+    for splits, programs in ((16, None), (4, 30), (3, 37)):
+        check(args, num_splits=splits, block_k=8, num_stages=5, fill_splits=True,
+              fill_programs=programs)
+    check(args, num_splits=8, block_k=8, fill_splits=True, sliding_window=11, soft_cap=5.0)
+    with pytest.raises(ValueError, match="fill_programs"):
+        rpa.ragged_paged_attention(*args, sm_scale=SCALE, impl="triton", num_splits=4,
+                                   fill_splits=True, fill_programs=23)   # 12 tiles x 2 heads
+
+
+def test_fill_splits_engine_bucket_picked_and_correct():
+    # an engine-like 16-slot bucket at Llama-3.1-8B's heads with 3 busy: the wrapper picks
+    # fill_splits by itself (busy_seqs=0), and it matches the reference
+    qlens = [1, 1, 1] + [0] * 13
+    args = paged_batch(qlens, [300, 33, 129] + [0] * 13, n=32, kh=8, e=128, p=16,
+                       pad_tokens=13, seed=5, dtype=jnp.bfloat16)
+    assert rpa.special_decode_tiling(16, 16, 32, 8, 0, context=args[5].shape[1] * 16) == \
+        rpa.DecodeTiling(4, 64, 5, fill_splits=True)
+    check(args, busy_seqs=0, atol=2e-2)
 
 
 def test_many_wave_decode_takes_the_tiling_whose_waves_are_fuller():
@@ -330,7 +385,8 @@ def test_unsplit_decode_grids_launch_kv_heads_side_by_side():
         return tuple(int(g) for g in re.findall(r"grid_[xyz] = (\d+)", mlir)[:3])
     assert grid(32) == (8, 32, 1)                      # kv heads first
     assert grid(32, heads_inner=False) == (32, 8, 1)
-    assert grid(4) == (4, 8, 16)                       # split: 4 tiles x 8 kv heads x 16 splits
+    assert grid(4) == (4, 8, 4)                        # split: 4 tiles x 8 kv heads x 4 splits
+    assert grid(16, busy_seqs=0) == (264, 1, 1)        # fill_splits: 2 programs an SM
     assert grid(32, t=40) == (34, 8, 1)                # more tokens than slots: 34 tiles
 
 

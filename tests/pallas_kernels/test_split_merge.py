@@ -35,6 +35,22 @@ def test_matches_reference(x, t, n, e):
         np.testing.assert_allclose(out[1:-1], np.asarray(o[0, 1:-1]), rtol=1e-6)
 
 
+@pytest.mark.parametrize("impl", ["pallas", "xla"])
+@pytest.mark.parametrize("live", [(2, 3), (5, 1), (1, 5), (9, 5), (3, 0)])
+def test_only_live_splits_and_tokens_are_read(impl, live):
+    # an attention kernel that sets its split count at run time writes only the first live[0]
+    # splits of the first live[1] tokens: the rest (NaN here, garbage on a GPU) never counts
+    x, t, n, e = 5, 5, 4, 32
+    o, lse = partials(x, t, n, e, seed=7)
+    xs, ts = min(live[0], x), live[1]
+    o_dead = o.at[xs:].set(jnp.nan).at[:, ts:].set(jnp.nan)
+    lse_dead = lse.at[xs:].set(jnp.nan).at[:, ts:].set(jnp.nan)
+    out = np.asarray(sm.merge_splits(o_dead, lse_dead, jnp.asarray(live, jnp.int32), impl=impl))
+    want = np.asarray(sm.ref_merge_splits(jnp.nan_to_num(o[:xs, :ts]), lse[:xs, :ts]))
+    np.testing.assert_allclose(out[:ts], want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(out[ts:], 0.0)
+
+
 def test_out_dtype_and_xla_impl():
     o, lse = partials(4, 3, 8, 32)
     out = sm.merge_splits(o, lse, out_dtype=jnp.bfloat16, impl="pallas")
