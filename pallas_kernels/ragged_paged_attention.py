@@ -422,7 +422,8 @@ def default_block_k(block_q: int, group: int, context: int, num_splits: int = 1,
 
 
 # Decode grids of up to two programs per SM with more busy programs than this share of NUM_SMS
-# (103 of 132) run pipelined, below. Set with three key loops (session 10): from 104 busy
+# (103 of 132) run pipelined, below (full buckets from 67 programs too: split_decode_tiling).
+# Set with three key loops (session 10): from 104 busy
 # programs faster in every case timed, at 96 mixed, below that slower. With one loop 96 busy
 # programs gained (12 x 1K 19.3 -> 17.7 us; 12 of 32 slots 1.3 %): it may now be conservative.
 PIPELINED_MIN_FILL = 0.78
@@ -479,7 +480,8 @@ def pipelined_decode(num_tokens: int, num_seqs: int, num_heads: int, kv_heads: i
       below that splitting can win (8 x 1K, 64 programs: 15.1 against 15.8 us): a lone program
       streams about 32 GB/s, and a padded bucket holding a few long decodes would stream them
       through a few SMs. Hence the bound, for which a padded bucket's caller (the engine) says
-      how many slots are busy. A third K/V buffer (4 stages, 200 KiB) took 0.5-9 % more time, 8
+      how many slots are busy. (A full bucket of 67-103 programs gets this same tiling through
+      split_decode_tiling, session 13: every slot is busy there.) A third K/V buffer (4 stages, 200 KiB) took 0.5-9 % more time, 8
       warps 3-14 %.
     - Over one and at most two programs per SM (up to 2 x NUM_SMS), which the default leaves
       unsplit anyway: 64-key steps (72 KiB, so both programs of an SM fit). H200, cold, one
@@ -571,7 +573,9 @@ class DecodeTiling(NamedTuple):
 
 
 # Splits of a decode grid of fewer programs than SMs (split_decode_tiling) take 128-key steps
-# from this many keys a split, 64-key ones below.
+# from this many keys a split, 64-key ones below. At exactly 512 it could go either way (H200,
+# session 13 run 2: 8 x 1K at 8 kv heads 13.75 against 13.96 us, 16 x 1K at 4 kv heads 14.33
+# against 13.88); elsewhere the rule picked the faster in every case timed.
 SPLIT_128_KEYS = 512
 # A fill_splits grid has this many programs an SM (64-key 5-stage steps: 72 KiB, three fit).
 FILL_PROGRAMS_PER_SM = 2
@@ -606,10 +610,13 @@ def split_decode_tiling(num_tokens: int, num_seqs: int, num_heads: int, kv_heads
       82.5 (86.2), 12 96.9 -> 96.5 (94.6); at 1K keys 1 busy 12.0 -> 7.5 (7.1), 12 19.9 -> 19.0
       (16.1). At 4 kv heads, 32 slots: 4 busy at 8K 50.5 -> 24.3 (22.6), 24 99.0 -> 98.6 (95.1).
       With a 6-token prompt chunk among 5 busy of 11 slots: 39.9 -> 34.5.
+    Full bucket left as it was measured: 24 x 8K at 4 kv heads (96 programs, now one unsplit
+    wave) 102.9-103.9 us against old's 102.9-104.15 (runs 4, 6), where 2 or 4 splits took
+    2.4-3.4 % less than one in run 3.
     Fill grids tried and not kept (runs 4-7): 132 programs of 128-key steps, within 6 % of 264
-    either way with 2-8 busy decodes but 7-25 % slower than the old default from 80 busy items
-    up, where each item gets one split (10 of 16 busy at 8K: 105 against 84 us), even with the
-    busy programs spread (packed at the grid's start: 114 us); 396 programs of 64-key steps,
+    either way with 2-8 busy decodes; from 80 busy items up, where each item gets one split,
+    between 6 % faster and 25 % slower than old (10 of 16 busy at 8K: 105.2 against 84.5 us with
+    the busy programs spread, 116.4 packed at the grid's start); 396 programs of 64-key steps,
     1-8 % slower than 264 with 2-8 busy decodes (faster on the bucket with a chunk: 28.6 against
     34.3 us)."""
     grid = _measured_decode_grid(num_tokens, num_seqs, num_heads, kv_heads, busy_seqs,
@@ -680,7 +687,8 @@ def splits_to_fill(num_tokens: int, num_seqs: int, kv_heads: int, context: int, 
 def default_num_splits(num_tokens: int, num_seqs: int, kv_heads: int, block_q: int,
                        context: int) -> int:
     """Split the key range only when the grid has fewer programs than SMs, then until it has
-    about four per SM, keeping at least 64 keys per split. (H200 sweep over 1-32 sequences of
+    about four per SM, keeping at least 64 keys per split. (The measured decode case, E = 128
+    in 2-byte K/V with 16-row tiles, takes split_decode_tiling instead.) (H200 sweep over 1-32 sequences of
     1K-32K keys: 32 x 1K decodes ran 36.3 us unsplit against 39.7 in 3 splits; a lone 1K
     decode 5.3 us in 16 splits against 6.9 in 4; BENCHMARKS.md.)"""
     if min(num_tokens, num_seqs) * kv_heads >= NUM_SMS:
@@ -742,8 +750,11 @@ def ragged_paged_attention(q_TNE, k_cache_NPKE, v_cache_NPKE, query_start_loc_S1
     at 4 kv heads with 32 busy 13-16 %; full buckets level or up to 2 % less (96 x 1K 98.7 ->
     96.75, 128 x 8K 988 -> 978); 160 busy programs of 256 (20 of 32, 40 of 64) within 1 % either
     way to 2.5 % more (40 x 4K of 64 at 4 kv heads). Split grids keep (J, K, X): with kv heads
-    inner a padded bucket's busy programs bunched (8 of 16 slots, 4 splits: 7.7 % more). It
-    applies to tuned calls too (sweeps with explicit options launch this way since session 12).
+    inner a padded bucket's busy programs bunched (8 of 16 slots, 4 splits: 7.7 % more; such
+    buckets take fill_splits' one-dimensional grid since session 13). It applies to tuned calls
+    too (sweeps with explicit options launch this way since session 12).
+    Any tuning option (block_q ... prefetch_slots, fill_splits, fill_programs) turns off the
+    shape rules above: the rest of the tiling is then the plain default.
     """
     _validate(q_TNE, k_cache_NPKE, v_cache_NPKE, query_start_loc_S1, seq_lens_S, block_tables_SB)
     impl, on_gpu = resolve_impl(impl, ("pallas", "triton", "mgpu", "xla"))
@@ -769,7 +780,8 @@ def ragged_paged_attention(q_TNE, k_cache_NPKE, v_cache_NPKE, query_start_loc_S1
     if e != pl.next_power_of_2(e) or e < 16:
         raise ValueError(f"the pallas kernel needs a power-of-two head dim >= 16; got E={e}; "
                          f"use impl='xla'")
-    tuned = (block_q, num_splits, block_k, num_warps, num_stages, prefetch_slots) != (None,) * 6
+    tuned = (block_q, num_splits, block_k, num_warps, num_stages, prefetch_slots, fill_splits,
+             fill_programs) != (None,) * 8
     special = None if tuned else special_decode_tiling(
         t, s, n, kh, busy_seqs, context=b * p, head_dim=e, itemsize=k_cache_NPKE.dtype.itemsize)
     fill = special.fill_splits if special else bool(fill_splits)
@@ -781,6 +793,9 @@ def ragged_paged_attention(q_TNE, k_cache_NPKE, v_cache_NPKE, query_start_loc_S1
     num_stages = num_stages or 2
     num_splits = num_splits or default_num_splits(t, s, kh, block_q, b * p)
     fill = fill and num_splits > 1
+    if fill and s > VECTOR_SEARCH_MAX_SEQS:
+        raise ValueError(f"fill_splits needs at most {VECTOR_SEARCH_MAX_SEQS} sequence slots "
+                         f"(it counts the busy ones in one vector load); got S={s}")
     rows = _tile_rows(block_q, gp)
     num_warps = num_warps or (4 if rows <= 64 else 8)
     # the grid's size only for decode buckets (no more tokens than sequence slots): the rule
@@ -817,7 +832,7 @@ def ragged_paged_attention(q_TNE, k_cache_NPKE, v_cache_NPKE, query_start_loc_S1
         out_shape = (jax.ShapeDtypeStruct((t, n, e), q_TNE.dtype),)
         out_specs = (whole(t, n, e),)
         kernel = absent_refs(kernel, 7, 8)     # six inputs, then o: no lse, no live
-    if fill:        # one program an SM, each finding its item and split (fill_splits)
+    if fill:        # FILL_PROGRAMS_PER_SM programs an SM, each finding its item and split
         grid = (fill_programs or FILL_PROGRAMS_PER_SM * NUM_SMS,)
         if grid[0] < _num_tiles(t, s, block_q) * kh:
             raise ValueError(f"fill_programs={grid[0]} must be at least the grid's "

@@ -322,9 +322,18 @@ def test_fill_splits_over_padded_buckets_chunks_and_padding_tokens():
         check(args, num_splits=splits, block_k=8, num_stages=5, fill_splits=True,
               fill_programs=programs)
     check(args, num_splits=8, block_k=8, fill_splits=True, sliding_window=11, soft_cap=5.0)
+    # an idle first slot and a 9-token chunk over three of 5 busy tiles: 10 items, 3 splits
+    # each in a grid of 30 (every program busy)
+    idle_first = paged_batch([0, 1, 9, 0, 1, 0], [0, 12, 50, 0, 33, 0], pad_tokens=0, seed=14)
+    check(idle_first, num_splits=4, block_k=8, fill_splits=True)
+    check(idle_first, num_splits=4, block_k=8, fill_splits=True, fill_programs=30)
     with pytest.raises(ValueError, match="fill_programs"):
         rpa.ragged_paged_attention(*args, sm_scale=SCALE, impl="triton", num_splits=4,
                                    fill_splits=True, fill_programs=23)   # 12 tiles x 2 heads
+    many = paged_batch([1] * 2049, [3] * 2049, n=2, kh=1, e=16, pad_tokens=0)
+    with pytest.raises(ValueError, match="fill_splits needs at most 2048"):
+        jax.eval_shape(lambda *a: rpa.ragged_paged_attention(
+            *a, sm_scale=SCALE, impl="triton", num_splits=2, fill_splits=True), *many)
 
 
 def test_fill_splits_engine_bucket_picked_and_correct():
@@ -336,6 +345,11 @@ def test_fill_splits_engine_bucket_picked_and_correct():
     assert rpa.special_decode_tiling(16, 16, 32, 8, 0, context=args[5].shape[1] * 16) == \
         rpa.DecodeTiling(4, 64, 5, fill_splits=True)
     check(args, busy_seqs=0, atol=2e-2)
+    # any tuning option turns the shape rules off: fill_splits=False gives the plain default
+    name = re.search(r"ragged_paged_attention_\w+", str(jax.make_jaxpr(
+        lambda *a: rpa.ragged_paged_attention(*a, sm_scale=SCALE, impl="triton", busy_seqs=0,
+                                              fill_splits=False, interpret=True))(*args)))
+    assert name.group() == "ragged_paged_attention_bq4_bk64_x4"
 
 
 def test_many_wave_decode_takes_the_tiling_whose_waves_are_fuller():
