@@ -481,8 +481,8 @@ def pipelined_decode(num_tokens: int, num_seqs: int, num_heads: int, kv_heads: i
       streams about 32 GB/s, and a padded bucket holding a few long decodes would stream them
       through a few SMs. Hence the bound, for which a padded bucket's caller (the engine) says
       how many slots are busy. (A full bucket of 67-103 programs gets this same tiling through
-      split_decode_tiling, session 13: every slot is busy there.) A third K/V buffer (4 stages, 200 KiB) took 0.5-9 % more time, 8
-      warps 3-14 %.
+      split_decode_tiling, session 13: every slot is busy there.) A third K/V buffer (4
+      stages, 200 KiB) took 0.5-9 % more time, 8 warps 3-14 %.
     - Over one and at most two programs per SM (up to 2 x NUM_SMS), which the default leaves
       unsplit anyway: 64-key steps (72 KiB, so both programs of an SM fit). H200, cold, one
       loop both ways, against the default 128-key 2-stage steps: 256 programs with 17-32 of 32
@@ -687,10 +687,10 @@ def splits_to_fill(num_tokens: int, num_seqs: int, kv_heads: int, context: int, 
 def default_num_splits(num_tokens: int, num_seqs: int, kv_heads: int, block_q: int,
                        context: int) -> int:
     """Split the key range only when the grid has fewer programs than SMs, then until it has
-    about four per SM, keeping at least 64 keys per split. (The measured decode case, E = 128
-    in 2-byte K/V with 16-row tiles, takes split_decode_tiling instead.) (H200 sweep over 1-32 sequences of
+    about four per SM, keeping at least 64 keys per split. (H200 sweep over 1-32 sequences of
     1K-32K keys: 32 x 1K decodes ran 36.3 us unsplit against 39.7 in 3 splits; a lone 1K
-    decode 5.3 us in 16 splits against 6.9 in 4; BENCHMARKS.md.)"""
+    decode 5.3 us in 16 splits against 6.9 in 4; BENCHMARKS.md.) The measured decode case
+    (E = 128 in 2-byte K/V, 16-row tiles) takes split_decode_tiling instead."""
     if min(num_tokens, num_seqs) * kv_heads >= NUM_SMS:
         return 1
     return splits_to_fill(num_tokens, num_seqs, kv_heads, context, programs=512, min_keys=64)
