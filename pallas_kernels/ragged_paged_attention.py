@@ -797,10 +797,11 @@ def ragged_paged_attention(q_TNE, k_cache_NPKE, v_cache_NPKE, query_start_loc_S1
         raise ValueError(f"fill_splits needs at most {VECTOR_SEARCH_MAX_SEQS} sequence slots "
                          f"(it counts the busy ones in one vector load); got S={s}")
     rows = _tile_rows(block_q, gp)
+    tiles = _num_tiles(t, s, block_q)
     num_warps = num_warps or (4 if rows <= 64 else 8)
     # the grid's size only for decode buckets (no more tokens than sequence slots): the rule
     # was measured on those, not on buckets of prompt chunks and decodes (T > S)
-    programs = _num_tiles(t, s, block_q) * kh * num_splits if t <= s else None
+    programs = tiles * kh * num_splits if t <= s else None
     block_k = block_k or default_block_k(block_q, g, b * p, num_splits, programs=programs,
                                          head_dim=e, itemsize=k_cache_NPKE.dtype.itemsize,
                                          num_warps=num_warps, num_stages=num_stages)
@@ -834,12 +835,11 @@ def ragged_paged_attention(q_TNE, k_cache_NPKE, v_cache_NPKE, query_start_loc_S1
         kernel = absent_refs(kernel, 7, 8)     # six inputs, then o: no lse, no live
     if fill:        # FILL_PROGRAMS_PER_SM programs an SM, each finding its item and split
         grid = (fill_programs or FILL_PROGRAMS_PER_SM * NUM_SMS,)
-        if grid[0] < _num_tiles(t, s, block_q) * kh:
+        if grid[0] < tiles * kh:
             raise ValueError(f"fill_programs={grid[0]} must be at least the grid's "
-                             f"{_num_tiles(t, s, block_q) * kh} (query tile, kv head) items")
+                             f"{tiles * kh} (query tile, kv head) items")
     else:
-        grid = ((kh, _num_tiles(t, s, block_q)) if heads_inner else
-                (_num_tiles(t, s, block_q), kh)) + (num_splits,)
+        grid = ((kh, tiles) if heads_inner else (tiles, kh)) + (num_splits,)
     outs = pl.pallas_call(
         kernel,
         grid=grid,

@@ -31,6 +31,13 @@ def export_triton(args, triton_ir=None, **kw):
         *a, sm_scale=SCALE, impl="triton", interpret=False, **kw), *args, triton_ir=triton_ir)
 
 
+def kernel_name(args, **kw):
+    """The Triton kernel's name (it carries the tiling the wrapper chose), traced only."""
+    jaxpr = jax.make_jaxpr(lambda *a: rpa.ragged_paged_attention(
+        *a, sm_scale=SCALE, impl="triton", interpret=True, **kw))(*args)
+    return re.search(r"ragged_paged_attention_\w+", str(jaxpr)).group()
+
+
 def check(args, *, impl="pallas", atol=2e-5, **kw):
     opts = {k: kw.pop(k) for k in ("sliding_window", "soft_cap") if k in kw}
     ref = np.asarray(rpa.ref_ragged_paged_attention(*args, sm_scale=SCALE, **opts))
@@ -213,10 +220,7 @@ def test_default_tiling_of_decode_batches():
 def test_wrapper_passes_the_grid_to_the_step_size_rule():
     # the kernel name carries the tiling the wrapper chose (traced only, nothing runs)
     def name(s, kh=8, n=32, e=128, dtype=jnp.bfloat16, t=None, **kw):
-        args = bucket_shapes(s, t, kh=kh, n=n, e=e, dtype=dtype)
-        jaxpr = jax.make_jaxpr(lambda *a: rpa.ragged_paged_attention(
-            *a, sm_scale=SCALE, impl="triton", interpret=True, **kw))(*args)
-        return re.search(r"ragged_paged_attention_bq\d+_bk\d+_x\d+", str(jaxpr)).group()
+        return kernel_name(bucket_shapes(s, t, kh=kh, n=n, e=e, dtype=dtype), **kw)
     assert name(64) == "ragged_paged_attention_bq4_bk64_x1"
     assert name(128, kh=4) == "ragged_paged_attention_bq2_bk64_x1"    # Qwen3-30B-A3B's heads
     assert name(48) == "ragged_paged_attention_bq4_bk128_x1"          # 384 programs
@@ -346,10 +350,8 @@ def test_fill_splits_engine_bucket_picked_and_correct():
         rpa.DecodeTiling(4, 64, 5, fill_splits=True)
     check(args, busy_seqs=0, atol=2e-2)
     # any tuning option turns the shape rules off: fill_splits=False gives the plain default
-    name = re.search(r"ragged_paged_attention_\w+", str(jax.make_jaxpr(
-        lambda *a: rpa.ragged_paged_attention(*a, sm_scale=SCALE, impl="triton", busy_seqs=0,
-                                              fill_splits=False, interpret=True))(*args)))
-    assert name.group() == "ragged_paged_attention_bq4_bk64_x4"
+    assert kernel_name(args, busy_seqs=0, fill_splits=False) == \
+        "ragged_paged_attention_bq4_bk64_x4"
 
 
 def test_many_wave_decode_takes_the_tiling_whose_waves_are_fuller():
