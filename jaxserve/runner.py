@@ -138,7 +138,7 @@ class ModelRunner:
         impl = self.attention_impl = "xla" if mesh is not None else config.attention_impl
         self._pallas_attention = (jax.default_backend() == "gpu" and hasattr(model, "kernel_impl")
                                   and model.kernel_impl(self.cfg, impl) == "pallas")
-        self._busy_floors: dict[tuple[int, int], int] = {}
+        self._busy_floors: dict[tuple[int, int], tuple[int, bool]] = {}
         self._step = jax.jit(functools.partial(_step, model=model, cfg=self.cfg, attention_impl=impl),
                              donate_argnums=(1,), static_argnames=("variant", "layout"))
         self.warmup_variants = (StepVariant(), StepVariant(config.max_logprobs, full=True))
@@ -172,23 +172,35 @@ class ModelRunner:
         useful = self.config.scheduler.max_num_seqs * self.max_blocks_per_seq + 1
         return max(2, min(budget // self.bytes_per_block, useful))
 
-    def busy_floor(self, num_tokens: int, num_seqs: int, busy: int) -> int:
+    def busy_floor(self, num_tokens: int, num_seqs: int, busy: int,
+                   contexts: np.ndarray | None = None) -> int:
         """The variant's busy_seqs for a step of `busy` chunks in a (num_tokens, num_seqs)
         bucket: the least count from which the Pallas attention tiles this bucket's decode
         grid as a full one's, if `busy` reaches it; else 0. (A padded bucket with few chunks
-        must not be tiled as a full one: ragged_paged_attention.tiling_busy_floor.)"""
+        must not be tiled as a full one: ragged_paged_attention.tiling_busy_floor.) Also 0
+        where the chunks' `contexts` (their seq_lens) are skewed and the bucket's variant
+        without a busy count splits each sequence by its own keys (fill_splits): a full
+        bucket's tiling is set by its longest context (ragged_paged_attention.skewed_contexts)."""
         key = (num_tokens, num_seqs)
         if key not in self._busy_floors:      # once per bucket: prepare() runs every step
-            self._busy_floors[key] = 0
+            self._busy_floors[key] = (0, False)
             if self._pallas_attention:
                 from jaxserve.pallas_kernels import ragged_paged_attention as rpa
                 cfg = self.cfg
-                self._busy_floors[key] = rpa.tiling_busy_floor(
-                    num_tokens, num_seqs, cfg.num_heads, cfg.num_kv_heads,
-                    context=self.max_blocks_per_seq * self.block_size,
-                    head_dim=cfg.head_dim, itemsize=self.dtype.itemsize)
-        floor = self._busy_floors[key]
-        return floor if floor and busy >= floor else 0
+                kw = dict(context=self.max_blocks_per_seq * self.block_size,
+                          head_dim=cfg.head_dim, itemsize=self.dtype.itemsize)
+                shape = (num_tokens, num_seqs, cfg.num_heads, cfg.num_kv_heads)
+                unsaid = rpa.special_decode_tiling(*shape, 0, **kw)
+                self._busy_floors[key] = (rpa.tiling_busy_floor(*shape, **kw),
+                                          bool(unsaid and unsaid.fill_splits))
+        floor, fills = self._busy_floors[key]
+        if not floor or busy < floor:
+            return 0
+        if fills and contexts is not None:
+            from jaxserve.pallas_kernels import ragged_paged_attention as rpa
+            if rpa.skewed_contexts(contexts):
+                return 0
+        return floor
 
     def bucket(self, num_tokens: int) -> tuple[int, int]:
         t = next(b for b in self.buckets if b >= num_tokens)
@@ -251,7 +263,8 @@ class ModelRunner:
                       block_tables=tables, logits_indices=logits_idx, next_token_ids=next_ids,
                       prev_token_rows=prev_rows, sampling=tensors)
         variant = StepVariant(self.config.max_logprobs if full else 0, full, prompt_lp,
-                              self.busy_floor(t_pad, s_pad, len(out.chunks)))
+                              self.busy_floor(t_pad, s_pad, len(out.chunks),
+                                              seq_lens[:len(out.chunks)]))
         return x, variant
 
     def run(self, x: StepInput, variant: StepVariant):

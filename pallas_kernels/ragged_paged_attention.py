@@ -42,10 +42,12 @@ double-buffers (pipelined_decode); one of several waves whose busy programs fill
 waves better than 128-key 2-stage ones takes those (many_wave_decode). Both hold for a padded
 bucket from tiling_busy_floor busy sequences up, which its caller says (busy_seqs). A decode
 grid of fewer programs than SMs is split into one pipelined wave (split_decode_tiling): X from
-the grid's size when every slot is busy; in a padded bucket whose busy count is not said, the
-grid is 2 x NUM_SMS programs and the kernel itself counts the busy (tile, kv head) items and
-splits each to fill them (fill_splits: grid (P,), the split count a run-time value that the
-merge is told through a small `live` output).
+the grid's size when every slot is busy. In a padded bucket of up to two programs per SM whose
+busy count is not said, the grid is 2 or 3 x NUM_SMS programs and the kernel itself counts the
+busy (tile, kv head) items and splits each, in proportion to its key steps, to fill them
+(fill_splits: grid (P,), the split counts run-time values that the merge is told through a
+small `live` output). The engine also takes that tiling for a full bucket whose contexts are
+skewed (skewed_contexts).
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
@@ -158,6 +161,28 @@ def _tile_rows(block_q: int, gp: int) -> int:
     return max(block_q * gp, 16)
 
 
+def _item_steps(seq_len, qlen, *, block_k: int, sliding_window: int | None):
+    """Key steps of a sequence's (tile, kv head) items, at most: its last tile's causal end
+    from its first tile's window start (exact for one-tile sequences, decode rows)."""
+    kv_lo = 0
+    if sliding_window is not None:
+        kv_lo = jnp.maximum(seq_len - qlen - sliding_window + 1, 0) // block_k * block_k
+    return jnp.maximum(pl.cdiv(seq_len - kv_lo, block_k), 0)
+
+
+def fill_split_counts(item_steps, items, programs, most):
+    """Splits of each sequence's items in a fill_splits grid of `programs` programs (vectors
+    over sequences: key steps of one item, items): one each, and the spare programs (programs
+    - items in all) shared out in proportion to an item's key steps, so that a long context's
+    items get more of them; at most `most`, and at most the item's steps. With equal steps
+    that is programs // items each. They take at most `programs` programs in all (given items
+    <= programs): sum(items x (1 + floor(steps x spare / work))) <= items + spare."""
+    spare = programs - jnp.sum(items)
+    work = jnp.maximum(jnp.sum(items * item_steps), 1)
+    extra = item_steps * spare // work
+    return jnp.clip(1 + extra, 1, jnp.minimum(most, jnp.maximum(item_steps, 1)))
+
+
 # Up to this many sequences a program finds its own by comparing j with every start(s) at once
 # (three loads and a prefix sum in registers); past it, a binary search (log2 S dependent loads).
 VECTOR_SEARCH_MAX_SEQS = 2048
@@ -201,31 +226,46 @@ def _rpa_kernel(
         tiles_all = jnp.where(s_all <= num_seqs, pl.cdiv(end_all - begin_all, block_q), 0)
         start_all = jnp.cumsum(tiles_all) - tiles_all
         if fill_splits:
-            # the busy tiles are the first ones (the padding pseudo-sequence's come after);
-            # each (tile, kv head) item of them gets as many splits as fill the programs
-            items = kv_heads * jnp.sum(jnp.where(s_all < num_seqs, tiles_all, 0))
-            live_splits = jnp.clip(num_programs // jnp.maximum(items, 1), 1, fill_splits)
-            # NOTE: the busy programs, busy = items x live_splits <= P of them, are spread
-            # evenly over the grid (the i-th is program floor(i P / busy)), not packed at its
-            # start: on the H200, 80 busy 8K-key programs (one an SM, 128-key steps) first in
-            # a grid of 132 took 114.4 us (the kernel alone), spread 103.4, in a grid of 80
-            # 87.0 (session 13, runs 5-6; why idle programs slow the busy ones at all was not
-            # found out)
-            busy = items * live_splits
+            # each sequence's (tile, kv head) items get splits in proportion to their key
+            # steps (fill_split_counts), and the programs of every split, in sequence order,
+            # are dealt over the grid
+            real = s_all < num_seqs
+            items_all = jnp.where(real, tiles_all, 0) * kv_heads
+            x_all = fill_split_counts(
+                _item_steps(len_all, end_all - begin_all, block_k=block_k,
+                            sliding_window=sliding_window),
+                items_all, num_programs, fill_splits)
+            progs_all = items_all * x_all
+            pstart_all = jnp.cumsum(progs_all) - progs_all
+            # NOTE: the busy programs are spread evenly over the grid (the i-th is program
+            # floor(i P / busy)), not packed at its start: on the H200, 80 busy 8K-key
+            # programs (one an SM, 128-key steps) first in a grid of 132 took 114.4 us (the
+            # kernel alone), spread 103.4, in a grid of 80 87.0 (session 13, runs 5-6; why
+            # idle programs slow the busy ones at all was not found out)
+            busy = jnp.sum(progs_all)
             i = pl.cdiv(p * busy, num_programs)
-            item, split = i // live_splits, i % live_splits
-            j, h = item // kv_heads, item % kv_heads
             idle = (i >= busy) | ((i * num_programs) // jnp.maximum(busy, 1) != p)
-            real_tokens = jnp.sum(jnp.where(s_all == num_seqs, begin_all, 0))
-            plgpu.store(live_ref.at[jnp.arange(2, dtype=jnp.int32)],
-                        jnp.where(jnp.arange(2) == 0, live_splits, real_tokens),
-                        mask=jnp.full((2,), p == 0))
-        seq = jnp.sum(((start_all <= j) & (s_all <= num_seqs)).astype(jnp.int32)) - 1
+            # the program's sequence: the last whose programs start at or before i (those
+            # without items share the next one's start and are never picked)
+            seq = jnp.sum(((pstart_all <= i) & real).astype(jnp.int32)) - 1
+        else:
+            seq = jnp.sum(((start_all <= j) & (s_all <= num_seqs)).astype(jnp.int32)) - 1
 
         def pick(x_all):
             return jnp.sum(jnp.where(s_all == seq, x_all, 0))
 
         first_tile = pick(start_all)
+        if fill_splits:
+            live_splits = pick(x_all)
+            local = i - pick(pstart_all)
+            split = local % live_splits
+            j = first_tile + local // live_splits // kv_heads
+            h = local // live_splits % kv_heads
+            real_tokens = jnp.sum(jnp.where(s_all == num_seqs, begin_all, 0))
+
+            @pl.when(p == 0)
+            def _():
+                live_ref[num_tokens] = real_tokens
         q_begin, q_end, own_len = pick(begin_all), pick(end_all), pick(len_all)
     else:                                    # binary search over start(s) = qsl[s] // BQ + s
         def start(s, qsl_s):
@@ -352,6 +392,11 @@ def _rpa_kernel(
                     mask=valid_R[:, None])
         lse = jnp.where(empty, -jnp.inf, m_R + jnp.log2(jnp.where(empty, 1.0, l_R)))
         plgpu.store(lse_ref.at[x_R, tok_R, head_R], lse, mask=valid_R)
+        if fill_splits:   # the merge reads this many splits of each of the tile's tokens
+            # NOTE: rows left out index past live (a token's other heads would alias it)
+            first = valid_R & (r % gp == 0) & (split == 0)
+            plgpu.store(live_ref.at[jnp.where(first, tok_R, num_tokens + 1 + r)],
+                        jnp.full((rows,), live_splits, jnp.int32), mask=first)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -569,7 +614,7 @@ class DecodeTiling(NamedTuple):
     num_splits: int          # key-range splits; with fill_splits, the most an item takes
     block_k: int             # keys per step
     num_stages: int
-    fill_splits: bool = False  # splits per item set in the kernel from the busy items
+    fill_splits: bool = False  # splits per item set in the kernel from the items' key steps
 
 
 # Splits of a decode grid of fewer programs than SMs (split_decode_tiling) take 128-key steps
@@ -577,27 +622,49 @@ class DecodeTiling(NamedTuple):
 # session 13 run 2: 8 x 1K at 8 kv heads 13.75 against 13.96 us, 16 x 1K at 4 kv heads 14.33
 # against 13.88); elsewhere the rule picked the faster in every case timed.
 SPLIT_128_KEYS = 512
-# A fill_splits grid has this many programs an SM (64-key 5-stage steps: 72 KiB, three fit).
-FILL_PROGRAMS_PER_SM = 2
+
+
+def default_fill_programs(items: int) -> int:
+    """A fill_splits grid's programs for a decode grid of `items` (query tile, kv head) items:
+    one NUM_SMS more than the waves of one program an SM that the items take (64-key 5-stage
+    steps: 72 KiB, three fit an SM). 264 for up to NUM_SMS items: 396 was 1-8 % slower with
+    2-8 busy decodes (session 13, run 7); 396 for up to 2 x NUM_SMS: 528 took up to 21 % more
+    in 27 of 31 cases and less in 4 (by up to 16 %: a full bucket of a 16K decode and 31 of 1K,
+    56.4 against 66.9 us; session 14, runs 2-3)."""
+    return NUM_SMS * (1 + pl.cdiv(items, NUM_SMS))
 
 
 def split_decode_tiling(num_tokens: int, num_seqs: int, num_heads: int, kv_heads: int,
                         busy_seqs: int | None, *, context: int, head_dim: int = 128,
                         itemsize: int = 2) -> DecodeTiling | None:
     """The tiling of a decode grid (T <= S; the measured case of _measured_decode_grid) of at
-    most one program per SM: one wave of pipelined programs (5 stages, slots looked up in their
-    step), the key range split to fill the SMs; None for larger grids (the other rules) and
-    where no split is possible in a padded bucket (the default then).
+    most one program per SM, or two where its busy count is not said: pipelined programs (5
+    stages, slots looked up in their step), the key range split to fill the SMs; None for
+    larger grids (the other rules) and where no split is possible in a padded bucket (the
+    default then).
 
     - Every slot busy (busy_seqs None or the whole bucket; a one-slot bucket always): X =
       NUM_SMS // programs splits (at most 32, at least 64 keys each), 128-key steps (one
       program an SM) from SPLIT_128_KEYS keys a split, else 64-key. X = 1 from 67 programs up:
       pipelined_decode's tiling, below its busy bound too.
-    - Busy count not said or short of the bucket (a padded bucket below its tiling_busy_floor):
-      fill_splits over FILL_PROGRAMS_PER_SM x NUM_SMS programs of 64-key steps; the kernel
-      counts the busy (tile, kv head) items and gives each P // items splits (at most
-      num_splits = min(P // kv_heads, 32, context // 64)), its busy programs spread evenly over
-      the grid.
+    - Busy count not said or short of the bucket (a padded bucket below its tiling_busy_floor,
+      or one whose contexts are skewed): fill_splits over default_fill_programs (264 or 396)
+      programs of 64-key steps; the kernel
+      counts the busy (tile, kv head) items and gives each one split and a share of the spare
+      programs in proportion to its key steps (fill_split_counts: P // items each with even
+      contexts; at most num_splits = min(P // kv_heads, 32, context // 64)), its busy programs
+      spread evenly over the grid. Session 14 (run 1): padded 16-slot buckets at 8 kv heads
+      holding one long decode and short ones, splits alike -> by key steps: 32K + 3 x 1K keys
+      62.7 -> 41.9 us, 16K + 7 x 1K 63.9 -> 32.6, 32K + 11 x 2K 225.0 -> 63.3 (cuDNN, dense
+      with key_value_seq_lengths: 51.6, 52.9, 326.2); at 4 kv heads 32 slots, 32K + 15 x 1K
+      115.4 -> 34.3 (92.8); even contexts 0.1-0.4 us more (run 2: 0.6-2 %). Grids of 129-264
+      programs (32 slots at 8 kv heads, 64 at 4) took it in session 14 (run 3; before, the
+      default: unsplit 128-key 2-stage steps): 32 slots with 2 / 4 / 8 / 12 busy decodes of 8K
+      keys 141.9 / 160.3 / 161.8 / 162.7 -> 25.4 / 39.8 / 70.1 / 98.7 us (cuDNN 22.1 / 36.2 /
+      65.5 / 93.9), of 1K 19.4 / 21.4 / 21.8 / 23.2 -> 9.8 / 12.7 / 16.7 / 20.8 (8.1 / 11.0 /
+      14.5 / 16.2); one 16K decode and 7 of 1K 280.0 -> 32.1 (cuDNN with lengths 53.0); at 4
+      kv heads, 64 slots with 4 / 16 / 24 busy alike (8K: 139.2 / 151.8 / 153.9 -> 27.7 / 71.8
+      / 101.1).
 
     H200, cold, CUPTI time with the merge, HEAD before session 13 -> this (cuDNN on the busy
     sequences), session 13 run 8 (benchmarks/results/h200-2026-11-30-session13/; the default
@@ -621,13 +688,16 @@ def split_decode_tiling(num_tokens: int, num_seqs: int, num_heads: int, kv_heads
     34.3 us)."""
     grid = _measured_decode_grid(num_tokens, num_seqs, num_heads, kv_heads, busy_seqs,
                                  head_dim=head_dim, itemsize=itemsize)
-    if grid is None or grid[0] > NUM_SMS:
+    if grid is None or grid[0] > 2 * NUM_SMS:
         return None
     programs, busy = grid
-    if busy == programs or min(num_tokens, num_seqs) == 1:
+    full = busy == programs or min(num_tokens, num_seqs) == 1
+    if full and programs <= NUM_SMS:
         x = max(1, min(NUM_SMS // programs, 32, context // 64))
         return DecodeTiling(x, 128 if x == 1 or context // x >= SPLIT_128_KEYS else 64, 5)
-    most = min(FILL_PROGRAMS_PER_SM * NUM_SMS // kv_heads, 32, context // 64)
+    if full:
+        return None
+    most = min(default_fill_programs(programs) // kv_heads, 32, context // 64)
     return DecodeTiling(most, 64, 5, fill_splits=True) if most > 1 else None
 
 
@@ -665,6 +735,24 @@ def tiling_busy_floor(num_tokens: int, num_seqs: int, num_heads: int, kv_heads: 
     while floor > 1 and tiling(floor - 1) == full:
         floor -= 1
     return floor
+
+
+# A step whose longest context is over this many times its chunks' mean is "skewed": a full
+# bucket's tiling (unsplit, or split alike by the grid's size) then waits on its longest
+# sequence's programs, while fill_splits shares the programs by each one's key steps. H200,
+# cold, full buckets of 128 (tile, kv head) items (16 slots at 8 kv heads, 32 at 4), default
+# -> fill_splits (session 14, run 2): at max/mean 1.88-1.94 10-30 % less time in all 4 cases
+# (16 x ~1K at 8 kv heads 31.9 -> 25.9 us, ~4K 112.5 -> 78.6), at 2.67-2.82 28-44 %; at
+# 1.23-1.51 from 25 % more (32 x ~1K at 4 kv heads spread from 768 to 1,280 keys) to 10 % less
+# (16 x ~4K, one 1.5 x as long); with even contexts 4-21 % more (run 1). 1.52-1.87 untimed.
+SKEWED_CONTEXT_RATIO = 1.8
+
+
+def skewed_contexts(seq_lens) -> bool:
+    """Whether a step's contexts (its chunks' seq_lens, host-side) are skewed enough that a
+    padded-bucket caller should not say its busy count (SKEWED_CONTEXT_RATIO)."""
+    lens = np.asarray(seq_lens)
+    return lens.size > 1 and lens.max() > SKEWED_CONTEXT_RATIO * lens.mean()
 
 
 def prefill_heavy(num_tokens: int, num_seqs: int) -> bool:
@@ -737,11 +825,13 @@ def ragged_paged_attention(q_TNE, k_cache_NPKE, v_cache_NPKE, query_start_loc_S1
     (pipelined_decode), one of several waves takes 64-key 3-stage steps only where its busy
     programs fill their waves (many_wave_decode), and one of fewer programs than SMs splits
     by its own size only when it is full (split_decode_tiling); 0: not said (none of these;
-    fill_splits for the last).
-    fill_splits: split each busy (query tile, kv head) item of the step into as many parts
-    (at most num_splits) as fill a grid of fill_programs programs (default 2 x NUM_SMS), the
-    count found in the kernel from query_start_loc; the default for padded decode buckets of
-    fewer programs than SMs whose busy count is not said (split_decode_tiling).
+    fill_splits for grids of up to two programs an SM).
+    fill_splits: split each busy (query tile, kv head) item of the step into parts (at most
+    num_splits) that fill a grid of fill_programs programs (default_fill_programs), in
+    proportion to each item's key steps, the counts found in the kernel from query_start_loc
+    and seq_lens (fill_split_counts); the default for decode buckets of up to two programs an
+    SM whose busy count is not said (split_decode_tiling), which is how the engine runs both
+    padded buckets and ones of skewed contexts (skewed_contexts).
     heads_inner: launch a query tile's kv heads side by side (grid (K, J, X)) rather than a kv
     head's tiles (J, K, X). Default on for unsplit decode grids (T <= S, one split): the busy
     programs of a padded bucket, the first in launch order, then go to separate SMs. H200, cold
@@ -824,17 +914,17 @@ def ragged_paged_attention(q_TNE, k_cache_NPKE, v_cache_NPKE, query_start_loc_S1
         out_shape = (jax.ShapeDtypeStruct((num_splits, t, n, e), jnp.float32),
                      jax.ShapeDtypeStruct((num_splits, t, n), jnp.float32))
         out_specs = (whole(num_splits, t, n, e), whole(num_splits, t, n))
-        if fill:
-            out_shape += (jax.ShapeDtypeStruct((2,), jnp.int32),)
-            out_specs += (whole(2),)
+        if fill:    # each token's split count, then the tokens written
+            out_shape += (jax.ShapeDtypeStruct((t + 1,), jnp.int32),)
+            out_specs += (whole(t + 1),)
         else:
             kernel = absent_refs(kernel, 8)    # six inputs, o and lse: no live
     else:
         out_shape = (jax.ShapeDtypeStruct((t, n, e), q_TNE.dtype),)
         out_specs = (whole(t, n, e),)
         kernel = absent_refs(kernel, 7, 8)     # six inputs, then o: no lse, no live
-    if fill:        # FILL_PROGRAMS_PER_SM programs an SM, each finding its item and split
-        grid = (fill_programs or FILL_PROGRAMS_PER_SM * NUM_SMS,)
+    if fill:        # each program finds its item and split
+        grid = (fill_programs or default_fill_programs(tiles * kh),)
         if grid[0] < tiles * kh:
             raise ValueError(f"fill_programs={grid[0]} must be at least the grid's "
                              f"{tiles * kh} (query tile, kv head) items")

@@ -9,9 +9,9 @@ and its log2-sum-exp2 lse[x, r] (-inf for a split that saw no key). The merged r
 and 0 where every split is empty.
 
 Layouts: o_XTNE f32[X, T, N, E], lse_XTN f32[X, T, N] -> o_TNE [T, N, E] (out_dtype).
-Optionally live i32[2] = (splits written, tokens written): an attention kernel that sets its
-split count at run time (ragged_paged_attention's fill_splits) writes only the first live[0]
-splits of the first live[1] tokens; the rest is never read and merges to 0.
+Optionally live i32[T + 1]: an attention kernel that sets split counts at run time
+(ragged_paged_attention's fill_splits) writes only the first live[t] splits of token t, and
+only of the first live[T] tokens; the rest is never read, and those tokens merge to 0.
 
 Legend: X splits (Xp rounded up to a power of two, the tail masked), T tokens, N heads, E head
 dim, R = T * N output rows, BR rows and BE columns per program.
@@ -97,8 +97,9 @@ def _merge_kernel(live_ref, lse_ref, o_ref, out_ref, *, splits, xp, rows, heads,
         live = jnp.broadcast_to((x < splits)[:, None], (xp, block_r))
         lse, o = plgpu.load(lse_at), plgpu.load(o_at)
     else:   # only what the attention kernel wrote: the rest is never loaded
-        live = (x < jnp.minimum(live_ref[0], splits))[:, None] & \
-            (r < live_ref[1] * heads)[None, :]
+        tokens = rows // heads
+        live = (x[:, None] < jnp.minimum(plgpu.load(live_ref.at[r_c // heads]), splits)) & \
+            (r < live_ref[tokens] * heads)[None, :]
         lse = plgpu.load(lse_at, mask=live, other=-jnp.inf)
         o = plgpu.load(o_at, mask=live[:, :, None], other=0.0)
     lse = jnp.where(live, lse, -jnp.inf)                                          # [Xp, BR]
@@ -118,19 +119,23 @@ def _merge_kernel(live_ref, lse_ref, o_ref, out_ref, *, splits, xp, rows, heads,
 
 
 def _live_only(lse_XTN, live):
-    """lse with the splits and tokens outside live (splits, tokens) empty (-inf)."""
+    """lse with the splits and tokens outside live (each token's splits, then the tokens
+    written) empty (-inf)."""
     x, t = lse_XTN.shape[:2]
-    dead = (jnp.arange(x) >= live[0])[:, None] | (jnp.arange(t) >= live[1])[None, :]
+    dead = (jnp.arange(x)[:, None] >= live[None, :t]) | (jnp.arange(t) >= live[t])[None, :]
     return jnp.where(dead[..., None], -jnp.inf, lse_XTN)
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "impl", "interpret"))
 def merge_splits(o_XTNE, lse_XTN, live=None, *, out_dtype=jnp.float32, impl: str = "auto",
                  interpret: bool | None = None) -> jax.Array:
-    """Merged o_TNE (out_dtype) of X key-range splits, of which only live i32[2] = (splits,
-    tokens) were written if given. impl: "pallas" (the kernel above; on CPU interpreted), "xla"
-    (ref_merge_splits) or "auto" (pallas on GPU, xla elsewhere)."""
+    """Merged o_TNE (out_dtype) of X key-range splits, of which only live i32[T + 1] (each
+    token's splits, then the tokens) were written if given. impl: "pallas" (the kernel above;
+    on CPU interpreted), "xla" (ref_merge_splits) or "auto" (pallas on GPU, xla elsewhere)."""
     _validate(o_XTNE, lse_XTN)
+    if live is not None and live.shape != (o_XTNE.shape[1] + 1,):
+        raise ValueError(f"live must be i32[T + 1] = [{o_XTNE.shape[1] + 1}] (each token's "
+                         f"splits, then the tokens written); got {live.shape}")
     impl, on_gpu = resolve_impl(impl)
     if impl == "xla":
         if live is not None:
@@ -146,7 +151,7 @@ def merge_splits(o_XTNE, lse_XTN, live=None, *, out_dtype=jnp.float32, impl: str
     if live is None:
         kernel = absent_refs(kernel, 0)
     else:
-        in_specs.insert(0, whole(2))
+        in_specs.insert(0, whole(t + 1))
     out = pl.pallas_call(
         kernel,
         grid=(pl.cdiv(rows, block_r), e // block_e),

@@ -4,6 +4,7 @@ if threads fail), and afterwards a varied workload compiles nothing."""
 import os
 
 import jax
+import numpy as np
 import pytest
 
 from jaxserve import LLM, SamplingParams
@@ -147,6 +148,13 @@ def test_busy_floor_marks_only_nearly_full_buckets_of_specially_tiled_grids(monk
     assert floor(qwen, 64, 64, 64) == 26
     # 16 slots = 64 programs: split two ways when all are busy, fill_splits below
     assert floor(qwen, 16, 16, 16) == 16 and floor(qwen, 16, 16, 15) == 0
+    # skewed contexts: no busy count where the bucket's unsaid variant is fill_splits
+    assert floor(llama8b, 16, 16, 16, np.array([4096] + [1024] * 15)) == 0
+    assert floor(llama8b, 16, 16, 16, np.array([1500] + [1024] * 15)) == 13
+    assert floor(qwen, 16, 16, 16, np.array([9000] + [100] * 15)) == 0
+    assert floor(llama8b, 32, 32, 32, np.array([9000] + [100] * 31)) == 0
+    assert floor(llama8b, 64, 64, 64, np.array([9000] + [100] * 63)) == 0    # no floor at all
+    assert floor(llama8b, 128, 128, 128, np.array([9000] + [100] * 127)) == 100   # unsaid: default
     assert floor(fake(pallas=False), 16, 16, 16) == 0
     assert floor(fake(head_dim=64), 16, 16, 16) == 0                      # not the measured case
     assert floor(fake(dtype=jax.numpy.dtype("float32")), 16, 16, 16) == 0
@@ -170,7 +178,8 @@ def test_warmup_packs_busy_variants_like_the_steps_that_use_them(monkeypatch):
               warmup=False)
     runner = llm.engine.runner
     monkeypatch.setattr(runner, "busy_floor",
-                        lambda t, s, busy: 3 if (t, s) == (16, 4) and busy >= 3 else 0)
+                        lambda t, s, busy, contexts=None:
+                        3 if (t, s) == (16, 4) and busy >= 3 else 0)
     jobs = []
     monkeypatch.setattr(runner._compiler, "start", lambda js, threads: jobs.extend(js) or {})
     runner.warmup()

@@ -278,7 +278,7 @@ def test_wrapper_pipelines_nearly_full_decode_grids():
     assert tiling(16, busy_seqs=12) == ("ragged_paged_attention_bq4_bk64_x16_fill", "5")
     assert tiling(32) == ("ragged_paged_attention_bq4_bk64_x1", "5")             # two an SM
     assert tiling(32, busy_seqs=13) == ("ragged_paged_attention_bq4_bk64_x1", "5")
-    assert tiling(32, busy_seqs=0) == ("ragged_paged_attention_bq4_bk128_x1", "2")
+    assert tiling(32, busy_seqs=0) == ("ragged_paged_attention_bq4_bk64_x16_fill", "5")
     assert tiling(16, dtype=jnp.float32)[1] == "2"                # not measured
     assert tiling(16, num_splits=4) == ("ragged_paged_attention_bq4_bk64_x4", "2")   # as asked
     assert tiling(16, num_warps=4)[1] == "2"                      # any tuning option: as asked
@@ -310,6 +310,10 @@ def test_split_decode_tiling_of_grids_smaller_than_the_gpu():
     assert tiling(16, busy=0, ctx=64) is None         # one split at most: the default
     # larger grids and the unmeasured cases: other rules
     assert tiling(17) is None and tiling(32) is None
+    # ... and up to two programs an SM: fill_splits where the busy count is not said
+    assert tiling(32, busy=0) == tiling(17, busy=16) == T(32, 64, 5, fill_splits=True)
+    assert tiling(34, busy=0) is None and tiling(64, kh=4, busy=0) == T(32, 64, 5, True)
+    assert rpa.default_fill_programs(132) == 264 and rpa.default_fill_programs(133) == 396
     assert tiling(1, head_dim=64) is None and tiling(1, itemsize=4) is None
     assert tiling(32, t=64) is None                   # more tokens than slots
 
@@ -338,6 +342,44 @@ def test_fill_splits_over_padded_buckets_chunks_and_padding_tokens():
     with pytest.raises(ValueError, match="fill_splits needs at most 2048"):
         jax.eval_shape(lambda *a: rpa.ragged_paged_attention(
             *a, sm_scale=SCALE, impl="triton", num_splits=2, fill_splits=True), *many)
+
+
+def test_fill_split_counts_share_spare_programs_by_key_steps():
+    counts = lambda steps, items, programs=264, most=32: np.asarray(rpa.fill_split_counts(
+        jnp.asarray(steps), jnp.asarray(items), programs, most)).tolist()
+    # equal contexts: programs // items each (what a padded bucket of equal decodes gets)
+    assert counts([16, 16, 0], [8, 8, 0]) == [16, 16, 1]
+    assert counts([128] * 12, [8] * 12) == [2] * 12
+    # a 32K-key decode beside a 1K one (64-key steps): the long one takes the spare programs
+    assert counts([16, 512], [8, 8]) == [1, 31]
+    assert counts([16, 512], [8, 8], most=8) == [1, 8]
+    assert counts([3, 40], [8, 8], programs=1000) == [3, 32]   # at most its steps, and most
+    # never more programs than the grid's, whatever the mix
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        steps = rng.integers(0, 600, 20)
+        items = rng.integers(0, 3, 20) * 4
+        programs = int(items.sum()) + int(rng.integers(0, 300))
+        assert (np.asarray(counts(steps, items, programs)) * items).sum() <= programs
+
+
+def test_fill_splits_follow_each_context_and_match_the_reference():
+    # one long context among short ones: its items take most of the programs (here 14 splits
+    # each, 28 of the 40 programs, against 1 for each short one), and the result matches the
+    # reference
+    qlens = [1, 1, 0, 1, 1, 0, 0]
+    ctxs = [9, 300, 0, 12, 9, 0, 0]
+    args = paged_batch(qlens, ctxs, pad_tokens=3, seed=21)
+    steps = rpa._item_steps(jnp.asarray(ctxs), jnp.asarray(qlens), block_k=8,
+                            sliding_window=None)
+    tiles = jnp.asarray([1, 1, 0, 1, 1, 0, 0]) * 2
+    assert np.asarray(rpa.fill_split_counts(steps, tiles, 40, 16)).tolist() == \
+        [1, 14, 1, 1, 1, 1, 1]
+    for programs in (14, 40, None):   # 14: the fewest the grid allows (padding tiles too)
+        check(args, num_splits=16, block_k=8, num_stages=5, fill_splits=True,
+              fill_programs=programs)
+    check(args, num_splits=16, block_k=8, fill_splits=True, fill_programs=40,
+          sliding_window=20)
 
 
 def test_fill_splits_engine_bucket_picked_and_correct():
@@ -403,6 +445,7 @@ def test_unsplit_decode_grids_launch_kv_heads_side_by_side():
     assert grid(32, heads_inner=False) == (32, 8, 1)
     assert grid(4) == (4, 8, 4)                        # split: 4 tiles x 8 kv heads x 4 splits
     assert grid(16, busy_seqs=0) == (264, 1, 1)        # fill_splits: 2 programs an SM
+    assert grid(32, busy_seqs=0) == (396, 1, 1)        # 256 items: 3
     assert grid(32, t=40) == (34, 8, 1)                # more tokens than slots: 34 tiles
 
 

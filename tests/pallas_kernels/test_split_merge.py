@@ -36,19 +36,25 @@ def test_matches_reference(x, t, n, e):
 
 
 @pytest.mark.parametrize("impl", ["pallas", "xla"])
-@pytest.mark.parametrize("live", [(2, 3), (5, 1), (1, 5), (9, 5), (3, 0)])
-def test_only_live_splits_and_tokens_are_read(impl, live):
-    # an attention kernel that sets its split count at run time writes only the first live[0]
-    # splits of the first live[1] tokens: the rest (NaN here, garbage on a GPU) never counts
+@pytest.mark.parametrize("splits,tokens", [([2, 5, 1, 3, 4], 3), ([5] * 5, 5), ([1] * 5, 5),
+                                           ([9, 2, 0, 4, 1], 5), ([3, 1, 2, 2, 5], 0)])
+def test_only_live_splits_and_tokens_are_read(impl, splits, tokens):
+    # an attention kernel that sets split counts at run time writes only the first live[t]
+    # splits of token t, of the first live[T] tokens: the rest (NaN here, garbage on a GPU)
+    # never counts; a token with no split written merges to 0
     x, t, n, e = 5, 5, 4, 32
     o, lse = partials(x, t, n, e, seed=7)
-    xs, ts = min(live[0], x), live[1]
-    o_dead = o.at[xs:].set(jnp.nan).at[:, ts:].set(jnp.nan)
-    lse_dead = lse.at[xs:].set(jnp.nan).at[:, ts:].set(jnp.nan)
-    out = np.asarray(sm.merge_splits(o_dead, lse_dead, jnp.asarray(live, jnp.int32), impl=impl))
-    want = np.asarray(sm.ref_merge_splits(jnp.nan_to_num(o[:xs, :ts]), lse[:xs, :ts]))
-    np.testing.assert_allclose(out[:ts], want, rtol=1e-5, atol=1e-6)
-    np.testing.assert_array_equal(out[ts:], 0.0)
+    written = (np.arange(x)[:, None] < np.minimum(splits, x)[None, :]) & \
+        (np.arange(t) < tokens)[None, :]
+    o_dead = jnp.where(written[..., None, None], o, jnp.nan)
+    lse_dead = jnp.where(written[..., None], lse, jnp.nan)
+    live = jnp.asarray(splits + [tokens], jnp.int32)
+    out = np.asarray(sm.merge_splits(o_dead, lse_dead, live, impl=impl))
+    want = np.asarray(sm.ref_merge_splits(jnp.nan_to_num(o), jnp.where(
+        written[..., None], lse, -jnp.inf)))
+    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(out[tokens:], 0.0)
+    np.testing.assert_array_equal(out[np.asarray(splits) == 0], 0.0)
 
 
 def test_out_dtype_and_xla_impl():
