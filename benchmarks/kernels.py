@@ -122,12 +122,14 @@ def try_run(label, fn):
 
 
 def record_cudnn(group: str, case: str, label: str, q4, k_d, v_d, ref, *, scale: float,
-                 is_causal: bool = False, cold_inputs: bool = False, **metrics):
+                 is_causal: bool = False, cold_inputs: bool = False, kv_lens=None, **metrics):
     """cuDNN's attention (jax.nn.dot_product_attention) on dense q [S, L, N, E] and K/V
-    [S, L, K, E], timed and checked against `ref` beside ours (with time_ms, inputs out of L2,
-    if `cold_inputs`); reported, not fatal, if it cannot run."""
+    [S, L, K, E] (each sequence's first kv_lens[s] keys if given), timed and checked against
+    `ref` beside ours (with time_ms, inputs out of L2, if `cold_inputs`); reported, not fatal,
+    if it cannot run."""
     fc = jax.jit(lambda q4, k_d, v_d: jax.nn.dot_product_attention(
-        q4, k_d, v_d, scale=scale, is_causal=is_causal, implementation="cudnn"))
+        q4, k_d, v_d, scale=scale, is_causal=is_causal, implementation="cudnn",
+        key_value_seq_lengths=kv_lens))
     out = try_run(f"cudnn ({case})", lambda: fc(q4, k_d, v_d))
     if out is not None:
         byts = metrics.get("bytes_") or sum(a.nbytes for a in (q4, k_d, v_d))
@@ -624,13 +626,49 @@ def bench_prefill_buckets(rng):
         del c
 
 
+def engine_busy_seqs(slots: int, ctxs: list[int], context: int) -> int:
+    """The busy_seqs the engine passes the attention kernel (runner.ModelRunner.busy_floor)
+    for a bucket of `slots` one-token slots whose first len(ctxs) hold decodes of ctxs keys, in
+    a cache of `context` keys a sequence (16-slot blocks)."""
+    from types import SimpleNamespace
+    from jaxserve.runner import ModelRunner
+    runner = SimpleNamespace(cfg=SimpleNamespace(num_heads=N, num_kv_heads=KH, head_dim=E),
+                             dtype=jnp.dtype(jnp.bfloat16), _pallas_attention=True,
+                             _busy_floors={}, max_blocks_per_seq=context // 16, block_size=16)
+    return ModelRunner.busy_floor(runner, slots, slots, len(ctxs), np.asarray(ctxs))
+
+
 def bench_decode_buckets(rng, sweep: bool):
-    """Decode steps as the engine runs them: a bucket of T = S sequence slots (64 or 128) of
-    which only some hold a decode, the rest padding sequences. Ours (the default key-step size
-    by waves) beside cuDNN on the real sequences; with --sweep also 128- and 64-key steps
-    forced (the Triton kernel)."""
+    """Decode steps as the engine runs them: a bucket of T = S sequence slots of which only
+    some hold a decode, the rest padding sequences, or whose contexts are skewed (one much
+    longer than the rest), busy_seqs as the engine says it. Ours (the default tiling) beside
+    cuDNN on the real sequences (padded to the longest with their lengths where they differ);
+    with --sweep also 128- and 64-key steps forced (the Triton kernel) on the even ones."""
     from jaxserve.pallas_kernels import ragged_paged_attention as rpa
     scale = E ** -0.5
+    for slots, ctxs in ((16, [8192] + [1024] * 15), (16, [2048] + [1024] * 15),
+                        (32, [16384] + [1024] * 31), (32, [8192] * 2), (16, [32768] + [1024] * 3)):
+        real = len(ctxs)
+        c = paged_case(rng, [1] * real + [0] * (slots - real), ctxs + [0] * (slots - real))
+        c["q"] = jax.random.normal(jax.random.key(2), (slots, N, E), jnp.bfloat16)
+        args = (c["q"], c["k"], c["v"], c["qsl"], c["seq_lens"], c["bt"])
+        busy = engine_busy_seqs(slots, ctxs, c["bt"].shape[1] * 16)
+        case = (f"S={slots} {real} decodes L={max(ctxs)}" + (f" + {min(ctxs)}" if
+                len(set(ctxs)) > 1 else "") + f" (busy_seqs {busy})")
+        byts = sum(2 * L * KH * E * 2 + 2 * N * E * 2 for L in ctxs)
+        ref = jax.jit(functools.partial(rpa.xla_ragged_paged_attention, sm_scale=scale))(*args)
+        f = jax.jit(functools.partial(rpa.ragged_paged_attention, sm_scale=scale,
+                                      impl="pallas", busy_seqs=busy))
+        record("dec-bucket", case, "pallas (default)", time_ms(f, *args, bytes_=byts),
+               bytes_=byts, err=rel_err(f(*args), ref))
+        k_d, v_d = dense_kv(dict(c, bt=c["bt"][:real]))
+        ragged = len(set(ctxs)) > 1
+        record_cudnn("dec-bucket", case, "cudnn (dense kv, real" + (", lengths)" if ragged
+                                                                    else ")"),
+                     c["q"][:real].reshape(real, 1, N, E), k_d, v_d, ref[:real], scale=scale,
+                     cold_inputs=True, bytes_=byts,
+                     kv_lens=jnp.asarray(ctxs, jnp.int32) if ragged else None)
+        del c, k_d, v_d
     for slots, real, ctx in ((64, 64, 1024), (64, 56, 1024), (64, 48, 1024), (64, 40, 1024),
                              (64, 64, 2048), (64, 48, 2048), (128, 128, 1024), (128, 96, 1024)):
         pad = slots - real
