@@ -175,8 +175,9 @@ def fill_split_counts(item_steps, items, programs, most):
     over sequences: key steps of one item, items): one each, and the spare programs (programs
     - items in all) shared out in proportion to an item's key steps, so that a long context's
     items get more of them; at most `most`, and at most the item's steps. With equal steps
-    that is programs // items each. They take at most `programs` programs in all (given items
-    <= programs): sum(items x (1 + floor(steps x spare / work))) <= items + spare."""
+    that is programs // items each within those caps (before session 14, every item got that,
+    capped by `most` alone). They take at most `programs` programs in all (given items <=
+    programs): sum(items x (1 + floor(steps x spare / work))) <= items + spare."""
     spare = programs - jnp.sum(items)
     work = jnp.maximum(jnp.sum(items * item_steps), 1)
     extra = item_steps * spare // work
@@ -246,7 +247,8 @@ def _rpa_kernel(
             i = pl.cdiv(p * busy, num_programs)
             idle = (i >= busy) | ((i * num_programs) // jnp.maximum(busy, 1) != p)
             # the program's sequence: the last whose programs start at or before i (those
-            # without items share the next one's start and are never picked)
+            # without items share the next one's start and are never picked by a busy
+            # program; an idle one may pick one, and stores nothing)
             seq = jnp.sum(((pstart_all <= i) & real).astype(jnp.int32)) - 1
         else:
             seq = jnp.sum(((start_all <= j) & (s_all <= num_seqs)).astype(jnp.int32)) - 1
@@ -529,7 +531,7 @@ def pipelined_decode(num_tokens: int, num_seqs: int, num_heads: int, kv_heads: i
       split_decode_tiling, session 13: every slot is busy there.) A third K/V buffer (4
       stages, 200 KiB) took 0.5-9 % more time, 8 warps 3-14 %.
     - Over one and at most two programs per SM (up to 2 x NUM_SMS), which the default leaves
-      unsplit anyway: 64-key steps (72 KiB, so both programs of an SM fit). H200, cold, one
+      unsplit where the busy count is said (fill_splits where it is not): 64-key steps (72 KiB, so both programs of an SM fit). H200, cold, one
       loop both ways, against the default 128-key 2-stage steps: 256 programs with 17-32 of 32
       slots busy at 8 kv heads (1K-8K keys, one case with a 6-token chunk) and 33-64 of 64 at 4
       kv heads: 0.7-6 % less time in 15 cases of 16, level in the 16th (48 x 4K at 4 kv heads,
@@ -629,8 +631,8 @@ def default_fill_programs(items: int) -> int:
     one NUM_SMS more than the waves of one program an SM that the items take (64-key 5-stage
     steps: 72 KiB, three fit an SM). 264 for up to NUM_SMS items: 396 was 1-8 % slower with
     2-8 busy decodes (session 13, run 7); 396 for up to 2 x NUM_SMS: 528 took up to 21 % more
-    in 27 of 31 cases and less in 4 (by up to 16 %: a full bucket of a 16K decode and 31 of 1K,
-    56.4 against 66.9 us; session 14, runs 2-3)."""
+    in 28 of 31 cases (one of them level) and less in 3 (by up to 16 %: a full bucket of a 16K
+    decode and 31 of 1K, 56.4 against 66.9 us; session 14, runs 2-3)."""
     return NUM_SMS * (1 + pl.cdiv(items, NUM_SMS))
 
 
@@ -649,15 +651,15 @@ def split_decode_tiling(num_tokens: int, num_seqs: int, num_heads: int, kv_heads
       pipelined_decode's tiling, below its busy bound too.
     - Busy count not said or short of the bucket (a padded bucket below its tiling_busy_floor,
       or one whose contexts are skewed): fill_splits over default_fill_programs (264 or 396)
-      programs of 64-key steps; the kernel
-      counts the busy (tile, kv head) items and gives each one split and a share of the spare
-      programs in proportion to its key steps (fill_split_counts: P // items each with even
-      contexts; at most num_splits = min(P // kv_heads, 32, context // 64)), its busy programs
-      spread evenly over the grid. Session 14 (run 1): padded 16-slot buckets at 8 kv heads
+      programs of 64-key steps; the kernel counts the busy (tile, kv head) items and gives each
+      one split and a share of the spare programs in proportion to its key steps
+      (fill_split_counts: P // items each with even contexts, at most the item's steps; at most
+      num_splits = min(P // kv_heads, 32, context // 64)), its busy programs spread evenly over
+      the grid. Session 14 (run 1): padded 16-slot buckets at 8 kv heads
       holding one long decode and short ones, splits alike -> by key steps: 32K + 3 x 1K keys
       62.7 -> 41.9 us, 16K + 7 x 1K 63.9 -> 32.6, 32K + 11 x 2K 225.0 -> 63.3 (cuDNN, dense
       with key_value_seq_lengths: 51.6, 52.9, 326.2); at 4 kv heads 32 slots, 32K + 15 x 1K
-      115.4 -> 34.3 (92.8); even contexts 0.1-0.4 us more (run 2: 0.6-2 %). Grids of 129-264
+      115.4 -> 34.3 (92.8); even contexts 0.1-0.4 us more (run 2: 0.5-2 %). Grids of 133-264
       programs (32 slots at 8 kv heads, 64 at 4) took it in session 14 (run 3; before, the
       default: unsplit 128-key 2-stage steps): 32 slots with 2 / 4 / 8 / 12 busy decodes of 8K
       keys 141.9 / 160.3 / 161.8 / 162.7 -> 25.4 / 39.8 / 70.1 / 98.7 us (cuDNN 22.1 / 36.2 /

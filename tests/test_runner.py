@@ -170,6 +170,29 @@ def test_busy_floor_marks_only_nearly_full_buckets_of_specially_tiled_grids(monk
     assert seen["busy_seqs"] == 0                  # unknown: never tiled as a full bucket
 
 
+def test_each_step_hands_busy_floor_its_chunks_contexts(monkeypatch):
+    # the skew rule needs every step's seq_lens: the chunks' contexts after the step
+    from jaxserve import SamplingParams as SP
+    llm = LLM(TINY, dtype="float32", max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64,
+              warmup=False)
+    runner = llm.engine.runner
+    seen = []
+    monkeypatch.setattr(runner, "busy_floor",
+                        lambda t, s, busy, contexts=None: seen.append(list(contexts)) or 0)
+    llm.generate([{"prompt_token_ids": [5, 6, 7]}, {"prompt_token_ids": [8] * 11}],
+                 SP(max_tokens=3, temperature=0.0))
+    assert seen[0] == [3, 11]                  # both prompts in one step
+    assert [3 + 1, 11 + 1] in seen and [3 + 2, 11 + 2] in seen   # then their decodes
+
+
+def test_skewed_contexts_threshold():
+    from jaxserve.pallas_kernels import ragged_paged_attention as rpa
+    assert not rpa.skewed_contexts([]) and not rpa.skewed_contexts([9000])
+    assert not rpa.skewed_contexts([0, 0, 0])
+    assert not rpa.skewed_contexts([1800, 200, 1000, 1000])    # max = 1.8 x the mean
+    assert rpa.skewed_contexts([1801, 200, 1000, 1000])
+
+
 def test_warmup_packs_busy_variants_like_the_steps_that_use_them(monkeypatch):
     # where a bucket has busy variants (only on a GPU), warm-up compiles them with the layout
     # of their lean / full twins: the (layout, variant) keys a step of that bucket asks for

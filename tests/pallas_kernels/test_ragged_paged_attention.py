@@ -324,14 +324,15 @@ def test_fill_splits_over_padded_buckets_chunks_and_padding_tokens():
     qlens = [1, 0, 5, 1, 0, 1, 0, 0, 0, 0, 0, 1]
     ctxs = [9, 0, 40, 17, 0, 70, 0, 0, 0, 0, 0, 23]
     args = paged_batch(qlens, ctxs, pad_tokens=len(qlens) - sum(qlens), seed=13)
-    # 6 busy tiles x 2 kv heads = 12 items: 16 splits each (of 264 programs), 2 (24 of 30,
-    # spread), 3 (36 of 37)
+    # 6 busy tiles x 2 kv heads = 12 items, splits by key steps: per sequence 2, 5, 3, 9, 3 of
+    # at most 16 (54 of 264 programs), 1, 2, 2, 4, 2 (26 of 30, spread), 1, 3, 2, 3, 2 (28 of
+    # 37)
     for splits, programs in ((16, None), (4, 30), (3, 37)):
         check(args, num_splits=splits, block_k=8, num_stages=5, fill_splits=True,
               fill_programs=programs)
     check(args, num_splits=8, block_k=8, fill_splits=True, sliding_window=11, soft_cap=5.0)
-    # an idle first slot and a 9-token chunk over three of 5 busy tiles: 10 items, 3 splits
-    # each in a grid of 30 (every program busy)
+    # an idle first slot and a 9-token chunk over three of 5 busy tiles: 10 items, split 1,
+    # 3 and 2 ways by sequence in a grid of 30 (24 busy)
     idle_first = paged_batch([0, 1, 9, 0, 1, 0], [0, 12, 50, 0, 33, 0], pad_tokens=0, seed=14)
     check(idle_first, num_splits=4, block_k=8, fill_splits=True)
     check(idle_first, num_splits=4, block_k=8, fill_splits=True, fill_programs=30)
@@ -360,7 +361,9 @@ def test_fill_split_counts_share_spare_programs_by_key_steps():
         steps = rng.integers(0, 600, 20)
         items = rng.integers(0, 3, 20) * 4
         programs = int(items.sum()) + int(rng.integers(0, 300))
-        assert (np.asarray(counts(steps, items, programs)) * items).sum() <= programs
+        got = np.asarray(counts(steps, items, programs))
+        assert (got * items).sum() <= programs
+        assert (got >= 1).all() and (got <= np.minimum(32, np.maximum(steps, 1))).all()
 
 
 def test_fill_splits_follow_each_context_and_match_the_reference():
@@ -380,6 +383,38 @@ def test_fill_splits_follow_each_context_and_match_the_reference():
               fill_programs=programs)
     check(args, num_splits=16, block_k=8, fill_splits=True, fill_programs=40,
           sliding_window=20)
+
+
+def test_fill_splits_kernel_writes_the_counts_by_key_steps(monkeypatch):
+    # the counts the kernel hands the merge (live: each token's splits, then the tokens) are
+    # fill_split_counts' for each token's sequence
+    qlens, ctxs = [1, 1, 0, 1, 1, 0, 0], [9, 300, 0, 12, 9, 0, 0]
+    args = paged_batch(qlens, ctxs, pad_tokens=3, seed=22)
+    seen = []
+    merge = rpa.merge_splits
+
+    def spy(o, lse, live=None, **kw):
+        jax.debug.callback(lambda v: seen.append(np.asarray(v)), live)
+        return merge(o, lse, live, **kw)
+
+    monkeypatch.setattr(rpa, "merge_splits", spy)
+    rpa.ragged_paged_attention(*args, sm_scale=0.1234, impl="triton", num_splits=16,
+                               block_k=8, fill_splits=True, fill_programs=40)
+    jax.effects_barrier()
+    assert seen[0][:4].tolist() == [1, 14, 1, 1] and seen[0][-1] == 4   # 4 real tokens
+
+
+def test_fill_splits_over_a_grid_of_two_programs_an_sm():
+    # 140 (tile, kv head) items: the default fill grid is 396 programs; a 9-token chunk, empty
+    # slots in the middle and at the end, one 700-key context among short ones
+    qlens = [1] * 30 + [0] * 5 + [9] + [1] * 25 + [0] * 9
+    rng = np.random.default_rng(3)
+    ctxs = [int(c) if q else 0 for q, c in zip(qlens, rng.integers(9, 60, len(qlens)))]
+    ctxs[40] = 700
+    args = paged_batch(qlens, ctxs, n=4, kh=2, e=16, pad_tokens=6, seed=23)
+    assert rpa._num_tiles(70, 70, rpa.default_block_q(70, 70, 2)) * 2 == 140
+    check(args, num_splits=16, block_k=8, fill_splits=True)
+    check(args, num_splits=16, block_k=8, fill_splits=True, sliding_window=30)
 
 
 def test_fill_splits_engine_bucket_picked_and_correct():

@@ -137,7 +137,7 @@ def run2(rng):
 
 
 def run3(rng):
-    """Grids of 129-264 programs (32 slots at 8 kv heads, 64 at 4): (a) padded (busy count not
+    """Grids of 133-264 programs (32 slots at 8 kv heads, 64 at 4): (a) padded (busy count not
     said): the default (unsplit 128-key 2-stage) against fill grids of 396 and 528 programs,
     even and skewed contexts; (b) full buckets whose contexts grow skewed: the default
     (pipelined 64-key, the busy count said) against the same fill grids."""
