@@ -44,8 +44,9 @@ class StepVariant:
     num_top: int = 0                # logprobs returned per sequence (0 or max_logprobs)
     full: bool = False              # penalties, logit_bias, masks and truncation in the program
     prompt_logprobs: bool = False   # also log-softmax every position's logits
-    # At least this many sequence slots hold a chunk (0: not said). Set only where it changes
-    # the attention kernel's tiling (ModelRunner.busy_floor), so it adds few programs.
+    # At least this many sequence slots hold a chunk (0: not said, as for a step of skewed
+    # contexts). Set only where it changes the attention kernel's tiling
+    # (ModelRunner.busy_floor), so it adds few programs.
     busy_seqs: int = 0
 
 
