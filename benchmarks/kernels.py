@@ -626,16 +626,19 @@ def bench_prefill_buckets(rng):
         del c
 
 
-def engine_busy_seqs(slots: int, ctxs: list[int], context: int) -> int:
-    """The busy_seqs the engine passes the attention kernel (runner.ModelRunner.busy_floor)
-    for a bucket of `slots` one-token slots whose first len(ctxs) hold decodes of ctxs keys, in
-    a cache of `context` keys a sequence (16-slot blocks)."""
-    from types import SimpleNamespace
+def engine_hint(slots: int, ctxs: list[int], context: int) -> tuple[int, bool]:
+    """The (busy_seqs, skewed) the engine passes the attention kernel
+    (runner.ModelRunner.attention_hint) for a bucket of `slots` one-token slots whose first
+    len(ctxs) hold decodes of ctxs keys, in a cache of `context` keys a sequence (16-slot
+    blocks)."""
+    import types
     from jaxserve.runner import ModelRunner
-    runner = SimpleNamespace(cfg=SimpleNamespace(num_heads=N, num_kv_heads=KH, head_dim=E),
-                             dtype=jnp.dtype(jnp.bfloat16), _pallas_attention=True,
-                             _busy_floors={}, max_blocks_per_seq=context // 16, block_size=16)
-    return ModelRunner.busy_floor(runner, slots, slots, len(ctxs), np.asarray(ctxs))
+    runner = types.SimpleNamespace(
+        cfg=types.SimpleNamespace(num_heads=N, num_kv_heads=KH, head_dim=E),
+        dtype=jnp.dtype(jnp.bfloat16), _pallas_attention=True, _tilings={},
+        max_blocks_per_seq=context // 16, block_size=16)
+    runner.bucket_tilings = types.MethodType(ModelRunner.bucket_tilings, runner)
+    return ModelRunner.attention_hint(runner, slots, slots, len(ctxs), np.asarray(ctxs))
 
 
 def bench_decode_buckets(rng, sweep: bool):
@@ -647,18 +650,20 @@ def bench_decode_buckets(rng, sweep: bool):
     from jaxserve.pallas_kernels import ragged_paged_attention as rpa
     scale = E ** -0.5
     for slots, ctxs in ((16, [8192] + [1024] * 15), (16, [2048] + [1024] * 15),
-                        (32, [16384] + [1024] * 31), (32, [8192] * 2), (16, [32768] + [1024] * 3)):
+                        (32, [16384] + [1024] * 31), (32, [8192] * 2), (16, [32768] + [1024] * 3),
+                        (64, [16384] + [1024] * 63)):
         real = len(ctxs)
         c = paged_case(rng, [1] * real + [0] * (slots - real), ctxs + [0] * (slots - real))
         c["q"] = jax.random.normal(jax.random.key(2), (slots, N, E), jnp.bfloat16)
         args = (c["q"], c["k"], c["v"], c["qsl"], c["seq_lens"], c["bt"])
-        busy = engine_busy_seqs(slots, ctxs, c["bt"].shape[1] * 16)
+        busy, skewed = engine_hint(slots, ctxs, c["bt"].shape[1] * 16)
         case = (f"S={slots} {real} decodes L={max(ctxs)}" + (f" + {min(ctxs)}" if
-                len(set(ctxs)) > 1 else "") + f" (busy_seqs {busy})")
+                len(set(ctxs)) > 1 else "") + f" (busy_seqs {busy}" +
+                (", skewed)" if skewed else ")"))
         byts = sum(2 * L * KH * E * 2 + 2 * N * E * 2 for L in ctxs)
         ref = jax.jit(functools.partial(rpa.xla_ragged_paged_attention, sm_scale=scale))(*args)
         f = jax.jit(functools.partial(rpa.ragged_paged_attention, sm_scale=scale,
-                                      impl="pallas", busy_seqs=busy))
+                                      impl="pallas", busy_seqs=busy, skewed=skewed))
         record("dec-bucket", case, "pallas (default)", time_ms(f, *args, bytes_=byts),
                bytes_=byts, err=rel_err(f(*args), ref))
         k_d, v_d = dense_kv(dict(c, bt=c["bt"][:real]))

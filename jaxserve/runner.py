@@ -46,8 +46,10 @@ class StepVariant:
     prompt_logprobs: bool = False   # also log-softmax every position's logits
     # At least this many sequence slots hold a chunk (0: not said, as for a step of skewed
     # contexts). Set only where it changes the attention kernel's tiling
-    # (ModelRunner.busy_floor), so it adds few programs.
+    # (ModelRunner.attention_hint), so it adds few programs.
     busy_seqs: int = 0
+    # The step's contexts are skewed, and the bucket tiles such steps apart (attention_hint).
+    skewed: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,7 +87,7 @@ def _step(params, kv_cache, packed_W, prev_ids_M, *, model, cfg: ModelConfig, at
     token_ids_T = jnp.where(from_prev_T, prev_ids_M[jnp.maximum(x.prev_token_rows, 0)], x.token_ids)
     x = dataclasses.replace(x, token_ids=token_ids_T)
     kv_cache, hidden_TD = model.forward(cfg, params, kv_cache, x, attention_impl,
-                                        busy_seqs=variant.busy_seqs)
+                                        busy_seqs=variant.busy_seqs, skewed=variant.skewed)
     logits_SV = model.compute_logits(cfg, params, hidden_TD[x.logits_indices])
     out = sampler.sample(logits_SV, x.sampling, variant.num_top, truncate=variant.full,
                          kernels=attention_impl != "xla")
@@ -139,7 +141,7 @@ class ModelRunner:
         impl = self.attention_impl = "xla" if mesh is not None else config.attention_impl
         self._pallas_attention = (jax.default_backend() == "gpu" and hasattr(model, "kernel_impl")
                                   and model.kernel_impl(self.cfg, impl) == "pallas")
-        self._busy_floors: dict[tuple[int, int], tuple[int, bool]] = {}
+        self._tilings: dict[tuple[int, int], tuple[int, bool, bool]] = {}
         self._step = jax.jit(functools.partial(_step, model=model, cfg=self.cfg, attention_impl=impl),
                              donate_argnums=(1,), static_argnames=("variant", "layout"))
         self.warmup_variants = (StepVariant(), StepVariant(config.max_logprobs, full=True))
@@ -173,35 +175,46 @@ class ModelRunner:
         useful = self.config.scheduler.max_num_seqs * self.max_blocks_per_seq + 1
         return max(2, min(budget // self.bytes_per_block, useful))
 
-    def busy_floor(self, num_tokens: int, num_seqs: int, busy: int,
-                   contexts: np.ndarray | None = None) -> int:
-        """The variant's busy_seqs for a step of `busy` chunks in a (num_tokens, num_seqs)
-        bucket: the least count from which the Pallas attention tiles this bucket's decode
-        grid as a full one's, if `busy` reaches it; else 0. (A padded bucket with few chunks
-        must not be tiled as a full one: ragged_paged_attention.tiling_busy_floor.) Also 0
-        where the chunks' `contexts` (their seq_lens) are skewed and the bucket's variant
-        without a busy count splits each sequence by its own keys (fill_splits): a full
-        bucket's tiling is set by its longest context (ragged_paged_attention.skewed_contexts)."""
+    def bucket_tilings(self, num_tokens: int, num_seqs: int) -> tuple[int, bool, bool]:
+        """What the Pallas attention's tiling of a (num_tokens, num_seqs) bucket depends on:
+        (its busy floor, whether a skewed step takes fill_splits, whether that needs a program
+        of its own, i.e. differs from the bucket's tiling without a busy count). Computed once
+        per bucket: prepare() runs every step."""
         key = (num_tokens, num_seqs)
-        if key not in self._busy_floors:      # once per bucket: prepare() runs every step
-            self._busy_floors[key] = (0, False)
+        if key not in self._tilings:
+            self._tilings[key] = (0, False, False)
             if self._pallas_attention:
                 from jaxserve.pallas_kernels import ragged_paged_attention as rpa
                 cfg = self.cfg
                 kw = dict(context=self.max_blocks_per_seq * self.block_size,
                           head_dim=cfg.head_dim, itemsize=self.dtype.itemsize)
                 shape = (num_tokens, num_seqs, cfg.num_heads, cfg.num_kv_heads)
-                unsaid = rpa.special_decode_tiling(*shape, 0, **kw)
-                self._busy_floors[key] = (rpa.tiling_busy_floor(*shape, **kw),
-                                          bool(unsaid and unsaid.fill_splits))
-        floor, fills = self._busy_floors[key]
-        if not floor or busy < floor:
-            return 0
-        if fills and contexts is not None:
+                skew = rpa.special_decode_tiling(*shape, 0, skewed=True, **kw)
+                skew_fills = bool(skew and skew.fill_splits)
+                self._tilings[key] = (rpa.tiling_busy_floor(*shape, **kw), skew_fills,
+                                      skew_fills and skew != rpa.special_decode_tiling(
+                                          *shape, 0, **kw))
+        return self._tilings[key]
+
+    def attention_hint(self, num_tokens: int, num_seqs: int, busy: int,
+                       contexts: np.ndarray | None = None) -> tuple[int, bool]:
+        """The variant's (busy_seqs, skewed) for a step of `busy` chunks in a (num_tokens,
+        num_seqs) bucket whose chunks' contexts (seq_lens) are `contexts`.
+
+        busy_seqs: the least count from which the Pallas attention tiles this bucket's decode
+        grid as a full one's, if `busy` reaches it; else 0. (A padded bucket with few chunks
+        must not be tiled as a full one: ragged_paged_attention.tiling_busy_floor.)
+        A step of skewed contexts (ragged_paged_attention.skewed_contexts) where the bucket
+        takes fill_splits for them (each sequence split by its own keys: a full bucket's tiling
+        is set by its longest context) gets busy_seqs 0, and skewed only where that tiling is
+        not already the one without a busy count (16 and 32 slots at Llama-3.1-8B's heads:
+        there busy_seqs 0 is fill_splits; 64: it needs a program of its own)."""
+        floor, skew_fills, skew_apart = self.bucket_tilings(num_tokens, num_seqs)
+        if skew_fills and contexts is not None:
             from jaxserve.pallas_kernels import ragged_paged_attention as rpa
             if rpa.skewed_contexts(contexts):
-                return 0
-        return floor
+                return 0, skew_apart
+        return (floor if floor and busy >= floor else 0), False
 
     def bucket(self, num_tokens: int) -> tuple[int, int]:
         t = next(b for b in self.buckets if b >= num_tokens)
@@ -263,9 +276,10 @@ class ModelRunner:
                       token_seq_ids=seq_ids, query_start_loc=qsl, seq_lens=seq_lens,
                       block_tables=tables, logits_indices=logits_idx, next_token_ids=next_ids,
                       prev_token_rows=prev_rows, sampling=tensors)
-        variant = StepVariant(self.config.max_logprobs if full else 0, full, prompt_lp,
-                              self.busy_floor(t_pad, s_pad, len(out.chunks),
-                                              seq_lens[:len(out.chunks)]))
+        busy, skewed = self.attention_hint(t_pad, s_pad, len(out.chunks),
+                                           seq_lens[:len(out.chunks)])
+        variant = StepVariant(self.config.max_logprobs if full else 0, full, prompt_lp, busy,
+                              skewed)
         return x, variant
 
     def run(self, x: StepInput, variant: StepVariant):
@@ -357,9 +371,11 @@ class ModelRunner:
             full = dataclasses.replace(lean, sampling=make_sampling_tensors(
                 [], lean.num_seqs, self.cfg.vocab_size, self.config.scheduler.max_model_len))
             s = lean.num_seqs
-            busy = self.busy_floor(t, s, s)     # a full bucket's own programs too
+            busy, _, skew_apart = self.bucket_tilings(t, s)   # a full bucket's own programs
             variants = self.warmup_variants + tuple(
                 dataclasses.replace(v, busy_seqs=busy) for v in self.warmup_variants if busy)
+            variants += tuple(dataclasses.replace(v, skewed=True)    # and a skewed step's
+                              for v in self.warmup_variants if skew_apart)
             for variant in variants:
                 packed, layout = packing.pack(full if variant.full else lean)
                 jobs.append((layout, variant, len(packed)))

@@ -104,7 +104,8 @@ def kernel_impl(cfg: ModelConfig, impl: str) -> str:
     return impl
 
 
-def make_attention_fn(cfg: ModelConfig, impl: str = "xla", busy_seqs: int = 0):
+def make_attention_fn(cfg: ModelConfig, impl: str = "xla", busy_seqs: int = 0,
+                      skewed: bool = False):
     """The paged attention used by the step.
 
     impl: "xla" (plain XLA per-token reference), "pallas" (the ragged paged attention kernel;
@@ -112,7 +113,8 @@ def make_attention_fn(cfg: ModelConfig, impl: str = "xla", busy_seqs: int = 0):
     power of two, else xla). The Pallas path reads x.query_start_loc, x.seq_lens and
     x.block_tables (x.token_seq_ids and x.positions are not needed by it).
     busy_seqs: at least this many of the step's sequence slots hold a chunk (0: unknown; the
-    runner pads steps to buckets), which picks the kernel's tiling (busy_seqs there).
+    runner pads steps to buckets), which picks the kernel's tiling (busy_seqs there); skewed:
+    the step's contexts are skewed (the kernel's `skewed`).
     """
     impl = kernel_impl(cfg, impl)
     scale = cfg.head_dim ** -0.5
@@ -129,7 +131,8 @@ def make_attention_fn(cfg: ModelConfig, impl: str = "xla", busy_seqs: int = 0):
     def pallas(q_TNE, k_cache, v_cache, x: StepInput):
         return rpa.ragged_paged_attention(
             q_TNE, k_cache, v_cache, x.query_start_loc, x.seq_lens, x.block_tables,
-            sm_scale=scale, sliding_window=cfg.sliding_window, impl="pallas", busy_seqs=busy_seqs)
+            sm_scale=scale, sliding_window=cfg.sliding_window, impl="pallas", busy_seqs=busy_seqs,
+            skewed=skewed)
 
     return pallas
 
@@ -158,11 +161,11 @@ def fused_from_env() -> frozenset[str]:
 
 
 def make_kernels(cfg: ModelConfig, impl: str = "xla", fused: frozenset[str] | None = None,
-                 busy_seqs: int = 0) -> Kernels:
+                 busy_seqs: int = 0, skewed: bool = False) -> Kernels:
     """impl "xla", "pallas", or "auto" (Pallas on a GPU when the head dim suits the kernels).
 
     `fused` (default: from $JAXSERVE_FUSED_KERNELS, i.e. none) swaps in the fused add+RMSNorm
-    ("norm") and QK-norm+RoPE+KV-write ("rope") Pallas kernels; busy_seqs goes to the
+    ("norm") and QK-norm+RoPE+KV-write ("rope") Pallas kernels; busy_seqs and skewed go to the
     attention (make_attention_fn).
     NOTE: off by default: inside the whole 8B step on the H200, both together made decode
     slower (4.79 against 4.72 ms/token at batch 1, 6.65 against 6.38 at batch 64;
@@ -170,7 +173,7 @@ def make_kernels(cfg: ModelConfig, impl: str = "xla", fused: frozenset[str] | No
     prevents."""
     impl = kernel_impl(cfg, impl)
     fused = fused_from_env() if fused is None else frozenset(fused)
-    attention = make_attention_fn(cfg, impl, busy_seqs)
+    attention = make_attention_fn(cfg, impl, busy_seqs, skewed)
     eps = cfg.rms_norm_eps
 
     def add_norm(x_TD, res_TD, w_D):
@@ -200,15 +203,16 @@ def make_kernels(cfg: ModelConfig, impl: str = "xla", fused: frozenset[str] | No
 
 
 def forward(cfg: ModelConfig, params: dict, kv_cache: KVCache, x: StepInput,
-            attention_impl: str = "xla", fused: frozenset[str] | None = None, busy_seqs: int = 0):
+            attention_impl: str = "xla", fused: frozenset[str] | None = None, busy_seqs: int = 0,
+            skewed: bool = False):
     """Run every layer on the step's tokens; returns the updated cache and final hidden states.
 
     The residual stream: each sub-block's output is added to the residual and the sum is
     normalised for the next sub-block in one step (`add_norm`), which a fused kernel can do
-    reading and writing each activation once (see make_kernels). busy_seqs: see
+    reading and writing each activation once (see make_kernels). busy_seqs, skewed: see
     make_attention_fn."""
     from jaxserve.models import moe  # local: moe builds on this module
-    kernels = make_kernels(cfg, attention_impl, fused, busy_seqs)
+    kernels = make_kernels(cfg, attention_impl, fused, busy_seqs, skewed)
     inv_freq = layers.rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling_dict)
     layers_p = params["layers"]
     residual_TD, normed_TD = kernels.add_norm(params["embed"][x.token_ids], None, layers_p[0]["attn_norm"])

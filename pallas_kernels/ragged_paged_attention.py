@@ -629,16 +629,20 @@ SPLIT_128_KEYS = 512
 def default_fill_programs(items: int) -> int:
     """A fill_splits grid's programs for a decode grid of `items` (query tile, kv head) items:
     one NUM_SMS more than the waves of one program an SM that the items take (64-key 5-stage
-    steps: 72 KiB, three fit an SM). 264 for up to NUM_SMS items: 396 was 1-8 % slower with
-    2-8 busy decodes (session 13, run 7); 396 for up to 2 x NUM_SMS: 528 took up to 21 % more
-    in 28 of 31 cases (one of them level) and less in 3 (by up to 16 %: a full bucket of a 16K
-    decode and 31 of 1K, 56.4 against 66.9 us; session 14, runs 2-3)."""
-    return NUM_SMS * (1 + pl.cdiv(items, NUM_SMS))
+    steps: 72 KiB, three fit an SM), two more past 2 x NUM_SMS items. 264 for up to NUM_SMS
+    items: 396 was 1-8 % slower with 2-8 busy decodes (session 13, run 7); 396 for up to 2 x
+    NUM_SMS: 528 took up to 21 % more in 28 of 31 cases (one of them level) and less in 3 (by up
+    to 16 %: a full bucket of a 16K decode and 31 of 1K, 56.4 against 66.9 us; session 14, runs
+    2-3); 792 for up to 4 x NUM_SMS (skewed steps only): against 660, 89.5 / 89.4 us against
+    106.8 / 98.0 with one 16K decode among 1K ones (64 slots at 8 kv heads, 128 at 4), level
+    (within 1.2 %) in four other cases (session 14, run 8)."""
+    waves = pl.cdiv(items, NUM_SMS)
+    return NUM_SMS * (waves + (1 if waves <= 2 else 2))
 
 
 def split_decode_tiling(num_tokens: int, num_seqs: int, num_heads: int, kv_heads: int,
                         busy_seqs: int | None, *, context: int, head_dim: int = 128,
-                        itemsize: int = 2) -> DecodeTiling | None:
+                        itemsize: int = 2, skewed: bool = False) -> DecodeTiling | None:
     """The tiling of a decode grid (T <= S; the measured case of _measured_decode_grid) of at
     most one program per SM, or two where its busy count is not said: pipelined programs (5
     stages, slots looked up in their step), the key range split to fill the SMs; None for
@@ -650,15 +654,16 @@ def split_decode_tiling(num_tokens: int, num_seqs: int, num_heads: int, kv_heads
       program an SM) from SPLIT_128_KEYS keys a split, else 64-key. X = 1 from 67 programs up:
       pipelined_decode's tiling, below its busy bound too.
     - Busy count not said or short of the bucket (a padded bucket below its tiling_busy_floor,
-      or one whose contexts are skewed): fill_splits over default_fill_programs (264 or 396)
-      programs of 64-key steps; the kernel counts the busy (tile, kv head) items and gives each
-      one split and a share of the spare programs in proportion to its key steps
-      (fill_split_counts: P // items each with even contexts, at most the item's steps; at most
-      num_splits = min(P // kv_heads, 32, context // 64)), its busy programs spread evenly over
-      the grid. Session 14 (run 1): padded 16-slot buckets at 8 kv heads
-      holding one long decode and short ones, splits alike -> by key steps: 32K + 3 x 1K keys
-      62.7 -> 41.9 us, 16K + 7 x 1K 63.9 -> 32.6, 32K + 11 x 2K 225.0 -> 63.3 (cuDNN, dense
-      with key_value_seq_lengths: 51.6, 52.9, 326.2); at 4 kv heads 32 slots, 32K + 15 x 1K
+      or one whose contexts are skewed), or `skewed` (then for grids of up to
+      SKEWED_FILL_MAX_WAVES programs an SM, full ones too): fill_splits over
+      default_fill_programs (264, 396, 660 or 792) programs of 64-key steps; the kernel counts
+      the busy (tile, kv head) items and gives each one split and a share of the spare programs
+      in proportion to its key steps (fill_split_counts: P // items each with even contexts, at
+      most the item's steps; at most num_splits = min(P // kv_heads, 32, context // 64)), its
+      busy programs spread evenly over the grid. Session 14 (run 1): padded 16-slot buckets at
+      8 kv heads holding one long decode and short ones, splits alike -> by key steps: 32K + 3
+      x 1K keys 62.7 -> 41.9 us, 16K + 7 x 1K 63.9 -> 32.6, 32K + 11 x 2K 225.0 -> 63.3 (cuDNN,
+      dense with key_value_seq_lengths: 51.6, 52.9, 326.2); at 4 kv heads 32 slots, 32K + 15 x 1K
       115.4 -> 34.3 (92.8); even contexts 0.1-0.4 us more (run 2: 0.5-2 %). Grids of 133-264
       programs (32 slots at 8 kv heads, 64 at 4) took it in session 14 (run 3; before, the
       default: unsplit 128-key 2-stage steps): 32 slots with 2 / 4 / 8 / 12 busy decodes of 8K
@@ -690,10 +695,10 @@ def split_decode_tiling(num_tokens: int, num_seqs: int, num_heads: int, kv_heads
     34.3 us)."""
     grid = _measured_decode_grid(num_tokens, num_seqs, num_heads, kv_heads, busy_seqs,
                                  head_dim=head_dim, itemsize=itemsize)
-    if grid is None or grid[0] > 2 * NUM_SMS:
+    if grid is None or grid[0] > (SKEWED_FILL_MAX_WAVES if skewed else 2) * NUM_SMS:
         return None
     programs, busy = grid
-    full = busy == programs or min(num_tokens, num_seqs) == 1
+    full = not skewed and (busy == programs or min(num_tokens, num_seqs) == 1)
     if full and programs <= NUM_SMS:
         x = max(1, min(NUM_SMS // programs, 32, context // 64))
         return DecodeTiling(x, 128 if x == 1 or context // x >= SPLIT_128_KEYS else 64, 5)
@@ -705,11 +710,18 @@ def split_decode_tiling(num_tokens: int, num_seqs: int, num_heads: int, kv_heads
 
 def special_decode_tiling(num_tokens: int, num_seqs: int, num_heads: int, kv_heads: int,
                           busy_seqs: int | None, *, context: int = 32768, head_dim: int = 128,
-                          itemsize: int = 2) -> DecodeTiling | None:
+                          itemsize: int = 2, skewed: bool = False) -> DecodeTiling | None:
     """The decode tiling that replaces the default for this grid: pipelined_decode's (unsplit,
     5 stages), many_wave_decode's (unsplit, 64 keys, 3 stages) or split_decode_tiling's; None
-    where none holds. context: the bucket's keys a sequence (B x P)."""
+    where none holds. context: the bucket's keys a sequence (B x P). skewed: the caller says
+    the step's contexts are skewed (skewed_contexts): fill_splits for grids of up to
+    SKEWED_FILL_MAX_WAVES x NUM_SMS programs, whatever the busy count."""
     kw = dict(head_dim=head_dim, itemsize=itemsize)
+    if skewed:
+        fill = split_decode_tiling(num_tokens, num_seqs, num_heads, kv_heads, busy_seqs,
+                                   context=context, skewed=True, **kw)
+        if fill:
+            return fill
     step = pipelined_decode(num_tokens, num_seqs, num_heads, kv_heads, busy_seqs, **kw)
     if step:
         return DecodeTiling(1, step, 5)
@@ -748,6 +760,13 @@ def tiling_busy_floor(num_tokens: int, num_seqs: int, num_heads: int, kv_heads: 
 # 1.23-1.51 from 25 % more (32 x ~1K at 4 kv heads spread from 768 to 1,280 keys) to 10 % less
 # (16 x ~4K, one 1.5 x as long); with even contexts 4-21 % more (run 1). 1.52-1.87 untimed.
 SKEWED_CONTEXT_RATIO = 1.8
+# A caller that says a step is skewed gets fill_splits for decode grids of up to this many
+# programs an SM (special_decode_tiling): beyond two, only skewed steps take it. H200, cold,
+# full buckets of 512 items (64 slots at 8 kv heads, 128 at 4), default -> fill_splits over 792
+# programs (session 14, run 8): one 16K decode among 1K ones 454.6 -> 89.5 and 438.1 -> 89.4
+# us (cuDNN with lengths 205.2, 205.1); one 4K 139.9 -> 82.9 and 137.0 -> 85.4 (84.5, 85.0);
+# even 1K contexts 66.1 -> 80.3 and 66.5 -> 84.8 (not taken there). Larger grids not timed.
+SKEWED_FILL_MAX_WAVES = 4
 
 
 def skewed_contexts(seq_lens) -> bool:
@@ -789,7 +808,7 @@ def default_num_splits(num_tokens: int, num_seqs: int, kv_heads: int, block_q: i
 @functools.partial(jax.jit, static_argnames=(
     "sm_scale", "sliding_window", "soft_cap", "impl", "block_q", "block_k", "num_splits",
     "num_warps", "num_stages", "interpret", "mask_all_steps", "heavy_first", "prefetch_slots",
-    "busy_seqs", "heads_inner", "fill_splits", "fill_programs"))
+    "busy_seqs", "heads_inner", "fill_splits", "fill_programs", "skewed"))
 def ragged_paged_attention(q_TNE, k_cache_NPKE, v_cache_NPKE, query_start_loc_S1, seq_lens_S,
                            block_tables_SB, *, sm_scale: float, sliding_window: int | None = None,
                            soft_cap: float | None = None, impl: str = "auto",
@@ -801,7 +820,8 @@ def ragged_paged_attention(q_TNE, k_cache_NPKE, v_cache_NPKE, query_start_loc_S1
                            busy_seqs: int | None = None,
                            heads_inner: bool | None = None,
                            fill_splits: bool | None = None,
-                           fill_programs: int | None = None) -> jax.Array:
+                           fill_programs: int | None = None,
+                           skewed: bool = False) -> jax.Array:
     """Attention of a mixed prefill/decode batch over a paged KV cache -> o f[T, N, E].
 
     impl: "pallas" (our kernels: on a GPU, prefill-heavy batches (T > 2 S) that the Mosaic GPU
@@ -834,6 +854,8 @@ def ragged_paged_attention(q_TNE, k_cache_NPKE, v_cache_NPKE, query_start_loc_S1
     and seq_lens (fill_split_counts); the default for decode buckets of up to two programs an
     SM whose busy count is not said (split_decode_tiling), which is how the engine runs both
     padded buckets and ones of skewed contexts (skewed_contexts).
+    skewed: the caller says this step's contexts are skewed (skewed_contexts): decode grids of
+    up to SKEWED_FILL_MAX_WAVES x NUM_SMS programs take fill_splits whatever busy_seqs says.
     heads_inner: launch a query tile's kv heads side by side (grid (K, J, X)) rather than a kv
     head's tiles (J, K, X). Default on for unsplit decode grids (T <= S, one split): the busy
     programs of a padded bucket, the first in launch order, then go to separate SMs. H200, cold
@@ -875,7 +897,8 @@ def ragged_paged_attention(q_TNE, k_cache_NPKE, v_cache_NPKE, query_start_loc_S1
     tuned = (block_q, num_splits, block_k, num_warps, num_stages, prefetch_slots, fill_splits,
              fill_programs) != (None,) * 8
     special = None if tuned else special_decode_tiling(
-        t, s, n, kh, busy_seqs, context=b * p, head_dim=e, itemsize=k_cache_NPKE.dtype.itemsize)
+        t, s, n, kh, busy_seqs, context=b * p, head_dim=e, itemsize=k_cache_NPKE.dtype.itemsize,
+        skewed=skewed)
     fill = special.fill_splits if special else bool(fill_splits)
     if special:
         num_splits, step, num_stages, _ = special

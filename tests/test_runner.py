@@ -119,20 +119,28 @@ def test_warmup_all_waits_for_the_full_programs_too(monkeypatch):
     assert len(runner._executables) == len(runner.buckets) * 2
 
 
-def test_busy_floor_marks_only_nearly_full_buckets_of_specially_tiled_grids(monkeypatch):
+def test_attention_hint_marks_only_nearly_full_buckets_of_specially_tiled_grids(monkeypatch):
     # A step's variant says how many sequence slots are busy only where the Pallas attention
     # tiles a full bucket differently (ragged_paged_attention.tiling_busy_floor): 8 kv heads,
     # 16 or 32 slots = 128 or 256 programs, at least 13 busy; 128 slots, at least 100; 4 kv
     # heads, 16 slots, all; never off the GPU's Pallas path.
+    import types
     from types import SimpleNamespace
     from jaxserve.models import llama
     from jaxserve.pallas_kernels import ragged_paged_attention as rpa
+    Runner = runner_module.ModelRunner
+
     def fake(kv_heads=8, head_dim=128, dtype=jax.numpy.dtype("bfloat16"), pallas=True):
-        return SimpleNamespace(cfg=SimpleNamespace(num_heads=32, num_kv_heads=kv_heads,
-                                                   head_dim=head_dim),
-                               dtype=dtype, _pallas_attention=pallas, _busy_floors={},
-                               max_blocks_per_seq=512, block_size=16)
-    floor = runner_module.ModelRunner.busy_floor
+        r = SimpleNamespace(cfg=SimpleNamespace(num_heads=32, num_kv_heads=kv_heads,
+                                                head_dim=head_dim),
+                            dtype=dtype, _pallas_attention=pallas, _tilings={},
+                            max_blocks_per_seq=512, block_size=16)
+        r.bucket_tilings = types.MethodType(Runner.bucket_tilings, r)
+        return r
+
+    def floor(r, t, s, busy, contexts=None):
+        busy_seqs, skewed = Runner.attention_hint(r, t, s, busy, contexts)
+        return busy_seqs if not skewed else ("skewed", busy_seqs)
     llama8b = fake()
     assert floor(llama8b, 16, 16, 16) == floor(llama8b, 16, 16, 13) == 13
     assert floor(llama8b, 16, 16, 12) == 0         # padded: tiled as a bucket of few decodes
@@ -153,8 +161,12 @@ def test_busy_floor_marks_only_nearly_full_buckets_of_specially_tiled_grids(monk
     assert floor(llama8b, 16, 16, 16, np.array([1500] + [1024] * 15)) == 13
     assert floor(qwen, 16, 16, 16, np.array([9000] + [100] * 15)) == 0
     assert floor(llama8b, 32, 32, 32, np.array([9000] + [100] * 31)) == 0
-    assert floor(llama8b, 64, 64, 64, np.array([9000] + [100] * 63)) == 0    # no floor at all
-    assert floor(llama8b, 128, 128, 128, np.array([9000] + [100] * 127)) == 100   # unsaid: default
+    # 64 slots: no floor, but a skewed step's fill_splits is a program of its own
+    assert floor(llama8b, 64, 64, 64, np.array([9000] + [100] * 63)) == ("skewed", 0)
+    assert floor(llama8b, 64, 64, 40, np.array([9000] + [100] * 39)) == ("skewed", 0)
+    assert floor(llama8b, 64, 64, 64, np.array([1000] * 64)) == 0
+    assert floor(qwen, 128, 128, 128, np.array([9000] + [100] * 127)) == ("skewed", 0)
+    assert floor(llama8b, 128, 128, 128, np.array([9000] + [100] * 127)) == 100   # 1,024: not
     assert floor(fake(pallas=False), 16, 16, 16) == 0
     assert floor(fake(head_dim=64), 16, 16, 16) == 0                      # not the measured case
     assert floor(fake(dtype=jax.numpy.dtype("float32")), 16, 16, 16) == 0
@@ -167,18 +179,20 @@ def test_busy_floor_marks_only_nearly_full_buckets_of_specially_tiled_grids(monk
     llama.make_attention_fn(cfg, "pallas", busy_seqs=15)(None, None, None, x)
     assert seen["busy_seqs"] == 15
     llama.make_attention_fn(cfg, "pallas")(None, None, None, x)
-    assert seen["busy_seqs"] == 0                  # unknown: never tiled as a full bucket
+    assert seen["busy_seqs"] == 0 and not seen["skewed"]   # unknown: never as a full bucket
+    llama.make_attention_fn(cfg, "pallas", skewed=True)(None, None, None, x)
+    assert seen["skewed"]
 
 
-def test_each_step_hands_busy_floor_its_chunks_contexts(monkeypatch):
+def test_each_step_hands_attention_hint_its_chunks_contexts(monkeypatch):
     # the skew rule needs every step's seq_lens: the chunks' contexts after the step
     from jaxserve import SamplingParams as SP
     llm = LLM(TINY, dtype="float32", max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64,
               warmup=False)
     runner = llm.engine.runner
     seen = []
-    monkeypatch.setattr(runner, "busy_floor",
-                        lambda t, s, busy, contexts=None: seen.append(list(contexts)) or 0)
+    monkeypatch.setattr(runner, "attention_hint",
+                        lambda t, s, busy, contexts=None: seen.append(list(contexts)) or (0, False))
     llm.generate([{"prompt_token_ids": [5, 6, 7]}, {"prompt_token_ids": [8] * 11}],
                  SP(max_tokens=3, temperature=0.0))
     assert seen[0] == [3, 11]                  # both prompts in one step
@@ -194,15 +208,15 @@ def test_skewed_contexts_threshold():
 
 
 def test_warmup_packs_busy_variants_like_the_steps_that_use_them(monkeypatch):
-    # where a bucket has busy variants (only on a GPU), warm-up compiles them with the layout
-    # of their lean / full twins: the (layout, variant) keys a step of that bucket asks for
+    # where a bucket has busy or skewed variants (only on a GPU), warm-up compiles them with
+    # the layout of their lean / full twins: the (layout, variant) keys a step asks for
     import dataclasses
     llm = LLM(TINY, dtype="float32", max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64,
               warmup=False)
     runner = llm.engine.runner
-    monkeypatch.setattr(runner, "busy_floor",
-                        lambda t, s, busy, contexts=None:
-                        3 if (t, s) == (16, 4) and busy >= 3 else 0)
+    monkeypatch.setattr(runner, "bucket_tilings",
+                        lambda t, s: {16: (3, False, False), 32: (0, True, True)}.get(
+                            t, (0, False, False)))
     jobs = []
     monkeypatch.setattr(runner._compiler, "start", lambda js, threads: jobs.extend(js) or {})
     runner.warmup()
@@ -211,4 +225,8 @@ def test_warmup_packs_busy_variants_like_the_steps_that_use_them(monkeypatch):
     assert sorted(v.full for _, v in busy) == [False, True]
     for layout, variant in busy:
         assert (layout, dataclasses.replace(variant, busy_seqs=0)) in keys
-    assert len(keys) == 2 * len(runner.buckets) + 2
+    skewed = [(layout, variant) for layout, variant in keys if variant.skewed]
+    assert sorted(v.full for _, v in skewed) == [False, True] and 32 in runner.buckets
+    for layout, variant in skewed:
+        assert (layout, dataclasses.replace(variant, skewed=False)) in keys
+    assert len(keys) == 2 * len(runner.buckets) + 4

@@ -431,6 +431,29 @@ def test_fill_splits_engine_bucket_picked_and_correct():
         "ragged_paged_attention_bq4_bk64_x4"
 
 
+def test_skewed_steps_take_fill_splits_up_to_four_programs_an_sm():
+    T = rpa.DecodeTiling
+
+    def tiling(s, kh=8, busy=None, **kw):
+        return rpa.special_decode_tiling(s, s, 32, kh, busy, context=8192, **kw)
+    # whatever the busy count, full buckets too, up to 4 x NUM_SMS programs
+    assert tiling(16, skewed=True) == tiling(16, busy=0) == T(32, 64, 5, fill_splits=True)
+    assert tiling(16) == T(1, 128, 5)                           # not skewed: pipelined
+    assert tiling(64, skewed=True) == tiling(64, busy=40, skewed=True) == T(32, 64, 5, True)
+    assert tiling(64) is None and tiling(64, busy=0) is None    # not skewed: the default
+    assert tiling(128, kh=4, skewed=True) == T(32, 64, 5, True)
+    assert tiling(128, skewed=True) == tiling(128) == T(1, 64, 3)   # 1,024 programs: not
+    assert tiling(64, skewed=True, head_dim=64) is None         # not the measured case
+    assert rpa.default_fill_programs(512) == 792 and rpa.default_fill_programs(265) == 660
+    # a full 16-slot bucket at Llama-3.1-8B's heads, one long context: correct when skewed
+    qlens = [1] * 16
+    args = paged_batch(qlens, [300] + [20] * 15, n=32, kh=8, e=128, p=16, pad_tokens=0,
+                       seed=6, dtype=jnp.bfloat16)
+    assert kernel_name(args, skewed=True).endswith("_fill")
+    assert not kernel_name(args).endswith("_fill")
+    check(args, skewed=True, atol=2e-2)
+
+
 def test_many_wave_decode_takes_the_tiling_whose_waves_are_fuller():
     # past one wave of 64-key 2-stage steps (660 programs), 64-key 3-stage steps (4 an SM)
     # where their last wave is fuller than 128-key 2-stage steps' (3 an SM)
@@ -481,6 +504,7 @@ def test_unsplit_decode_grids_launch_kv_heads_side_by_side():
     assert grid(4) == (4, 8, 4)                        # split: 4 tiles x 8 kv heads x 4 splits
     assert grid(16, busy_seqs=0) == (264, 1, 1)        # fill_splits: 2 programs an SM
     assert grid(32, busy_seqs=0) == (396, 1, 1)        # 256 items: 3
+    assert grid(64, skewed=True) == (792, 1, 1)        # a skewed step of 512 items: 6
     assert grid(32, t=40) == (34, 8, 1)                # more tokens than slots: 34 tiles
 
 

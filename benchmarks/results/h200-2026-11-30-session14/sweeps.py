@@ -209,6 +209,18 @@ def run4(rng):
                else f"full, {s} x {ctxs[0]}")
 
 
+def run8(rng):
+    """A lead for later: full buckets past two programs an SM (64 slots at 8 kv heads, 128 at
+    4: 512 items), one long context among short ones and even ones, the default against
+    fill_splits forced over 660 and 792 programs (not dispatched by the engine)."""
+    big = {"default": (rpa, {}), "fill P=660": (rpa, dict(FILL(), fill_programs=660)),
+           "fill P=792": (rpa, dict(FILL(), fill_programs=792))}
+    for model, s in (("llama3-8b", 64), ("qwen3-30b-a3b", 128)):
+        for ctxs in ([16384] + [1024] * (s - 1), [4096] + [1024] * (s - 1), [1024] * s):
+            bucket(model, [1] * s, ctxs, big, rng,
+                   f"full {s}, max/mean {max(ctxs) / np.mean(ctxs):.2f} max {max(ctxs)}")
+
+
 if __name__ == "__main__":
     print(jax.devices(), flush=True)
     globals()[sys.argv[1]](np.random.default_rng(0))
