@@ -636,6 +636,8 @@ def default_fill_programs(items: int) -> int:
     2-3); 792 for up to 4 x NUM_SMS (skewed steps only): against 660, 89.5 / 89.4 us against
     106.8 / 98.0 with one 16K decode among 1K ones (64 slots at 8 kv heads, 128 at 4), level
     (within 1.2 %) in four other cases (session 14, run 8)."""
+    # NOTE: 660 (265-396 items) was not timed. Before session 14 this was 2 x NUM_SMS whatever
+    # the items (a grid of more needed an explicit fill_programs).
     waves = pl.cdiv(items, NUM_SMS)
     return NUM_SMS * (waves + (1 if waves <= 2 else 2))
 
@@ -644,7 +646,8 @@ def split_decode_tiling(num_tokens: int, num_seqs: int, num_heads: int, kv_heads
                         busy_seqs: int | None, *, context: int, head_dim: int = 128,
                         itemsize: int = 2, skewed: bool = False) -> DecodeTiling | None:
     """The tiling of a decode grid (T <= S; the measured case of _measured_decode_grid) of at
-    most one program per SM, or two where its busy count is not said: pipelined programs (5
+    most one program per SM, or two where its busy count is not said, or four where the step
+    is `skewed` (its contexts; a one-slot bucket never is): pipelined programs (5
     stages, slots looked up in their step), the key range split to fill the SMs; None for
     larger grids (the other rules) and where no split is possible in a padded bucket (the
     default then).
@@ -698,7 +701,7 @@ def split_decode_tiling(num_tokens: int, num_seqs: int, num_heads: int, kv_heads
     if grid is None or grid[0] > (SKEWED_FILL_MAX_WAVES if skewed else 2) * NUM_SMS:
         return None
     programs, busy = grid
-    full = not skewed and (busy == programs or min(num_tokens, num_seqs) == 1)
+    full = min(num_tokens, num_seqs) == 1 or (not skewed and busy == programs)
     if full and programs <= NUM_SMS:
         x = max(1, min(NUM_SMS // programs, 32, context // 64))
         return DecodeTiling(x, 128 if x == 1 or context // x >= SPLIT_128_KEYS else 64, 5)
@@ -771,7 +774,9 @@ SKEWED_FILL_MAX_WAVES = 4
 
 def skewed_contexts(seq_lens) -> bool:
     """Whether a step's contexts (its chunks' seq_lens, host-side) are skewed enough that a
-    padded-bucket caller should not say its busy count (SKEWED_CONTEXT_RATIO)."""
+    caller that pads steps to buckets should run it as one (SKEWED_CONTEXT_RATIO): busy_seqs 0
+    where that already is fill_splits, else the kernel's `skewed` (the engine:
+    runner.ModelRunner.attention_hint)."""
     lens = np.asarray(seq_lens)
     return lens.size > 1 and lens.max() > SKEWED_CONTEXT_RATIO * lens.mean()
 
@@ -852,8 +857,8 @@ def ragged_paged_attention(q_TNE, k_cache_NPKE, v_cache_NPKE, query_start_loc_S1
     num_splits) that fill a grid of fill_programs programs (default_fill_programs), in
     proportion to each item's key steps, the counts found in the kernel from query_start_loc
     and seq_lens (fill_split_counts); the default for decode buckets of up to two programs an
-    SM whose busy count is not said (split_decode_tiling), which is how the engine runs both
-    padded buckets and ones of skewed contexts (skewed_contexts).
+    SM whose busy count is not said (split_decode_tiling), which is how the engine runs padded
+    buckets, and skewed steps of such buckets (skewed_contexts; larger ones: `skewed`).
     skewed: the caller says this step's contexts are skewed (skewed_contexts): decode grids of
     up to SKEWED_FILL_MAX_WAVES x NUM_SMS programs take fill_splits whatever busy_seqs says.
     heads_inner: launch a query tile's kv heads side by side (grid (K, J, X)) rather than a kv

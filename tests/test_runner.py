@@ -167,6 +167,7 @@ def test_attention_hint_marks_only_nearly_full_buckets_of_specially_tiled_grids(
     assert floor(llama8b, 64, 64, 64, np.array([1000] * 64)) == 0
     assert floor(qwen, 128, 128, 128, np.array([9000] + [100] * 127)) == ("skewed", 0)
     assert floor(llama8b, 128, 128, 128, np.array([9000] + [100] * 127)) == 100   # 1,024: not
+    assert Runner.bucket_tilings(llama8b, 1, 1) == (0, False, False)   # one slot: never skewed
     assert floor(fake(pallas=False), 16, 16, 16) == 0
     assert floor(fake(head_dim=64), 16, 16, 16) == 0                      # not the measured case
     assert floor(fake(dtype=jax.numpy.dtype("float32")), 16, 16, 16) == 0
@@ -182,6 +183,10 @@ def test_attention_hint_marks_only_nearly_full_buckets_of_specially_tiled_grids(
     assert seen["busy_seqs"] == 0 and not seen["skewed"]   # unknown: never as a full bucket
     llama.make_attention_fn(cfg, "pallas", skewed=True)(None, None, None, x)
     assert seen["skewed"]
+    seen.clear()
+    cfg.rms_norm_eps = 1e-5
+    llama.make_kernels(cfg, "pallas", frozenset(), 3, True).attention(None, None, None, x)
+    assert seen["busy_seqs"] == 3 and seen["skewed"]
 
 
 def test_each_step_hands_attention_hint_its_chunks_contexts(monkeypatch):
@@ -197,6 +202,33 @@ def test_each_step_hands_attention_hint_its_chunks_contexts(monkeypatch):
                  SP(max_tokens=3, temperature=0.0))
     assert seen[0] == [3, 11]                  # both prompts in one step
     assert [3 + 1, 11 + 1] in seen and [3 + 2, 11 + 2] in seen   # then their decodes
+
+
+def test_a_skewed_step_runs_the_skewed_program_warm_up_compiled(monkeypatch):
+    # prepare() -> attention_hint -> StepVariant(skewed) -> _step -> model.forward(skewed=...):
+    # a bucket whose skewed steps have a program of their own (stubbed: the CPU has none)
+    from jaxserve import SamplingParams as SP
+    from jaxserve.models import llama
+    llm = LLM(TINY, dtype="float32", max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64,
+              warmup=False)
+    runner = llm.engine.runner
+    monkeypatch.setattr(runner, "bucket_tilings", lambda t, s: (0, True, True))
+    traced = []
+    forward = llama.forward
+    monkeypatch.setattr(llama, "forward",
+                        lambda *a, **kw: traced.append(kw["skewed"]) or forward(*a, **kw))
+    runner.warmup()
+    runner.wait_for_warmup()
+    compiled = set(runner._executables)
+    assert True in traced and False in traced  # the skewed programs reach the model
+    ran = []
+    prepare = runner.prepare
+    monkeypatch.setattr(runner, "prepare",
+                        lambda out: (lambda xv: ran.append(xv[1]) or xv)(prepare(out)))
+    llm.generate([{"prompt_token_ids": [5, 6]}, {"prompt_token_ids": [7] * 30}],
+                 SP(max_tokens=2, temperature=0.0))
+    assert any(v.skewed for v in ran)          # 2 against 30 tokens: skewed
+    assert {v for v in ran} <= {v for _, v in compiled}    # nothing compiled on the way
 
 
 def test_skewed_contexts_threshold():

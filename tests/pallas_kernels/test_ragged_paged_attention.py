@@ -444,6 +444,9 @@ def test_skewed_steps_take_fill_splits_up_to_four_programs_an_sm():
     assert tiling(128, kh=4, skewed=True) == T(32, 64, 5, True)
     assert tiling(128, skewed=True) == tiling(128) == T(1, 64, 3)   # 1,024 programs: not
     assert tiling(64, skewed=True, head_dim=64) is None         # not the measured case
+    assert tiling(1, skewed=True) == tiling(1) == T(16, 128, 5)  # one slot: never skewed
+    assert tiling(66, skewed=True) == T(32, 64, 5, True)        # 528 programs: the most
+    assert tiling(67, skewed=True) is None
     assert rpa.default_fill_programs(512) == 792 and rpa.default_fill_programs(265) == 660
     # a full 16-slot bucket at Llama-3.1-8B's heads, one long context: correct when skewed
     qlens = [1] * 16
