@@ -286,6 +286,11 @@ class ModelRunner:
         """Dispatch one step (asynchronously); the cache is donated and replaced."""
         packed, layout = packing.pack(x)
         exe = self._executables.get((layout, variant))
+        if exe is None and variant.skewed:
+            # NOTE: a skewed step's program compiles in warm-up's background batch; until it is
+            # ready the step runs as an even one (the same result, the attention tiled for
+            # even contexts) rather than waiting for it
+            exe = self._executables.get((layout, dataclasses.replace(variant, skewed=False)))
         if exe is None and (layout, variant) in self._pending:    # still compiling in warm-up
             try:
                 self._pending[(layout, variant)].result()
@@ -360,8 +365,12 @@ class ModelRunner:
 
         Returns once the lean programs are ready; the full ones (logprobs, top-k/p, penalties)
         finish in the background, and a step that needs one before then waits for it
-        (`wait_for_warmup` waits for all). NOTE: measured on the H200 (BENCHMARKS.md,
-        Start-up): waiting for all 18 programs of the 8B engine took 58 s of a 63 s cold start.
+        (`wait_for_warmup` waits for all). So do the skewed ones (a bucket's program for steps
+        of skewed contexts, attention_hint), except that a skewed step runs as an even one
+        until its program is ready: H200, cold, 8B engine (session 14, runs 10-11, two
+        machines), the lean skewed program compiled up front with the others took the first
+        token from 46.2 to 58.7 s. NOTE: measured on the H200 (BENCHMARKS.md, Start-up):
+        waiting for all 18 programs of the 8B engine took 58 s of a 63 s cold start.
         While they compile, the engine thread blocks on one that a step needs (every request
         waits with it), and their lowering takes host time from the running steps."""
         empty = SchedulerOutput(chunks=[], num_tokens=0, preempted_ids=[], new_ids=[], num_cached_tokens=0)
@@ -382,20 +391,23 @@ class ModelRunner:
 
         threads = os.cpu_count() or 1
         try:
-            self._pending = self._compiler.start([job for job in jobs if not job[1].full], threads)
+            now = [job for job in jobs if not (job[1].full or job[1].skewed)]
+            later = [job for job in jobs if job[1].full or job[1].skewed]
+            self._pending = self._compiler.start(now, threads)
             for future in list(self._pending.values()):
                 future.result()
-            # Only now the full ones: tracing and lowering hold the GIL, so lowering them beside
-            # the lean ones slowed those (a warm start spent 12 s in warm-up, measured).
-            self._pending.update(self._compiler.start([job for job in jobs if job[1].full], threads))
+            # Only now the full and skewed ones: tracing and lowering hold the GIL, so lowering
+            # them beside the lean ones slowed those (a warm start spent 12 s in warm-up).
+            self._pending.update(self._compiler.start(later, threads))
         except Exception:  # NOTE: threads only save time; compile what is missing one by one
             logger.warning("parallel compilation failed; compiling one by one", exc_info=True)
             self.wait_for_warmup(raise_errors=False)
             for layout, variant, num_words in jobs:
                 if (layout, variant) not in self._executables:
                     self._compile(layout, variant, num_words)
-        logger.info("compiled %d lean step programs; %d full ones compile in the background",
-                    sum(not job[1].full for job in jobs), sum(job[1].full for job in jobs))
+        logger.info("compiled %d lean step programs; %d full or skewed ones compile in the "
+                    "background", sum(not (job[1].full or job[1].skewed) for job in jobs),
+                    sum(job[1].full or job[1].skewed for job in jobs))
 
     def wait_for_warmup(self, raise_errors: bool = True) -> None:
         """Wait until every program warm-up started is compiled."""

@@ -231,6 +231,24 @@ def test_a_skewed_step_runs_the_skewed_program_warm_up_compiled(monkeypatch):
     assert {v for v in ran} <= {v for _, v in compiled}    # nothing compiled on the way
 
 
+def test_a_skewed_step_runs_as_an_even_one_until_its_program_is_ready():
+    # skewed programs compile in warm-up's background batch: a step does not wait for one
+    import dataclasses
+    from jaxserve.scheduler import SchedulerOutput
+    llm = LLM(TINY, dtype="float32", max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64)
+    runner = llm.engine.runner
+    x, variant = runner.prepare(SchedulerOutput(chunks=[], num_tokens=16, preempted_ids=[],
+                                                new_ids=[], num_cached_tokens=0))
+    _, layout = runner_module.packing.pack(x)
+    skewed = dataclasses.replace(variant, skewed=True)
+    assert (layout, skewed) not in runner._executables
+    calls = []
+    even = runner._executables[(layout, variant)]
+    runner._executables[(layout, variant)] = lambda *a: calls.append(1) or even(*a)
+    runner.run(x, skewed)
+    assert calls == [1] and (layout, skewed) not in runner._executables
+
+
 def test_skewed_contexts_threshold():
     from jaxserve.pallas_kernels import ragged_paged_attention as rpa
     assert not rpa.skewed_contexts([]) and not rpa.skewed_contexts([9000])
@@ -249,10 +267,14 @@ def test_warmup_packs_busy_variants_like_the_steps_that_use_them(monkeypatch):
     monkeypatch.setattr(runner, "bucket_tilings",
                         lambda t, s: {16: (3, False, False), 32: (0, True, True)}.get(
                             t, (0, False, False)))
-    jobs = []
-    monkeypatch.setattr(runner._compiler, "start", lambda js, threads: jobs.extend(js) or {})
+    jobs, batches = [], []
+    monkeypatch.setattr(runner._compiler, "start",
+                        lambda js, threads: batches.append(js) or jobs.extend(js) or {})
     runner.warmup()
     keys = {(layout, variant) for layout, variant, _ in jobs}
+    # the lean programs first (warm-up waits for them), then the full and skewed ones
+    assert not any(v.full or v.skewed for _, v, _ in batches[0])
+    assert all(v.full or v.skewed for _, v, _ in batches[1])
     busy = [(layout, variant) for layout, variant in keys if variant.busy_seqs]
     assert sorted(v.full for _, v in busy) == [False, True]
     for layout, variant in busy:
