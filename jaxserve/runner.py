@@ -389,10 +389,10 @@ class ModelRunner:
                 packed, layout = packing.pack(full if variant.full else lean)
                 jobs.append((layout, variant, len(packed)))
 
+        later = [job for job in jobs if job[1].full or job[1].skewed]
+        now = [job for job in jobs if job not in later]
         threads = os.cpu_count() or 1
         try:
-            now = [job for job in jobs if not (job[1].full or job[1].skewed)]
-            later = [job for job in jobs if job[1].full or job[1].skewed]
             self._pending = self._compiler.start(now, threads)
             for future in list(self._pending.values()):
                 future.result()
@@ -406,8 +406,7 @@ class ModelRunner:
                 if (layout, variant) not in self._executables:
                     self._compile(layout, variant, num_words)
         logger.info("compiled %d lean step programs; %d full or skewed ones compile in the "
-                    "background", sum(not (job[1].full or job[1].skewed) for job in jobs),
-                    sum(job[1].full or job[1].skewed for job in jobs))
+                    "background", len(now), len(later))
 
     def wait_for_warmup(self, raise_errors: bool = True) -> None:
         """Wait until every program warm-up started is compiled."""

@@ -531,8 +531,9 @@ def pipelined_decode(num_tokens: int, num_seqs: int, num_heads: int, kv_heads: i
       split_decode_tiling, session 13: every slot is busy there.) A third K/V buffer (4
       stages, 200 KiB) took 0.5-9 % more time, 8 warps 3-14 %.
     - Over one and at most two programs per SM (up to 2 x NUM_SMS), which the default leaves
-      unsplit where the busy count is said (fill_splits where it is not): 64-key steps (72 KiB, so both programs of an SM fit). H200, cold, one
-      loop both ways, against the default 128-key 2-stage steps: 256 programs with 17-32 of 32
+      unsplit where the busy count is said (fill_splits where it is not): 64-key steps (72
+      KiB, so both programs of an SM fit). H200, cold, one loop both ways, against the default
+      128-key 2-stage steps: 256 programs with 17-32 of 32
       slots busy at 8 kv heads (1K-8K keys, one case with a 6-token chunk) and 33-64 of 64 at 4
       kv heads: 0.7-6 % less time in 15 cases of 16, level in the 16th (48 x 4K at 4 kv heads,
       111.1 against 111.5 us); e.g. 32 x 1K 36.35 -> 35.95 us, 32 x 8K 246.5 -> 242.1 (cuDNN

@@ -163,20 +163,27 @@ except ImportError:
     rpa_old = None   # run1-run3 do not need it
 
 
-def case2(model, qlens, ctxs, variants, rng, reps=2, cudnn=True):
-    """Bucket of len(qlens) slots and as many tokens (padding tokens after the busy ones);
-    variants name -> (module, options); cuDNN on the busy decodes."""
+def bucket_case(model, qlens, ctxs, rng):
+    """A bucket of len(qlens) slots and as many tokens (padding tokens after the busy ones) at
+    `model`'s heads: (case, kernel args, bytes, XLA reference, real tokens, busy slots)."""
     kb.use_model(model)
     slots = len(qlens)
-    busy = sum(1 for q in qlens if q)
     c = kb.paged_case(rng, qlens, ctxs)
     t = sum(qlens)
     if t < slots:
         c["q"] = jax.random.normal(jax.random.key(2), (slots, kb.N, kb.E), jnp.bfloat16)
     args = (c["q"], c["k"], c["v"], c["qsl"], c["seq_lens"], c["bt"])
     byts = sum(2 * L * kb.KH * kb.E * 2 + 2 * q * kb.N * kb.E * 2 for q, L in zip(qlens, ctxs))
+    ref = jax.jit(functools.partial(rpa.xla_ragged_paged_attention, sm_scale=kb.E ** -0.5))(*args)
+    return c, args, byts, ref, t, sum(1 for q in qlens if q)
+
+
+def case2(model, qlens, ctxs, variants, rng, reps=2, cudnn=True):
+    """Bucket of len(qlens) slots and as many tokens (padding tokens after the busy ones);
+    variants name -> (module, options); cuDNN on the busy decodes."""
+    c, args, byts, ref, t, busy = bucket_case(model, qlens, ctxs, rng)
+    slots = len(qlens)
     scale = kb.E ** -0.5
-    ref = jax.jit(functools.partial(rpa.xla_ragged_paged_attention, sm_scale=scale))(*args)
     name = f"{model} S={slots} L={max(ctxs)}" + (f" {busy} busy" if busy < slots else "") + \
         (" chunk" if max(qlens) > 1 else "")
     kw_name = max(len(k) for k in variants)

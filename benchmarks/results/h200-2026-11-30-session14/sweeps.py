@@ -35,17 +35,9 @@ from jaxserve.pallas_kernels import ragged_paged_attention as rpa   # noqa: E402
 def bucket(model, qlens, ctxs, variants, rng, label=""):
     """One padded or full decode bucket (slots = len(qlens)): each variant (module, options)
     and cuDNN on the busy decodes, with their lengths when they differ."""
-    kb.use_model(model)
-    slots, busy = len(qlens), sum(1 for q in qlens if q)
-    c = kb.paged_case(rng, qlens, ctxs)
-    t = sum(qlens)
-    if t < slots:
-        c["q"] = jax.random.normal(jax.random.key(2), (slots, kb.N, kb.E), jnp.bfloat16)
-    args = (c["q"], c["k"], c["v"], c["qsl"], c["seq_lens"], c["bt"])
-    byts = sum(2 * L * kb.KH * kb.E * 2 + 2 * q * kb.N * kb.E * 2 for q, L in zip(qlens, ctxs))
+    c, args, byts, ref, t, busy = s13.bucket_case(model, qlens, ctxs, rng)
     scale = kb.E ** -0.5
-    ref = jax.jit(functools.partial(rpa.xla_ragged_paged_attention, sm_scale=scale))(*args)
-    name = f"{model} S={slots} {label}"
+    name = f"{model} S={len(qlens)} {label}"
     for k, (mod, opts) in variants.items():
         f = jax.jit(functools.partial(mod.ragged_paged_attention, sm_scale=scale,
                                       impl="pallas", **opts))
