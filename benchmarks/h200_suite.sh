@@ -13,6 +13,7 @@
 #   round6 .. round13                       # the third and fourth sessions' calls, one stage
 #                                           # each (see each function's comment)
 #   round15, round16                        # the fifth session's calls
+#   round17                                 # the fifteenth session's serving and decode call
 #   round9, round14                         # prepared, not yet run: what those sessions left
 #                                           # unmeasured (round9's 30B throughput ran in round13
 #                                           # and timed out; round14 gives it 420 s)
@@ -305,6 +306,14 @@ round15() {   # fifth session: attention after the split-merge kernel, one-token
 
 round16() {   # fifth session: the 8B decode step (batch 1 and 64) at the new attention defaults
   decode_b1_b64
+}
+
+round17() {   # fifteenth session: the HTTP server under load with the final code (both kinds
+              # of decode variants, skewed programs in the background batch), and the decode
+              # table of benchmarks/kernels.py beside cuDNN
+  SERVE_PROMPTS=100 serve_run serve_warm --warmup-all
+  SERVE_PROMPTS=100 RATES=4 serve_run serve_lp64 --warmup-all --long-prefill-token-threshold 64
+  step 200 kernels_decode python3 benchmarks/kernels.py --only decode --json "$OUT/kernels_decode.json"
 }
 
 decode_b1_b64() {

@@ -308,8 +308,12 @@ def _rpa_kernel(
     kv_end = jnp.where(is_pad | (qblk * block_q >= qlen), 0, last_pos + 1)
     kv_begin = 0
     if sliding_window is not None:
+        window_R = pos_R - sliding_window      # the last key before each row's window
         kv_begin = jnp.maximum(first_pos - sliding_window + 1, 0) // block_k * block_k
     steps = jnp.maximum(pl.cdiv(kv_end - kv_begin, block_k), 0)
+    # each row's last visible key: its causal edge or the tile's end, so that masking a score
+    # is one compare (padding rows' positions lie past kv_end)
+    last_R = jnp.minimum(pos_R, kv_end - 1)
     per_split = pl.cdiv(steps, live_splits if fill_splits else num_splits)
     step_lo = jnp.minimum(split * per_split, steps)
     step_hi = jnp.minimum(step_lo + per_split, steps)
@@ -358,9 +362,9 @@ def _rpa_kernel(
         if soft_cap is not None:
             s = (soft_cap * LOG2E) * jnp.tanh(s / soft_cap)
         if masked:
-            vis = (kpos[None, :] <= pos_R[:, None]) & (kpos[None, :] < kv_end)
+            vis = kpos[None, :] <= last_R[:, None]
             if sliding_window is not None:
-                vis &= kpos[None, :] > pos_R[:, None] - sliding_window
+                vis &= kpos[None, :] > window_R[:, None]
             s = jnp.where(vis, s, -jnp.inf)
         m_new = jnp.maximum(m_R, s.max(axis=1))
         # NOTE: rows that have seen no visible key keep m = -inf; shifting by 0 there keeps
