@@ -16,7 +16,7 @@ for stage in "$@"; do
     cold) timeout 200 python3 -m jaxserve.cli bench latency "${LLAMA[@]}" --batch-size 1 \
             --input-len 128 --output-len 16 --num-iters 1 --device-only-iters 0 --disable-tqdm \
             --output-json "$OUT/cold-start.json" 2>&1 | tail -8 ;;
-    run2|run3|run4|run5) timeout 420 python3 $HERE/sweeps.py $stage 2>&1 | grep -v Warning ;;
+    run2|run3|run4|run5|run6) timeout 420 python3 $HERE/sweeps.py $stage 2>&1 | grep -v Warning ;;
     probe) timeout 330 python3 $HERE/stream_probe.py 2>&1 | grep -v Warning ;;
     tput) timeout 200 python3 -m jaxserve.cli bench throughput "${LLAMA[@]}" --dataset-name jsonl \
             --dataset-path .benchdata/sharegpt1000.jsonl --num-prompts 1000 --disable-tqdm \
