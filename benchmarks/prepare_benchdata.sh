@@ -6,8 +6,8 @@
 #   llama8b-dummy/      Llama-3.1-8B's config + Llama-3's tokenizer: `serve --load-format dummy`
 #   qwen3-8b-dummy/     Qwen3-8B's config + Qwen's tokenizer       streams a text chunk per token
 # and .whl/ (git-ignored): the server's packages that the device machine's image lacks (fastapi
-# and uvicorn with their dependencies as pip resolves them for this Python, gguf alone: its
-# numpy must stay the device's own)
+# and uvicorn with their dependencies as pip resolves them for .venv's Python, which must be a
+# 3.12 on x86-64 like the device's; gguf alone: its numpy must stay the device's own)
 # Usage: bash benchmarks/prepare_benchdata.sh   (after scripts/test.sh or serve.sh made .venv)
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -6,7 +6,7 @@ set -u
 OUT=${OUT:-bench-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TF_CPP_MIN_LOG_LEVEL=2
 HERE=benchmarks/results/h200-2026-11-30-session15
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
 python3 -m pip install -q --no-deps --no-build-isolation -e . > /dev/null 2>&1
 LLAMA=(Llama-3.1-8B --load-format dummy --dtype bfloat16 --max-logprobs 0 --max-num-seqs 256
        --max-num-batched-tokens 2048 --max-model-len 2048 --attention-impl pallas)

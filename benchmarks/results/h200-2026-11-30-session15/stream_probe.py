@@ -13,7 +13,9 @@ table, the same [NB*P, K*E] view of the cache), with the body of a key step cut 
   kload  the K tile alone (half the bytes): is the rate per byte or per step?
 
 beside the committed kernel, cuDNN on the same K/V gathered dense, and XLA reading that dense
-K/V once (a column sum: the rate a plain read stream gets). Times are CUPTI, inputs out of L2,
+K/V once (a column sum: the rate a plain read stream gets). The probe walks whole key steps
+unmasked: every context must be a multiple of block_k (else it reads past the block table; an
+illegal address on the GPU). Times are CUPTI, inputs out of L2,
 as benchmarks/kernels.py takes them. --cpu-check runs attn in interpret mode against the XLA
 reference on a small case and exits."""
 import functools, os, sys

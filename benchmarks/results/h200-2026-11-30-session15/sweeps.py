@@ -3,7 +3,9 @@ through session 13's `breakdown` and session 14's `bucket`):
 
     git show 9618b1c:pallas_kernels/ragged_paged_attention.py \
         > benchmarks/results/h200-2026-11-30-session15/rpa_old.py
-    python3 benchmarks/results/h200-2026-11-30-session15/sweeps.py run2
+    (and session 14's rpa_old.py and split_merge_old.py, as its sweeps.py says: it is loaded
+    here for its helpers, and loads them)
+    python3 benchmarks/results/h200-2026-11-30-session15/sweeps.py run2|run3|...|run6
 
 "old" is the fourteenth session's final kernel (9618b1c; a copy, not kept), "new" the code of
 the moment. Scratch variants of "new" are built here from the committed file by one textual
@@ -201,13 +203,15 @@ def run5(rng):
 
 def run6(rng):
     """Prepared for the next session, not run in this one: scores scaled inside the exponent's
-    fma (fmascale) against the committed kernel, on the cases of run 4."""
+    fma (fmascale) against the committed kernel, on the buckets of run 4."""
     def ab(slots, ctxs, decode):
         h = dict(busy_seqs=engine_hint(rpa, slots, ctxs))
         v = {"new": (rpa, h), "fmascale": (rpa_fmascale, h)}
         return v | {k + " again": x for k, x in v.items()}
     full_buckets(ab, rng)
     kb.use_model("llama3-8b")
+    bucket("llama3-8b", [1] * 12 + [0] * 4, [1024] * 12 + [0] * 4, ab(16, [1024] * 12, True),
+           rng, "12 busy x 1024")
     ctxs = [8192] + [1024] * 15
     bucket("llama3-8b", [1] * 16, ctxs, ab(16, ctxs, True), rng, "full, 8192 + 15 x 1024")
     for qlens, ctxs, label in (([20, 1, 1, 1] + [0] * 28, [2000, 8000, 1000, 500] + [0] * 28,
