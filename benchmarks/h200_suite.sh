@@ -308,9 +308,9 @@ round16() {   # fifth session: the 8B decode step (batch 1 and 64) at the new at
   decode_b1_b64
 }
 
-round17() {   # fifteenth session: the HTTP server under load with the final code (both kinds
-              # of decode variants, skewed programs in the background batch), and the decode
-              # table of benchmarks/kernels.py beside cuDNN
+round17() {   # fifteenth session: the HTTP server under load with the final code (its skewed
+              # decode programs compiled in warm-up's background batch), and the decode table
+              # of benchmarks/kernels.py beside cuDNN
   SERVE_PROMPTS=100 serve_run serve_warm --warmup-all
   SERVE_PROMPTS=100 RATES=4 serve_run serve_lp64 --warmup-all --long-prefill-token-threshold 64
   step 200 kernels_decode python3 benchmarks/kernels.py --only decode --json "$OUT/kernels_decode.json"
