@@ -103,6 +103,11 @@ class ProbeAsKernel:
         return probe.probe(q, k, v, seq_lens, bt)
 
 
+def twice(v):
+    """The variants, then each again under the name + " again" (interleaved repetitions)."""
+    return v | {k + " again": x for k, x in v.items()}
+
+
 def full_buckets(ab, rng):
     """Full buckets of even decodes, each with the variants ab(slots, contexts, True) gives."""
     for model, s, ctx in (("llama3-8b", 16, 1024), ("llama3-8b", 16, 1000),
@@ -151,8 +156,7 @@ def run3(rng):
         h = dict(busy_seqs=engine_hint(rpa, s, [ctx] * s))
         v = {"new": (rpa, h), "nomask": (rpa_nomask, h), "direct": (rpa_direct, h),
              "direct+nomask": (rpa_direct_nomask, h), "probe": (ProbeAsKernel, {})}
-        v |= {k + " again": x for k, x in v.items()}
-        bucket(model, [1] * s, [ctx] * s, v, rng, f"full, {s} x {ctx}")
+        bucket(model, [1] * s, [ctx] * s, twice(v), rng, f"full, {s} x {ctx}")
 
 
 def run4(rng):
@@ -164,16 +168,20 @@ def run4(rng):
              "condmask": (rpa_condmask, dict(busy_seqs=h["new"]))}
         if decode:
             v["nosafe"] = (rpa_nosafe, dict(busy_seqs=h["new"]))
-        return v | {k + " again": x for k, x in v.items()}
+        return twice(v)
+    run4_buckets(ab, {"old": rpa_old, "new": rpa, "condmask": rpa_condmask}, rng)
+
+
+def run4_buckets(ab, chunk_modules, rng):
+    """Run 4's buckets: full ones of even decodes, 12 busy of 16, a skewed full one (variants
+    from ab), then two holding a prompt chunk (each of chunk_modules, busy_seqs 0)."""
     full_buckets(ab, rng)
     kb.use_model("llama3-8b")
     bucket("llama3-8b", [1] * 12 + [0] * 4, [1024] * 12 + [0] * 4, ab(16, [1024] * 12, True),
            rng, "12 busy x 1024")
     ctxs = [8192] + [1024] * 15
     bucket("llama3-8b", [1] * 16, ctxs, ab(16, ctxs, True), rng, "full, 8192 + 15 x 1024")
-    v = {"old": (rpa_old, dict(busy_seqs=0)), "new": (rpa, dict(busy_seqs=0)),
-         "condmask": (rpa_condmask, dict(busy_seqs=0))}
-    v |= {k + " again": x for k, x in v.items()}
+    v = twice({name: (mod, dict(busy_seqs=0)) for name, mod in chunk_modules.items()})
     bucket("llama3-8b", [20, 1, 1, 1] + [0] * 28, [2000, 8000, 1000, 500] + [0] * 28, v, rng,
            "20-token chunk + 3 decodes")
     bucket("llama3-8b", [40] + [1] * 40, [1500] + [1000] * 40, v, rng, "40-token chunk + 40 decodes")
@@ -206,19 +214,8 @@ def run6(rng):
     fma (fmascale) against the committed kernel, on the buckets of run 4."""
     def ab(slots, ctxs, decode):
         h = dict(busy_seqs=engine_hint(rpa, slots, ctxs))
-        v = {"new": (rpa, h), "fmascale": (rpa_fmascale, h)}
-        return v | {k + " again": x for k, x in v.items()}
-    full_buckets(ab, rng)
-    kb.use_model("llama3-8b")
-    bucket("llama3-8b", [1] * 12 + [0] * 4, [1024] * 12 + [0] * 4, ab(16, [1024] * 12, True),
-           rng, "12 busy x 1024")
-    ctxs = [8192] + [1024] * 15
-    bucket("llama3-8b", [1] * 16, ctxs, ab(16, ctxs, True), rng, "full, 8192 + 15 x 1024")
-    for qlens, ctxs, label in (([20, 1, 1, 1] + [0] * 28, [2000, 8000, 1000, 500] + [0] * 28,
-                                "20-token chunk + 3 decodes"),
-                               ([40] + [1] * 40, [1500] + [1000] * 40, "40-token chunk + 40 decodes")):
-        v = {"new": (rpa, dict(busy_seqs=0)), "fmascale": (rpa_fmascale, dict(busy_seqs=0))}
-        bucket("llama3-8b", qlens, ctxs, v | {k + " again": x for k, x in v.items()}, rng, label)
+        return twice({"new": (rpa, h), "fmascale": (rpa_fmascale, h)})
+    run4_buckets(ab, {"new": rpa, "fmascale": rpa_fmascale}, rng)
 
 
 if __name__ == "__main__":
