@@ -3,18 +3,36 @@
 A `StepCompiler` lowers and compiles the jitted step for one (input layout, variant) from
 abstract arguments (shapes, dtypes and shardings only), so neither it nor its worker threads
 keep the parameters or the KV cache alive: an engine that is dropped while programs are still
-compiling frees its memory at once. The workers are daemon threads, so a process never waits
-at exit for programs it will not use (a ThreadPoolExecutor's workers are joined at exit).
+compiling frees its memory at once. The workers are daemon threads that stop at exit after
+the program in hand (`stop_all`, run by atexit), not the queued ones: a process never waits
+for programs it will not use, and never exits under a compile in flight (which crashed it:
+a segfault or abort on every exit of a short script while the full programs compiled in the
+background, session 16).
+
+Given a `store` directory it also keeps each compiled program there (ProgramStore) and loads it
+on the next start instead of tracing the step again. Why: JAX's persistent compilation cache
+skips XLA's compile but not the tracing and lowering that compute its key, and those hold the
+GIL: a warm start of the 8B engine on the H200 spent 10.5 s of its 18.3 s to the first token
+lowering step programs whose executables were already cached (session 16, run 5). A program
+the store misses is compiled afresh (fresh_compile), not read from JAX's cache.
 """
 
 from __future__ import annotations
 
+import atexit
 import concurrent.futures
+import hashlib
+import logging
+import os
+import pickle
 import queue
 import threading
 import time
+import weakref
 
 import jax
+
+logger = logging.getLogger(__name__)
 
 
 def abstract(tree):
@@ -22,28 +40,145 @@ def abstract(tree):
     return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), tree)
 
 
+def source_digest() -> str:
+    """sha256 of every Python source of the jaxserve package (its subpackages included): a
+    stored program is only valid for the code that traced it."""
+    import jaxserve
+
+    h = hashlib.sha256()
+    for root in sorted(jaxserve.__path__):
+        for dirpath, dirnames, filenames in sorted(os.walk(root)):
+            dirnames.sort()
+            for name in sorted(f for f in filenames if f.endswith(".py")):
+                path = os.path.join(dirpath, name)
+                h.update(os.path.relpath(path, root).encode())
+                with open(path, "rb") as f:
+                    h.update(f.read())
+    return h.hexdigest()
+
+
+# Platforms whose programs a ProgramStore keeps. Not the CPU: an XLA:CPU executable serialized
+# in a process that had compiled the same fusions before (another engine, or JAX's persistent
+# cache) lacked them, and failed when loaded ("Function negate_power_fusion not found"; seen
+# with jax 0.11.2). A fresh process's programs loaded and ran right (tests/test_runner.py).
+STORE_PLATFORMS = ("gpu",)
+
+# JAX flags that change what is logged, not what is compiled (the cache flags are left out too)
+_LOGGING_FLAGS = frozenset({"jax_log_compiles", "jax_explain_cache_misses", "jax_logging_level",
+                            "jax_log_checkpoint_residuals", "jax_debug_log_modules"})
+
+
+class ProgramStore:
+    """Compiled step programs on disk, one file each, named by a digest of everything that
+    shapes the program: the step's identity (model, config, kernels: given by the caller),
+    the abstract arguments, the input layout and variant, jaxserve's sources, jax's and
+    jaxlib's versions, JAX's configuration and XLA_FLAGS, and the devices. Anything else
+    changed gives other names, so a program is never loaded for code or settings it was not
+    built with; an unreadable file is compiled again (and replaced)."""
+
+    def __init__(self, directory: str, identity: str, args):
+        import jaxlib
+
+        self.directory = directory
+        devices = [(d.platform, d.device_kind, d.id) for d in jax.devices()]
+        config = sorted((k, repr(v)) for k, v in jax.config.values.items()
+                        if not ("_cache" in k or k in _LOGGING_FLAGS))
+        self._base = repr((identity, abstract_repr(args), source_digest(), jax.__version__,
+                           jaxlib.__version__, config, os.environ.get("XLA_FLAGS", ""),
+                           devices, jax.process_count()))
+
+    def path(self, layout, variant, num_words: int) -> str:
+        key = hashlib.sha256(repr((self._base, layout, variant, num_words)).encode()).hexdigest()
+        return os.path.join(self.directory, key[:40] + ".jaxprog")
+
+    def load(self, path: str):
+        from jax.experimental import serialize_executable
+
+        with open(path, "rb") as f:
+            blob, in_tree, out_tree = pickle.load(f)
+        return serialize_executable.deserialize_and_load(blob, in_tree, out_tree)
+
+    def save(self, path: str, compiled) -> None:
+        from jax.experimental import serialize_executable
+
+        os.makedirs(self.directory, exist_ok=True)
+        tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
+        with open(tmp, "wb") as f:
+            pickle.dump(serialize_executable.serialize(compiled), f)
+        os.replace(tmp, path)       # atomic: a concurrent reader sees the old file or the new
+
+
+def fresh_compile(lowered):
+    """`lowered` compiled by XLA, never read from JAX's persistent compilation cache (on this
+    thread only): what is stored is then what XLA built, as the cache itself stores it (an
+    XLA:CPU executable read from the cache and serialized again lost functions; see
+    STORE_PLATFORMS), and a stored program replaces the cache's entry anyway."""
+    # NOTE: private jax API (jax 0.11.2): the flag's thread-local override, so that the
+    # other compile threads keep using the cache
+    from jax._src import config as jax_config
+
+    with jax_config.enable_compilation_cache(False):
+        return lowered.compile()
+
+
+def abstract_repr(tree) -> str:
+    """The abstract arguments' tree, shapes, dtypes and shardings, as text."""
+    leaves, treedef = jax.tree.flatten(tree)
+    return repr((treedef, [(a.shape, str(a.dtype), repr(a.sharding)) for a in leaves]))
+
+
 class StepCompiler:
-    def __init__(self, step_fn, params, kv_cache, prev_ids, input_sharding):
+    def __init__(self, step_fn, params, kv_cache, prev_ids, input_sharding, *,
+                 store: str | None = None, identity: str = ""):
+        """store: a directory to keep compiled programs in across runs (ProgramStore; None:
+        not kept); identity: what else the jitted step_fn depends on (its model, config and
+        kernels), as text."""
         self._step = step_fn                   # jax.jit(...) with static variant and layout
         self._args = (abstract(params), abstract(kv_cache), abstract(prev_ids))
         self._input_sharding = input_sharding
         self.executables: dict[tuple, object] = {}    # (layout, variant) -> compiled program
-        # Seconds spent tracing + lowering and compiling, summed over programs (threads run
-        # them side by side, so the sums can exceed the wall time).
-        self.seconds = {"lower": 0.0, "compile": 0.0}
+        # Seconds spent tracing + lowering, compiling and loading stored programs, summed over
+        # programs (threads run them side by side, so the sums can exceed the wall time).
+        self.seconds = {"lower": 0.0, "compile": 0.0, "stored": 0.0}
         self._lock = threading.Lock()
+        stores = store and jax.default_backend() in STORE_PLATFORMS
+        self.store = ProgramStore(store, identity, self._args) if stores else None
+        self._stopping = threading.Event()
+        self._threads: list[threading.Thread] = []
+        _COMPILERS.add(self)
 
     def compile(self, layout, variant, num_words: int):
+        path = self.store.path(layout, variant, num_words) if self.store else None
+        if path and os.path.exists(path):
+            t0 = time.perf_counter()
+            try:
+                compiled = self.store.load(path)
+            except Exception:  # noqa: BLE001 - a damaged or foreign file: compile instead
+                logger.warning("could not load the stored step program %s; compiling it",
+                               path, exc_info=True)
+            else:
+                with self._lock:
+                    self.seconds["stored"] += time.perf_counter() - t0
+                self.executables[(layout, variant)] = compiled
+                return compiled
         params, kv_cache, prev_ids = self._args
         packed = jax.ShapeDtypeStruct((num_words,), jax.numpy.uint32, sharding=self._input_sharding)
         t0 = time.perf_counter()
         lowered = self._step.lower(params, kv_cache, packed, prev_ids, variant=variant, layout=layout)
         t1 = time.perf_counter()
-        compiled = lowered.compile()      # a persistent-cache hit only loads the executable
+        if path:   # a fresh executable to store: see fresh_compile
+            compiled = fresh_compile(lowered)
+        else:
+            compiled = lowered.compile()  # a persistent-cache hit only loads the executable
         t2 = time.perf_counter()
         with self._lock:
             self.seconds["lower"] += t1 - t0
             self.seconds["compile"] += t2 - t1
+        if path:
+            try:
+                self.store.save(path, compiled)
+            except Exception:  # noqa: BLE001 - keeping it only saves the next start time
+                logger.warning("could not store the step program %s", path, exc_info=True)
         self.executables[(layout, variant)] = compiled
         return compiled
 
@@ -56,7 +191,7 @@ class StepCompiler:
             work.put(job)
 
         def worker():
-            while True:
+            while not self._stopping.is_set():
                 try:
                     layout, variant, num_words = work.get_nowait()
                 except queue.Empty:
@@ -71,5 +206,24 @@ class StepCompiler:
                     future.set_exception(e)
 
         for _ in range(max(1, min(num_threads, len(jobs)))):
-            threading.Thread(target=worker, name="jaxserve-compile", daemon=True).start()
+            thread = threading.Thread(target=worker, name="jaxserve-compile", daemon=True)
+            thread.start()
+            self._threads.append(thread)
         return futures
+
+    def stop(self) -> None:
+        """Compile nothing more from the queues; wait for the programs in hand."""
+        self._stopping.set()
+        for thread in self._threads:
+            thread.join()
+
+
+_COMPILERS: weakref.WeakSet = weakref.WeakSet()
+
+
+@atexit.register
+def stop_all() -> None:
+    """Stop every live compiler's workers before the interpreter finalises (see the module
+    docstring); their queued programs are never compiled."""
+    for compiler in list(_COMPILERS):
+        compiler.stop()

@@ -164,6 +164,8 @@ class EngineConfig:
     warmup: bool = True                  # compile every bucket at start-up
     warmup_all: bool = False             # ... and wait for the full programs too (else they
                                          # compile in the background)
+    program_cache_dir: str | None = None  # keep compiled step programs here across runs
+                                         # (compiling.ProgramStore; None: not kept)
 
     def __post_init__(self):
         _check(self.dtype in ("float32", "bfloat16", "float16"), "dtype",

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import queue
 import random
 import threading
@@ -102,8 +103,6 @@ class _Group:
 def enable_compilation_cache() -> None:
     """Turn on JAX's persistent compilation cache (step programs, Pallas kernels included), so a
     restart skips most of warm-up. JAX_COMPILATION_CACHE_DIR, if set, wins."""
-    import os
-
     from jaxserve.default_model import cache_dir
 
     if not jax.config.jax_compilation_cache_dir:
@@ -159,7 +158,8 @@ class LLMEngine:
                          tensor_parallel_size: int = 1,
                          expert_parallel_size: int = 1, seed: int = 0, max_logprobs: int = 20,
                          attention_impl: str = "auto", warmup: bool = True,
-                         warmup_all: bool = False) -> "LLMEngine":
+                         warmup_all: bool = False, program_cache: bool = False) -> "LLMEngine":
+        from jaxserve import default_model
         from jaxserve.models import loader, registry
 
         enable_compilation_cache()
@@ -193,8 +193,11 @@ class LLMEngine:
                                       long_prefill_token_threshold=long_prefill_token_threshold),
             parallel=parallel,
             dtype=dtype, seed=seed, max_logprobs=max_logprobs, attention_impl=attention_impl,
-            warmup=warmup, warmup_all=warmup_all)
-        from jaxserve import default_model
+            warmup=warmup, warmup_all=warmup_all,
+            # NOTE: off unless asked (the CLI does): a program is keyed on the package's
+            # sources, so code changed in memory (a notebook's monkeypatch) would not be seen
+            program_cache_dir=os.path.join(default_model.cache_dir(), "steps") if program_cache
+            else None)
         name = served_model_name or (default_model.DEFAULT_MODEL_NAME if model is None else model)
         engine = cls(config, params, tokenizer, registry.get_model_module(cfg.architecture), name, mesh=mesh)
         engine.startup_seconds["load"] = load_s

@@ -35,6 +35,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                    help="at start-up wait for every step program, also those for logprobs, "
                         "top-k/top-p and penalties (by default they compile in the background "
                         "and the first request needing one waits for it)")
+    g.add_argument("--no-program-cache", dest="program_cache", action="store_false",
+                   help="do not keep compiled step programs across runs (by default they are "
+                        "kept under $JAXSERVE_CACHE/steps, default ~/.cache/jaxserve/steps, "
+                        "and a restart with the same code, model and settings loads them "
+                        "instead of tracing the model again)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -49,5 +54,5 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         max_logprobs=args.max_logprobs, max_waiting_requests=args.max_waiting_requests,
         long_prefill_token_threshold=args.long_prefill_token_threshold,
         attention_impl=args.attention_impl, warmup=args.warmup,
-        warmup_all=args.warmup_all,
+        warmup_all=args.warmup_all, program_cache=args.program_cache,
         served_model_name=getattr(args, "served_model_name", None))

@@ -150,8 +150,14 @@ class ModelRunner:
                                         self.input_sharding)
         self._prev_rows: dict[str, int] = {}
         # Compiled step programs by (input layout, variant): warm-up fills it, run() uses it.
+        # NOTE: the identity names what the jitted step closes over (and the fused-kernel
+        # switch it reads from the environment while tracing): a stored program is loaded
+        # only for the same ones (compiling.ProgramStore)
+        identity = repr((getattr(model, "__name__", repr(model)), self.cfg, impl, repr(mesh),
+                         os.environ.get("JAXSERVE_FUSED_KERNELS", "")))
         self._compiler = StepCompiler(self._step, self.params, self.kv_cache, self._prev_ids,
-                                      self.input_sharding)
+                                      self.input_sharding, store=config.program_cache_dir,
+                                      identity=identity)
         self._executables = self._compiler.executables
         # Seconds spent tracing + lowering and compiling step programs, summed over programs.
         self.compile_seconds = self._compiler.seconds

@@ -284,3 +284,82 @@ def test_warmup_packs_busy_variants_like_the_steps_that_use_them(monkeypatch):
     for layout, variant in skewed:
         assert (layout, dataclasses.replace(variant, skewed=False)) in keys
     assert len(keys) == 2 * len(runner.buckets) + 4
+
+
+def test_exiting_while_programs_compile_in_the_background_exits_cleanly():
+    """A script that ends right after building its engine, the full programs still compiling:
+    the interpreter must not finalise under a compile in flight (before, it segfaulted or
+    aborted on every such exit)."""
+    import subprocess
+    import sys
+
+    script = ("import sys\nfrom jaxserve import LLM\n"
+              "llm = LLM(sys.argv[1], dtype='float32', max_num_seqs=4, max_num_batched_tokens=32,"
+              " max_model_len=64)\n"
+              "print(sum(not f.done() for f in llm.engine.runner._pending.values()))\n")
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    done = subprocess.run([sys.executable, "-c", script, TINY], capture_output=True, text=True,
+                          env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert int(done.stdout.split()[-1]) > 0     # it did exit with programs still compiling
+
+
+STORE_SCRIPT = """
+import json, sys
+from jaxserve import LLM, SamplingParams, compiling
+compiling.STORE_PLATFORMS += ("cpu",)     # one engine a process: see STORE_PLATFORMS
+llm = LLM(sys.argv[1], dtype="float32", max_num_seqs=4, max_num_batched_tokens=32,
+          max_model_len=64, warmup_all=True, program_cache=True, max_logprobs=int(sys.argv[2]))
+outs = llm.generate([{"prompt_token_ids": [5, 6, 7]}, {"prompt_token_ids": list(range(10, 40))}],
+                    SamplingParams(temperature=0, max_tokens=6, logprobs=2), use_tqdm=False)
+print(json.dumps({"seconds": llm.engine.runner.compile_seconds,
+                  "out": [[o.outputs[0].token_ids, [sorted(d) for d in o.outputs[0].logprobs]]
+                          for o in outs]}))
+"""
+
+
+def test_stored_programs_load_on_the_next_start_and_match(tmp_path):
+    """program_cache: each compiled step program is kept on disk; the next engine with the same
+    code, model and settings loads them instead of tracing the model, and computes the same;
+    other settings or a damaged file compile again. Real serialization, one engine a fresh
+    process each (the GPU's case; the CPU's is gated off: compiling.STORE_PLATFORMS)."""
+    import json
+    import subprocess
+    import sys
+
+    env = dict(os.environ, JAX_PLATFORMS="cpu", JAXSERVE_CACHE=str(tmp_path),
+               JAX_COMPILATION_CACHE_DIR=str(tmp_path / "xla"))
+    steps = tmp_path / "steps"
+
+    def start(max_logprobs=20):
+        done = subprocess.run([sys.executable, "-c", STORE_SCRIPT, TINY, str(max_logprobs)],
+                              capture_output=True, text=True, env=env, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return json.loads(done.stdout.splitlines()[-1]), done.stderr
+
+    first, _ = start()
+    stored = sorted(os.listdir(steps))
+    assert len(stored) == 2 * 3 and first["seconds"]["stored"] == 0     # buckets 1, 16, 32
+    again, _ = start()
+    assert again["seconds"]["lower"] == 0 and again["seconds"]["stored"] > 0
+    assert again["out"] == first["out"]
+    # other full programs (3 logprobs a row), compiled; the lean ones are the same, loaded
+    other, _ = start(max_logprobs=3)
+    assert other["seconds"]["lower"] > 0 and other["seconds"]["stored"] > 0
+    assert len(os.listdir(steps)) == len(stored) + 3
+    with open(steps / stored[0], "wb") as f:
+        f.write(b"not a program")
+    mended, log = start()
+    assert "could not load the stored step program" in log and mended["out"] == first["out"]
+    assert mended["seconds"]["lower"] > 0 and mended["seconds"]["stored"] > 0
+    with open(steps / stored[0], "rb") as f:
+        assert f.read(13) != b"not a program"    # replaced by the recompiled program
+
+
+def test_program_cache_is_off_on_the_cpu_and_unless_asked(tmp_path, monkeypatch):
+    monkeypatch.setenv("JAXSERVE_CACHE", str(tmp_path))
+    kw = dict(dtype="float32", max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64)
+    assert LLM(TINY, **kw).engine.config.program_cache_dir is None
+    llm = LLM(TINY, program_cache=True, **kw)
+    assert llm.engine.config.program_cache_dir == str(tmp_path / "steps")
+    assert llm.engine.runner._compiler.store is None and not (tmp_path / "steps").exists()

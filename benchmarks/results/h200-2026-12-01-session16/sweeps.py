@@ -67,23 +67,24 @@ rpa_twoloops_fma = _load("rpa_twoloops_fma16", KERNEL, FMASCALE + [KEYS_MASK, TW
 # the committed kernel of the moment with the split merge inside it (fused_merge, default on
 # in this copy; fused_merge=False is the committed code path): run 2 and stress ran this file
 # as the kernel itself (then at pallas_kernels/), not kept
-def _fused_copy():
-    """rpa_fused.py: fused_merge.diff applied to the committed kernel at 807eda9 (the kernel
-    then; `git show 807eda9:pallas_kernels/ragged_paged_attention.py`), written once."""
+def _patched(name, source, diff):
+    """`name` beside this file: `diff` applied to pallas_kernels/`source` as it was at 807eda9
+    (the committed code when the variant ran), written once."""
     import subprocess
-    path = os.path.join(_here, "rpa_fused.py")
+    path = os.path.join(_here, name)
     if not os.path.exists(path):
-        base = subprocess.run(["git", "show", "807eda9:pallas_kernels/ragged_paged_attention.py"],
+        base = subprocess.run(["git", "show", f"807eda9:pallas_kernels/{source}"],
                               capture_output=True, text=True, check=True, cwd=_here).stdout
         with open(path + ".base", "w") as f:
             f.write(base)
-        subprocess.run(["patch", "-s", "-o", path, path + ".base",
-                        os.path.join(_here, "fused_merge.diff")], check=True)
+        subprocess.run(["patch", "-s", "-o", path, path + ".base", os.path.join(_here, diff)],
+                       check=True)
         os.remove(path + ".base")
     return path
 
 
-rpa_fused = _load("rpa_fused16", _fused_copy())
+rpa_fused = _load("rpa_fused16", _patched("rpa_fused.py", "ragged_paged_attention.py",
+                                          "fused_merge.diff"))
 
 
 def run1(rng):
@@ -152,6 +153,95 @@ def run2(rng):
            "20-token chunk + 3 decodes")
     bucket("llama3-8b", [6, 1, 1, 1, 1] + [0] * 6, [300, 1000, 2000, 700, 4000] + [0] * 6, v,
            rng, "6-token chunk + 4 of 11")
+
+
+# runs 3-4: the committed merge kernel ("old": 807eda9's; the attention kernel calling it, at
+# run time the committed one too) against the merge of live counts a chunk of splits at a time
+# (live_merge.diff, then in pallas_kernels/split_merge.py; not kept), at each chunk size
+_load("split_merge_old16", os.path.join(_here, "split_merge_old.py"))
+_MERGE_IMPORT = "from jaxserve.pallas_kernels.split_merge import merge_splits"
+rpa_oldmerge = _load("rpa_oldmerge16", KERNEL, (_MERGE_IMPORT,
+                                                "from split_merge_old16 import merge_splits"))
+_LIVE = _patched("split_merge_live.py", "split_merge.py", "live_merge.diff")
+_load("split_merge_live16", _LIVE)
+_MERGE_CALL = 'merge_splits(*outs, out_dtype=q_TNE.dtype, impl="pallas", interpret=interpret)'
+rpa_chunk = {c: _load(f"rpa_chunk{c}_16", KERNEL, [
+    (_MERGE_IMPORT, "from split_merge_live16 import merge_splits"),
+    (_MERGE_CALL, _MERGE_CALL.replace("interpret=interpret)",
+                                      f"interpret=interpret, live_chunk={c})"))])
+    for c in (1, 2, 4, 8)}
+
+
+def run3(rng):
+    """The merge of fill grids (live counts) a chunk of splits at a time up to the live
+    (chunks of 1, 2, 4, 8) against the X-wide tile before ("old"), on padded buckets, a
+    skewed one and buckets holding a chunk (all fill_splits in the engine)."""
+    kb, bucket = s15.kb, s15.bucket
+
+    def ab(slots, ctxs):
+        h = dict(busy_seqs=engine_hint(rpa, slots, ctxs))
+        return s15.twice({"old": (rpa_oldmerge, h)}
+                         | {f"c{c}": (rpa_chunk[c], h) for c in (1, 2, 4, 8)})
+
+    pad = [("llama3-8b", 16, b, c) for b, c in ((2, 8192), (8, 8192), (12, 1024), (8, 1024),
+                                                (4, 2048), (1, 1024))]
+    pad += [("qwen3-30b-a3b", 32, b, c) for b, c in ((16, 1024), (16, 2048), (24, 1024))]
+    pad += [("qwen3-30b-a3b", 64, b, c) for b, c in ((16, 2048), (24, 1024), (4, 8192))]
+    pad += [("llama3-8b", 32, b, c) for b, c in ((2, 8192), (12, 1024), (24, 2048))]
+    for model, slots, busy, ctx in pad:
+        kb.use_model(model)
+        ctxs = [ctx] * busy + [0] * (slots - busy)
+        bucket(model, [1] * busy + [0] * (slots - busy), ctxs, ab(slots, ctxs[:busy]), rng,
+               f"{busy} busy x {ctx}")
+    kb.use_model("llama3-8b")
+    for ctxs in ([8192] + [1024] * 15, [16384] + [1024] * 7 + [0] * 8):
+        busy = sum(1 for c in ctxs if c)
+        bucket("llama3-8b", [1] * busy + [0] * (16 - busy), ctxs, ab(16, ctxs[:busy]), rng,
+               f"{busy} busy, {ctxs[0]} + {busy - 1} x 1024")
+    v = ab(32, [2000, 8000, 1000, 500])
+    bucket("llama3-8b", [20, 1, 1, 1] + [0] * 28, [2000, 8000, 1000, 500] + [0] * 28, v, rng,
+           "20-token chunk + 3 decodes")
+    bucket("llama3-8b", [6, 1, 1, 1, 1] + [0] * 6, [300, 1000, 2000, 700, 4000] + [0] * 6,
+           ab(11, [300, 1000, 2000, 700, 4000]), rng, "6-token chunk + 4 of 11")
+
+
+# the live loop pipelined by Triton (its loads a stage or two ahead): a copy of the merge with
+# `stages` stages for live merges, and the attention kernel calling it with live_chunk `chunk`
+def rpa_piped(chunk, stages):
+    _load(f"split_merge_s{stages}_16", _LIVE, ("num_warps=2 if xp * block_r * block_e <= 4096 "
+                                                "else 4, num_stages=1)",
+                                                "num_warps=2 if xp * block_r * block_e <= 4096 "
+                                                f"else 4, num_stages=1 if live is None else {stages})"))
+    return _load(f"rpa_c{chunk}s{stages}_16", KERNEL, [
+        (_MERGE_IMPORT, f"from split_merge_s{stages}_16 import merge_splits"),
+        (_MERGE_CALL, _MERGE_CALL.replace("interpret=interpret)",
+                                          f"interpret=interpret, live_chunk={chunk})"))])
+
+
+def run4(rng):
+    """Run 3's buckets: the live loop with 2 or 3 stages against the X-wide tile (old)."""
+    variants = {"old": rpa_oldmerge, "c4s3": rpa_piped(4, 3), "c8s2": rpa_piped(8, 2),
+                "c8s3": rpa_piped(8, 3), "c2s3": rpa_piped(2, 3)}
+    kb, bucket = s15.kb, s15.bucket
+
+    def ab(slots, ctxs):
+        h = dict(busy_seqs=engine_hint(rpa, slots, ctxs))
+        return s15.twice({k: (m, h) for k, m in variants.items()})
+
+    for model, slots, busy, ctx in (
+            ("llama3-8b", 16, 2, 8192), ("llama3-8b", 16, 8, 8192), ("llama3-8b", 16, 12, 1024),
+            ("llama3-8b", 16, 1, 1024), ("qwen3-30b-a3b", 32, 16, 2048),
+            ("qwen3-30b-a3b", 64, 16, 2048), ("qwen3-30b-a3b", 64, 4, 8192),
+            ("llama3-8b", 32, 2, 8192), ("llama3-8b", 32, 12, 1024)):
+        kb.use_model(model)
+        ctxs = [ctx] * busy + [0] * (slots - busy)
+        bucket(model, [1] * busy + [0] * (slots - busy), ctxs, ab(slots, ctxs[:busy]), rng,
+               f"{busy} busy x {ctx}")
+    kb.use_model("llama3-8b")
+    ctxs = [16384] + [1024] * 7 + [0] * 8
+    bucket("llama3-8b", [1] * 8 + [0] * 8, ctxs, ab(16, ctxs[:8]), rng, "8 busy, 16384 + 7 x 1024")
+    bucket("llama3-8b", [20, 1, 1, 1] + [0] * 28, [2000, 8000, 1000, 500] + [0] * 28,
+           ab(32, [2000, 8000, 1000, 500]), rng, "20-token chunk + 3 decodes")
 
 
 def stress(rng):
