@@ -98,14 +98,19 @@ class ProgramStore:
             blob, in_tree, out_tree = pickle.load(f)
         return serialize_executable.deserialize_and_load(blob, in_tree, out_tree)
 
-    def save(self, path: str, compiled) -> None:
+    def save(self, path: str, compiled) -> bool:
+        """Write `compiled` to `path`, unless it cannot be loaded unlowered (False)."""
         from jax.experimental import serialize_executable
 
+        blob, in_tree, out_tree = serialize_executable.serialize(compiled)
+        if loads_only_after_lowering(blob):
+            return False
         os.makedirs(self.directory, exist_ok=True)
         tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
         with open(tmp, "wb") as f:
-            pickle.dump(serialize_executable.serialize(compiled), f)
+            pickle.dump((blob, in_tree, out_tree), f)
         os.replace(tmp, path)       # atomic: a concurrent reader sees the old file or the new
+        return True
 
 
 def fresh_compile(lowered):
@@ -119,6 +124,16 @@ def fresh_compile(lowered):
 
     with jax_config.enable_compilation_cache(False):
         return lowered.compile()
+
+
+def loads_only_after_lowering(program: bytes) -> bool:
+    """Whether a program (serialized: it carries its HLO, custom-call targets by name) calls
+    Mosaic GPU kernels: lowering one registers its host-side launch code in the process, so a
+    program loaded without being lowered fails ("Failed to lookup host symbol ..._mosaic_gpu";
+    H200, session 16, run 6: the prefill buckets' programs). Such programs are not stored.
+    (The name may also match the ops' source metadata, a function so named: then a program
+    that would have loaded is compiled on each start, which costs time, not correctness.)"""
+    return b"mosaic_gpu" in program
 
 
 def abstract_repr(tree) -> str:

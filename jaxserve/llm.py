@@ -26,7 +26,10 @@ class LLM:
         **engine_args: engine options such as max_model_len, max_num_seqs,
             max_num_batched_tokens, block_size, num_kv_blocks, enable_prefix_caching, seed,
             load_format, tensor_parallel_size, max_logprobs, attention_impl, warmup,
-            warmup_all (also wait for the logprobs/top-k/penalty programs at start-up).
+            warmup_all (also wait for the logprobs/top-k/penalty programs at start-up),
+            program_cache (keep compiled step programs on disk for the next start, on a GPU;
+            off by default here: a program is keyed on jaxserve's source files, so code
+            changed in memory, e.g. a notebook's patch, would not be seen).
     """
 
     def __init__(self, model: str | None = None, *, dtype: str | None = None, **engine_args):

@@ -363,3 +363,26 @@ def test_program_cache_is_off_on_the_cpu_and_unless_asked(tmp_path, monkeypatch)
     llm = LLM(TINY, program_cache=True, **kw)
     assert llm.engine.config.program_cache_dir == str(tmp_path / "steps")
     assert llm.engine.runner._compiler.store is None and not (tmp_path / "steps").exists()
+
+
+def test_programs_calling_mosaic_kernels_are_not_stored():
+    # a Mosaic GPU kernel's launch code exists only in a process that lowered it: programs
+    # calling one (the prefill buckets' attention on a GPU) are not stored
+    import jax.numpy as jnp
+
+    from jaxserve.pallas_kernels import ragged_paged_attention_mgpu as mg
+    from jaxserve.pallas_kernels.cuda_lowering import export_for_cuda
+
+    sds = jax.ShapeDtypeStruct
+    cache = sds((256, 16, 8, 128), jnp.bfloat16)       # a 256-token prefill at 8B's heads
+    args = (sds((256, 32, 128), jnp.bfloat16), cache, cache, sds((5,), jnp.int32),
+            sds((4,), jnp.int32), sds((4, 32), jnp.int32))
+    mosaic = export_for_cuda(lambda *a: mg.ragged_paged_attention_mgpu(
+        *a, sm_scale=0.1, interpret=False), *args)
+    # the custom call's target, by name, as a serialized program's HLO carries it
+    assert compiling.loads_only_after_lowering(mosaic.mlir_module_serialized)
+    from jax.experimental import serialize_executable
+
+    plain, _, _ = serialize_executable.serialize(
+        jax.jit(lambda x: jnp.sin(x) * 2).lower(jnp.ones(4)).compile())
+    assert not compiling.loads_only_after_lowering(plain)
