@@ -63,6 +63,10 @@ def source_digest() -> str:
 # with jax 0.11.2). A fresh process's programs loaded and ran right (tests/test_runner.py).
 STORE_PLATFORMS = ("gpu",)
 
+# Beside a stored program's name: the program was compiled and cannot be stored
+# (loads_only_after_lowering)
+UNSTORED = ".unstored"
+
 # JAX flags that change what is logged, not what is compiled (the cache flags are left out too)
 _LOGGING_FLAGS = frozenset({"jax_log_compiles", "jax_explain_cache_misses", "jax_logging_level",
                             "jax_log_checkpoint_residuals", "jax_debug_log_modules"})
@@ -164,6 +168,8 @@ class StepCompiler:
 
     def compile(self, layout, variant, num_words: int):
         path = self.store.path(layout, variant, num_words) if self.store else None
+        if path and os.path.exists(path + UNSTORED):
+            path = None      # compiled and found unstorable before: JAX's cache serves it
         if path and os.path.exists(path):
             t0 = time.perf_counter()
             try:
@@ -191,7 +197,10 @@ class StepCompiler:
             self.seconds["compile"] += t2 - t1
         if path:
             try:
-                self.store.save(path, compiled)
+                if not self.store.save(path, compiled):
+                    # NOTE: a marker, so that the next start compiles it through JAX's cache
+                    # (fresh_compile, above, left it out of the cache)
+                    open(path + UNSTORED, "w").close()
             except Exception:  # noqa: BLE001 - keeping it only saves the next start time
                 logger.warning("could not store the step program %s", path, exc_info=True)
         self.executables[(layout, variant)] = compiled

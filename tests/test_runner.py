@@ -386,3 +386,27 @@ def test_programs_calling_mosaic_kernels_are_not_stored():
     plain, _, _ = serialize_executable.serialize(
         jax.jit(lambda x: jnp.sin(x) * 2).lower(jnp.ones(4)).compile())
     assert not compiling.loads_only_after_lowering(plain)
+
+
+def test_an_unstorable_program_is_marked_and_then_compiled_through_jax_cache(tmp_path,
+                                                                            monkeypatch):
+    # a program found unstorable (a Mosaic GPU kernel in it) is compiled afresh once, as every
+    # program the store misses is, then marked: later starts compile it through JAX's cache
+    import jax.numpy as jnp
+
+    monkeypatch.setattr(compiling, "STORE_PLATFORMS", ("cpu", "gpu"))
+    monkeypatch.setattr(compiling, "loads_only_after_lowering", lambda program: True)
+    fresh = []
+    original = compiling.fresh_compile
+    monkeypatch.setattr(compiling, "fresh_compile",
+                        lambda lowered: fresh.append(1) or original(lowered))
+    step = jax.jit(lambda p, kv, w, prev, *, variant, layout: (kv, w.sum() + p, prev),
+                   static_argnames=("variant", "layout"))
+
+    def compiler():
+        return compiling.StepCompiler(step, jnp.ones(()), jnp.zeros(4), jnp.zeros(2), None,
+                                      store=str(tmp_path), identity="test")
+    compiler().compile("layout", "variant", 8)
+    assert fresh == [1] and [f.suffix for f in tmp_path.iterdir()] == [compiling.UNSTORED]
+    compiler().compile("layout", "variant", 8)
+    assert fresh == [1] and len(list(tmp_path.iterdir())) == 1
