@@ -12,9 +12,9 @@ background, session 16).
 Given a `store` directory it also keeps each compiled program there (ProgramStore) and loads it
 on the next start instead of tracing the step again. Why: JAX's persistent compilation cache
 skips XLA's compile but not the tracing and lowering that compute its key, and those hold the
-GIL: a warm start of the 8B engine on the H200 spent 10.5 s of its 18.3 s to the first token
-lowering step programs whose executables were already cached (session 16, run 5). A program
-the store misses is compiled afresh (fresh_compile), not read from JAX's cache.
+GIL: a warm start of the 8B engine on the H200 took 18.3 s to the first token, 10.5 s of it in
+warm-up, nearly all tracing and lowering programs whose executables were already cached
+(session 16, run 5); with the store, 8.6 s (run 6).
 """
 
 from __future__ import annotations
@@ -40,32 +40,35 @@ def abstract(tree):
     return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), tree)
 
 
+# The packages whose code a step program can run (not the server's, the bench's or the tests')
+TRACED_PACKAGES = ("jaxserve", "jaxserve.kv_cache", "jaxserve.models", "jaxserve.pallas_kernels",
+                   "jaxserve.sharding")
+
+
 def source_digest() -> str:
-    """sha256 of every Python source of the jaxserve package (its subpackages included): a
-    stored program is only valid for the code that traced it."""
-    import jaxserve
+    """sha256 of the Python files of TRACED_PACKAGES, read from disk: a stored program is only
+    valid for the code that traced it. (A module patched in memory, or a file edited after
+    its module was imported, is not seen: hence the store is off outside the CLI unless
+    asked for.)"""
+    import importlib.util
 
     h = hashlib.sha256()
-    for root in sorted(jaxserve.__path__):
-        for dirpath, dirnames, filenames in sorted(os.walk(root)):
-            dirnames.sort()
-            for name in sorted(f for f in filenames if f.endswith(".py")):
-                path = os.path.join(dirpath, name)
-                h.update(os.path.relpath(path, root).encode())
-                with open(path, "rb") as f:
-                    h.update(f.read())
+    for package in TRACED_PACKAGES:
+        spec = importlib.util.find_spec(package)
+        folder = os.path.dirname(spec.origin)     # the package's own folder (__init__.py)
+        for name in sorted(f for f in os.listdir(folder) if f.endswith(".py")):
+            h.update(f"{package}/{name}".encode())
+            with open(os.path.join(folder, name), "rb") as f:
+                h.update(f.read())
     return h.hexdigest()
 
 
 # Platforms whose programs a ProgramStore keeps. Not the CPU: an XLA:CPU executable serialized
 # in a process that had compiled the same fusions before (another engine, or JAX's persistent
-# cache) lacked them, and failed when loaded ("Function negate_power_fusion not found"; seen
-# with jax 0.11.2). A fresh process's programs loaded and ran right (tests/test_runner.py).
+# cache) lacked them, and failed when run ("Function negate_power_fusion not found"; jax
+# 0.11.2). On the H200 (session 16, run 6) programs stored after JAX's cache had served them,
+# and stored fresh, loaded and gave the same tokens as traced ones.
 STORE_PLATFORMS = ("gpu",)
-
-# Beside a stored program's name: the program was compiled and cannot be stored
-# (loads_only_after_lowering)
-UNSTORED = ".unstored"
 
 # JAX flags that change what is logged, not what is compiled (the cache flags are left out too)
 _LOGGING_FLAGS = frozenset({"jax_log_compiles", "jax_explain_cache_misses", "jax_logging_level",
@@ -78,13 +81,16 @@ class ProgramStore:
     the abstract arguments, the input layout and variant, jaxserve's sources, jax's and
     jaxlib's versions, JAX's configuration and XLA_FLAGS, and the devices. Anything else
     changed gives other names, so a program is never loaded for code or settings it was not
-    built with; an unreadable file is compiled again (and replaced)."""
+    built with; an unreadable file is compiled again (and replaced). The files are pickles:
+    whoever can write the directory can run code in the engine, so it must be private (as
+    ~/.cache is). Nothing is evicted: programs of older code stay until deleted."""
 
     def __init__(self, directory: str, identity: str, args):
         import jaxlib
 
         self.directory = directory
-        devices = [(d.platform, d.device_kind, d.id) for d in jax.devices()]
+        devices = [(d.platform, d.device_kind, d.id, d.client.platform_version)
+                   for d in jax.devices()]
         config = sorted((k, repr(v)) for k, v in jax.config.values.items()
                         if not ("_cache" in k or k in _LOGGING_FLAGS))
         self._base = repr((identity, abstract_repr(args), source_digest(), jax.__version__,
@@ -111,23 +117,14 @@ class ProgramStore:
             return False
         os.makedirs(self.directory, exist_ok=True)
         tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
-        with open(tmp, "wb") as f:
-            pickle.dump((blob, in_tree, out_tree), f)
-        os.replace(tmp, path)       # atomic: a concurrent reader sees the old file or the new
+        try:
+            with open(tmp, "wb") as f:
+                pickle.dump((blob, in_tree, out_tree), f)
+            os.replace(tmp, path)   # atomic: a concurrent reader sees the old file or the new
+        finally:
+            if os.path.exists(tmp):
+                os.remove(tmp)
         return True
-
-
-def fresh_compile(lowered):
-    """`lowered` compiled by XLA, never read from JAX's persistent compilation cache (on this
-    thread only): what is stored is then what XLA built, as the cache itself stores it (an
-    XLA:CPU executable read from the cache and serialized again lost functions; see
-    STORE_PLATFORMS), and a stored program replaces the cache's entry anyway."""
-    # NOTE: private jax API (jax 0.11.2): the flag's thread-local override, so that the
-    # other compile threads keep using the cache
-    from jax._src import config as jax_config
-
-    with jax_config.enable_compilation_cache(False):
-        return lowered.compile()
 
 
 def loads_only_after_lowering(program: bytes) -> bool:
@@ -160,20 +157,23 @@ class StepCompiler:
         # programs (threads run them side by side, so the sums can exceed the wall time).
         self.seconds = {"lower": 0.0, "compile": 0.0, "stored": 0.0}
         self._lock = threading.Lock()
-        stores = store and jax.default_backend() in STORE_PLATFORMS
-        self.store = ProgramStore(store, identity, self._args) if stores else None
+        self.store = None
+        if store and jax.default_backend() in STORE_PLATFORMS:
+            try:
+                self.store = ProgramStore(store, identity, self._args)
+            except Exception:  # noqa: BLE001 - the store only saves start-up time
+                logger.warning("not keeping step programs in %s", store, exc_info=True)
         self._stopping = threading.Event()
         self._threads: list[threading.Thread] = []
         _COMPILERS.add(self)
 
     def compile(self, layout, variant, num_words: int):
-        path = self.store.path(layout, variant, num_words) if self.store else None
-        if path and os.path.exists(path + UNSTORED):
-            path = None      # compiled and found unstorable before: JAX's cache serves it
+        store = self.store
+        path = store.path(layout, variant, num_words) if store else None
         if path and os.path.exists(path):
             t0 = time.perf_counter()
             try:
-                compiled = self.store.load(path)
+                compiled = store.load(path)
             except Exception:  # noqa: BLE001 - a damaged or foreign file: compile instead
                 logger.warning("could not load the stored step program %s; compiling it",
                                path, exc_info=True)
@@ -187,22 +187,19 @@ class StepCompiler:
         t0 = time.perf_counter()
         lowered = self._step.lower(params, kv_cache, packed, prev_ids, variant=variant, layout=layout)
         t1 = time.perf_counter()
-        if path:   # a fresh executable to store: see fresh_compile
-            compiled = fresh_compile(lowered)
-        else:
-            compiled = lowered.compile()  # a persistent-cache hit only loads the executable
+        compiled = lowered.compile()      # a persistent-cache hit only loads the executable
         t2 = time.perf_counter()
         with self._lock:
             self.seconds["lower"] += t1 - t0
             self.seconds["compile"] += t2 - t1
         if path:
             try:
-                if not self.store.save(path, compiled):
-                    # NOTE: a marker, so that the next start compiles it through JAX's cache
-                    # (fresh_compile, above, left it out of the cache)
-                    open(path + UNSTORED, "w").close()
+                store.save(path, compiled)
             except Exception:  # noqa: BLE001 - keeping it only saves the next start time
-                logger.warning("could not store the step program %s", path, exc_info=True)
+                # NOTE: once: an unwritable directory would warn for every program
+                self.store = None
+                logger.warning("could not store the step program %s; not keeping step "
+                               "programs from now on", path, exc_info=True)
         self.executables[(layout, variant)] = compiled
         return compiled
 
@@ -235,11 +232,13 @@ class StepCompiler:
             self._threads.append(thread)
         return futures
 
-    def stop(self) -> None:
-        """Compile nothing more from the queues; wait for the programs in hand."""
+    def stop(self, timeout: float = 60.0) -> None:
+        """Compile nothing more from the queues; wait for the programs in hand (each at most
+        `timeout` seconds: an 8B step program compiles in seconds; a worker stuck longer is
+        left behind rather than hanging the exit)."""
         self._stopping.set()
         for thread in self._threads:
-            thread.join()
+            thread.join(timeout)
 
 
 _COMPILERS: weakref.WeakSet = weakref.WeakSet()

@@ -159,7 +159,8 @@ class ModelRunner:
                                       self.input_sharding, store=config.program_cache_dir,
                                       identity=identity)
         self._executables = self._compiler.executables
-        # Seconds spent tracing + lowering and compiling step programs, summed over programs.
+        # Seconds spent tracing + lowering, compiling and loading stored step programs, summed
+        # over programs.
         self.compile_seconds = self._compiler.seconds
         self._pending: dict[tuple, concurrent.futures.Future] = {}   # warm-up's compiles
 

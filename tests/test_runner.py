@@ -286,7 +286,7 @@ def test_warmup_packs_busy_variants_like_the_steps_that_use_them(monkeypatch):
     assert len(keys) == 2 * len(runner.buckets) + 4
 
 
-def test_exiting_while_programs_compile_in_the_background_exits_cleanly():
+def test_exiting_while_programs_compile_in_the_background_exits_cleanly(tmp_path):
     """A script that ends right after building its engine, the full programs still compiling:
     the interpreter must not finalise under a compile in flight (before, it segfaulted or
     aborted on every such exit)."""
@@ -297,11 +297,13 @@ def test_exiting_while_programs_compile_in_the_background_exits_cleanly():
               "llm = LLM(sys.argv[1], dtype='float32', max_num_seqs=4, max_num_batched_tokens=32,"
               " max_model_len=64)\n"
               "print(sum(not f.done() for f in llm.engine.runner._pending.values()))\n")
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", JAXSERVE_CACHE=str(tmp_path),
+               JAX_COMPILATION_CACHE_DIR=str(tmp_path / "xla"))
     done = subprocess.run([sys.executable, "-c", script, TINY], capture_output=True, text=True,
                           env=env, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert int(done.stdout.split()[-1]) > 0     # it did exit with programs still compiling
+    if int(done.stdout.split()[-1]) == 0:       # (not seen: three programs compile after it)
+        pytest.skip("every program had compiled before the script ended: nothing to test")
 
 
 STORE_SCRIPT = """
@@ -388,25 +390,69 @@ def test_programs_calling_mosaic_kernels_are_not_stored():
     assert not compiling.loads_only_after_lowering(plain)
 
 
-def test_an_unstorable_program_is_marked_and_then_compiled_through_jax_cache(tmp_path,
-                                                                            monkeypatch):
-    # a program found unstorable (a Mosaic GPU kernel in it) is compiled afresh once, as every
-    # program the store misses is, then marked: later starts compile it through JAX's cache
+def test_a_program_with_a_mosaic_kernel_is_compiled_but_not_stored(tmp_path, monkeypatch):
     import jax.numpy as jnp
 
     monkeypatch.setattr(compiling, "STORE_PLATFORMS", ("cpu", "gpu"))
     monkeypatch.setattr(compiling, "loads_only_after_lowering", lambda program: True)
-    fresh = []
-    original = compiling.fresh_compile
-    monkeypatch.setattr(compiling, "fresh_compile",
-                        lambda lowered: fresh.append(1) or original(lowered))
     step = jax.jit(lambda p, kv, w, prev, *, variant, layout: (kv, w.sum() + p, prev),
                    static_argnames=("variant", "layout"))
-
-    def compiler():
-        return compiling.StepCompiler(step, jnp.ones(()), jnp.zeros(4), jnp.zeros(2), None,
+    compiler = compiling.StepCompiler(step, jnp.ones(()), jnp.zeros(4), jnp.zeros(2), None,
                                       store=str(tmp_path), identity="test")
-    compiler().compile("layout", "variant", 8)
-    assert fresh == [1] and [f.suffix for f in tmp_path.iterdir()] == [compiling.UNSTORED]
-    compiler().compile("layout", "variant", 8)
-    assert fresh == [1] and len(list(tmp_path.iterdir())) == 1
+    assert compiler.compile("layout", "variant", 8) is not None
+    assert list(tmp_path.iterdir()) == [] and compiler.store is not None
+
+
+def test_a_stored_program_is_named_by_everything_that_shapes_it(monkeypatch, tmp_path):
+    import jax.numpy as jnp
+
+    def path(identity="model", args=(jnp.zeros(4),), layout="layout", variant="lean", words=8):
+        return compiling.ProgramStore(str(tmp_path), identity, args).path(layout, variant, words)
+
+    base = path()
+    assert base == path()
+    others = [path(identity="other model"), path(args=(jnp.zeros(5),)),
+              path(args=(jnp.zeros(4, jnp.int32),)), path(layout="other"),
+              path(variant="full"), path(words=9)]
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_autotune_level=0")
+    others.append(path())
+    monkeypatch.delenv("XLA_FLAGS")
+    monkeypatch.setattr(compiling, "source_digest", lambda: "edited sources")
+    others.append(path())
+    assert len({base, *others}) == len(others) + 1
+
+
+def test_the_source_digest_follows_the_traced_packages_files(tmp_path, monkeypatch):
+    # every package a step can run, each from its own folder (the models and kernels live in
+    # top-level folders of a checkout); an edited file gives another digest
+    import importlib.util
+
+    folders = {os.path.dirname(importlib.util.find_spec(p).origin)
+               for p in compiling.TRACED_PACKAGES}
+    assert {os.path.dirname(os.path.abspath(m.__file__)) for m in (compiling, layers_module())} \
+        <= folders
+    (tmp_path / "probe_pkg").mkdir()
+    (tmp_path / "probe_pkg" / "__init__.py").write_text("")
+    (tmp_path / "probe_pkg" / "kernel.py").write_text("SCALE = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(compiling, "TRACED_PACKAGES", ("probe_pkg",))
+    before = compiling.source_digest()
+    assert before == compiling.source_digest()
+    (tmp_path / "probe_pkg" / "kernel.py").write_text("SCALE = 2\n")
+    assert compiling.source_digest() != before
+
+
+def layers_module():
+    from jaxserve.models import layers
+    return layers
+
+
+def test_the_cli_keeps_programs_unless_told_not_to():
+    import argparse
+
+    from jaxserve.engine_args import add_engine_arguments, engine_kwargs
+
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    assert engine_kwargs(parser.parse_args([]))["program_cache"] is True
+    assert engine_kwargs(parser.parse_args(["--no-program-cache"]))["program_cache"] is False

@@ -82,7 +82,7 @@ rpa_nosafe = _load("rpa_nosafe15", KERNEL, (
 
 # scores kept unscaled until the exponent, so that the scale and the max's shift are one fma
 # a score (as in the probe: 16 mul.f32 a thread and step fewer in Triton 3.9's PTX at 16 x 1K)
-rpa_fmascale = _load("rpa_fmascale15", KERNEL, [
+FMASCALE = [
     ("""        s = plgpu.dot(q, k, trans_b=True).astype(jnp.float32) * score_scale   # [R, BK]
         if soft_cap is not None:
             s = (soft_cap * LOG2E) * jnp.tanh(s / soft_cap)
@@ -93,7 +93,8 @@ rpa_fmascale = _load("rpa_fmascale15", KERNEL, [
             scale = 1.0
 """),
     ("m_new = jnp.maximum(m_R, s.max(axis=1))", "m_new = jnp.maximum(m_R, s.max(axis=1) * scale)"),
-    ("p = exp2(s - m_safe[:, None])", "p = exp2(s * scale - m_safe[:, None])")])
+    ("p = exp2(s - m_safe[:, None])", "p = exp2(s * scale - m_safe[:, None])")]
+rpa_fmascale = _load("rpa_fmascale15", KERNEL, FMASCALE)
 
 
 class ProbeAsKernel:

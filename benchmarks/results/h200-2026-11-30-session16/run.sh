@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Session 16's last device call: bash benchmarks/results/h200-2026-12-01-session16/run.sh STAGE...
+# Session 16's last device call: bash benchmarks/results/h200-2026-11-30-session16/run.sh STAGE...
 # (carry .whl and .benchdata; logs to $OUT). Stages: cold (the 8B engine's start-up bench: the
 # settings of BENCHMARKS.md "Start-up"), warm (the same command again), lp64 (the server with
 # --long-prefill-token-threshold 64, 100 ShareGPT prompts at 4 req/s), ref / stored
@@ -17,7 +17,7 @@ for stage in "$@"; do
       bash $HERE/run.sh cold 2>&1 | grep -v "^=== cold"
       [ "$stage" = cold ] || mv "$OUT/cold-start.json" "$OUT/$stage-start.json" ;;
     ref|stored) echo "=== $stage $(date -u +%H:%M:%S)"
-      timeout 200 python3 benchmarks/results/h200-2026-12-01-session16/store_check.py \
+      timeout 200 python3 benchmarks/results/h200-2026-11-30-session16/store_check.py \
         "$([ "$stage" = stored ] && echo 1 || echo 0)" 2>&1 | grep -v Warning | tail -3 ;;
     lp64) (set --; source benchmarks/h200_suite.sh
            SERVE_PROMPTS=100 RATES=4 serve_run serve_lp64 --warmup-all --long-prefill-token-threshold 64) ;;

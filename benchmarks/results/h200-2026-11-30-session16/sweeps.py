@@ -3,7 +3,7 @@ through session 14's `bucket` on session 15's buckets):
 
     (session 13's, 14's and 15's rpa_old.py / split_merge_old.py in place, as their
     sweeps.py say: session 15's is loaded here for its buckets and variants, and loads them)
-    python3 benchmarks/results/h200-2026-12-01-session16/sweeps.py run1|...
+    python3 benchmarks/results/h200-2026-11-30-session16/sweeps.py run1|...
 
 "new" is the code of the moment. The variants are scratch edits of the committed kernel made
 here by textual replacement (session 15's `_load`), so that nothing but the edit differs:
@@ -24,18 +24,7 @@ def _module(name, path):
 
 s15 = _module("sweeps15", os.path.join(_results, "h200-2026-11-30-session15", "sweeps.py"))
 _load, KERNEL, rpa, engine_hint = s15._load, s15.KERNEL, s15.rpa, s15.engine_hint
-FMASCALE = [
-    ("""        s = plgpu.dot(q, k, trans_b=True).astype(jnp.float32) * score_scale   # [R, BK]
-        if soft_cap is not None:
-            s = (soft_cap * LOG2E) * jnp.tanh(s / soft_cap)
-""", """        s = plgpu.dot(q, k, trans_b=True).astype(jnp.float32)                  # [R, BK]
-        scale = score_scale
-        if soft_cap is not None:
-            s = (soft_cap * LOG2E) * jnp.tanh(s * (score_scale / soft_cap))
-            scale = 1.0
-"""),
-    ("m_new = jnp.maximum(m_R, s.max(axis=1))", "m_new = jnp.maximum(m_R, s.max(axis=1) * scale)"),
-    ("p = exp2(s - m_safe[:, None])", "p = exp2(s * scale - m_safe[:, None])")]
+FMASCALE = s15.FMASCALE     # session 15's edit: the scale inside the exponent's fma
 # masked="keys": a tile of one token's rows (every row's last visible key is the tile's end,
 # its window start the token's): the mask is a bias vector over the step's keys, added to
 # every row (one add a score instead of a compare and a select)

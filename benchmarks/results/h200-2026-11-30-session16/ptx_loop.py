@@ -1,8 +1,8 @@
 """Session 15's ptx_loop.py (the decode key loop's instructions in Triton 3.9's PTX, 16 x 1K
 decodes at Llama-3.1-8B's heads) on this session's variants:
 
-    python3 benchmarks/results/h200-2026-12-01-session16/ptx_loop.py dump /tmp/ir16
-    /path/to/triton-env/python benchmarks/results/h200-2026-12-01-session16/ptx_loop.py count /tmp/ir16
+    python3 benchmarks/results/h200-2026-11-30-session16/ptx_loop.py dump /tmp/ir16
+    /path/to/triton-env/python benchmarks/results/h200-2026-11-30-session16/ptx_loop.py count /tmp/ir16
 
 twoloops has two key loops: the count is of the first in the PTX."""
 import functools, importlib.util, os, runpy, sys
