@@ -83,7 +83,9 @@ class ProgramStore:
     changed gives other names, so a program is never loaded for code or settings it was not
     built with; an unreadable file is compiled again (and replaced). The files are pickles:
     whoever can write the directory can run code in the engine, so it must be private (as
-    ~/.cache is). Nothing is evicted: programs of older code stay until deleted."""
+    ~/.cache is). Nothing is evicted: programs of older code stay until deleted. A program
+    that loads but fails when run is not caught here: `--no-program-cache`, or deleting the
+    directory, is the way out (seen only on the CPU, which keeps none: STORE_PLATFORMS)."""
 
     def __init__(self, directory: str, identity: str, args):
         import jaxlib
