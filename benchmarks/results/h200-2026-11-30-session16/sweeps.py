@@ -2,8 +2,12 @@
 through session 14's `bucket` on session 15's buckets):
 
     (session 13's, 14's and 15's rpa_old.py / split_merge_old.py in place, as their
-    sweeps.py say: session 15's is loaded here for its buckets and variants, and loads them)
-    python3 benchmarks/results/h200-2026-11-30-session16/sweeps.py run1|...
+    sweeps.py say: session 15's is loaded here for its buckets and variants, and loads them;
+    and this folder's split_merge_old.py: `git show 807eda9:pallas_kernels/split_merge.py`)
+    python3 benchmarks/results/h200-2026-11-30-session16/sweeps.py cpu_check|run1|stress|run2|run3|run4
+
+The patched copies (rpa_fused.py, split_merge_live.py) are written here from the diffs on
+first import (`git` and `patch` needed).
 
 "new" is the code of the moment. The variants are scratch edits of the committed kernel made
 here by textual replacement (session 15's `_load`), so that nothing but the edit differs:
@@ -53,9 +57,6 @@ rpa_kbias = _load("rpa_kbias16", KERNEL, [KEYS_MASK, KBIAS_LOOP])
 rpa_kbias_fma = _load("rpa_kbias_fma16", KERNEL, FMASCALE + [KEYS_MASK, KBIAS_LOOP])
 rpa_twoloops = _load("rpa_twoloops16", KERNEL, [KEYS_MASK, TWO_LOOPS])
 rpa_twoloops_fma = _load("rpa_twoloops_fma16", KERNEL, FMASCALE + [KEYS_MASK, TWO_LOOPS])
-# the committed kernel of the moment with the split merge inside it (fused_merge, default on
-# in this copy; fused_merge=False is the committed code path): run 2 and stress ran this file
-# as the kernel itself (then at pallas_kernels/), not kept
 def _patched(name, source, diff):
     """`name` beside this file: `diff` applied to pallas_kernels/`source` as it was at 807eda9
     (the committed code when the variant ran), written once."""
@@ -72,6 +73,9 @@ def _patched(name, source, diff):
     return path
 
 
+# the committed kernel of the moment with the split merge inside it (fused_merge, default on
+# in this copy; fused_merge=False is the committed code path): run 2 and stress ran this file
+# as the kernel itself (then at pallas_kernels/), not kept
 rpa_fused = _load("rpa_fused16", _patched("rpa_fused.py", "ragged_paged_attention.py",
                                           "fused_merge.diff"))
 
