@@ -153,8 +153,9 @@ class ModelRunner:
         # NOTE: the identity names what the jitted step closes over (and the fused-kernel
         # switch it reads from the environment while tracing): a stored program is loaded
         # only for the same ones (compiling.ProgramStore)
+        from jaxserve.models.llama import FUSED_KERNELS_ENV
         identity = repr((getattr(model, "__name__", repr(model)), self.cfg, impl, repr(mesh),
-                         os.environ.get("JAXSERVE_FUSED_KERNELS", "")))
+                         os.environ.get(FUSED_KERNELS_ENV, "")))
         self._compiler = StepCompiler(self._step, self.params, self.kv_cache, self._prev_ids,
                                       self.input_sharding, store=config.program_cache_dir,
                                       identity=identity)

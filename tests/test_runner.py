@@ -427,10 +427,11 @@ def test_the_source_digest_follows_the_traced_packages_files(tmp_path, monkeypat
     # top-level folders of a checkout); an edited file gives another digest
     import importlib.util
 
+    from jaxserve.models import layers
+
     folders = {os.path.dirname(importlib.util.find_spec(p).origin)
                for p in compiling.TRACED_PACKAGES}
-    assert {os.path.dirname(os.path.abspath(m.__file__)) for m in (compiling, layers_module())} \
-        <= folders
+    assert {os.path.dirname(os.path.abspath(m.__file__)) for m in (compiling, layers)} <= folders
     (tmp_path / "probe_pkg").mkdir()
     (tmp_path / "probe_pkg" / "__init__.py").write_text("")
     (tmp_path / "probe_pkg" / "kernel.py").write_text("SCALE = 1\n")
@@ -440,11 +441,6 @@ def test_the_source_digest_follows_the_traced_packages_files(tmp_path, monkeypat
     assert before == compiling.source_digest()
     (tmp_path / "probe_pkg" / "kernel.py").write_text("SCALE = 2\n")
     assert compiling.source_digest() != before
-
-
-def layers_module():
-    from jaxserve.models import layers
-    return layers
 
 
 def test_the_cli_keeps_programs_unless_told_not_to():
