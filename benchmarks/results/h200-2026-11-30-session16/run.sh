@@ -9,8 +9,7 @@ set -u
 OUT=${OUT:-bench-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TF_CPP_MIN_LOG_LEVEL=2
 HERE=benchmarks/results/h200-2026-11-30-session15
-python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
-python3 -m pip install -q --no-deps --no-build-isolation -e . > /dev/null 2>&1
+bash $HERE/run.sh true > /dev/null   # its set-up only (this checkout installed), for ref/stored
 for stage in "$@"; do
   case $stage in
     cold|warm) echo "=== $stage $(date -u +%H:%M:%S)"
