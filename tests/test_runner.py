@@ -367,9 +367,9 @@ def test_program_cache_is_off_on_the_cpu_and_unless_asked(tmp_path, monkeypatch)
     assert llm.engine.runner._compiler.store is None and not (tmp_path / "steps").exists()
 
 
-def test_programs_calling_mosaic_kernels_are_not_stored():
-    # a Mosaic GPU kernel's launch code exists only in a process that lowered it: programs
-    # calling one (the prefill buckets' attention on a GPU) are not stored
+def test_programs_calling_mosaic_kernels_are_told_apart():
+    # the prefill buckets' attention on a GPU is a Mosaic GPU kernel: its program needs the
+    # kernels' runtime library found before it loads
     import jax.numpy as jnp
 
     from jaxserve.pallas_kernels import ragged_paged_attention_mgpu as mg
@@ -382,25 +382,60 @@ def test_programs_calling_mosaic_kernels_are_not_stored():
     mosaic = export_for_cuda(lambda *a: mg.ragged_paged_attention_mgpu(
         *a, sm_scale=0.1, interpret=False), *args)
     # the custom call's target, by name, as a serialized program's HLO carries it
-    assert compiling.loads_only_after_lowering(mosaic.mlir_module_serialized)
+    assert compiling.calls_mosaic_gpu(mosaic.mlir_module_serialized)
     from jax.experimental import serialize_executable
 
     plain, _, _ = serialize_executable.serialize(
         jax.jit(lambda x: jnp.sin(x) * 2).lower(jnp.ones(4)).compile())
-    assert not compiling.loads_only_after_lowering(plain)
+    assert not compiling.calls_mosaic_gpu(plain)
 
 
-def test_a_program_with_a_mosaic_kernel_is_compiled_but_not_stored(tmp_path, monkeypatch):
+def test_a_stored_mosaic_program_loads_after_its_runtime_is_prepared(tmp_path, monkeypatch):
     import jax.numpy as jnp
+    from jax.experimental import serialize_executable
 
     monkeypatch.setattr(compiling, "STORE_PLATFORMS", ("cpu", "gpu"))
-    monkeypatch.setattr(compiling, "loads_only_after_lowering", lambda program: True)
+    monkeypatch.setattr(compiling, "calls_mosaic_gpu", lambda program: True)
     step = jax.jit(lambda p, kv, w, prev, *, variant, layout: (kv, w.sum() + p, prev),
                    static_argnames=("variant", "layout"))
-    compiler = compiling.StepCompiler(step, jnp.ones(()), jnp.zeros(4), jnp.zeros(2), None,
+
+    def compiler():
+        return compiling.StepCompiler(step, jnp.ones(()), jnp.zeros(4), jnp.zeros(2), None,
                                       store=str(tmp_path), identity="test")
-    assert compiler.compile("layout", "variant", 8) is not None
-    assert list(tmp_path.iterdir()) == [] and compiler.store is not None
+
+    assert compiler().compile("layout", "variant", 8) is not None
+    assert len(list(tmp_path.iterdir())) == 1          # stored like any other program
+    events = []
+    monkeypatch.setattr(compiling, "prepare_mosaic_gpu_runtime", lambda: events.append("prepare"))
+    real = serialize_executable.deserialize_and_load
+    monkeypatch.setattr(serialize_executable, "deserialize_and_load",
+                        lambda *a: events.append("load") or real(*a))
+    again = compiler()
+    assert again.compile("layout", "variant", 8) is not None
+    assert events == ["prepare", "load"] and again.seconds["lower"] == 0
+
+
+def test_preparing_the_mosaic_runtime_imports_the_module_that_names_its_library():
+    # jax.experimental.mosaic.gpu sets MOSAIC_GPU_RUNTIME_LIB_PATH where its library exists
+    # (a CUDA jaxlib; the CPU one has none): a fresh process that only loads programs has not
+    # imported it
+    import subprocess
+    import sys
+
+    script = ("import sys, os\n"
+              "from jaxserve import compiling\n"
+              "assert 'jax.experimental.mosaic.gpu' not in sys.modules\n"
+              "compiling.prepare_mosaic_gpu_runtime()\n"
+              "assert 'jax.experimental.mosaic.gpu' in sys.modules\n"
+              "from jax.experimental.mosaic.gpu import core\n"
+              "lib = core.RUNTIME_PATH\n"
+              "assert lib is None or os.environ['MOSAIC_GPU_RUNTIME_LIB_PATH'] == str(lib)\n"
+              "print('ok')\n")
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env.pop("MOSAIC_GPU_RUNTIME_LIB_PATH", None)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          env=env, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
 
 
 def test_a_stored_program_is_named_by_everything_that_shapes_it(monkeypatch, tmp_path):
