@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Session 17's device calls: bash benchmarks/results/h200-2026-11-30-session17/run.sh STAGE...
 # (carry .whl and .benchdata; logs to $OUT). Stages: mosaic (mosaic_load.py save, bare,
-# prepared: three processes); cold, warm, warm2 (the 8B engine's start-up bench, the command of
+# prepared: three processes); stages (stages.py); cold, warm, warm2 (the 8B engine's start-up bench, the command of
 # BENCHMARKS.md "Start-up", its json kept as $OUT/STAGE-start.json); ref, stored (session 16's
 # store_check.py with the program store off / on, through session 16's run.sh).
 # Run 1: session 16's run.sh cold warm ref stored (code 21fd184). Run 2: this script's
@@ -18,6 +18,8 @@ for stage in "$@"; do
               echo "=== mosaic $s $(date -u +%H:%M:%S)"
               timeout 200 python3 $HERE/mosaic_load.py $s 2>&1 | grep -v Warning | tail -4
             done ;;
+    stages) echo "=== stages $(date -u +%H:%M:%S)"
+            timeout 500 python3 $HERE/stages.py 2>&1 | grep -v Warning ;;
     cold|warm|warm2) echo "=== $stage $(date -u +%H:%M:%S)"
       bash benchmarks/results/h200-2026-11-30-session15/run.sh cold 2>&1 | grep -v "^=== cold"
       mv "$OUT/cold-start.json" "$OUT/$stage-start.json" ;;
