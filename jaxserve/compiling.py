@@ -99,6 +99,10 @@ class ProgramStore:
         self._base = repr((identity, abstract_repr(args), source_digest(), jax.__version__,
                            jaxlib.__version__, config, os.environ.get("XLA_FLAGS", ""),
                            devices, jax.process_count()))
+        # NOTE: here, on the caller's thread before any compile worker starts, not when a
+        # program loads: the import sets an environment variable, which must not change while
+        # workers' C++ code may be reading the environment
+        prepare_mosaic_gpu_runtime()
 
     def path(self, layout, variant, num_words: int) -> str:
         key = hashlib.sha256(repr((self._base, layout, variant, num_words)).encode()).hexdigest()
@@ -109,8 +113,6 @@ class ProgramStore:
 
         with open(path, "rb") as f:
             blob, in_tree, out_tree = pickle.load(f)
-        if calls_mosaic_gpu(blob):
-            prepare_mosaic_gpu_runtime()
         return serialize_executable.deserialize_and_load(blob, in_tree, out_tree)
 
     def save(self, path: str, compiled) -> None:
@@ -129,16 +131,9 @@ class ProgramStore:
                 os.remove(tmp)
 
 
-def calls_mosaic_gpu(program: bytes) -> bool:
-    """Whether a program (serialized: it carries its HLO, custom-call targets by name) calls
-    Mosaic GPU kernels (the prefill buckets' attention on a GPU). The name may also match the
-    ops' source metadata, a function so named: then prepare_mosaic_gpu_runtime runs for
-    nothing, which costs an import, not correctness."""
-    return b"mosaic_gpu" in program
-
-
 def prepare_mosaic_gpu_runtime() -> None:
-    """Make a stored program's Mosaic GPU kernels linkable in this process. A kernel's
+    """Make stored programs' Mosaic GPU kernels (the prefill buckets' attention on a GPU)
+    linkable in this process: a ProgramStore does this when it opens. A kernel's
     host-side launch code is an object file that the custom call links on load against jax's
     Mosaic GPU runtime library, which it finds through MOSAIC_GPU_RUNTIME_LIB_PATH; importing
     jax.experimental.mosaic.gpu sets that variable. A process that loads programs without

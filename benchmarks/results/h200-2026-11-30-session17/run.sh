@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # Session 17's device calls: bash benchmarks/results/h200-2026-11-30-session17/run.sh STAGE...
 # (carry .whl and .benchdata; logs to $OUT). Stages: mosaic (mosaic_load.py save, bare,
-# prepared: three processes); stages (stages.py); cold, warm, warm2 (the 8B engine's start-up bench, the command of
-# BENCHMARKS.md "Start-up", its json kept as $OUT/STAGE-start.json); ref, stored (session 16's
-# store_check.py with the program store off / on, through session 16's run.sh).
+# prepared: three processes); stages (stages.py); cold, warm, warm2 (the 8B engine's start-up
+# bench, the command of BENCHMARKS.md "Start-up", its json kept as $OUT/start-STAGE.json);
+# ref, stored (session 16's store_check.py with the program store off / on, through session
+# 16's run.sh).
 # Run 1: session 16's run.sh cold warm ref stored (code 21fd184). Run 2: this script's
-# mosaic cold warm warm2 ref stored (code 07137fb), when cold, warm and warm2 went through
-# session 16's run.sh, which moved one file for all three: only warm2's json was kept.
+# mosaic cold warm warm2 ref stored (code 07137fb), when every stage but mosaic went to
+# session 16's run.sh: warm2 ran as a second "warm" there (run2.txt's second "=== warm"
+# block) and only its json was kept. Run 3: stages (code afae747).
 set -u
 OUT=${OUT:-bench-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TF_CPP_MIN_LOG_LEVEL=2
@@ -19,10 +21,12 @@ for stage in "$@"; do
               timeout 200 python3 $HERE/mosaic_load.py $s 2>&1 | grep -v Warning | tail -4
             done ;;
     stages) echo "=== stages $(date -u +%H:%M:%S)"
-            timeout 500 python3 $HERE/stages.py 2>&1 | grep -v Warning ;;
+            timeout 500 python3 $HERE/stages.py 2>&1 | grep -v Warning
+            echo "=== stages exit ${PIPESTATUS[0]} $(date -u +%H:%M:%S)" ;;
     cold|warm|warm2) echo "=== $stage $(date -u +%H:%M:%S)"
-      bash benchmarks/results/h200-2026-11-30-session15/run.sh cold 2>&1 | grep -v "^=== cold"
-      mv "$OUT/cold-start.json" "$OUT/$stage-start.json" ;;
+      bash benchmarks/results/h200-2026-11-30-session15/run.sh cold 2>&1 \
+        | sed "s/^=== cold exit/=== $stage exit/" | grep -v "^=== cold [0-9]"
+      mv "$OUT/cold-start.json" "$OUT/start-$stage.json" ;;   # the next stage writes cold-start.json again
     *) bash benchmarks/results/h200-2026-11-30-session16/run.sh "$stage" ;;
   esac
 done

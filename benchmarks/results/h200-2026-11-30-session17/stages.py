@@ -1,7 +1,7 @@
 """Session 17: deeper K/V pipelines for full decode buckets of at most one program per SM
-(96-128 (sequence, kv head) programs of 1K keys), where a program is thought to be bound by
-the bytes it keeps in flight rather than by HBM (24 x 1K at Qwen3-30B-A3B's heads, 96
-programs: 2.7 TB/s, 1.10 x cuDNN). The committed tiling there (pipelined_decode: unsplit,
+(96-128 (sequence, kv head) programs of 1K or 4K keys), where a program was thought to be
+bound by the bytes it keeps in flight rather than by HBM (24 x 1K at Qwen3-30B-A3B's heads, 96
+programs: 2.7 TB/s, 1.10 x cuDNN in session 15, run 4). The committed tiling there (pipelined_decode: unsplit,
 128-key steps, 5 stages, slots looked up in their step) against more stages at 128 and at
 64 keys, two timings each, interleaved, beside cuDNN on the same K/V gathered dense. Timed
 as benchmarks/kernels.py times decode (CUPTI, inputs out of L2).
