@@ -15,7 +15,7 @@ skips XLA's compile but not the tracing and lowering that compute its key, and t
 GIL: a warm start of the 8B engine on the H200 took 18.3 s to the first token, 10.5 s of it in
 warm-up, nearly all tracing and lowering programs whose executables were already cached
 (session 16, run 5); with the store, 8.6 s (run 6), and 5.7-6.8 s once the programs that call
-Mosaic GPU kernels were stored too (session 17, run 2).
+Mosaic GPU kernels were stored too (session 17, runs 2 and 4).
 """
 
 from __future__ import annotations
@@ -141,7 +141,7 @@ def prepare_mosaic_gpu_runtime() -> None:
     ("Failed to lookup host symbol ..._mosaic_gpu" after "Symbols not found: [
     mosaic_gpu_init_tma_desc, mosaic_gpu_launch_kernel ]"; H200, sessions 16-17), so until
     session 17 they were not stored and each start compiled them again: 17.0 s to the first
-    token of the 8B engine, 5.7-6.8 s with them loaded (session 17, runs 1-2)."""
+    token of the 8B engine, 5.7-6.8 s with them loaded (session 17, runs 1, 2 and 4)."""
     import jax.experimental.mosaic.gpu  # noqa: F401 - imported for its side effect
 
 

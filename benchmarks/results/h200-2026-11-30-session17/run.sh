@@ -8,7 +8,8 @@
 # Run 1: session 16's run.sh cold warm ref stored (code 21fd184). Run 2: this script's
 # mosaic cold warm warm2 ref stored (code 07137fb), when every stage but mosaic went to
 # session 16's run.sh: warm2 ran as a second "warm" there (run2.txt's second "=== warm"
-# block) and only its json was kept. Run 3: stages (code afae747).
+# block) and only its json was kept. Run 3: stages (code afae747). Run 4: cold warm ref stored
+# (code f99c0ef).
 set -u
 OUT=${OUT:-bench-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TF_CPP_MIN_LOG_LEVEL=2
