@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Session 17's device calls: bash benchmarks/results/h200-2026-11-30-session17/run.sh STAGE...
 # (carry .whl and .benchdata; logs to $OUT). Stages: mosaic (mosaic_load.py save, bare,
-# prepared: three processes); stages (stages.py); cold, warm, warm2 (the 8B engine's start-up
+# prepared: three processes); stages (stages.py); paged (paged_cudnn.py); cold, warm, warm2 (the 8B engine's start-up
 # bench, the command of BENCHMARKS.md "Start-up", its json kept as $OUT/start-STAGE.json);
 # ref, stored (session 16's store_check.py with the program store off / on, through session
 # 16's run.sh).
@@ -24,6 +24,9 @@ for stage in "$@"; do
     stages) echo "=== stages $(date -u +%H:%M:%S)"
             timeout 500 python3 $HERE/stages.py 2>&1 | grep -v Warning
             echo "=== stages exit ${PIPESTATUS[0]} $(date -u +%H:%M:%S)" ;;
+    paged) echo "=== paged $(date -u +%H:%M:%S)"
+           timeout 500 python3 $HERE/paged_cudnn.py 2>&1 | grep -v Warning
+           echo "=== paged exit ${PIPESTATUS[0]} $(date -u +%H:%M:%S)" ;;
     cold|warm|warm2) echo "=== $stage $(date -u +%H:%M:%S)"
       bash benchmarks/results/h200-2026-11-30-session15/run.sh cold 2>&1 \
         | sed "s/^=== cold exit/=== $stage exit/" | grep -v "^=== cold [0-9]"
