@@ -10,7 +10,7 @@
 # mosaic cold warm warm2 ref stored (code 07137fb), when every stage but mosaic went to
 # session 16's run.sh: warm2 ran as a second "warm" there (run2.txt's second "=== warm"
 # block) and only its json was kept. Run 3: stages (code afae747). Run 4: cold warm ref stored
-# (code f99c0ef).
+# (code f99c0ef). Run 5: paged (code 2957ebe). Run 6: tput16 tput64 (2957ebe with these stages).
 set -u
 OUT=${OUT:-bench-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TF_CPP_MIN_LOG_LEVEL=2
