@@ -286,22 +286,32 @@ def test_warmup_packs_busy_variants_like_the_steps_that_use_them(monkeypatch):
     assert len(keys) == 2 * len(runner.buckets) + 4
 
 
+def run_python(script: str, *argv: str, cache=None, timeout: int = 600):
+    """`script` in a fresh CPU-only Python process (caches under `cache` if given; jax's
+    Mosaic GPU runtime variable unset, as in a process that never imported it); asserts it
+    exited cleanly and returns it."""
+    import subprocess
+    import sys
+
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env.pop("MOSAIC_GPU_RUNTIME_LIB_PATH", None)
+    if cache is not None:
+        env.update(JAXSERVE_CACHE=str(cache), JAX_COMPILATION_CACHE_DIR=str(cache / "xla"))
+    done = subprocess.run([sys.executable, "-c", script, *argv], capture_output=True, text=True,
+                          env=env, timeout=timeout)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done
+
+
 def test_exiting_while_programs_compile_in_the_background_exits_cleanly(tmp_path):
     """A script that ends right after building its engine, the full programs still compiling:
     the interpreter must not finalise under a compile in flight (before, it segfaulted or
     aborted on every such exit)."""
-    import subprocess
-    import sys
-
     script = ("import sys\nfrom jaxserve import LLM\n"
               "llm = LLM(sys.argv[1], dtype='float32', max_num_seqs=4, max_num_batched_tokens=32,"
               " max_model_len=64)\n"
               "print(sum(not f.done() for f in llm.engine.runner._pending.values()))\n")
-    env = dict(os.environ, JAX_PLATFORMS="cpu", JAXSERVE_CACHE=str(tmp_path),
-               JAX_COMPILATION_CACHE_DIR=str(tmp_path / "xla"))
-    done = subprocess.run([sys.executable, "-c", script, TINY], capture_output=True, text=True,
-                          env=env, timeout=600)
-    assert done.returncode == 0, done.stderr[-2000:]
+    done = run_python(script, TINY, cache=tmp_path)
     if int(done.stdout.split()[-1]) == 0:       # (not seen: three programs compile after it)
         pytest.skip("every program had compiled before the script ended: nothing to test")
 
@@ -326,17 +336,11 @@ def test_stored_programs_load_on_the_next_start_and_match(tmp_path):
     other settings or a damaged file compile again. Real serialization, one engine a fresh
     process each (the GPU's case; the CPU's is gated off: compiling.STORE_PLATFORMS)."""
     import json
-    import subprocess
-    import sys
 
-    env = dict(os.environ, JAX_PLATFORMS="cpu", JAXSERVE_CACHE=str(tmp_path),
-               JAX_COMPILATION_CACHE_DIR=str(tmp_path / "xla"))
     steps = tmp_path / "steps"
 
     def start(max_logprobs=20):
-        done = subprocess.run([sys.executable, "-c", STORE_SCRIPT, TINY, str(max_logprobs)],
-                              capture_output=True, text=True, env=env, timeout=600)
-        assert done.returncode == 0, done.stderr[-3000:]
+        done = run_python(STORE_SCRIPT, TINY, str(max_logprobs), cache=tmp_path)
         return json.loads(done.stdout.splitlines()[-1]), done.stderr
 
     first, _ = start()
@@ -399,9 +403,6 @@ def test_preparing_the_mosaic_runtime_imports_the_module_that_names_its_library(
     # jax.experimental.mosaic.gpu sets MOSAIC_GPU_RUNTIME_LIB_PATH where its library exists
     # (a CUDA jaxlib; the CPU one has none): a fresh process that only loads programs has not
     # imported it
-    import subprocess
-    import sys
-
     script = ("import sys, os\n"
               "from jaxserve import compiling\n"
               "assert 'jax.experimental.mosaic.gpu' not in sys.modules\n"
@@ -411,11 +412,7 @@ def test_preparing_the_mosaic_runtime_imports_the_module_that_names_its_library(
               "lib = core.RUNTIME_PATH\n"
               "assert lib is None or os.environ['MOSAIC_GPU_RUNTIME_LIB_PATH'] == str(lib)\n"
               "print('ok')\n")
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env.pop("MOSAIC_GPU_RUNTIME_LIB_PATH", None)
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          env=env, timeout=300)
-    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+    assert run_python(script, timeout=300).stdout.strip() == "ok"
 
 
 def test_a_stored_program_is_named_by_everything_that_shapes_it(monkeypatch, tmp_path):
