@@ -166,6 +166,7 @@ class EngineConfig:
                                          # compile in the background)
     program_cache_dir: str | None = None  # keep compiled step programs here across runs
                                          # (compiling.ProgramStore; None: not kept)
+    fused_kernels: tuple[str, ...] = ()  # fused Pallas kernels to use (models/llama.py FUSABLE)
 
     def __post_init__(self):
         _check(self.dtype in ("float32", "bfloat16", "float16"), "dtype",

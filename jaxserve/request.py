@@ -1,4 +1,7 @@
-"""A request's state inside the engine: WAITING -> RUNNING -> (PREEMPTED -> RUNNING ->) FINISHED."""
+"""A request's state inside the scheduler: WAITING -> RUNNING -> (PREEMPTED -> RUNNING ->) FINISHED.
+
+Only the scheduler holds `Request`s; the runner and output processing get data
+(jaxserve/step_messages.py)."""
 
 from __future__ import annotations
 
@@ -35,7 +38,8 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0             # tokens whose KV is in the cache (or being computed)
-    num_pending_tokens: int = 0              # sampled on the device, not yet seen by the host (0 or 1)
+    num_output_placeholders: int = 0         # tokens sampled on the device, not yet seen here (0 or 1)
+    spec_token_ids: list[int] = field(default_factory=list)   # draft tokens for the next step
     num_cached_tokens: int = 0               # of the prompt, found in the prefix cache
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None     # the stop token id or stop string that ended it
@@ -55,7 +59,7 @@ class Request:
     @property
     def num_generated(self) -> int:
         """Output tokens so far, counting the one still on its way back from the device."""
-        return len(self.output_token_ids) + self.num_pending_tokens
+        return len(self.output_token_ids) + self.num_output_placeholders
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -101,8 +101,8 @@ class SamplingParams:
             if not self.allowed_token_ids:
                 _bad("allowed_token_ids", "None or a non-empty list of token ids", [])
             _check_token_ids("allowed_token_ids", self.allowed_token_ids, vocab_size)
-        if self.output_kind not in ("cumulative", "final_only"):
-            _bad("output_kind", "'cumulative' or 'final_only'", self.output_kind)
+        if self.output_kind not in ("cumulative", "delta", "final_only"):
+            _bad("output_kind", "'cumulative', 'delta' or 'final_only'", self.output_kind)
 
     @property
     def greedy(self) -> bool:

@@ -1,10 +1,14 @@
 """The scheduler: decides, each step, which requests run and how many tokens each computes.
 
 There is no prefill/decode split. Each request has `num_computed_tokens` catching up with
-`num_tokens`; one token budget per step is filled with running requests first (oldest
-first), then waiting ones, chunking long prompts. A prefix-cache hit simply starts
-`num_computed_tokens` further on. When blocks run out the newest running request is
-preempted: its blocks are freed and it recomputes later.
+`num_tokens` (its draft tokens included); one token budget per step is filled with running
+requests first (oldest first), then waiting ones, chunking long prompts. A prefix-cache hit
+simply starts `num_computed_tokens` further on. When blocks run out the newest running
+request is preempted: its blocks are freed and it recomputes later.
+
+The scheduler alone advances and rolls back `num_computed_tokens`: a request that verified
+k draft tokens and kept a of the k + 1 sampled ones goes back by k + 1 - a. It speaks to the
+runner only through the data of jaxserve/step_messages.py.
 """
 
 from __future__ import annotations
@@ -14,56 +18,50 @@ from collections import deque
 from dataclasses import dataclass
 
 from jaxserve.config import CacheConfig, SchedulerConfig
-from jaxserve.kv_cache.block_pool import BlockPool
-from jaxserve.kv_cache.prefix_cache import extend_block_hashes
+from jaxserve.kv_cache.manager import KVCacheManager
+from jaxserve.kv_cache.specs import PagedSpec
 from jaxserve.request import Request, RequestStatus
+from jaxserve.step_messages import (NewRequestData, RunnerOutput, ScheduledRequest,
+                                    SchedulerOutput)
 
 
-# Smallest step size a prefill chunk is cut to fit (Scheduler._fit). An H200 does ~190 FLOPs
-# per byte of HBM (794 TFLOP/s, 4.24 TB/s): below ~128-256 tokens a step costs its weight reads.
+# Smallest step size a prefill chunk is cut to fit (Scheduler._fit): below ~128-256 tokens a
+# step costs its weight reads on a GPU, so padding costs little there.
 FIT_MIN_STEP = 128
-
-PENDING_TOKEN = -1   # a token id not yet known on the host: the runner takes it from the device
-
-
-@dataclass(frozen=True)
-class ScheduledChunk:
-    request: Request            # read-only downstream: the runner reads its tokens and params
-    token_ids: list[int]        # tokens whose KV this step computes (PENDING_TOKEN: from the device)
-    start_position: int         # position of token_ids[0] (num_computed_tokens before the step)
-    block_ids: list[int]        # the request's whole block table after this step's allocation
-    sample: bool                # the chunk reaches the last known token: sample the next one
-
-
-@dataclass(frozen=True)
-class SchedulerOutput:
-    chunks: list[ScheduledChunk]    # in step order (running requests first)
-    num_tokens: int                 # total tokens computed this step
-    preempted_ids: list[str]        # requests preempted while building this step
-    new_ids: list[str]              # requests that started (or restarted) this step
-    num_cached_tokens: int          # prompt tokens this step's new requests found in the cache
 
 
 @dataclass(frozen=True)
 class RequestUpdate:
-    request: Request
-    new_token_ids: list[int]    # tokens appended this step (0 or 1 per request here)
+    """What one step did to one request, for output processing."""
+    request_id: str
+    new_token_ids: list[int]            # tokens appended this step (0, 1 or more)
+    finished: RequestStatus | None      # set when the step ended the request
+    stop_reason: int | str | None       # the stop token id that ended it
+    num_cached_tokens: int              # prompt tokens found in the prefix cache
 
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, cache: CacheConfig, num_blocks: int,
-                 step_sizes: tuple[int, ...] = ()):
+                 step_sizes: tuple[int, ...] = (), cache_specs=None, num_slots: int = 0):
         """step_sizes: the token counts the runner pads a step to (its buckets), if any; a
-        step that would spill a little past one is cut to end there (see _fit)."""
+        step that would spill a little past one is cut to end there (see _fit). cache_specs:
+        the model's per-layer specs (default: plain paged K/V)."""
         self.config = config
         self.step_sizes = sorted(step_sizes)
         self.block_size = cache.block_size
-        self.pool = BlockPool(num_blocks, cache.enable_prefix_caching)
+        self.kv = KVCacheManager(cache_specs or [PagedSpec((("k", (1,)),))],
+                                 block_size=cache.block_size, num_blocks=num_blocks,
+                                 num_slots=num_slots,
+                                 enable_prefix_caching=cache.enable_prefix_caching)
+        self.pool = self.kv.pool
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
-        self.blocks: dict[str, list[int]] = {}
-        self.hashes: dict[str, list[bytes]] = {}
+        self._finished_ids: list[str] = []       # for the next step's finished_req_ids
+        self._unsent: set[str] = set()           # running requests the runner does not hold
+        # The Request objects of each scheduled step not yet updated, oldest first: an id may
+        # be reused after an abort, so update() must not look requests up by id.
+        self._in_flight: deque[list[Request]] = deque()
         # Counters (cumulative) for metrics.
         self.prefix_queries = 0     # prompt tokens looked up in the prefix cache
         self.prefix_hits = 0        # of those, found
@@ -74,7 +72,6 @@ class Scheduler:
         if req.request_id in self.requests:
             raise ValueError(f"request_id {req.request_id!r} is already in use")
         self.requests[req.request_id] = req
-        self.hashes[req.request_id] = []
         self.waiting.append(req)
 
     def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
@@ -84,16 +81,22 @@ class Scheduler:
             return None
         if req in self.running:
             self.running.remove(req)
+            self._drop_from_runner(req)
         elif req in self.waiting:
             self.waiting.remove(req)
         req.status = status
-        self._free_blocks(req)
-        self.hashes.pop(request_id, None)
+        self.kv.free(request_id)
         return req
 
     @property
     def num_unfinished(self) -> int:
         return len(self.requests)
+
+    def _drop_from_runner(self, req: Request) -> None:
+        if req.request_id in self._unsent:
+            self._unsent.discard(req.request_id)
+        else:
+            self._finished_ids.append(req.request_id)
 
     # -- one step --------------------------------------------------------------------------
     def _cap(self, n: int) -> int:
@@ -101,7 +104,7 @@ class Scheduler:
         limit = self.config.long_prefill_token_threshold
         return min(n, limit) if limit > 0 else n
 
-    def _fit(self, chunks: list[ScheduledChunk], total: int) -> list[ScheduledChunk]:
+    def _fit(self, chunks: list[tuple[Request, int]], total: int) -> list[tuple[Request, int]]:
         """Cut the step's last prefill chunk so the step ends at the step size it would cross,
         when it would spill past it by fewer tokens than the padding it causes: 20 decodes + a
         245-token prompt = 265 tokens run padded to 512, while 20 + 236 = 256 run unpadded and
@@ -118,57 +121,56 @@ class Scheduler:
         if spill >= above[0] - total:
             return chunks
         for i in range(len(chunks) - 1, -1, -1):
-            ch = chunks[i]
-            n = len(ch.token_ids)
-            if n > spill and PENDING_TOKEN not in ch.token_ids:     # a prefill chunk
-                req = ch.request
-                req.num_computed_tokens -= n
-                req.num_pending_tokens -= int(ch.sample)
-                return chunks[:i] + [self._chunk(req, n - spill)] + chunks[i + 1:]
+            req, n = chunks[i]
+            if n > spill and req.num_computed_tokens + n <= req.num_tokens:   # a prefill chunk
+                return chunks[:i] + [(req, n - spill)] + chunks[i + 1:]
         return chunks
 
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
-        chunks: list[ScheduledChunk] = []
+        chunks: list[tuple[Request, int]] = []      # (request, tokens) in step order
+        known: dict[str, list[list[int]]] = {}      # ids per group the runner already holds
         preempted: list[str] = []
 
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = self._cap(min(req.num_tokens + req.num_pending_tokens - req.num_computed_tokens, budget))
-            if n <= 0 or self._ends_with_pending_token(req):
+            n = self._cap(min(self._num_known(req) - req.num_computed_tokens, budget))
+            if n <= 0 or self._ends_with_placeholder(req):
                 i += 1
                 continue
-            need = self._blocks_needed(req, req.num_computed_tokens + n)
-            while self.pool.num_free < need and self.running[-1] is not req:
+            need = self.kv.blocks_needed(req.request_id, req.num_computed_tokens + n)
+            while self.kv.num_free_blocks < need and self.running[-1] is not req:
                 preempted.append(self._preempt(self.running.pop()).request_id)
-            if self.pool.num_free < need:      # even alone it does not fit: preempt itself
+            if self.kv.num_free_blocks < need:   # even alone it does not fit: preempt itself
                 preempted.append(self._preempt(self.running.pop()).request_id)
                 break
-            self.blocks[req.request_id] += self.pool.allocate(need)
-            chunks.append(self._chunk(req, n))
+            known[req.request_id] = self.kv.group_block_ids(req.request_id)
+            self.kv.grow(req.request_id, req.num_computed_tokens + n)
+            chunks.append((req, n))
             budget -= n
             i += 1
 
-        new_ids: list[str] = []
         cached_tokens = 0
         # Keep free the blocks that running requests need for their next token, or a request
         # admitted now would be preempted by them at the very next step (and again, and again).
-        reserve = sum(1 for r in self.running if r.num_computed_tokens % self.block_size == 0)
+        planned = {r.request_id: n for r, n in chunks}
+        reserve = sum(1 for r in self.running
+                      if (r.num_computed_tokens + planned.get(r.request_id, 0)) % self.block_size == 0)
         while (self.waiting and budget > 0 and not preempted
                and len(self.running) < self.config.max_num_seqs):
             req = self.waiting[0]
             # Prompt logprobs need every prompt position's logits: no cache hits for those.
             wants_prompt_lp = req.sampling_params.prompt_logprobs is not None
-            hits = self._prefix_hits(req) if req.num_computed_tokens == 0 and not wants_prompt_lp else []
+            hits = (self.kv.prefix_hits(req.request_id, req.all_token_ids)
+                    if req.num_computed_tokens == 0 and not wants_prompt_lp else [])
             computed = len(hits) * self.block_size if hits else req.num_computed_tokens
             n = self._cap(min(req.num_tokens - computed, budget))
             need = -(-(computed + n) // self.block_size) - len(hits)
-            if self.pool.num_free - self.pool.num_reclaimable(hits) - need < reserve:
+            if self.kv.free_blocks_after_hits(hits) - need < reserve:
                 break
             self.waiting.popleft()
-            self.pool.touch(hits)
-            self.blocks[req.request_id] = hits + self.pool.allocate(need)
+            self.kv.admit(req.request_id, hits, computed + n)
             if req.status == RequestStatus.WAITING:       # first admission: count the lookup
                 self.prefix_queries += req.num_prompt_tokens
                 self.prefix_hits += min(computed, req.num_prompt_tokens)
@@ -177,114 +179,117 @@ class Scheduler:
             req.num_computed_tokens = computed
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            new_ids.append(req.request_id)
-            chunks.append(self._chunk(req, n))
+            self._unsent.add(req.request_id)
+            chunks.append((req, n))
             budget -= n
 
-        total = self.config.max_num_batched_tokens - budget
-        chunks = self._fit(chunks, total)
-        return SchedulerOutput(chunks=chunks, num_tokens=sum(len(c.token_ids) for c in chunks),
-                               preempted_ids=preempted, new_ids=new_ids, num_cached_tokens=cached_tokens)
+        chunks = self._fit(chunks, self.config.max_num_batched_tokens - budget)
+        new_requests, scheduled = [], []
+        for req, n in chunks:
+            rid = req.request_id
+            if rid in self._unsent:           # its whole table is new to the runner
+                self._unsent.discard(rid)
+                new_requests.append(NewRequestData(
+                    rid, list(req.prompt_token_ids), list(req.output_token_ids),
+                    req.sampling_params, req.seed, req.eos_token_ids))
+            scheduled.append(self._advance(req, n, known.get(rid)))
+        finished, self._finished_ids = self._finished_ids, []
+        if chunks:          # an empty step is never run, so never updated
+            self._in_flight.append([req for req, _ in chunks])
+        return SchedulerOutput(new_requests=new_requests, scheduled=scheduled,
+                               finished_req_ids=finished,
+                               num_tokens=sum(r.num_tokens for r in scheduled),
+                               preempted_ids=preempted, num_cached_tokens=cached_tokens)
 
-    def update(self, out: SchedulerOutput, sampled: list[int | None]) -> list[RequestUpdate]:
-        """Apply a step's results: append sampled tokens, cache newly full blocks, check the
-        token-level stop conditions (EOS, stop_token_ids, max_tokens, max_model_len).
+    def _advance(self, req: Request, n: int, known: list[list[int]] | None) -> ScheduledRequest:
+        """Schedule n tokens of `req`: they count as computed from now on, and the token the
+        step samples counts as a placeholder until update() sees it. `known`: the ids per
+        group the runner already holds (None: none; the message carries only the rest). A
+        budget that cuts into the drafts keeps the first ones."""
+        start = req.num_computed_tokens
+        base = req.num_tokens + req.num_output_placeholders      # without the drafts
+        sample = start + n >= base
+        drafts = req.spec_token_ids[:max(0, start + n - base)]
+        req.spec_token_ids = []
+        req.num_computed_tokens += n
+        req.num_output_placeholders += int(sample)
+        now = self.kv.group_block_ids(req.request_id)
+        new = now if known is None else [ids[len(old):] for ids, old in zip(now, known)]
+        return ScheduledRequest(req.request_id, start, n, new, sample, drafts)
 
-        `sampled[i]` is the token sampled for `out.chunks[i]` (None where the chunk did not
-        sample). The next step may already have been scheduled (and dispatched): its chunks
-        count this step's tokens as pending. Returns one entry per request still known."""
+    def _num_known(self, req: Request) -> int:
+        """Tokens whose ids exist (on the host or, as placeholders, on the device), drafts
+        included: the request computes up to here."""
+        return req.num_tokens + req.num_output_placeholders + len(req.spec_token_ids)
+
+    def update(self, out: SchedulerOutput, result: RunnerOutput) -> list[RequestUpdate]:
+        """Apply a step's results: append sampled tokens, roll back rejected drafts, cache
+        newly full blocks, check the token-level stop conditions (EOS, stop_token_ids,
+        max_tokens, max_model_len).
+
+        The next step may already have been scheduled (and dispatched): its chunks count this
+        step's tokens as placeholders. Returns one entry per request still known."""
+        reqs = self._in_flight.popleft()
         results = []
-        for chunk, token in zip(out.chunks, sampled):
-            req = chunk.request
-            if chunk.sample:
-                req.num_pending_tokens -= 1
+        for req, sched, tokens in zip(reqs, out.scheduled, result.sampled_token_ids):
+            if sched.sample:
+                req.num_output_placeholders -= 1
             if self.requests.get(req.request_id) is not req:   # finished or aborted meanwhile
                 continue
-            if req.status == RequestStatus.RUNNING:
-                self._cache_full_blocks(req, chunk.start_position + len(chunk.token_ids))
-            new = []
-            if chunk.sample and token is not None:
+            rejected = 0
+            if sched.spec_token_ids and tokens:
+                # k drafts verified, a tokens kept: a - 1 drafts were right (plus one sampled
+                # token), so the KV of the other k + 1 - a positions is garbage.
+                rejected = len(sched.spec_token_ids) + 1 - len(tokens)
+                req.num_computed_tokens -= rejected
+            status, kept = None, []
+            for token in tokens if sched.sample else ():
                 req.output_token_ids.append(token)
-                if req.first_token_time is None:
-                    req.first_token_time = time.monotonic()
-                new.append(token)
+                kept.append(token)
                 status = self._check_stop(req, token)
                 if status is not None:
-                    self.finish_request(req.request_id, status)
-            results.append(RequestUpdate(req, new))
+                    break
+            if req.status == RequestStatus.RUNNING:   # the KV this step wrote is valid now
+                end = sched.start_position + sched.num_tokens - rejected
+                self.kv.cache_full_blocks(req.request_id, req.all_token_ids,
+                                          min(end, req.num_tokens))
+            if kept and req.first_token_time is None:
+                req.first_token_time = time.monotonic()
+            if status is not None:
+                self.finish_request(req.request_id, status)
+            results.append(RequestUpdate(req.request_id, kept, status, req.stop_reason,
+                                         req.num_cached_tokens))
         return results
 
     def unschedule(self, out: SchedulerOutput) -> None:
-        """Take back a step that never ran (its inputs could not be built): its requests go
-        on from where they were. Their blocks stay allocated; the next step reuses them."""
-        for chunk in out.chunks:
-            req = chunk.request
-            req.num_computed_tokens = chunk.start_position
-            req.num_pending_tokens -= int(chunk.sample)
+        """Take back the newest step, which never ran (its inputs could not be built): its
+        requests go on from where they were. Their blocks stay allocated and the runner has
+        taken in the step's diffs (new requests, blocks), so only the counts go back."""
+        reqs = self._in_flight.pop()
+        for req, sched in zip(reqs, out.scheduled):
+            req.num_computed_tokens = sched.start_position
+            req.num_output_placeholders -= int(sched.sample)
+            req.spec_token_ids = list(sched.spec_token_ids)
 
     # -- helpers ---------------------------------------------------------------------------
-    def _chunk(self, req: Request, n: int) -> ScheduledChunk:
-        """Schedule n tokens of `req`: they count as computed from now on, and the token the
-        step samples counts as pending until update() sees it."""
-        start = req.num_computed_tokens
-        tokens = req.token_slice(start, start + n)
-        tokens += [PENDING_TOKEN] * (n - len(tokens))     # sampled by the previous step
-        sample = start + n == req.num_tokens + req.num_pending_tokens
-        req.num_computed_tokens += n
-        req.num_pending_tokens += int(sample)
-        return ScheduledChunk(request=req, token_ids=tokens, start_position=start,
-                              block_ids=list(self.blocks[req.request_id]), sample=sample)
-
-    def _ends_with_pending_token(self, req: Request) -> bool:
+    def _ends_with_placeholder(self, req: Request) -> bool:
         """The token on its way back will end the request (max_tokens / max_model_len): don't
         compute past it."""
-        if not req.num_pending_tokens:
+        if not req.num_output_placeholders:
             return False
         p = req.sampling_params
         return ((p.max_tokens is not None and req.num_generated >= p.max_tokens)
-                or req.num_tokens + req.num_pending_tokens >= self.config.max_model_len)
-
-    def _blocks_needed(self, req: Request, num_tokens: int) -> int:
-        return max(0, -(-num_tokens // self.block_size) - len(self.blocks[req.request_id]))
-
-    def _prefix_hits(self, req: Request) -> list[int]:
-        """Cached blocks matching the request's leading full blocks. At least one token is
-        always left to compute, so the step still produces logits for it."""
-        hashes = self.hashes[req.request_id]
-        extend_block_hashes(hashes, req.all_token_ids, self.block_size)
-        limit = (req.num_tokens - 1) // self.block_size
-        hits = []
-        for h in hashes[:limit]:
-            block = self.pool.lookup(h)
-            if block is None:
-                break
-            hits.append(block)
-        return hits
-
-    def _cache_full_blocks(self, req: Request, computed: int) -> None:
-        """Register the blocks that the first `computed` tokens fill (their KV is now written)."""
-        if not self.pool.enable_caching:
-            return
-        hashes = self.hashes[req.request_id]
-        full = computed // self.block_size
-        if len(hashes) < full:
-            extend_block_hashes(hashes, req.all_token_ids[:computed], self.block_size)
-        blocks = self.blocks[req.request_id]
-        for j in range(min(full, len(hashes), len(blocks))):
-            self.pool.cache_block(blocks[j], hashes[j])
+                or req.num_tokens + req.num_output_placeholders >= self.config.max_model_len)
 
     def _preempt(self, req: Request) -> Request:
-        self._free_blocks(req)
+        self._drop_from_runner(req)
+        self.kv.free(req.request_id, forget=False)
         req.num_computed_tokens = 0
+        req.spec_token_ids = []
         req.status = RequestStatus.PREEMPTED
         self.waiting.appendleft(req)
         self.num_preemptions += 1
         return req
-
-    def _free_blocks(self, req: Request) -> None:
-        blocks = self.blocks.pop(req.request_id, None)
-        if blocks:
-            self.pool.free(blocks)
 
     def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
         p = req.sampling_params

@@ -15,8 +15,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from jaxserve.runner import StepResult
-from jaxserve.scheduler import ScheduledChunk, SchedulerOutput
+from jaxserve.step_messages import ScheduledRequest
 
 
 @dataclass(frozen=True)
@@ -57,15 +56,15 @@ class StepRecord:
         return sum(c.num_tokens for c in self.chunks if not c.is_prefill)
 
 
-def _chunk_record(chunk: ScheduledChunk, token: int | None) -> ChunkRecord:
-    req = chunk.request
-    n = len(chunk.token_ids)
+def _chunk_record(sched: ScheduledRequest, tokens: list[int], num_prompt: int,
+                  table: list[int]) -> ChunkRecord:
     # A decode computes one token that the model itself produced; everything else (prompt
     # chunks, recomputation after preemption) is prefill work.
-    is_decode = n == 1 and chunk.sample and chunk.start_position >= req.num_prompt_tokens
-    return ChunkRecord(request_id=req.request_id, start_position=chunk.start_position, num_tokens=n,
-                       is_prefill=not is_decode, sampled_token=token if chunk.sample else None,
-                       block_ids=tuple(chunk.block_ids))
+    n = sched.num_tokens
+    is_decode = n == 1 and sched.sample and sched.start_position >= num_prompt
+    return ChunkRecord(request_id=sched.req_id, start_position=sched.start_position, num_tokens=n,
+                       is_prefill=not is_decode, sampled_token=tokens[-1] if tokens else None,
+                       block_ids=tuple(table))
 
 
 def _chunks_text(s: StepRecord) -> str:
@@ -79,6 +78,10 @@ class StepTrace:
     def __init__(self, engine):
         self.engine = engine
         self.steps: list[StepRecord] = []
+        # Each request's block table and prompt length, rebuilt from the step messages' diffs
+        # as the runner does (the messages carry no whole tables).
+        self._tables: dict[str, list[int]] = {}
+        self._prompt_lens: dict[str, int] = {}
 
     @classmethod
     def attach(cls, engine) -> "StepTrace":
@@ -93,24 +96,34 @@ class StepTrace:
     def clear(self) -> None:
         self.steps.clear()
 
-    def __call__(self, out: SchedulerOutput, result: StepResult, seconds: float) -> None:
+    def __call__(self, outcome) -> None:
+        """Record one engine step (an engine.core.StepOutcome)."""
+        out, result = outcome.scheduled, outcome.result
         scheduler = self.engine.scheduler
-        pool = scheduler.pool
-        tokens = result.token_ids
-        new = set(out.new_ids)
+        for rid in out.finished_req_ids:
+            self._tables.pop(rid, None)
+        for new in out.new_requests:
+            self._tables[new.req_id] = []
+            self._prompt_lens[new.req_id] = len(new.prompt_token_ids)
+        chunks = []
+        for sched, tokens in zip(out.scheduled, result.sampled_token_ids):
+            table = self._tables.setdefault(sched.req_id, [])
+            if sched.new_block_ids:
+                table += sched.new_block_ids[0]
+            chunks.append(_chunk_record(sched, tokens, self._prompt_lens.get(sched.req_id, 0), table))
+        new = {n.req_id for n in out.new_requests}
         self.steps.append(StepRecord(
-            step=len(self.steps), seconds=seconds,
-            chunks=tuple(_chunk_record(ch, tok) for ch, tok in zip(out.chunks, tokens)),
+            step=len(self.steps), seconds=outcome.seconds, chunks=tuple(chunks),
             num_tokens=out.num_tokens,
             # NOTE: counted from the step itself, not from the pool: with a pipelined engine the
             # next step has already allocated its blocks by the time this listener runs.
-            kv_blocks_used=len({b for ch in out.chunks for b in ch.block_ids}),
-            kv_blocks_total=pool.num_blocks - 1,
+            kv_blocks_used=len({b for c in chunks for b in c.block_ids}),
+            kv_blocks_total=scheduler.pool.num_blocks - 1,
             # NOTE: a (re-)admitted request starts at the first token the cache did not have;
             # out.num_cached_tokens counts only first admissions' prompt tokens.
-            prefix_cache_hit_tokens=sum(ch.start_position for ch in out.chunks
-                                        if ch.request.request_id in new),
-            new_ids=tuple(out.new_ids), preempted_ids=tuple(out.preempted_ids),
+            prefix_cache_hit_tokens=sum(c.start_position for c in chunks if c.request_id in new),
+            new_ids=tuple(n.req_id for n in out.new_requests),
+            preempted_ids=tuple(out.preempted_ids),
             num_waiting=len(scheduler.waiting), num_running=len(scheduler.running)))
 
     # -- views for tables and plots -----------------------------------------------------

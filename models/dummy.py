@@ -71,7 +71,7 @@ def _draw(key, shapes: dict, shardings: dict, dtype: str) -> dict:
 
 def dummy_params(cfg: ModelConfig, dtype: str = "float32", mesh=None, seed: int = 0) -> dict:
     """Random parameters for `cfg`; norm weights are ones, everything else N(0, INIT_STD^2)."""
-    from jaxserve.models.llama import param_shapes
+    from jaxserve.models.registry import param_shapes
     from jaxserve.sharding import rules
 
     shapes = param_shapes(cfg)

@@ -23,7 +23,7 @@ import numpy as np
 
 from jaxserve.config import ModelConfig
 from jaxserve.models import registry
-from jaxserve.models.llama import param_shapes
+from jaxserve.models.registry import param_shapes
 
 # Per-layer HF name (after "model.layers.{i}.") -> (our name, stored [out, in] -> transpose).
 _LAYER_TENSORS = {

@@ -1,7 +1,9 @@
 """The Llama family: Llama 2/3/3.x, Mistral (sliding window), Qwen2 (qkv bias), Qwen3 (q/k norm).
 
-A model is a set of pure functions over a parameter pytree:
-    forward(cfg, params, kv_cache, x: StepInput) -> (kv_cache, hidden f[T, D])
+A model family is a module of pure functions over a parameter pytree (models/registry.py):
+    cache_specs(cfg) -> a spec per layer (jaxserve/kv_cache/specs.py)
+    param_shapes(cfg) -> shape of every parameter
+    forward(cfg, params, caches, x: StepInput, kernels, aux_layers) -> (caches, hidden f[T, D], aux)
     compute_logits(cfg, params, hidden f[S, D]) -> f32[S, V]
 
 Parameters (weights stored as [in, out] so activations multiply on the left):
@@ -11,7 +13,7 @@ Parameters (weights stored as [in, out] so activations multiply on the left):
         bq/bk/bv (Qwen2), q_norm/k_norm f[E] (Qwen3), mlp_norm f[D],
         w_gate f[D, F], w_up f[D, F], w_down f[F, D]   (dense MLP; MoE layers: see moe.py)
     The engine runs on fused copies (fuse_projections): wqkv, bqkv, w_gate_up.
-KV cache: a list with one (k, v) pair per layer, each f[num_blocks, P, K, E].
+Caches: a list with one {"k", "v"} dict per layer, each f[num_blocks, P, K, E].
 
 Legend: T tokens, S sequences, D model dim, N query heads, K kv heads, E head dim, F MLP dim,
 V vocabulary.
@@ -21,22 +23,24 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 
 from jaxserve.config import ModelConfig
+from jaxserve.kv_cache.specs import PagedSpec
 from jaxserve.models import layers
+from jaxserve.models.attention import AttentionBackend, AttentionPlan
 from jaxserve.step_input import StepInput
 
-KVCache = list[tuple[jax.Array, jax.Array]]
+Caches = list[dict[str, jax.Array]]   # one {"k", "v"} per layer, each f[num_blocks, P, K, E]
 
 
-def attention_block(cfg: ModelConfig, lp: dict, kv: tuple, h_TD: jax.Array, x: StepInput,
+def attention_block(cfg: ModelConfig, lp: dict, kv: dict, h_TD: jax.Array, x: StepInput,
                     inv_freq: jax.Array, kernels: "Kernels"):
-    """Pre-norm attention sub-block; returns (new (k, v) cache, attention output f[T, D])."""
+    """Pre-norm attention sub-block; returns (the layer's new {"k", "v"} cache, attention
+    output f[T, D])."""
     t = h_TD.shape[0]
     n, kh, e = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     if "wqkv" in lp:      # fused by fuse_projections
@@ -50,9 +54,9 @@ def attention_block(cfg: ModelConfig, lp: dict, kv: tuple, h_TD: jax.Array, x: S
             q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
     q_TNE, k_cache, v_cache = kernels.rope_write(
         q.reshape(t, n, e), k.reshape(t, kh, e), v.reshape(t, kh, e), x.positions, x.slot_mapping,
-        kv[0], kv[1], inv_freq, lp.get("q_norm"), lp.get("k_norm"))
+        kv["k"], kv["v"], inv_freq, lp.get("q_norm"), lp.get("k_norm"))
     o_TNE = kernels.attention(q_TNE, k_cache, v_cache, x)
-    return (k_cache, v_cache), layers.linear(o_TNE.reshape(t, n * e), lp["wo"])
+    return {"k": k_cache, "v": v_cache}, layers.linear(o_TNE.reshape(t, n * e), lp["wo"])
 
 
 def gate_up(lp: dict, project: Callable):
@@ -91,52 +95,6 @@ def fuse_projections(cfg: ModelConfig, params: dict) -> dict:
     return params
 
 
-def _pow2(n: int, least: int) -> bool:
-    return n >= least and n & (n - 1) == 0
-
-
-def kernel_impl(cfg: ModelConfig, impl: str) -> str:
-    """Resolve "auto": the Pallas kernels on a GPU when the head dim is a power of two."""
-    if impl not in ("xla", "pallas", "auto"):
-        raise ValueError(f"attention_impl must be 'xla', 'pallas' or 'auto'; got {impl!r}")
-    if impl == "auto":
-        return "pallas" if jax.default_backend() == "gpu" and _pow2(cfg.head_dim, 16) else "xla"
-    return impl
-
-
-def make_attention_fn(cfg: ModelConfig, impl: str = "xla", busy_seqs: int = 0,
-                      skewed: bool = False):
-    """The paged attention used by the step.
-
-    impl: "xla" (plain XLA per-token reference), "pallas" (the ragged paged attention kernel;
-    interpreted on CPU: slow, for tests) or "auto" (pallas on a GPU when the head dim is a
-    power of two, else xla). The Pallas path reads x.query_start_loc, x.seq_lens and
-    x.block_tables (x.token_seq_ids and x.positions are not needed by it).
-    busy_seqs: at least this many of the step's sequence slots hold a chunk (0: unknown; the
-    runner pads steps to buckets), which picks the kernel's tiling (busy_seqs there); skewed:
-    the step's contexts are skewed (the kernel's `skewed`).
-    """
-    impl = kernel_impl(cfg, impl)
-    scale = cfg.head_dim ** -0.5
-
-    def xla(q_TNE, k_cache, v_cache, x: StepInput):
-        return layers.paged_attention_xla(
-            q_TNE, k_cache, v_cache, x.block_tables, x.token_seq_ids, x.positions,
-            sm_scale=scale, sliding_window=cfg.sliding_window)
-
-    if impl == "xla":
-        return xla
-    from jaxserve.pallas_kernels import ragged_paged_attention as rpa
-
-    def pallas(q_TNE, k_cache, v_cache, x: StepInput):
-        return rpa.ragged_paged_attention(
-            q_TNE, k_cache, v_cache, x.query_start_loc, x.seq_lens, x.block_tables,
-            sm_scale=scale, sliding_window=cfg.sliding_window, impl="pallas", busy_seqs=busy_seqs,
-            skewed=skewed)
-
-    return pallas
-
-
 @dataclasses.dataclass(frozen=True)
 class Kernels:
     """The step's building blocks, plain XLA or Pallas, chosen once per compiled step."""
@@ -147,33 +105,28 @@ class Kernels:
     impl: str                  # "xla" | "pallas": also picks the MoE grouped matmul
 
 
-FUSABLE = ("norm", "rope")   # fused add+RMSNorm; fused QK-norm+RoPE+KV write
-FUSED_KERNELS_ENV = "JAXSERVE_FUSED_KERNELS"
+# Fused Pallas kernels a runner may switch on (EngineConfig.fused_kernels): fused add+RMSNorm
+# ("norm") and QK-norm+RoPE+KV write ("rope"). Off by default: inside the whole 8B step on the
+# H200 both together made decode slower (BENCHMARKS.md, Kernels), since XLA fuses those ops
+# into their neighbours, which a custom call prevents.
+FUSABLE = ("norm", "rope")
 
 
-def fused_from_env() -> frozenset[str]:
-    """The fused kernels named in $JAXSERVE_FUSED_KERNELS ("norm", "rope", "norm,rope"; default
-    none): a benchmarking switch, so the H200 runs can time each fused kernel inside the step."""
-    names = frozenset(n.strip() for n in os.environ.get(FUSED_KERNELS_ENV, "").split(",") if n.strip())
-    if not names <= set(FUSABLE):
-        raise ValueError(f"{FUSED_KERNELS_ENV} must name some of {', '.join(FUSABLE)}; got {sorted(names)}")
-    return names
+def make_kernels(cfg: ModelConfig, backend: "AttentionBackend | str" = "xla",
+                 plan: AttentionPlan = AttentionPlan(), fused: frozenset[str] = frozenset()) -> Kernels:
+    """The kernels of one compiled step: `backend` (an AttentionBackend, or its impl name
+    "xla" | "pallas" | "auto") runs the attention with this step's `plan`; `fused` names the
+    fused kernels to swap in (FUSABLE)."""
+    if isinstance(backend, str):
+        backend = AttentionBackend(cfg, backend, context=cfg.max_position_embeddings, itemsize=2)
+    fused = frozenset(fused)
+    if not fused <= set(FUSABLE):
+        raise ValueError(f"fused_kernels must name some of {', '.join(FUSABLE)}; got {sorted(fused)}")
+    impl = backend.impl
 
+    def attention(q_TNE, k_cache, v_cache, x):
+        return backend.attention(q_TNE, k_cache, v_cache, x, plan)
 
-def make_kernels(cfg: ModelConfig, impl: str = "xla", fused: frozenset[str] | None = None,
-                 busy_seqs: int = 0, skewed: bool = False) -> Kernels:
-    """impl "xla", "pallas", or "auto" (Pallas on a GPU when the head dim suits the kernels).
-
-    `fused` (default: from $JAXSERVE_FUSED_KERNELS, i.e. none) swaps in the fused add+RMSNorm
-    ("norm") and QK-norm+RoPE+KV-write ("rope") Pallas kernels; busy_seqs and skewed go to the
-    attention (make_attention_fn).
-    NOTE: off by default: inside the whole 8B step on the H200, both together made decode
-    slower (4.79 against 4.72 ms/token at batch 1, 6.65 against 6.38 at batch 64;
-    BENCHMARKS.md), since XLA fuses those ops into their neighbours, which a custom call
-    prevents."""
-    impl = kernel_impl(cfg, impl)
-    fused = fused_from_env() if fused is None else frozenset(fused)
-    attention = make_attention_fn(cfg, impl, busy_seqs, skewed)
     eps = cfg.rms_norm_eps
 
     def add_norm(x_TD, res_TD, w_D):
@@ -197,34 +150,44 @@ def make_kernels(cfg: ModelConfig, impl: str = "xla", fused: frozenset[str] | No
                                      q_norm, k_norm, eps=eps, impl="pallas")
 
     # The fused rope/KV-write kernel tiles the head dim: it needs a power of two >= 32.
-    use_rope = "rope" in fused and _pow2(cfg.head_dim, 32)
+    e = cfg.head_dim
+    use_rope = "rope" in fused and e >= 32 and e & (e - 1) == 0
     return Kernels(attention, fused_add_norm if "norm" in fused else add_norm,
                    fused_rope_write if use_rope else rope_write, "pallas")
 
 
-def forward(cfg: ModelConfig, params: dict, kv_cache: KVCache, x: StepInput,
-            attention_impl: str = "xla", fused: frozenset[str] | None = None, busy_seqs: int = 0,
-            skewed: bool = False):
-    """Run every layer on the step's tokens; returns the updated cache and final hidden states.
+def cache_specs(cfg: ModelConfig) -> list[PagedSpec]:
+    """Every layer caches paged K and V, [num_blocks, P, K, E] each."""
+    kv = (cfg.num_kv_heads, cfg.head_dim)
+    return [PagedSpec((("k", kv), ("v", kv)), cfg.sliding_window)] * cfg.num_layers
 
-    The residual stream: each sub-block's output is added to the residual and the sum is
-    normalised for the next sub-block in one step (`add_norm`), which a fused kernel can do
-    reading and writing each activation once (see make_kernels). busy_seqs, skewed: see
-    make_attention_fn."""
+
+def forward(cfg: ModelConfig, params: dict, caches: Caches, x: StepInput,
+            kernels: Kernels | str = "xla", aux_layers: tuple[int, ...] = ()):
+    """Run every layer on the step's tokens: (updated caches, final hidden states f[T, D],
+    the residual stream after each layer in `aux_layers`, for proposers such as EAGLE3).
+
+    `kernels`: a make_kernels result, or an attention impl name. The residual stream: each
+    sub-block's output is added to the residual and the sum is normalised for the next
+    sub-block in one step (`add_norm`), which a fused kernel can do reading and writing each
+    activation once (make_kernels)."""
     from jaxserve.models import moe  # local: moe builds on this module
-    kernels = make_kernels(cfg, attention_impl, fused, busy_seqs, skewed)
+    if isinstance(kernels, str):
+        kernels = make_kernels(cfg, kernels)
     inv_freq = layers.rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling_dict)
     layers_p = params["layers"]
     residual_TD, normed_TD = kernels.add_norm(params["embed"][x.token_ids], None, layers_p[0]["attn_norm"])
-    new_cache = []
-    for i, (lp, kv) in enumerate(zip(layers_p, kv_cache)):
+    new_caches, aux = [], []
+    for i, (lp, kv) in enumerate(zip(layers_p, caches)):
         kv, attn_TD = attention_block(cfg, lp, kv, normed_TD, x, inv_freq, kernels)
-        new_cache.append(kv)
+        new_caches.append(kv)
         residual_TD, normed_TD = kernels.add_norm(attn_TD, residual_TD, lp["mlp_norm"])
         mlp_TD = moe.moe_mlp(cfg, lp, normed_TD, kernels.impl) if cfg.is_moe else dense_mlp(lp, normed_TD)
         next_norm = layers_p[i + 1]["attn_norm"] if i + 1 < len(layers_p) else params["final_norm"]
         residual_TD, normed_TD = kernels.add_norm(mlp_TD, residual_TD, next_norm)
-    return new_cache, normed_TD
+        if i in aux_layers:
+            aux.append(residual_TD)
+    return new_caches, normed_TD, tuple(aux)
 
 
 def compute_logits(cfg: ModelConfig, params: dict, hidden_SD: jax.Array) -> jax.Array:

@@ -1,7 +1,10 @@
-"""Architectures jaxserve runs, keyed by the HF `architectures` name.
+"""Architectures jaxserve runs, keyed by the HF `architectures` name: the only way from a
+config to its model family (loaders, dummy weights, sharding and the runner all ask here).
 
-Every supported architecture is a configuration of the decoder in llama.py (dense or MoE MLP,
-qkv bias, q/k norm, sliding window), so the registry maps names to that module.
+A family is a module with `cache_specs`, `param_shapes`, `forward`, `compute_logits` and
+`make_kernels` (models/llama.py documents the interface). Every architecture so far is a
+configuration of the decoder in llama.py (dense or MoE MLP, qkv bias, q/k norm, sliding
+window).
 """
 
 from __future__ import annotations
@@ -25,3 +28,8 @@ def get_model_module(architecture: str) -> ModuleType:
         raise ValueError(f"architecture {architecture!r} is not supported; supported: "
                          f"{', '.join(sorted(ARCHITECTURES))}")
     return ARCHITECTURES[architecture]
+
+
+def param_shapes(cfg) -> dict:
+    """Shape of every parameter of the config's architecture."""
+    return get_model_module(cfg.architecture).param_shapes(cfg)

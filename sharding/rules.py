@@ -50,7 +50,7 @@ KV_CACHE_AXES = ("kv_blocks", "block_tokens", "kv_heads", "head_dim")
 
 def param_logical_axes(cfg: ModelConfig) -> dict:
     """The parameter tree with a tuple of logical axis names at every leaf."""
-    from jaxserve.models.llama import param_shapes
+    from jaxserve.models.registry import param_shapes
 
     table = dict(_DENSE_AXES, **(_MOE_AXES if cfg.is_moe else {}))
     shapes = param_shapes(cfg)
@@ -96,7 +96,7 @@ def logical_to_spec(axes: tuple, shape: tuple, mesh: Mesh) -> PartitionSpec:
 
 def param_shardings(cfg: ModelConfig, mesh: Mesh) -> dict:
     """NamedSharding for every parameter, in the tree layout of `param_shapes`."""
-    from jaxserve.models.llama import param_shapes
+    from jaxserve.models.registry import param_shapes
 
     check_divisible(cfg, mesh)
     return jax.tree.map(lambda axes, shape: NamedSharding(mesh, logical_to_spec(axes, shape, mesh)),
@@ -106,7 +106,7 @@ def param_shardings(cfg: ModelConfig, mesh: Mesh) -> dict:
 
 def param_placements(cfg: ModelConfig, mesh: Mesh | None) -> dict:
     """Where each parameter goes: its mesh sharding, or the first device when there is no mesh."""
-    from jaxserve.models.llama import param_shapes
+    from jaxserve.models.registry import param_shapes
 
     if mesh is not None:
         return param_shardings(cfg, mesh)

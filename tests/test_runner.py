@@ -2,6 +2,7 @@
 if threads fail), and afterwards a varied workload compiles nothing."""
 
 import os
+from types import SimpleNamespace
 
 import jax
 import numpy as np
@@ -90,7 +91,7 @@ def test_compiling_in_the_background_keeps_no_engine_alive(monkeypatch):
     assert not all(f.done() for f in llm.engine.runner._pending.values())
     assert all(t.daemon for t in threading.enumerate() if t.name == "jaxserve-compile")
     runner = weakref.ref(llm.engine.runner)
-    kv = weakref.ref(llm.engine.runner.kv_cache[0][0])
+    kv = weakref.ref(llm.engine.runner.kv_cache[0]["k"])
     del llm
     gc.collect()
     assert runner() is None and kv() is None
@@ -119,29 +120,32 @@ def test_warmup_all_waits_for_the_full_programs_too(monkeypatch):
     assert len(runner._executables) == len(runner.buckets) * 2
 
 
-def test_attention_hint_marks_only_nearly_full_buckets_of_specially_tiled_grids(monkeypatch):
-    # A step's variant says how many sequence slots are busy only where the Pallas attention
+def attention_backend(kv_heads=8, head_dim=128, itemsize=2, gpu=True):
+    """An AttentionBackend of the Pallas kernel as on a GPU (its tiling rules need none)."""
+    from types import SimpleNamespace
+    from jaxserve.models.attention import AttentionBackend
+
+    cfg = SimpleNamespace(num_heads=32, num_kv_heads=kv_heads, head_dim=head_dim, sliding_window=None)
+    b = AttentionBackend.__new__(AttentionBackend)
+    b.cfg, b.impl, b.scale, b._buckets = cfg, "pallas", head_dim ** -0.5, {}
+    b._tiling_kw = dict(context=512 * 16, head_dim=head_dim, itemsize=itemsize)
+    b._tiles = gpu
+    return b
+
+
+def test_attention_plan_marks_only_nearly_full_buckets_of_specially_tiled_grids(monkeypatch):
+    # A step's plan says how many sequence slots are busy only where the Pallas attention
     # tiles a full bucket differently (ragged_paged_attention.tiling_busy_floor): 8 kv heads,
     # 16 or 32 slots = 128 or 256 programs, at least 13 busy; 128 slots, at least 100; 4 kv
     # heads, 16 slots, all; never off the GPU's Pallas path.
-    import types
-    from types import SimpleNamespace
     from jaxserve.models import llama
+    from jaxserve.models.attention import AttentionPlan
     from jaxserve.pallas_kernels import ragged_paged_attention as rpa
-    Runner = runner_module.ModelRunner
 
-    def fake(kv_heads=8, head_dim=128, dtype=jax.numpy.dtype("bfloat16"), pallas=True):
-        r = SimpleNamespace(cfg=SimpleNamespace(num_heads=32, num_kv_heads=kv_heads,
-                                                head_dim=head_dim),
-                            dtype=dtype, _pallas_attention=pallas, _tilings={},
-                            max_blocks_per_seq=512, block_size=16)
-        r.bucket_tilings = types.MethodType(Runner.bucket_tilings, r)
-        return r
-
-    def floor(r, t, s, busy, contexts=None):
-        busy_seqs, skewed = Runner.attention_hint(r, t, s, busy, contexts)
-        return busy_seqs if not skewed else ("skewed", busy_seqs)
-    llama8b = fake()
+    def floor(b, t, s, busy, contexts=None):
+        plan = b.plan(t, s, busy, contexts)
+        return plan.busy_seqs if not plan.skewed else ("skewed", plan.busy_seqs)
+    llama8b = attention_backend()
     assert floor(llama8b, 16, 16, 16) == floor(llama8b, 16, 16, 13) == 13
     assert floor(llama8b, 16, 16, 12) == 0         # padded: tiled as a bucket of few decodes
     assert floor(llama8b, 32, 32, 32) == 13        # 256 programs: pipelined from 104 busy
@@ -151,7 +155,7 @@ def test_attention_hint_marks_only_nearly_full_buckets_of_specially_tiled_grids(
     assert floor(llama8b, 128, 128, 128) == floor(llama8b, 128, 128, 100) == 100
     assert floor(llama8b, 128, 128, 99) == 0
     assert floor(llama8b, 1, 1, 1) == 0
-    qwen = fake(kv_heads=4)                        # Qwen3-30B-A3B's heads: 32 slots
+    qwen = attention_backend(kv_heads=4)           # Qwen3-30B-A3B's heads: 32 slots
     assert floor(qwen, 32, 32, 31) == 26 and floor(qwen, 32, 32, 25) == 0
     assert floor(qwen, 64, 64, 64) == 26
     # 16 slots = 64 programs: split two ways when all are busy, fill_splits below
@@ -167,37 +171,34 @@ def test_attention_hint_marks_only_nearly_full_buckets_of_specially_tiled_grids(
     assert floor(llama8b, 64, 64, 64, np.array([1000] * 64)) == 0
     assert floor(qwen, 128, 128, 128, np.array([9000] + [100] * 127)) == ("skewed", 0)
     assert floor(llama8b, 128, 128, 128, np.array([9000] + [100] * 127)) == 100   # 1,024: not
-    assert Runner.bucket_tilings(llama8b, 1, 1) == (0, False, False)   # one slot: never skewed
-    assert floor(fake(pallas=False), 16, 16, 16) == 0
-    assert floor(fake(head_dim=64), 16, 16, 16) == 0                      # not the measured case
-    assert floor(fake(dtype=jax.numpy.dtype("float32")), 16, 16, 16) == 0
-    # ... and the model hands it to the kernel
+    assert llama8b._bucket(1, 1) == (0, False, False)       # one slot: never skewed
+    assert floor(attention_backend(gpu=False), 16, 16, 16) == 0
+    assert floor(attention_backend(head_dim=64), 16, 16, 16) == 0    # not the measured case
+    assert floor(attention_backend(itemsize=4), 16, 16, 16) == 0
+    assert llama8b.warmup_plans(64, 64) == [AttentionPlan(), AttentionPlan(skewed=True)]
+    assert llama8b.warmup_plans(16, 16) == [AttentionPlan(), AttentionPlan(busy_seqs=13)]
+    # ... and the model hands the plan to the kernel untouched
     seen = {}
     monkeypatch.setattr(rpa, "ragged_paged_attention", lambda *a, **kw: seen.update(kw))
-    cfg = SimpleNamespace(head_dim=128, sliding_window=None)
-    monkeypatch.setattr(llama, "kernel_impl", lambda cfg, impl: impl)
     x = SimpleNamespace(query_start_loc=None, seq_lens=None, block_tables=None)
-    llama.make_attention_fn(cfg, "pallas", busy_seqs=15)(None, None, None, x)
-    assert seen["busy_seqs"] == 15
-    llama.make_attention_fn(cfg, "pallas")(None, None, None, x)
-    assert seen["busy_seqs"] == 0 and not seen["skewed"]   # unknown: never as a full bucket
-    llama.make_attention_fn(cfg, "pallas", skewed=True)(None, None, None, x)
-    assert seen["skewed"]
-    seen.clear()
-    cfg.rms_norm_eps = 1e-5
-    llama.make_kernels(cfg, "pallas", frozenset(), 3, True).attention(None, None, None, x)
+    cfg = SimpleNamespace(head_dim=128, rms_norm_eps=1e-5)
+    kernels = llama.make_kernels(cfg, llama8b, AttentionPlan(busy_seqs=3, skewed=True))
+    kernels.attention(None, None, None, x)
     assert seen["busy_seqs"] == 3 and seen["skewed"]
+    llama.make_kernels(cfg, llama8b).attention(None, None, None, x)
+    assert seen["busy_seqs"] == 0 and not seen["skewed"]   # unknown: never as a full bucket
 
 
-def test_each_step_hands_attention_hint_its_chunks_contexts(monkeypatch):
+def test_each_step_hands_the_backend_its_chunks_contexts(monkeypatch):
     # the skew rule needs every step's seq_lens: the chunks' contexts after the step
     from jaxserve import SamplingParams as SP
+    from jaxserve.models.attention import AttentionPlan
     llm = LLM(TINY, dtype="float32", max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64,
               warmup=False)
     runner = llm.engine.runner
     seen = []
-    monkeypatch.setattr(runner, "attention_hint",
-                        lambda t, s, busy, contexts=None: seen.append(list(contexts)) or (0, False))
+    monkeypatch.setattr(runner.backend, "plan",
+                        lambda t, s, busy, contexts=None: seen.append(list(contexts)) or AttentionPlan())
     llm.generate([{"prompt_token_ids": [5, 6, 7]}, {"prompt_token_ids": [8] * 11}],
                  SP(max_tokens=3, temperature=0.0))
     assert seen[0] == [3, 11]                  # both prompts in one step
@@ -205,42 +206,43 @@ def test_each_step_hands_attention_hint_its_chunks_contexts(monkeypatch):
 
 
 def test_a_skewed_step_runs_the_skewed_program_warm_up_compiled(monkeypatch):
-    # prepare() -> attention_hint -> StepVariant(skewed) -> _step -> model.forward(skewed=...):
+    # prepare() -> backend.plan -> StepVariant(attention=skewed plan) -> _step -> make_kernels:
     # a bucket whose skewed steps have a program of their own (stubbed: the CPU has none)
     from jaxserve import SamplingParams as SP
     from jaxserve.models import llama
     llm = LLM(TINY, dtype="float32", max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64,
               warmup=False)
     runner = llm.engine.runner
-    monkeypatch.setattr(runner, "bucket_tilings", lambda t, s: (0, True, True))
+    runner.backend._tiles = True
+    monkeypatch.setattr(runner.backend, "_bucket", lambda t, s: (0, True, True))
     traced = []
-    forward = llama.forward
-    monkeypatch.setattr(llama, "forward",
-                        lambda *a, **kw: traced.append(kw["skewed"]) or forward(*a, **kw))
+    make_kernels = llama.make_kernels
+    monkeypatch.setattr(llama, "make_kernels",
+                        lambda cfg, backend, plan, fused: traced.append(plan.skewed)
+                        or make_kernels(cfg, backend, plan, fused))
     runner.warmup()
     runner.wait_for_warmup()
     compiled = set(runner._executables)
     assert True in traced and False in traced  # the skewed programs reach the model
     ran = []
-    prepare = runner.prepare
-    monkeypatch.setattr(runner, "prepare",
-                        lambda out: (lambda xv: ran.append(xv[1]) or xv)(prepare(out)))
+    build = runner._build
+    monkeypatch.setattr(runner, "_build", lambda out: (lambda r: ran.append(r[2]) or r)(build(out)))
     llm.generate([{"prompt_token_ids": [5, 6]}, {"prompt_token_ids": [7] * 30}],
                  SP(max_tokens=2, temperature=0.0))
-    assert any(v.skewed for v in ran)          # 2 against 30 tokens: skewed
+    assert any(v.attention.skewed for v in ran)          # 2 against 30 tokens: skewed
     assert {v for v in ran} <= {v for _, v in compiled}    # nothing compiled on the way
 
 
 def test_a_skewed_step_runs_as_an_even_one_until_its_program_is_ready():
     # skewed programs compile in warm-up's background batch: a step does not wait for one
     import dataclasses
-    from jaxserve.scheduler import SchedulerOutput
+    from jaxserve.models.attention import AttentionPlan
+    from jaxserve.step_messages import SchedulerOutput
     llm = LLM(TINY, dtype="float32", max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64)
     runner = llm.engine.runner
-    x, variant = runner.prepare(SchedulerOutput(chunks=[], num_tokens=16, preempted_ids=[],
-                                                new_ids=[], num_cached_tokens=0))
+    x, _, variant = runner.prepare(SchedulerOutput([], [], [], 16, [], 0))
     _, layout = runner_module.packing.pack(x)
-    skewed = dataclasses.replace(variant, skewed=True)
+    skewed = dataclasses.replace(variant, attention=AttentionPlan(skewed=True))
     assert (layout, skewed) not in runner._executables
     calls = []
     even = runner._executables[(layout, variant)]
@@ -258,13 +260,15 @@ def test_skewed_contexts_threshold():
 
 
 def test_warmup_packs_busy_variants_like_the_steps_that_use_them(monkeypatch):
-    # where a bucket has busy or skewed variants (only on a GPU), warm-up compiles them with
+    # where a bucket has busy or skewed plans (only on a GPU), warm-up compiles them with
     # the layout of their lean / full twins: the (layout, variant) keys a step asks for
     import dataclasses
+    from jaxserve.models.attention import AttentionPlan
     llm = LLM(TINY, dtype="float32", max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64,
               warmup=False)
     runner = llm.engine.runner
-    monkeypatch.setattr(runner, "bucket_tilings",
+    runner.backend._tiles = True
+    monkeypatch.setattr(runner.backend, "_bucket",
                         lambda t, s: {16: (3, False, False), 32: (0, True, True)}.get(
                             t, (0, False, False)))
     jobs, batches = [], []
@@ -272,35 +276,19 @@ def test_warmup_packs_busy_variants_like_the_steps_that_use_them(monkeypatch):
                         lambda js, threads: batches.append(js) or jobs.extend(js) or {})
     runner.warmup()
     keys = {(layout, variant) for layout, variant, _ in jobs}
+    later = lambda v: v.full or v.attention.skewed  # noqa: E731
     # the lean programs first (warm-up waits for them), then the full and skewed ones
-    assert not any(v.full or v.skewed for _, v, _ in batches[0])
-    assert all(v.full or v.skewed for _, v, _ in batches[1])
-    busy = [(layout, variant) for layout, variant in keys if variant.busy_seqs]
+    assert not any(later(v) for _, v, _ in batches[0])
+    assert all(later(v) for _, v, _ in batches[1])
+    busy = [(layout, v) for layout, v in keys if v.attention.busy_seqs]
     assert sorted(v.full for _, v in busy) == [False, True]
     for layout, variant in busy:
-        assert (layout, dataclasses.replace(variant, busy_seqs=0)) in keys
-    skewed = [(layout, variant) for layout, variant in keys if variant.skewed]
+        assert (layout, dataclasses.replace(variant, attention=AttentionPlan())) in keys
+    skewed = [(layout, v) for layout, v in keys if v.attention.skewed]
     assert sorted(v.full for _, v in skewed) == [False, True] and 32 in runner.buckets
     for layout, variant in skewed:
-        assert (layout, dataclasses.replace(variant, skewed=False)) in keys
+        assert (layout, dataclasses.replace(variant, attention=AttentionPlan())) in keys
     assert len(keys) == 2 * len(runner.buckets) + 4
-
-
-def run_python(script: str, *argv: str, cache=None, timeout: int = 600):
-    """`script` in a fresh CPU-only Python process (caches under `cache` if given; jax's
-    Mosaic GPU runtime variable unset, as in a process that never imported it); asserts it
-    exited cleanly and returns it."""
-    import subprocess
-    import sys
-
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env.pop("MOSAIC_GPU_RUNTIME_LIB_PATH", None)
-    if cache is not None:
-        env.update(JAXSERVE_CACHE=str(cache), JAX_COMPILATION_CACHE_DIR=str(cache / "xla"))
-    done = subprocess.run([sys.executable, "-c", script, *argv], capture_output=True, text=True,
-                          env=env, timeout=timeout)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return done
 
 
 def test_exiting_while_programs_compile_in_the_background_exits_cleanly(tmp_path):

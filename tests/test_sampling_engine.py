@@ -57,8 +57,9 @@ def reference_logprobs(llm, token_ids: list[int]) -> np.ndarray:
                   block_tables=jnp.arange(1, num_blocks + 1, dtype=jnp.int32)[None],
                   logits_indices=jnp.asarray([n - 1], jnp.int32), sampling=None)
     shape = (num_blocks + 1, p, cfg.num_kv_heads, cfg.head_dim)
-    kv = [(jnp.zeros(shape, jnp.float32), jnp.zeros(shape, jnp.float32)) for _ in range(cfg.num_layers)]
-    _, hidden_TD = model.forward(cfg, params, kv, x, "xla")
+    kv = [{"k": jnp.zeros(shape, jnp.float32), "v": jnp.zeros(shape, jnp.float32)}
+          for _ in range(cfg.num_layers)]
+    _, hidden_TD, _ = model.forward(cfg, params, kv, x, "xla")
     return np.asarray(jax.nn.log_softmax(model.compute_logits(cfg, params, hidden_TD), axis=-1))
 
 

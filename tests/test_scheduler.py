@@ -4,6 +4,7 @@ from jaxserve.config import CacheConfig, SchedulerConfig
 from jaxserve.request import Request, RequestStatus
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.scheduler import Scheduler
+from jaxserve.step_messages import RunnerOutput
 
 
 def make(max_tokens=64, max_seqs=4, blocks=32, block_size=4, max_len=64, caching=True, long_prefill=0):
@@ -17,9 +18,18 @@ def req(rid, n, max_tokens=4, **kw):
                    eos_token_ids=(2,))
 
 
+def result(out, tokens):
+    """A RunnerOutput giving each sampling request of `out` its tokens: `tokens` is one token
+    for all, or a list with one entry (an int or a list of ints) per scheduled request."""
+    per = tokens if isinstance(tokens, list) else [tokens] * len(out.scheduled)
+    sampled = [([t] if isinstance(t, int) else list(t)) if r.sample else []
+               for r, t in zip(out.scheduled, per)]
+    return RunnerOutput(out.req_ids, sampled, [None] * len(sampled))
+
+
 def run_step(s, token=7):
     out = s.schedule()
-    s.update(out, [token if c.sample else None for c in out.chunks])
+    s.update(out, result(out, token))
     return out
 
 
@@ -27,8 +37,8 @@ def test_long_prompt_is_chunked_and_samples_only_at_the_end():
     s = make(max_tokens=8)
     s.add_request(req("a", 20))
     outs = [run_step(s) for _ in range(3)]
-    assert [len(o.chunks[0].token_ids) for o in outs] == [8, 8, 4]
-    assert [o.chunks[0].sample for o in outs] == [False, False, True]
+    assert [o.scheduled[0].num_tokens for o in outs] == [8, 8, 4]
+    assert [o.scheduled[0].sample for o in outs] == [False, False, True]
     assert s.requests["a"].output_token_ids == [7]
 
 
@@ -39,10 +49,10 @@ def test_long_prefill_token_threshold_cuts_prefill_chunks_not_decodes():
     s.add_request(req("b", 14))
     s.add_request(req("c", 5))
     outs = [run_step(s) for _ in range(3)]
-    sizes = [{c.request.request_id: len(c.token_ids) for c in o.chunks} for o in outs]
+    sizes = [{c.req_id: c.num_tokens for c in o.scheduled} for o in outs]
     # b is cut to 6 tokens a step although the budget (32) would take it whole; c fits.
     assert sizes == [{"a": 1, "b": 6, "c": 5}, {"a": 1, "b": 6, "c": 1}, {"a": 1, "b": 2, "c": 1}]
-    assert [c.sample for c in outs[2].chunks] == [True, True, True]
+    assert [c.sample for c in outs[2].scheduled] == [True, True, True]
 
 
 def test_running_requests_come_before_waiting_ones():
@@ -51,8 +61,8 @@ def test_running_requests_come_before_waiting_ones():
     run_step(s)                       # a prefilled, now decoding
     s.add_request(req("b", 30))
     out = s.schedule()
-    assert [c.request.request_id for c in out.chunks] == ["a", "b"]
-    assert [len(c.token_ids) for c in out.chunks] == [1, 9]
+    assert out.req_ids == ["a", "b"]
+    assert [c.num_tokens for c in out.scheduled] == [1, 9]
 
 
 def test_max_num_seqs_limits_admission():
@@ -60,7 +70,7 @@ def test_max_num_seqs_limits_admission():
     for r in "abc":
         s.add_request(req(r, 3))
     out = s.schedule()
-    assert len(out.chunks) == 2 and len(s.waiting) == 1
+    assert len(out.scheduled) == 2 and len(s.waiting) == 1
 
 
 def test_prefix_hit_starts_further_on():
@@ -70,7 +80,7 @@ def test_prefix_hit_starts_further_on():
     assert "a" not in s.requests
     s.add_request(req("b", 10, max_tokens=1))
     out = s.schedule()
-    assert out.chunks[0].start_position == 8 and len(out.chunks[0].token_ids) == 2
+    assert out.scheduled[0].start_position == 8 and out.scheduled[0].num_tokens == 2
     assert s.prefix_hits == 8 and s.prefix_queries == 20
 
 
@@ -80,7 +90,7 @@ def test_fully_cached_prompt_still_computes_one_token():
     run_step(s)
     s.add_request(req("b", 8, max_tokens=1))
     out = s.schedule()
-    assert out.chunks[0].start_position == 4 and out.chunks[0].sample
+    assert out.scheduled[0].start_position == 4 and out.scheduled[0].sample
 
 
 def test_preemption_frees_newest_and_recomputes():
@@ -134,20 +144,20 @@ def test_abort_frees_blocks():
 
 
 def test_next_step_is_scheduled_before_the_tokens_arrive():
-    from jaxserve.scheduler import PENDING_TOKEN
     s = make()
     s.add_request(req("a", 5, max_tokens=3))
-    first = s.schedule()                       # prefill, samples token 1 (pending)
-    second = s.schedule()                      # decode of the pending token
-    assert second.chunks[0].token_ids == [PENDING_TOKEN] and second.chunks[0].start_position == 5
-    assert s.requests["a"].num_pending_tokens == 2
-    s.update(first, [11])
-    third = s.schedule()                       # token 11 known, token 2 pending
-    assert third.chunks[0].token_ids == [PENDING_TOKEN] and third.chunks[0].start_position == 6
-    s.update(second, [12])
+    first = s.schedule()                       # prefill, samples token 1 (a placeholder)
+    second = s.schedule()                      # decode of the placeholder token
+    assert second.scheduled[0].num_tokens == 1 and second.scheduled[0].start_position == 5
+    assert not second.new_requests and first.new_requests[0].req_id == "a"
+    assert s.requests["a"].num_output_placeholders == 2
+    s.update(first, result(first, 11))
+    third = s.schedule()                       # token 11 known, token 2 a placeholder
+    assert third.scheduled[0].start_position == 6
+    s.update(second, result(second, 12))
     # max_tokens=3: the token now pending ends the request, so nothing more is computed.
-    assert s.schedule().chunks == []
-    s.update(third, [13])
+    assert s.schedule().scheduled == []
+    s.update(third, result(third, 13))
     assert not s.requests and s.pool.num_used == 0
 
 
@@ -157,9 +167,9 @@ def test_tokens_after_a_finish_are_dropped():
     s.add_request(r)
     first = s.schedule()
     second = s.schedule()
-    s.update(first, [2])                       # EOS: finished while `second` is in flight
+    s.update(first, result(first, 2))          # EOS: finished while `second` is in flight
     assert r.status == RequestStatus.FINISHED_STOPPED and s.pool.num_used == 0
-    s.update(second, [42])
+    s.update(second, result(second, 42))
     assert r.output_token_ids == [2]
 
 
@@ -173,8 +183,8 @@ def test_admission_keeps_the_blocks_running_requests_need_next():
     out = s.schedule()
     # This step fills a's block, so its next token needs a new one: b (2 blocks) would fit
     # in the 2 free blocks now, but a would preempt it at the very next step. b waits.
-    assert [c.request.request_id for c in out.chunks] == ["a"] and not out.preempted_ids
-    s.update(out, [7])
+    assert out.req_ids == ["a"] and not out.preempted_ids
+    s.update(out, result(out, 7))
     for _ in range(10):
         if not s.requests:
             break
@@ -192,17 +202,17 @@ def test_prefill_chunk_is_cut_to_end_at_a_step_size_it_would_barely_cross():
     run_step(s)                                   # all 20 prefilled, now decoding
     s.add_request(req("long", 245))
     out = run_step(s)
-    assert out.num_tokens == 256 and len(out.chunks[-1].token_ids) == 236
-    assert not out.chunks[-1].sample
+    assert out.num_tokens == 256 and out.scheduled[-1].num_tokens == 236
+    assert not out.scheduled[-1].sample
     out = run_step(s)
-    assert out.num_tokens == 29 and out.chunks[-1].sample          # 20 decodes + the last 9
+    assert out.num_tokens == 29 and out.scheduled[-1].sample          # 20 decodes + the last 9
     # A chunk that would spill far past a step size is left whole (padding costs less).
     s.add_request(Request("mid", list(range(1000, 1200)), SamplingParams(max_tokens=4), eos_token_ids=(2,)))
     out = run_step(s)
-    assert len(out.chunks[-1].token_ids) == 200 and out.num_tokens == 221
+    assert out.scheduled[-1].num_tokens == 200 and out.num_tokens == 221
     # Below FIT_MIN_STEP nothing is cut: 21 decodes + 100 = 121 tokens, padded to 128.
     s.add_request(Request("short", list(range(2000, 2100)), SamplingParams(max_tokens=4), eos_token_ids=(2,)))
-    assert len(run_step(s).chunks[-1].token_ids) == 100
+    assert run_step(s).scheduled[-1].num_tokens == 100
 
 
 def test_fit_cuts_the_last_chunk_that_can_take_the_cut():
@@ -211,13 +221,87 @@ def test_fit_cuts_the_last_chunk_that_can_take_the_cut():
                   CacheConfig(block_size=16), 512, step_sizes=sizes)
     s.add_request(req("long", 600, max_tokens=4))
     out = run_step(s)
-    assert out.num_tokens == 512 and not out.chunks[0].sample      # 600 would pad to 1024
+    assert out.num_tokens == 512 and not out.scheduled[0].sample      # 600 would pad to 1024
     for i in range(30):
         s.add_request(Request(f"d{i}", [3000 + i, 5], SamplingParams(max_tokens=50), eos_token_ids=(2,)))
     out = run_step(s)
     # long's last 88 tokens come first, then 30 two-token prompts: 148 tokens would pad to
     # 256; the two-token chunks cannot give up 20 tokens, so long's chunk does: 68 + 60 = 128.
-    assert out.num_tokens == 128 and len(out.chunks[0].token_ids) == 68
-    assert s.requests["long"].num_computed_tokens == 580 and not out.chunks[0].sample
+    assert out.num_tokens == 128 and out.scheduled[0].num_tokens == 68
+    assert s.requests["long"].num_computed_tokens == 580 and not out.scheduled[0].sample
     out = run_step(s)
-    assert len(out.chunks[0].token_ids) == 20 and out.chunks[0].sample
+    assert out.scheduled[0].num_tokens == 20 and out.scheduled[0].sample
+
+
+def test_messages_are_plain_data_and_round_trip_through_pickle():
+    import pickle
+
+    from jaxserve.request import Request as LiveRequest
+
+    s = make(max_tokens=8)
+    s.add_request(req("a", 10))
+    out = s.schedule()
+    res = result(out, 7)
+    for message in (out, res):
+        back = pickle.loads(pickle.dumps(message))
+        assert back == message
+
+        def walk(x):
+            assert not isinstance(x, LiveRequest), f"a live Request inside {type(message).__name__}"
+            if isinstance(x, (list, tuple)):
+                for y in x:
+                    walk(y)
+            elif hasattr(x, "__dataclass_fields__"):
+                for name in x.__dataclass_fields__:
+                    walk(getattr(x, name))
+        walk(message)
+
+
+def test_running_requests_send_only_new_blocks():
+    s = make(max_tokens=64, block_size=4)
+    s.add_request(req("a", 7, max_tokens=10))
+    first = run_step(s)                           # 7 tokens: blocks for 2 of 4 slots
+    assert len(first.scheduled[0].new_block_ids[0]) == 2
+    second = run_step(s)                          # token 8 fits in the second block
+    assert second.scheduled[0].new_block_ids == [[]]
+    third = run_step(s)                           # token 9 needs a third block
+    assert len(third.scheduled[0].new_block_ids[0]) == 1
+    assert s.kv.blocks["a"] == first.scheduled[0].new_block_ids[0] + third.scheduled[0].new_block_ids[0]
+
+
+def test_draft_tokens_count_in_the_budget_and_rejections_roll_back():
+    s = make(max_tokens=64, block_size=4)
+    r = req("a", 6, max_tokens=20)
+    s.add_request(r)
+    run_step(s, token=7)                          # prefill: 6 computed, output [7]
+    assert r.num_computed_tokens == 6
+    r.spec_token_ids = [8, 9, 10]                 # a proposer's drafts
+    out = s.schedule()
+    sched = out.scheduled[0]
+    # The known token 7 plus 3 drafts: 4 tokens at positions 6..9, all verified at once.
+    assert (sched.start_position, sched.num_tokens, sched.spec_token_ids) == (6, 4, [8, 9, 10])
+    assert sched.sample and r.num_computed_tokens == 10
+    # 2 drafts right (8, 9), then the target's own token 11 instead of 10: 3 tokens kept.
+    s.update(out, result(out, [[8, 9, 11]]))
+    assert r.output_token_ids == [7, 8, 9, 11]
+    assert r.num_computed_tokens == 10 - (3 + 1 - 3)   # position 9's KV (draft 10) is garbage
+    # All drafts rejected: one token kept, num_computed back to before the drafts + 1.
+    r.spec_token_ids = [1, 1]
+    out = s.schedule()
+    assert out.scheduled[0].num_tokens == 3 and r.num_computed_tokens == 12
+    s.update(out, result(out, [[5]]))
+    assert r.output_token_ids[-1] == 5 and r.num_computed_tokens == 10
+    assert r.num_computed_tokens == r.num_tokens - 1    # the newest token is still to compute
+
+
+def test_drafts_never_exceed_max_tokens_and_a_budget_cut_keeps_the_first_drafts():
+    s = make(max_tokens=3, max_seqs=1, block_size=4)
+    r = req("a", 2, max_tokens=3)
+    s.add_request(r)
+    run_step(s, token=7)
+    r.spec_token_ids = [8, 9, 10, 11]
+    out = s.schedule()
+    assert out.scheduled[0].spec_token_ids == [8, 9]     # budget 3: the known token + 2 drafts
+    s.update(out, result(out, [[8, 9, 12]]))
+    assert r.output_token_ids == [7, 8, 9] and "a" not in s.requests   # max_tokens=3 reached
+    assert s.pool.num_used == 0

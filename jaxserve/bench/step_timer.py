@@ -93,15 +93,16 @@ class StepTimer:
         return make
 
     def _on_schedule(self, args, out) -> None:
-        if self._current is not None and out.chunks:
-            self._current.num_seqs = len(out.chunks)
+        if self._current is not None and out.scheduled:
+            self._current.num_seqs = len(out.scheduled)
             self._current.num_tokens = out.num_tokens
-            self._current.decode = all(len(ch.token_ids) == 1 for ch in out.chunks)
+            self._current.decode = all(r.num_tokens == 1 for r in out.scheduled)
 
     def _on_prepare(self, args, result) -> None:
         rec = self._current
         if self._capture and rec is not None and rec.decode and rec.num_seqs not in self.decode_inputs:
-            self.decode_inputs[rec.num_seqs] = result
+            x, _, variant = result            # what runner.run() takes
+            self.decode_inputs[rec.num_seqs] = (x, variant)
 
     def _timed_run(self, fn):
         # A pipelined runner (one with `collect`) must not be waited on here: that would

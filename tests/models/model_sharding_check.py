@@ -54,7 +54,7 @@ def _run(cfg, params, mesh):
 
 
 def _forward_logits(cfg, params, kv, x):
-    kv, hidden = llama.forward(cfg, params, kv, x)
+    kv, hidden, _ = llama.forward(cfg, params, kv, x)
     return kv, llama.compute_logits(cfg, params, hidden)
 
 

@@ -67,11 +67,11 @@ def build_step(chunks: list[Chunk], tables: np.ndarray, block_size: int, num_tok
 
 
 def empty_kv_cache(cfg, num_blocks: int, block_size: int, dtype=jnp.float32, sharding=None) -> list:
-    """Zeroed cache: one (k, v) pair per layer, each f[num_blocks, P, K, E]."""
+    """Zeroed cache: one {"k", "v"} dict per layer, each f[num_blocks, P, K, E]."""
     import jax
 
     shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
     make = lambda: jnp.zeros(shape, dtype)  # noqa: E731
     if sharding is not None:
         make = jax.jit(make, out_shardings=sharding)
-    return [(make(), make()) for _ in range(cfg.num_layers)]
+    return [{"k": make(), "v": make()} for _ in range(cfg.num_layers)]

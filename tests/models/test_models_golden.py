@@ -28,7 +28,7 @@ ATOL = 1e-4
 
 @functools.partial(jax.jit, static_argnums=0)
 def _step(cfg, params, kv_cache, x):
-    kv_cache, hidden_TD = llama.forward(cfg, params, kv_cache, x)
+    kv_cache, hidden_TD, _ = llama.forward(cfg, params, kv_cache, x)
     return kv_cache, llama.compute_logits(cfg, params, hidden_TD)
 
 

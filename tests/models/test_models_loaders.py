@@ -119,7 +119,7 @@ def test_dummy_weights_run(tiny_checkpoint):
     assert 0.015 < float(np.std(params["layers"][1]["w_up"])) < 0.025
     tables = scattered_block_tables(1, 2, 4)
     x = build_step([Chunk(0, [5, 6, 7], 0)], tables, 8, 4, 1)
-    _, hidden = jax.jit(llama.forward, static_argnums=0)(cfg, params, empty_kv_cache(cfg, 4, 8), x)
+    _, hidden, _ = jax.jit(llama.forward, static_argnums=0)(cfg, params, empty_kv_cache(cfg, 4, 8), x)
     assert np.isfinite(np.asarray(llama.compute_logits(cfg, params, hidden))).all()
 
 

@@ -34,7 +34,7 @@ def smollm2():
 
 @functools.partial(jax.jit, static_argnums=0)
 def _step(cfg, params, kv_cache, x):
-    kv_cache, hidden_TD = llama.forward(cfg, params, kv_cache, x)
+    kv_cache, hidden_TD, _ = llama.forward(cfg, params, kv_cache, x)
     hidden_SD = hidden_TD[x.logits_indices]
     return kv_cache, llama.compute_logits(cfg, params, hidden_SD)
 

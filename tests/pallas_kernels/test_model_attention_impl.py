@@ -23,8 +23,8 @@ BLOCK_SIZE, NUM_BLOCKS, BLOCKS_PER_SEQ, STEP_T, S = 8, 32, 6, 24, 4
 
 @functools.partial(jax.jit, static_argnums=(0, 4, 5))
 def _step(cfg, params, kv_cache, x, impl, fuse=False):
-    kv_cache, hidden_TD = llama.forward(cfg, params, kv_cache, x, attention_impl=impl,
-                                        fused={"norm", "rope"} if fuse else frozenset())
+    kernels = llama.make_kernels(cfg, impl, fused={"norm", "rope"} if fuse else frozenset())
+    kv_cache, hidden_TD, _ = llama.forward(cfg, params, kv_cache, x, kernels)
     return kv_cache, llama.compute_logits(cfg, params, hidden_TD)
 
 
@@ -87,13 +87,14 @@ def test_fused_kernels_in_model_match_xla_path():
     (kv_x, logits_x), (kv_p, logits_p) = outs["xla"], outs["pallas"]
     real = int(x.query_start_loc[3])
     np.testing.assert_allclose(logits_p[:real], logits_x[:real], atol=1e-4, rtol=1e-4)
-    for (kx, vx), (kp, vp) in zip(kv_x, kv_p):
-        np.testing.assert_allclose(kp[1:], kx[1:], atol=1e-5)      # block 0 takes padding writes
-        np.testing.assert_allclose(vp[1:], vx[1:], atol=1e-5)
+    for layer_x, layer_p in zip(kv_x, kv_p):
+        for name in ("k", "v"):                                     # block 0 takes padding writes
+            np.testing.assert_allclose(layer_p[name][1:], layer_x[name][1:], atol=1e-5)
 
 
-def test_fused_kernels_chosen_one_by_one(monkeypatch):
-    """Each fused kernel can be switched on alone (how the H200 runs time them in the step)."""
+def test_fused_kernels_chosen_one_by_one():
+    """Each fused kernel can be switched on alone (EngineConfig.fused_kernels: how the H200 runs
+    time them in the step)."""
     from jaxserve.models.dummy import load_dummy
 
     cfg, _ = load_dummy({"architectures": ["LlamaForCausalLM"], "vocab_size": 64, "hidden_size": 64,
@@ -103,12 +104,8 @@ def test_fused_kernels_chosen_one_by_one(monkeypatch):
     def names(k):
         return tuple(getattr(f, "func", f).__name__ for f in (k.add_norm, k.rope_write))
 
-    monkeypatch.setenv(llama.FUSED_KERNELS_ENV, "norm")
-    assert names(llama.make_kernels(cfg, "pallas")) == ("fused_add_norm", "qk_norm_rope_write")
-    monkeypatch.setenv(llama.FUSED_KERNELS_ENV, "rope")
-    assert names(llama.make_kernels(cfg, "pallas")) == ("add_norm", "fused_rope_write")
-    monkeypatch.setenv(llama.FUSED_KERNELS_ENV, "")
+    assert names(llama.make_kernels(cfg, "pallas", fused={"norm"})) == ("fused_add_norm", "qk_norm_rope_write")
+    assert names(llama.make_kernels(cfg, "pallas", fused={"rope"})) == ("add_norm", "fused_rope_write")
     assert names(llama.make_kernels(cfg, "pallas")) == ("add_norm", "qk_norm_rope_write")
-    monkeypatch.setenv(llama.FUSED_KERNELS_ENV, "norms")
-    with pytest.raises(ValueError, match="JAXSERVE_FUSED_KERNELS"):
-        llama.make_kernels(cfg, "pallas")
+    with pytest.raises(ValueError, match="fused_kernels"):
+        llama.make_kernels(cfg, "pallas", fused={"norms"})

@@ -1,0 +1,89 @@
+"""The engine core: schedule -> execute -> update, and the only place that pipelines.
+
+Pipelined: before waiting for step N's tokens, step N+1 is scheduled and dispatched, taking
+N's sampled tokens straight from the device; N's tokens are then read and applied one step
+late. Requests that finish at N waste one token of N+1. Requests whose next step needs the
+host's view of this step's tokens (penalties read the whole history; drafts are proposed
+from it) make the core wait for each step before scheduling the next.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+from jaxserve.engine.input_processor import EngineRequest
+from jaxserve.request import Request, RequestStatus
+from jaxserve.runner import ModelRunner
+from jaxserve.scheduler import RequestUpdate, Scheduler
+from jaxserve.step_messages import RunnerOutput, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    """One finished step, for output processing and step listeners."""
+    scheduled: SchedulerOutput
+    result: RunnerOutput
+    updates: list[RequestUpdate]
+    seconds: float                  # host time from dispatching the next step to the updates
+
+
+class EngineCore:
+    def __init__(self, scheduler: Scheduler, runner: ModelRunner):
+        self.scheduler = scheduler
+        self.runner = runner
+        self._inflight = None          # the dispatched step whose tokens are not read yet
+        self.failed: list[tuple[str, str]] = []   # (request id, error) failed building a step
+
+    def add(self, req: EngineRequest) -> None:
+        self.scheduler.add_request(Request(
+            req.request_id, list(req.prompt_token_ids), req.sampling_params,
+            arrival_time=req.arrival_time, eos_token_ids=req.eos_token_ids, seed=req.seed))
+
+    def finish(self, request_ids, status: RequestStatus) -> None:
+        for rid in request_ids:
+            self.scheduler.finish_request(rid, status)
+
+    def _must_wait(self) -> bool:
+        return any(r.sampling_params.uses_penalties or r.spec_token_ids
+                   for r in self.scheduler.running)
+
+    def step(self) -> StepOutcome | None:
+        """Finish one step (None: nothing ran)."""
+        if self._inflight is None:
+            out = self.scheduler.schedule()
+            if out.scheduled:
+                self._inflight = self._dispatch(out)
+            if self._inflight is None:
+                return None
+        current, self._inflight = self._inflight, None
+        t0 = time.perf_counter()
+        if not self._must_wait():
+            upcoming = self.scheduler.schedule()
+            if upcoming.scheduled:
+                self._inflight = self._dispatch(upcoming)
+        out, step = current
+        result = self.runner.collect(step)
+        updates = self.scheduler.update(out, result)
+        return StepOutcome(out, result, updates, time.perf_counter() - t0)
+
+    def _dispatch(self, out: SchedulerOutput):
+        """Launch a step. If its inputs cannot be built, the requests at fault fail alone
+        (listed in self.failed) and the step is taken back; a failure no single request
+        explains propagates (the engine stops)."""
+        try:
+            return out, self.runner.dispatch(out)
+        except Exception as e:
+            bad = self.runner.failing_requests(out)
+            if not bad:
+                raise
+            logger.exception("could not build a step's inputs; failing %d request(s)", len(bad))
+            self.scheduler.unschedule(out)
+            for i in bad:
+                rid = out.scheduled[i].req_id
+                self.scheduler.finish_request(rid, RequestStatus.FINISHED_ERROR)
+                self.failed.append((rid, f"{type(e).__name__}: {e}"))
+            return None

@@ -1,0 +1,221 @@
+"""LLMEngine: input processing -> engine core (schedule -> execute -> update) -> output
+processing, one step at a time (jaxserve/engine/*.py each hold one of those roles)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import jax
+
+from jaxserve.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
+from jaxserve.engine.core import EngineCore
+from jaxserve.engine.input_processor import InputProcessor
+from jaxserve.engine.output_processor import OutputProcessor
+from jaxserve.metrics import EngineMetrics
+from jaxserve.outputs import RequestOutput
+from jaxserve.request import RequestStatus
+from jaxserve.runner import ModelRunner
+from jaxserve.sampling_params import SamplingParams
+from jaxserve.scheduler import Scheduler
+from jaxserve.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+class EngineOverloadedError(RuntimeError):
+    """The waiting queue is full; retry later (HTTP 503)."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop failed; no request can be served (HTTP 503)."""
+
+
+def enable_compilation_cache() -> None:
+    """Turn on JAX's persistent compilation cache (step programs, Pallas kernels included), so a
+    restart skips most of warm-up. JAX_COMPILATION_CACHE_DIR, if set, wins."""
+    from jaxserve.default_model import cache_dir
+
+    if not jax.config.jax_compilation_cache_dir:
+        jax.config.update("jax_compilation_cache_dir",
+                          os.environ.get("JAX_COMPILATION_CACHE_DIR") or os.path.join(cache_dir(), "xla"))
+
+
+def _default(value, gpu, cpu):
+    if value is not None:
+        return value
+    return gpu if jax.default_backend() == "gpu" else cpu
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, params, tokenizer: Tokenizer | None, model_module,
+                 model_name: str = "default", mesh=None):
+        self.config = config
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        t0 = time.perf_counter()
+        self.runner = ModelRunner(config, params, model_module, mesh=mesh)
+        # Where start-up went, in seconds (from_engine_args adds "load"): a bench reports it.
+        self.startup_seconds = {"runner_init": time.perf_counter() - t0}
+        self.scheduler = Scheduler(config.scheduler, config.cache, self.runner.num_blocks,
+                                   step_sizes=tuple(self.runner.buckets),
+                                   cache_specs=self.runner.cache_specs,
+                                   num_slots=self.runner.num_slots)
+        self.core = EngineCore(self.scheduler, self.runner)
+        self.metrics = EngineMetrics()
+        eos = tokenizer.eos_token_ids if tokenizer else config.model.eos_token_ids
+        self.inputs = InputProcessor(config, tuple(eos), self.runner.num_blocks)
+        self.outputs = OutputProcessor(tokenizer, self.metrics)
+        self.step_listeners: list = []      # callables(core.StepOutcome)
+        self.num_steps = 0
+        if config.warmup_all and not config.warmup:
+            logger.warning("warmup_all has no effect without warmup: programs compile on first use")
+        if config.warmup:
+            t0 = time.perf_counter()
+            self.runner.warmup()
+            if config.warmup_all:   # a failed compile is retried on first use (runner.run)
+                self.runner.wait_for_warmup(raise_errors=False)
+            self.startup_seconds["warmup"] = time.perf_counter() - t0
+            logger.info("warm-up took %.1f s", self.startup_seconds["warmup"])
+        self._update_gauges()
+
+    @classmethod
+    def from_engine_args(cls, model: str | None = None, *, dtype: str | None = None,
+                         load_format: str = "auto", served_model_name: str | None = None,
+                         block_size: int = 16, num_kv_blocks: int | None = None,
+                         kv_cache_memory_fraction: float = 0.9, kv_cache_cpu_bytes: int = 1 << 30,
+                         enable_prefix_caching: bool = True, max_num_seqs: int | None = None,
+                         max_num_batched_tokens: int | None = None, max_model_len: int | None = None,
+                         max_waiting_requests: int = 4096, long_prefill_token_threshold: int = 0,
+                         tensor_parallel_size: int = 1,
+                         expert_parallel_size: int = 1, seed: int = 0, max_logprobs: int = 20,
+                         attention_impl: str = "auto", warmup: bool = True,
+                         warmup_all: bool = False, program_cache: bool = False) -> "LLMEngine":
+        from jaxserve import default_model
+        from jaxserve.models import loader, registry
+
+        enable_compilation_cache()
+        dtype = _default(dtype, "bfloat16", "float32")
+        parallel = ParallelConfig(tensor_parallel_size=tensor_parallel_size,
+                                  expert_parallel_size=expert_parallel_size)
+        mesh = None
+        if tensor_parallel_size * expert_parallel_size > 1:
+            from jaxserve.sharding.mesh import mesh_from_parallel_config
+            mesh = mesh_from_parallel_config(parallel)
+        t0 = time.perf_counter()
+        cfg, params, tokenizer = loader.load_model(model, load_format=load_format, dtype=dtype,
+                                                   mesh=mesh, seed=seed)
+        load_s = time.perf_counter() - t0
+        max_model_len = max_model_len or min(cfg.max_position_embeddings, _default(None, 8192, 2048))
+        if max_model_len > cfg.max_position_embeddings:
+            raise ValueError(f"max_model_len must be <= the model's max_position_embeddings "
+                             f"({cfg.max_position_embeddings}); got {max_model_len}")
+        max_num_seqs = _default(max_num_seqs, 256, 16)
+        max_num_batched_tokens = _default(max_num_batched_tokens, 2048, 256)
+        config = EngineConfig(
+            model=cfg,
+            cache=CacheConfig(block_size=block_size, num_kv_blocks=num_kv_blocks,
+                              kv_cache_memory_fraction=kv_cache_memory_fraction,
+                              kv_cache_cpu_bytes=kv_cache_cpu_bytes,
+                              enable_prefix_caching=enable_prefix_caching),
+            scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
+                                      max_num_batched_tokens=max(max_num_batched_tokens, max_num_seqs),
+                                      max_model_len=max_model_len,
+                                      max_waiting_requests=max_waiting_requests,
+                                      long_prefill_token_threshold=long_prefill_token_threshold),
+            parallel=parallel,
+            dtype=dtype, seed=seed, max_logprobs=max_logprobs, attention_impl=attention_impl,
+            warmup=warmup, warmup_all=warmup_all,
+            # NOTE: off unless asked (the CLI does): a program is keyed on the package's
+            # sources, so code changed in memory (a notebook's monkeypatch) would not be seen
+            program_cache_dir=os.path.join(default_model.cache_dir(), "steps") if program_cache
+            else None)
+        name = served_model_name or (default_model.DEFAULT_MODEL_NAME if model is None else model)
+        engine = cls(config, params, tokenizer, registry.get_model_module(cfg.architecture), name, mesh=mesh)
+        engine.startup_seconds["load"] = load_s
+        return engine
+
+    # -- requests ------------------------------------------------------------------------
+    def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise ValueError (naming the field and the limit) for a request that cannot run."""
+        self.inputs.validate(prompt_token_ids, params)
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    prompt: str | None = None, arrival_time: float | None = None) -> None:
+        if request_id in self.outputs.groups:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        children = self.inputs.process(request_id, prompt_token_ids, params,
+                                       arrival_time or time.monotonic())
+        taken = [c.request_id for c in children if c.request_id in self.outputs.samples
+                 or c.request_id in self.scheduler.requests]
+        if taken:
+            raise ValueError(f"request_id {request_id!r} collides with a running request ({taken[0]!r})")
+        self.outputs.add(children, prompt)
+        for child in children:
+            self.core.add(child)
+        self.metrics.inc("prompt_tokens", len(prompt_token_ids))
+        self._update_gauges()
+
+    def abort_request(self, request_id: str) -> bool:
+        children = self.outputs.remove(request_id)
+        if children is None:
+            return False
+        self.core.finish(children, RequestStatus.FINISHED_ABORTED)
+        self.metrics.inc("request_abort")
+        self._update_gauges()
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.outputs.groups)
+
+    # -- the step ------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Finish one step and return the outputs of the requests it advanced (pipelined:
+        see engine/core.py)."""
+        outcome = self.core.step()
+        outputs = self._take_failed()
+        if outcome is None:
+            self._update_gauges()
+            return outputs
+        self.num_steps += 1
+        step_outputs = self.outputs.process(outcome.updates, outcome.result)
+        self._finish_ended()
+        for listener in self.step_listeners:
+            listener(outcome)
+        self._update_gauges()
+        return step_outputs + outputs
+
+    def _take_failed(self) -> list[RequestOutput]:
+        """Outputs of requests failed while a step was being built: handed out exactly once."""
+        failed, self.core.failed = self.core.failed, []
+        outputs, now = [], time.monotonic()
+        for rid, message in failed:
+            entry = self.outputs.samples.get(rid)
+            if entry is not None:
+                self.outputs.fail(entry[0].request_id, message)
+                outputs.append(self.outputs.finish_if_done(entry[0], now))
+        self._finish_ended()
+        return outputs
+
+    def _finish_ended(self) -> None:
+        ended, self.outputs.ended = self.outputs.ended, []
+        self.core.finish(ended, RequestStatus.FINISHED_STOPPED)
+
+    # -- metrics -------------------------------------------------------------------------
+    def _update_gauges(self) -> None:
+        s, pool = self.scheduler, self.scheduler.pool
+        m = self.metrics
+        m.set("num_requests_running", len(s.running))
+        m.set("num_requests_waiting", len(s.waiting))
+        m.set("kv_cache_usage_perc", pool.usage)
+        m.set("num_used_blocks", pool.num_used)
+        m.set("num_free_blocks", pool.num_free)
+        for name, value in (("prefix_cache_queries", s.prefix_queries), ("prefix_cache_hits", s.prefix_hits),
+                            ("num_preemptions", s.num_preemptions)):
+            m.inc(name, value - m.counters[name]._value.get())
+
+    def get_metrics(self) -> dict[str, float]:
+        return self.metrics.as_dict()
+
+

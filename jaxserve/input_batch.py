@@ -1,0 +1,182 @@
+"""The runner's persistent batch: its own copy of every running request, patched each step.
+
+The scheduler sends a request's prompt and parameters once (`NewRequestData`) and after that
+only diffs (`ScheduledRequest`: how many tokens, new block ids); the runner appends the tokens
+it samples itself. Block tables live in one numpy array, a row per request, written only
+where blocks are added, so a step's tables are one fancy-index, not rebuilt from lists.
+
+A token the previous step sampled and the host has not read yet (the engine dispatches step
+N+1 before it reads step N's tokens) is taken on the device from that step's output: its
+`prev_token_rows` entry names the row, and the host's copy of the id is 0.
+
+Legend: T tokens (padded), S sequences (padded), R rows of the persistent batch
+(max_num_seqs), B blocks per sequence, P tokens per block, N logprobs per token.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from jaxserve.kv_cache.manager import PAGED, STATE
+from jaxserve.sampling_params import SamplingParams
+from jaxserve.sampling_tensors import SamplingRow, make_sampling_tensors, needs_extras
+from jaxserve.step_input import StepInput
+from jaxserve.step_messages import NewRequestData, SchedulerOutput
+
+
+@dataclasses.dataclass
+class CachedRequest:
+    """The runner's state of one running request."""
+    req_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]     # the tokens this runner has read back (or was sent)
+    sampling_params: SamplingParams
+    seed: int
+    eos_token_ids: tuple[int, ...]
+    row: int                        # its row of InputBatch.block_table
+    num_blocks: int = 0             # filled entries of that row
+    state_slot: int = 0             # its state slot (0: the model keeps no state)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def token(self, position: int) -> int:
+        n = len(self.prompt_token_ids)
+        return self.prompt_token_ids[position] if position < n else self.output_token_ids[position - n]
+
+
+@dataclasses.dataclass(frozen=True)
+class StepPlan:
+    """What the host knows of a built step besides its StepInput (to read the results)."""
+    req_ids: list[str]
+    samples: list[bool]             # per request: the chunk samples
+    prompt_lp_starts: dict[str, tuple[int, int]]   # req -> (first position, rows) of prompt logprobs
+    query_start_loc: np.ndarray     # i32[S+1]
+    full: bool                      # the step needs the full sampler (logprobs, penalties, masks)
+    prompt_logprobs: bool
+
+
+class InputBatch:
+    def __init__(self, *, max_num_seqs: int, max_blocks_per_seq: int, block_size: int,
+                 vocab_size: int, max_model_len: int, group_kinds: list[str]):
+        self.block_size = block_size
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.group_kinds = group_kinds
+        self.block_table = np.zeros((max_num_seqs, max_blocks_per_seq), np.int32)   # i32[R, B]
+        self.free_rows = list(range(max_num_seqs - 1, -1, -1))
+        self.requests: dict[str, CachedRequest] = {}
+        self.prev_rows: dict[str, int] = {}     # req -> its row of the last step's sampled ids
+
+    # -- the diffs ---------------------------------------------------------------------------
+    def apply(self, out: SchedulerOutput) -> None:
+        """Take in a step's diffs: drop finished requests, add new ones, append block ids."""
+        for rid in out.finished_req_ids:
+            self.remove(rid)
+        for new in out.new_requests:
+            self.add(new)
+        for sched in out.scheduled:
+            req = self.requests[sched.req_id]
+            for kind, ids in zip(self.group_kinds, sched.new_block_ids):
+                if kind == PAGED and ids:
+                    self.block_table[req.row, req.num_blocks:req.num_blocks + len(ids)] = ids
+                    req.num_blocks += len(ids)
+                elif kind == STATE and ids:
+                    req.state_slot = ids[0]
+
+    def add(self, new: NewRequestData) -> None:
+        if new.req_id in self.requests:      # resumed after preemption: start again
+            self.remove(new.req_id)
+        row = self.free_rows.pop()
+        self.block_table[row] = 0
+        self.requests[new.req_id] = CachedRequest(
+            new.req_id, list(new.prompt_token_ids), list(new.output_token_ids),
+            new.sampling_params, new.seed, tuple(new.eos_token_ids), row)
+
+    def remove(self, req_id: str) -> None:
+        req = self.requests.pop(req_id, None)
+        if req is not None:
+            self.free_rows.append(req.row)
+        self.prev_rows.pop(req_id, None)
+
+    def append_tokens(self, req_id: str, tokens: list[int]) -> None:
+        """Tokens this runner sampled and has read back (ignored for a dropped request)."""
+        req = self.requests.get(req_id)
+        if req is not None:
+            req.output_token_ids.extend(tokens)
+
+    # -- one step's input --------------------------------------------------------------------
+    def build(self, out: SchedulerOutput, num_tokens: int, num_seqs: int,
+              max_logprobs: int) -> tuple[StepInput, StepPlan]:
+        """Host-side numpy StepInput of the step, padded to (num_tokens, num_seqs)."""
+        p = self.block_size
+        token_ids, positions, seq_ids = [], [], []
+        rows = np.zeros(num_seqs, np.int64)
+        next_ids = np.zeros(num_tokens, np.int32)
+        prev_rows = np.full(num_tokens, -1, np.int32)
+        qsl = np.zeros(num_seqs + 1, np.int32)
+        seq_lens = np.zeros(num_seqs, np.int32)
+        logits_idx = np.zeros(num_seqs, np.int32)
+        slots_S = np.zeros(num_seqs, np.int32)
+        sampling_rows, samples, prompt_lp = [], [], {}
+        full = False
+        t = 0
+        for s, sched in enumerate(out.scheduled):
+            req = self.requests[sched.req_id]
+            start, n = sched.start_position, sched.num_tokens
+            if sched.spec_token_ids:
+                raise NotImplementedError("draft tokens were scheduled, but this runner has no "
+                                          "draft verification yet")
+            known = min(start + n, req.num_tokens)
+            token_ids += [req.token(q) for q in range(start, known)]
+            if known < start + n:      # the last token is still on the device
+                if known + 1 != start + n or sched.req_id not in self.prev_rows:
+                    raise RuntimeError(f"request {sched.req_id}: tokens {known}..{start + n - 1} "
+                                       f"are neither known nor on their way from the last step")
+                prev_rows[t + n - 1] = self.prev_rows[sched.req_id]
+                token_ids.append(0)
+            positions += range(start, start + n)
+            seq_ids += [s] * n
+            rows[s] = req.row
+            slots_S[s] = req.state_slot
+            qsl[s + 1] = t + n
+            seq_lens[s] = start + n
+            logits_idx[s] = t + n - 1
+            params = req.sampling_params
+            n_prompt = len(req.prompt_token_ids)
+            if params.prompt_logprobs is not None and start < n_prompt:
+                # Position q's logits predict prompt token q + 1: keep q < n_prompt - 1.
+                nxt = req.prompt_token_ids[start + 1:min(start + n, n_prompt - 1) + 1]
+                next_ids[t:t + len(nxt)] = nxt
+                prompt_lp[sched.req_id] = (start, len(nxt))
+            sampling_rows.append(SamplingRow(
+                params=params, prompt_token_ids=req.prompt_token_ids,
+                output_token_ids=req.output_token_ids, seed=req.seed,
+                offset=start + n - n_prompt if sched.sample else 0,
+                eos_token_ids=req.eos_token_ids))
+            samples.append(sched.sample)
+            full = full or params.logprobs is not None or params.uses_truncation
+            t += n
+        qsl[len(out.scheduled) + 1:] = t
+        pad = num_tokens - t
+        positions_T = np.array(positions + [0] * pad, np.int32)
+        tables_SB = self.block_table[rows]
+        tables_SB[len(out.scheduled):] = 0
+        seq_T = np.array(seq_ids + [0] * pad, np.int32)
+        # Padding tokens write slot 0 of the null block (step_input.py's conventions).
+        slots_T = tables_SB[seq_T, positions_T // p] * p + positions_T % p
+        slots_T[t:] = 0
+        full = full or bool(prompt_lp) or needs_extras(sampling_rows)
+        sampling = make_sampling_tensors(sampling_rows, num_seqs, self.vocab_size,
+                                         self.max_model_len, with_extras=full)
+        x = StepInput(token_ids=np.array(token_ids + [0] * pad, np.int32), positions=positions_T,
+                      slot_mapping=slots_T.astype(np.int32), token_seq_ids=seq_T,
+                      query_start_loc=qsl, seq_lens=seq_lens, block_tables=tables_SB,
+                      logits_indices=logits_idx, next_token_ids=next_ids,
+                      prev_token_rows=prev_rows, sampling=sampling,
+                      state_slots=slots_S if STATE in self.group_kinds else None)
+        plan = StepPlan(out.req_ids, samples, prompt_lp, qsl, full, bool(prompt_lp))
+        return x, plan

@@ -1,0 +1,158 @@
+"""The cache manager: groups a model's layers by cache spec and hands each request its share.
+
+Layers whose spec is a `PagedSpec` (K/V, an MLA latent, an indexer's keys) form the paged
+group: one block table per request, blocks from one `BlockPool`, prefix caching over full
+blocks (a hash chain, LRU). Layers whose spec is a `StateSpec` (linear attention's conv and
+recurrent state) form the state group: one slot per running request, slot 0 the null slot
+that padding sequences point at. All paged layers share the block table, sliding-window ones
+included (they keep every block: simple, and no model mixes the two kinds yet).
+
+Prefix caching is kept per group. A state group keeps no states at block boundaries yet, so a
+model with one gets no prefix hits (its paged layers still register their blocks): a hit must
+be a hit in every group, or the resumed state would be wrong.
+
+Sizing: one memory budget pays for the state slots first (max_num_seqs + 1, so admission never
+waits for one), then for as many blocks as fit.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from jaxserve.kv_cache.block_pool import BlockPool
+from jaxserve.kv_cache.prefix_cache import extend_block_hashes
+from jaxserve.kv_cache.specs import PagedSpec, StateSpec
+
+NULL_SLOT = 0
+PAGED, STATE = "paged", "state"
+
+
+def _elements(arrays) -> int:
+    return sum(math.prod(shape) for _, shape in arrays)
+
+
+def group_kinds(specs: Sequence[PagedSpec | StateSpec]) -> list[str]:
+    """The cache groups a model's layers form, in a fixed order (paged first)."""
+    kinds = {PAGED if isinstance(s, PagedSpec) else STATE for s in specs}
+    for s in specs:
+        if not isinstance(s, (PagedSpec, StateSpec)):
+            raise TypeError(f"a layer's cache spec must be a PagedSpec or a StateSpec; got {s!r}")
+    return [k for k in (PAGED, STATE) if k in kinds]
+
+
+def bytes_per_block(specs, block_size: int, itemsize: int) -> int:
+    """Bytes one block takes over every paged layer."""
+    return block_size * itemsize * sum(_elements(s.arrays) for s in specs if isinstance(s, PagedSpec))
+
+
+def bytes_per_slot(specs, itemsize: int) -> int:
+    """Bytes one state slot takes over every state layer."""
+    return itemsize * sum(_elements(s.arrays) for s in specs if isinstance(s, StateSpec))
+
+
+def size_caches(specs, *, block_size: int, itemsize: int, budget_bytes: int, max_num_seqs: int,
+                useful_blocks: int) -> tuple[int, int]:
+    """(num_blocks, num_slots) for one memory budget: the state slots first, then as many blocks
+    as fit, but no more than `useful_blocks` (every sequence at full length) and at least 2."""
+    kinds = group_kinds(specs)
+    num_slots = max_num_seqs + 1 if STATE in kinds else 0
+    left = budget_bytes - num_slots * bytes_per_slot(specs, itemsize)
+    if PAGED not in kinds:
+        return 2, num_slots          # a stub pool: nothing pages
+    per_block = bytes_per_block(specs, block_size, itemsize)
+    return max(2, min(left // per_block, useful_blocks)), num_slots
+
+
+class KVCacheManager:
+    def __init__(self, specs, *, block_size: int, num_blocks: int, num_slots: int = 0,
+                 enable_prefix_caching: bool = True):
+        self.kinds = group_kinds(specs)
+        self.block_size = block_size
+        self.has_state = STATE in self.kinds
+        if self.has_state and num_slots < 2:
+            raise ValueError(f"a model with per-request state needs >= 2 state slots; got {num_slots}")
+        self.pool = BlockPool(num_blocks, enable_prefix_caching)
+        self.num_slots = num_slots
+        self.free_slots = list(range(num_slots - 1, NULL_SLOT, -1))   # pop() takes the lowest
+        self.blocks: dict[str, list[int]] = {}     # request -> its block table (paged group)
+        self.slots: dict[str, int] = {}            # request -> its state slot
+        self.hashes: dict[str, list[bytes]] = {}   # request -> hashes of its full blocks
+
+    # -- figures ---------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free
+
+    @property
+    def usage(self) -> float:
+        return self.pool.usage
+
+    def blocks_needed(self, request_id: str, num_tokens: int) -> int:
+        """Blocks the request lacks to hold `num_tokens` tokens."""
+        have = len(self.blocks.get(request_id, ()))
+        return max(0, -(-num_tokens // self.block_size) - have)
+
+    # -- prefix hits -----------------------------------------------------------------------
+    def prefix_hits(self, request_id: str, token_ids: list[int]) -> list[int]:
+        """Cached blocks matching the request's leading full blocks, a hit in every group. At
+        least one token is always left to compute, so the step still produces its logits."""
+        hashes = self.hashes.setdefault(request_id, [])
+        extend_block_hashes(hashes, token_ids, self.block_size)
+        if self.has_state:
+            return []                # no state kept at block boundaries (module docstring)
+        hits = []
+        for h in hashes[:(len(token_ids) - 1) // self.block_size]:
+            block = self.pool.lookup(h)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def free_blocks_after_hits(self, hits: list[int]) -> int:
+        """Free blocks left once `hits` are taken (unreferenced cached blocks count as free)."""
+        return self.pool.num_free - self.pool.num_reclaimable(hits)
+
+    # -- allocation ------------------------------------------------------------------------
+    def admit(self, request_id: str, hits: list[int], num_tokens: int) -> None:
+        """Start a request's tables: take its prefix hits, blocks for `num_tokens` tokens and a
+        state slot. The caller has checked that the blocks are free."""
+        self.pool.touch(hits)
+        need = max(0, -(-num_tokens // self.block_size) - len(hits))
+        self.blocks[request_id] = hits + self.pool.allocate(need)
+        if self.has_state:
+            self.slots[request_id] = self.free_slots.pop()
+
+    def grow(self, request_id: str, num_tokens: int) -> list[int]:
+        """Blocks so the request holds `num_tokens` tokens; returns the new ones."""
+        new = self.pool.allocate(self.blocks_needed(request_id, num_tokens))
+        self.blocks[request_id] += new
+        return new
+
+    def group_block_ids(self, request_id: str) -> list[list[int]]:
+        """The request's ids per group, in self.kinds order: its block table, its [state slot]."""
+        return [list(self.blocks.get(request_id, ())) if k == PAGED else [self.slots[request_id]]
+                for k in self.kinds]
+
+    def cache_full_blocks(self, request_id: str, token_ids: list[int], num_computed: int) -> None:
+        """Register the blocks that the first `num_computed` tokens fill (their KV is written)."""
+        if not self.pool.enable_caching:
+            return
+        hashes = self.hashes.setdefault(request_id, [])
+        full = num_computed // self.block_size
+        if len(hashes) < full:
+            extend_block_hashes(hashes, token_ids[:num_computed], self.block_size)
+        blocks = self.blocks.get(request_id, [])
+        for j in range(min(full, len(hashes), len(blocks))):
+            self.pool.cache_block(blocks[j], hashes[j])
+
+    def free(self, request_id: str, forget: bool = True) -> None:
+        """Give back the request's blocks and slot (preemption keeps its hashes: forget=False)."""
+        blocks = self.blocks.pop(request_id, None)
+        if blocks:
+            self.pool.free(blocks)
+        slot = self.slots.pop(request_id, None)
+        if slot is not None:
+            self.free_slots.append(slot)
+        if forget:
+            self.hashes.pop(request_id, None)

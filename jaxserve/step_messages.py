@@ -1,0 +1,82 @@
+"""The step contract: what the scheduler tells the runner, and what the runner answers.
+
+    scheduler.schedule() -> SchedulerOutput -> runner.execute() -> RunnerOutput
+                         -> scheduler.update() -> [RequestUpdate] -> output processing
+
+Both messages are plain, picklable data (ids, ints, lists, numpy arrays, frozen parameter
+objects), never a live `Request`: exactly what a second host would receive. The runner keeps
+its own copy of each running request (its persistent batch), built from `NewRequestData`
+once and patched from each step's `ScheduledRequest` diffs; the tokens it samples it appends
+itself, so running requests need no token ids in the message.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from jaxserve.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class NewRequestData:
+    """A request the runner does not hold: sent when it starts or resumes after preemption."""
+    req_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]     # tokens generated before a preemption (empty when new)
+    sampling_params: SamplingParams
+    seed: int                       # sampling seed (the engine picks one if the user gave none)
+    eos_token_ids: tuple[int, ...]  # banned until min_tokens are generated
+
+
+@dataclass(frozen=True)
+class ScheduledRequest:
+    """One request's share of the step, in step order."""
+    req_id: str
+    start_position: int             # num_computed_tokens before this step
+    num_tokens: int                 # tokens computed this step, draft tokens included
+    new_block_ids: list[list[int]]  # per cache group: appended to the request's table/slots
+    sample: bool                    # the chunk reaches the request's last token: sample after it
+    spec_token_ids: list[int] = field(default_factory=list)  # drafts to verify: the last tokens
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    new_requests: list[NewRequestData]   # requests the runner must add before this step
+    scheduled: list[ScheduledRequest]    # the step's requests, running ones first
+    finished_req_ids: list[str]          # ended or preempted since the last step: drop them
+    num_tokens: int                      # tokens computed this step
+    preempted_ids: list[str]             # requests preempted while building this step
+    num_cached_tokens: int               # prompt tokens this step's new requests found cached
+
+    @property
+    def req_ids(self) -> list[str]:
+        return [r.req_id for r in self.scheduled]
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """Logprobs of the tokens sampled for one request this step (one row per token)."""
+    chosen: np.ndarray              # f32[n] the sampled token's logprob
+    ranks: np.ndarray               # i32[n] its rank under the model's distribution (1 = top)
+    top_ids: np.ndarray             # i32[n, N] the N most likely tokens
+    top_logprobs: np.ndarray        # f32[n, N]
+
+
+@dataclass(frozen=True)
+class PromptLogprobs:
+    """Logprobs of the prompt tokens a chunk's positions predict."""
+    start: int                      # position of the chunk's first token
+    chosen: np.ndarray              # f32[n] logprob of prompt token start + 1 + j
+    top_ids: np.ndarray             # i32[n, N]
+    top_logprobs: np.ndarray        # f32[n, N]
+
+
+@dataclass(frozen=True)
+class RunnerOutput:
+    req_ids: list[str]                          # the step's requests, in step order
+    sampled_token_ids: list[list[int]]          # per request: tokens kept (empty: no sample)
+    logprobs: list[TokenLogprobs | None]        # per request, when asked
+    prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)
+    hidden_states: dict[int, np.ndarray] | None = None   # layer -> f[T, D], for proposers
