@@ -52,6 +52,7 @@ class CachedRequest:
 class StepPlan:
     """What the host knows of a built step besides its StepInput (to read the results)."""
     req_ids: list[str]
+    requests: list[CachedRequest]   # the runner's copies the step ran (an id may be reused)
     samples: list[bool]             # per request: the chunk samples
     prompt_lp_starts: dict[str, tuple[int, int]]   # req -> (first position, rows) of prompt logprobs
     query_start_loc: np.ndarray     # i32[S+1]
@@ -102,10 +103,10 @@ class InputBatch:
             self.free_rows.append(req.row)
         self.prev_rows.pop(req_id, None)
 
-    def append_tokens(self, req_id: str, tokens: list[int]) -> None:
-        """Tokens this runner sampled and has read back (ignored for a dropped request)."""
-        req = self.requests.get(req_id)
-        if req is not None:
+    def append_tokens(self, req: CachedRequest, tokens: list[int]) -> None:
+        """Tokens this runner sampled for `req` and has read back (ignored once it was
+        dropped, also when its id now names a new request)."""
+        if self.requests.get(req.req_id) is req:
             req.output_token_ids.extend(tokens)
 
     # -- one step's input --------------------------------------------------------------------
@@ -121,11 +122,12 @@ class InputBatch:
         seq_lens = np.zeros(num_seqs, np.int32)
         logits_idx = np.zeros(num_seqs, np.int32)
         slots_S = np.zeros(num_seqs, np.int32)
-        sampling_rows, samples, prompt_lp = [], [], {}
+        sampling_rows, samples, prompt_lp, reqs = [], [], {}, []
         full = False
         t = 0
         for s, sched in enumerate(out.scheduled):
             req = self.requests[sched.req_id]
+            reqs.append(req)
             start, n = sched.start_position, sched.num_tokens
             if sched.spec_token_ids:
                 raise NotImplementedError("draft tokens were scheduled, but this runner has no "
@@ -178,5 +180,5 @@ class InputBatch:
                       logits_indices=logits_idx, next_token_ids=next_ids,
                       prev_token_rows=prev_rows, sampling=sampling,
                       state_slots=slots_S if STATE in self.group_kinds else None)
-        plan = StepPlan(out.req_ids, samples, prompt_lp, qsl, full, bool(prompt_lp))
+        plan = StepPlan(out.req_ids, reqs, samples, prompt_lp, qsl, full, bool(prompt_lp))
         return x, plan

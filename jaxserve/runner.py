@@ -278,10 +278,10 @@ class ModelRunner:
             result, prompt = None, None
             ids = np.asarray(step.result.token_ids).tolist()
         sampled, logprobs = [], []
-        for i, (rid, s) in enumerate(zip(plan.req_ids, plan.samples)):
+        for i, (req, s) in enumerate(zip(plan.requests, plan.samples)):
             tokens = [ids[i]] if s else []
             sampled.append(tokens)
-            self.batch.append_tokens(rid, tokens)
+            self.batch.append_tokens(req, tokens)
             logprobs.append(TokenLogprobs(result.logprobs[i:i + 1], result.ranks[i:i + 1],
                                           result.top_ids[i:i + 1], result.top_logprobs[i:i + 1])
                             if s and variant.num_top else None)

@@ -171,7 +171,7 @@ def test_a_failure_in_one_request_fails_it_alone(model):
     eng = llm.engine
     eng.add_request("good", list(range(100, 110)), SamplingParams(temperature=0, max_tokens=4))
     eng.add_request("bad", list(range(200, 210)), SamplingParams(temperature=0, max_tokens=4))
-    _, bad = eng.samples["bad"]
+    _, bad = eng.outputs.samples["bad"]
 
     def broken(ids):
         raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "planted")
@@ -193,7 +193,7 @@ def test_a_request_whose_step_inputs_cannot_be_built_fails_alone(model):
     eng = llm.engine
     eng.add_request("good", list(range(100, 110)), SamplingParams(temperature=0, max_tokens=4))
     eng.add_request("bad", list(range(200, 210)), SamplingParams(temperature=1.0, top_k=5, max_tokens=4))
-    eng.samples["bad"][1].request.sampling_params.top_k = 2**40     # past validation: int32 overflow
+    eng.scheduler.requests["bad"].sampling_params.top_k = 2**40     # past validation: int32 overflow
     finished = {}
     for _ in range(50):
         if not eng.has_unfinished_requests():
@@ -216,7 +216,7 @@ def test_failure_while_pipelined_is_delivered_once(model):
     eng.add_request("good", list(range(100, 110)), SamplingParams(temperature=0, max_tokens=2))
     outs = eng.step()                          # good's prefill runs; its decode is dispatched
     eng.add_request("bad", list(range(200, 210)), SamplingParams(temperature=1.0, top_k=5, max_tokens=4))
-    eng.samples["bad"][1].request.sampling_params.top_k = 2**40
+    eng.scheduler.requests["bad"].sampling_params.top_k = 2**40
     seen = [o.request_id for o in outs if o.finished]
     for _ in range(20):
         if not eng.has_unfinished_requests():

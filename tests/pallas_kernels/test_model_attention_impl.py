@@ -56,11 +56,14 @@ def test_pallas_attention_in_model_matches_golden(name, tiny_checkpoint):
 
 
 def test_auto_is_xla_on_cpu_and_bad_impl_is_refused(tiny_checkpoint):
+    from jaxserve.models.attention import AttentionBackend
+
     cfg, _, _ = load_model(tiny_checkpoint("llama"))
-    assert llama.make_attention_fn(cfg, "auto").__name__ == "xla"
-    assert llama.make_attention_fn(cfg, "pallas").__name__ == "pallas"
+    backend = lambda impl: AttentionBackend(cfg, impl, context=64, itemsize=4)  # noqa: E731
+    assert backend("auto").impl == "xla" and llama.make_kernels(cfg, "auto").impl == "xla"
+    assert backend("pallas").impl == "pallas"
     with pytest.raises(ValueError, match="attention_impl"):
-        llama.make_attention_fn(cfg, "cudnn")
+        backend("cudnn")
 
 
 def test_fused_kernels_in_model_match_xla_path():
