@@ -1,12 +1,12 @@
-"""Session 17: decode attention against cuDNN reading the same paged cache (a like-for-like
-baseline), beside cuDNN on the K/V gathered dense (the issue's bar). cuDNN's paged mode is
-reached through jax._src.cudnn.fused_attention_stablehlo.paged_attention (jax.nn's
-dot_product_attention does not take page tables in jax 0.11.2); it needs exactly batch x
-blocks-per-sequence cache blocks, so here the cache holds only the batch's blocks, scattered
-(a shuffled pool), and our kernel reads the same cache through the same tables. Timed as
+"""Decode attention against cuDNN reading the same paged cache (a like-for-like baseline),
+beside cuDNN on the K/V gathered dense (the bar of BENCHMARKS.md's decode table). cuDNN's paged
+mode is reached through jax._src.cudnn.fused_attention_stablehlo.paged_attention (jax.nn's
+dot_product_attention takes no page table in jax 0.11.2); it needs exactly batch x
+blocks-per-sequence cache blocks, so here the cache holds only the batch's blocks, scattered (a
+shuffled pool), and our kernel reads the same cache through the same tables. Timed as
 benchmarks/kernels.py times decode (CUPTI, inputs out of L2), two timings each, interleaved.
 
-    python3 benchmarks/results/h200-2026-11-30-session17/paged_cudnn.py
+    python3 benchmarks/paged_cudnn.py
 """
 import functools, os, sys
 
@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import kernels as kb   # noqa: E402  (benchmarks/kernels.py)
 
 from jaxserve.pallas_kernels import ragged_paged_attention as rpa   # noqa: E402
