@@ -30,6 +30,7 @@ def batch(qlens, ctxs, heads=LLAMA, *, seed=0, pad_tokens=3, dtype=jnp.bfloat16)
                        extra_blocks=16, dtype=dtype)
 
 
+@jax.default_matmul_precision("highest")       # f32 products, not TF32, on the GPU
 def dense_reference(args, *, sm_scale, sliding_window=None, soft_cap=None):
     """Causal attention of each sequence over its own gathered context, in f32 (cheaper than
     the kernel module's token-by-token reference at 2K-token prompts)."""

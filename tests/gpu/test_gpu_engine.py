@@ -21,8 +21,9 @@ pytestmark = pytest.mark.gpu
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
            "Three reasons to learn a second language:"]
 TOKENS = 64
-BF16_LOGPROB_TOL = 0.1      # |logprob difference| of the same token where the paths agree
-BF16_TIE_TOL = 0.15         # top-1 minus top-2 logprob where the paths part: rounding
+# bf16 rounds a logit of magnitude 16-32 to 0.125, so each path's logprobs carry that much
+BF16_LOGPROB_TOL = 0.25     # |logprob difference| of the same token where the paths agree
+BF16_TIE_TOL = 0.25         # top-1 minus top-2 logprob where the paths part
 
 
 def model_path() -> str:
@@ -65,4 +66,5 @@ def test_bfloat16_logprobs_close_to_the_xla_path():
             for lp, top, second in ((la, ta, tb), (lb, tb, ta)):
                 gap = lp[top].logprob - lp[second].logprob
                 assert 0 <= gap < BF16_TIE_TOL, (prompt, i, gap)
+            print(f"{prompt!r}: the paths part at token {i} (gaps within rounding)")
             break                                 # after that the contexts differ
