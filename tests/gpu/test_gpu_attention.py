@@ -7,6 +7,8 @@ for the P V product only on the GPU); these run the compiled kernels."""
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -30,34 +32,45 @@ def batch(qlens, ctxs, heads=LLAMA, *, seed=0, pad_tokens=3, dtype=jnp.bfloat16)
                        extra_blocks=16, dtype=dtype)
 
 
-@jax.default_matmul_precision("highest")       # f32 products, not TF32, on the GPU
-def dense_reference(args, *, sm_scale, sliding_window=None, soft_cap=None):
-    """Causal attention of each sequence over its own gathered context, in f32 (cheaper than
-    the kernel module's token-by-token reference at 2K-token prompts)."""
-    q, k_cache, v_cache, qsl, seq_lens, bt = args
-    t, n, e = q.shape
+@functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap"))
+def _one_sequence(q_QNE, k_cache, v_cache, blocks_B, ctx, qlen, *, sm_scale, sliding_window,
+                  soft_cap):
+    """One sequence's causal attention in f32 over its gathered context (all B x P slots,
+    those past ctx masked): q padded to a power of two, so few shapes compile."""
+    qp, n, e = q_QNE.shape
     kh = k_cache.shape[2]
-    g = n // kh
-    out = np.zeros((t, n, e), np.float32)
-    qsl, seq_lens = np.asarray(qsl), np.asarray(seq_lens)
-    for s in range(len(seq_lens)):
-        a, b, ctx = int(qsl[s]), int(qsl[s + 1]), int(seq_lens[s])
-        if b == a:
-            continue
-        k = k_cache[bt[s]].reshape(-1, kh, e)[:ctx].astype(jnp.float32)
-        v = v_cache[bt[s]].reshape(-1, kh, e)[:ctx].astype(jnp.float32)
-        qs = q[a:b].reshape(b - a, kh, g, e).astype(jnp.float32)
-        scores = jnp.einsum("tkge,lke->kgtl", qs, k) * sm_scale
+    k = k_cache[blocks_B].reshape(-1, kh, e).astype(jnp.float32)
+    v = v_cache[blocks_B].reshape(-1, kh, e).astype(jnp.float32)
+    q = q_QNE.reshape(qp, kh, n // kh, e).astype(jnp.float32)
+    with jax.default_matmul_precision("highest"):             # f32 products, not TF32
+        scores = jnp.einsum("tkge,lke->kgtl", q, k) * sm_scale
         if soft_cap is not None:
             scores = soft_cap * jnp.tanh(scores / soft_cap)
-        pos = ctx - (b - a) + jnp.arange(b - a)[:, None]
-        key = jnp.arange(ctx)[None, :]
+        pos = ctx - qlen + jnp.arange(qp)[:, None]
+        key = jnp.arange(k.shape[0])[None, :]
         visible = key <= pos
         if sliding_window is not None:
             visible &= key > pos - sliding_window
         scores = jnp.where(visible, scores, -jnp.inf)
         o = jnp.einsum("kgtl,lke->tkge", jax.nn.softmax(scores, axis=-1), v)
-        out[a:b] = np.asarray(o.reshape(b - a, n, e))
+    return o.reshape(qp, n, e)
+
+
+def dense_reference(args, *, sm_scale, sliding_window=None, soft_cap=None):
+    """Causal attention of each sequence over its own context, in f32 (cheaper than the
+    kernel module's token-by-token reference at 2K-token prompts); padding tokens 0."""
+    q, k_cache, v_cache, qsl, seq_lens, bt = args
+    out = np.zeros(q.shape, np.float32)
+    qsl, seq_lens = np.asarray(qsl), np.asarray(seq_lens)
+    for s in range(len(seq_lens)):
+        a, b = int(qsl[s]), int(qsl[s + 1])
+        if b == a:
+            continue
+        qp = 1 << (b - a - 1).bit_length()
+        q_pad = jnp.zeros((qp,) + q.shape[1:], q.dtype).at[:b - a].set(q[a:b])
+        o = _one_sequence(q_pad, k_cache, v_cache, bt[s], int(seq_lens[s]), b - a,
+                          sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
+        out[a:b] = np.asarray(o[:b - a])
     return out
 
 
@@ -113,21 +126,27 @@ MIXED = {
 ALL = {**DECODE, **PREFILL, **MIXED}
 
 
+@functools.lru_cache(maxsize=16)
+def case_batch(case, heads=LLAMA, dtype=jnp.bfloat16):
+    """The batch of a named case (built once: the larger ones hold GBs of random K/V)."""
+    return batch(*ALL[case], heads, dtype=dtype)
+
+
 @pytest.mark.parametrize("heads", [LLAMA, QWEN_MOE, SMOLLM2], ids=["llama8b", "qwen3moe", "smollm2"])
 @pytest.mark.parametrize("case", list(ALL))
 def test_triton_kernel(case, heads):
-    check(batch(*ALL[case], heads), triton)
+    check(case_batch(case, heads), triton)
 
 
 @pytest.mark.parametrize("case", list(ALL))
 def test_pallas_dispatch(case):
     # what the engine calls: Mosaic GPU for prefill-heavy batches, Triton for the rest
-    check(batch(*ALL[case]), pallas)
+    check(case_batch(case), pallas)
 
 
 @pytest.mark.parametrize("case", list(DECODE))
 def test_triton_decode_tilings_the_engine_picks(case):
-    args = batch(*DECODE[case])
+    args = case_batch(case)
     busy = int((np.asarray(args[3])[1:] > np.asarray(args[3])[:-1]).sum())
     check(args, triton, busy_seqs=busy)
     check(args, triton, busy_seqs=0)                          # padded bucket: fill_splits
@@ -136,27 +155,27 @@ def test_triton_decode_tilings_the_engine_picks(case):
 
 
 def test_triton_sliding_window_soft_cap_and_float32():
-    args = batch(*MIXED["chunks, decodes, padding slots"])
+    args = case_batch("chunks, decodes, padding slots")
     check(args, triton, sliding_window=256)
     check(args, triton, soft_cap=30.0)
-    check(batch(*MIXED["1K chunk + 32 decodes"], dtype=jnp.float32), triton)
+    check(case_batch("1K chunk + 32 decodes", dtype=jnp.float32), triton)
 
 
 @pytest.mark.parametrize("heads", [LLAMA, QWEN_MOE], ids=["llama8b", "qwen3moe"])
 @pytest.mark.parametrize("case", list(PREFILL) + list(MIXED))
 def test_mosaic_gpu_kernel_prefill_config_sequence_tiling(case, heads):
-    check(batch(*ALL[case], heads), mgpu(**mg.PREFILL_CONFIG))
+    check(case_batch(case, heads), mgpu(**mg.PREFILL_CONFIG))
 
 
 @pytest.mark.parametrize("case", list(PREFILL))
 def test_mosaic_gpu_kernel_flat_tiling_on_prefill_only_batches(case):
-    check(batch(*PREFILL[case]), mgpu(**mg.PREFILL_CONFIG, tiling="flat"))
+    check(case_batch(case), mgpu(**mg.PREFILL_CONFIG, tiling="flat"))
 
 
 @pytest.mark.parametrize("case", list(DECODE) + list(MIXED))
 def test_mosaic_gpu_kernel_decode_config(case):
-    check(batch(*ALL[case]), mgpu(**mg.DECODE_CONFIG))
+    check(case_batch(case), mgpu(**mg.DECODE_CONFIG))
 
 
 def test_mosaic_gpu_kernel_float16():
-    check(batch(*PREFILL["ragged prompts"], dtype=jnp.float16), mgpu(**mg.PREFILL_CONFIG))
+    check(case_batch("ragged prompts", dtype=jnp.float16), mgpu(**mg.PREFILL_CONFIG))
