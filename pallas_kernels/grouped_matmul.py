@@ -14,24 +14,17 @@ Implementations:
   pseudo-group whose tiles only write zeros), then program (s, j) computes tile s times columns
   j*BN.. of its group's matrix, streaming w[g, :, those columns] BK rows at a time, and stores
   only its group's rows. At one token (8 of 128 experts) that is 1/16 of the weights the two
-  below read. Unused tile slots (the list is sized for the worst case) exit at once.
-  Measured on the H200 (BENCHMARKS.md, "Kernels"; Qwen3-30B-A3B, default tiles): one token
-  25.5 us for gate+up (lax.ragged_dot 191 us) and 16.8 us for down (97.5 us); it also beat
-  the Mosaic kernel at 128 and 512 rows (138 vs 211 us, 208 vs 229 us for gate+up), as
-  expert skipping still pays while some experts are empty.
+  below read. Unused tile slots (the list is sized for the worst case) exit at once. It beats
+  both below up to 512 rows, while some experts are still empty (H200, Qwen3-30B-A3B gate+up
+  at one token: 22.6 against 191 us; BENCHMARKS.md, "Kernels").
 - "mosaic": JAX's Mosaic GPU ragged dot (jax.experimental.pallas.ops.gpu.ragged_dot_mgpu:
-  warpgroup MMA, TMA pipeline, persistent grid; Hopper only), 64 x 256 tiles. It was the fastest
-  of those measured at every size from 128 rows up (BENCHMARKS.md, "Kernels"; Qwen3-30B-A3B
-  gate/up shapes, D=2048 -> 2 x 768, 128 experts, top-8): 4.4x lax.ragged_dot at 1024 rows and
-  ~37x at 16K rows. Its tiles are too big for the "pallas" kernel's trick to pay there: with
-  many rows every expert has some.
-- "xla": jax.lax.ragged_dot; runs everywhere. Both it and "mosaic" take ~190 us for a single
-  token on an H200: they stream all 128 experts' weights although only 8 are used (~12 us of
-  HBM traffic when empty experts are skipped).
-"auto": on a GPU, "pallas" below SPARSE_MAX_ROWS rows (when the shapes suit it), "mosaic" from
-there on Hopper when the shapes suit its tiles, else "xla"; on CPU "xla".
-SPARSE_MAX_ROWS = 512: the largest size measured where "pallas" won (above it, untested:
-Mosaic, which was 4.4x lax.ragged_dot at 1024 rows).
+  warpgroup MMA, TMA pipeline, persistent grid; Hopper only), 64 x 256 tiles: the fastest with
+  many rows, where every expert has some and skipping pays nothing.
+- "xla": jax.lax.ragged_dot; runs everywhere. Like "mosaic" it streams every expert's weights,
+  used or not.
+"auto": on a GPU, "pallas" up to SPARSE_MAX_ROWS rows (when the shapes suit it; the largest
+size where it was measured to win), "mosaic" above on Hopper when the shapes suit its tiles,
+else "xla"; on CPU "xla".
 """
 
 from __future__ import annotations
@@ -196,10 +189,9 @@ def _sparse_grouped_matmul(x_MK, w_GKN, group_sizes_G, *, block_k, block_n, num_
         raise ValueError(f"impl='pallas': {problem}; use impl='xla'")
     m, k = x_MK.shape
     g, _, n = w_GKN.shape
-    # Defaults from the H200 sweep (benchmarks/kernels.py --only moe --quick --sweep; BN 32-128,
-    # BK 128/256, 4 or 8 warps, 3 or 4 stages): BN = 128, BK = 128, 4 warps, 4 stages was within
-    # 1-6 % of the best at 8 and 128 rows for both projections; BN = 64 (the first guess) was
-    # 5-14 % slower. Each weight row read is then 256 contiguous bytes.
+    # BN = BK = 128, 4 warps, 4 stages: within 1-6 % of the best tiling of an H200 sweep at 8
+    # and 128 rows (benchmarks/kernels.py --only moe --sweep); each weight row read is then 256
+    # contiguous bytes.
     block_k = _block(k, block_k, 128, "block_k", "K")
     block_n = _block(n, block_n, 128, "block_n", "N")
     grp_S, first_S, end_S = _tile_list(group_sizes_G, m)

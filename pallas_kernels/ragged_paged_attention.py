@@ -175,9 +175,9 @@ def fill_split_counts(item_steps, items, programs, most):
     over sequences: key steps of one item, items): one each, and the spare programs (programs
     - items in all) shared out in proportion to an item's key steps, so that a long context's
     items get more of them; at most `most`, and at most the item's steps. With equal steps
-    that is programs // items each within those caps (before session 14, every item got that,
-    capped by `most` alone). They take at most `programs` programs in all (given items <=
-    programs): sum(items x (1 + floor(steps x spare / work))) <= items + spare."""
+    that is programs // items each within those caps. They take at most `programs` programs
+    in all (given items <= programs): sum(items x (1 + floor(steps x spare / work))) <= items
+    + spare."""
     spare = programs - jnp.sum(items)
     work = jnp.maximum(jnp.sum(items * item_steps), 1)
     extra = item_steps * spare // work
@@ -217,8 +217,7 @@ def _rpa_kernel(
     if num_seqs <= VECTOR_SEARCH_MAX_SEQS:   # exact starts: prefix sum of the tile counts
         # NOTE: every sequence's bounds and length come in one round of loads and the program
         # picks its own from registers, rather than loading them again after the search: one
-        # memory latency less before the first K/V copy (H200, cold: 0.1-0.2 us off the split
-        # decode grids, e.g. a lone 1K decode 6.2 -> 6.1 us; level elsewhere).
+        # memory latency less before the first K/V copy (0.1-0.2 us off split decode grids).
         s_all = jnp.arange(pl.next_power_of_2(num_seqs + 1), dtype=jnp.int32)
         begin_all = plgpu.load(qsl_ref.at[jnp.minimum(s_all, num_seqs)])
         end_all = jnp.where(s_all < num_seqs,
@@ -239,10 +238,8 @@ def _rpa_kernel(
             progs_all = items_all * x_all
             pstart_all = jnp.cumsum(progs_all) - progs_all
             # NOTE: the busy programs are spread evenly over the grid (the i-th is program
-            # floor(i P / busy)), not packed at its start: on the H200, 80 busy 8K-key
-            # programs (one an SM, 128-key steps) first in a grid of 132 took 114.4 us (the
-            # kernel alone), spread 103.4, in a grid of 80 87.0 (session 13, runs 5-6; why
-            # idle programs slow the busy ones at all was not found out)
+            # floor(i P / busy)), not packed at its start: packed, they ran ~10 % slower on an
+            # H200 (why idle programs slow the busy ones at all was not found out)
             busy = jnp.sum(progs_all)
             i = pl.cdiv(p * busy, num_programs)
             idle = (i >= busy) | ((i * num_programs) // jnp.maximum(busy, 1) != p)
@@ -414,11 +411,10 @@ def default_block_q(num_tokens: int, num_seqs: int, group: int) -> int:
     """Tokens per query tile: about the mean query length, so decode tiles stay small, with
     at least 16 rows (the smallest tensor-core tile) and at most 64 rows. The one-token bucket
     (a lone decode) gets a one-token tile: a larger one leaves the sequence an empty second
-    tile, twice the programs (H200, one 8K decode: 10.2 -> 9.1 us). Other buckets keep
-    multi-token tiles even when they hold no more tokens than sequence slots: the engine's
-    buckets (S = min(T, max_num_seqs)) cannot tell decodes from a prompt chunk, and one-token
-    tiles re-read a chunk's context for every token (H200: 1.6-2.6 x slower on a 64-256-token
-    chunk in a 128- or 256-token bucket), for 0-2 % on pure decode batches."""
+    tile, twice the programs. Other buckets keep multi-token tiles even when they hold no more
+    tokens than sequence slots: the engine's buckets (S = min(T, max_num_seqs)) cannot tell
+    decodes from a prompt chunk, and one-token tiles re-read a chunk's context for every token
+    (1.6-2.6 x slower on a prompt chunk, H200), for 0-2 % on pure decode batches."""
     if num_tokens == 1:
         return 1
     gp = pl.next_power_of_2(group)
@@ -444,23 +440,16 @@ def default_block_k(block_q: int, group: int, context: int, num_splits: int = 1,
                     itemsize: int | None = None, num_warps: int = 4,
                     num_stages: int = 2) -> int:
     """Keys per step: 128 by default for decode-like tiles (fewer, longer loads), 64 for
-    prefill tiles and for splits of at most 256 keys (more steps to overlap; H200 sweep,
-    BENCHMARKS.md).
+    prefill tiles and for splits of at most 256 keys (more steps to overlap; an H200 sweep).
 
     An unsplit decode grid of `programs` programs (E = 128, 2-byte K/V, 4 warps, 2 stages: the
     case measured; the wrapper passes `programs` only for decode buckets, T <= S) takes 64-key
-    steps when it fits in one wave of them but not in one wave of 128-key ones: 397-660
-    programs on an H200. Of the engine's decode buckets (powers of two) that is 512 programs:
-    64 sequences x 8 kv heads, or 128 x 4. H200: 64 x 1K decodes 72.9 -> 65.9 us, 64 x 2K 138.9
-    -> 124.2 (cuDNN 64.8 and 122.0); with 4 kv heads 128 x 1K 73.8 -> 66.2; 72, 80 and 82 x 1K
-    1.5-3.5 % less time, while at 84 x 1K (672 programs, past one wave) 64-key steps took 21 %
-    more. Past one wave 128-key steps were as fast as 64-key 2-stage ones or faster (768,
-    1,024 and 2,048 programs; where 64-key steps with 3 stages fill their waves better, the
-    wrapper takes those instead: many_wave_decode), and so at 256 and 384 programs; nothing
-    between 384 and 512 was timed. The rule sees the bucket, not how many of its slots hold a
-    sequence: buckets of 512 programs three quarters full or less took 2-18 % more time with it
-    (40-48 of 64 sequences: 2-11 %; 96 of 128 at 4 kv heads: 3-18 %), ones seven eighths full or
-    more 9-16 % less."""
+    steps when it fits in one wave of them but not in one wave of 128-key ones (397-660
+    programs on an H200; of the engine's power-of-two buckets, 512: 64 sequences x 8 kv heads or
+    128 x 4), where they took ~10 % off (64 x 1K decodes: 72.9 -> 65.9 us, level with cuDNN).
+    Past one wave 128-key steps were as fast or faster (or 64-key 3-stage ones:
+    many_wave_decode). The rule sees the bucket, not how many of its slots hold a sequence:
+    512-program buckets three quarters full or less take 2-18 % longer with it."""
     rows = _tile_rows(block_q, pl.next_power_of_2(group))
     short_splits = num_splits > 1 and context // num_splits <= 256
     block_k = 128 if rows <= 16 and not short_splits else 64
@@ -474,9 +463,8 @@ def default_block_k(block_q: int, group: int, context: int, num_splits: int = 1,
 
 # Decode grids of up to two programs per SM with more busy programs than this share of NUM_SMS
 # (103 of 132) run pipelined, below (full buckets from 67 programs too: split_decode_tiling).
-# Set with three key loops (session 10): from 104 busy
-# programs faster in every case timed, at 96 mixed, below that slower. With one loop 96 busy
-# programs gained (12 x 1K 19.3 -> 17.7 us; 12 of 32 slots 1.3 %): it may now be conservative.
+# Timed on an H200 with three key loops: from 104 busy programs faster in every case, at 96
+# mixed, below that slower; with today's one loop 96 gained too, so it may be conservative.
 PIPELINED_MIN_FILL = 0.78
 
 
@@ -507,54 +495,24 @@ def pipelined_decode(num_tokens: int, num_seqs: int, num_heads: int, kv_heads: i
     block-table entries asynchronously a stage ahead of the K/V copies and double-buffers K/V in
     shared memory (140 KiB at 128 keys, 72 KiB at 64), so no plain global load is left in the
     loop and the next step's copy overlaps this step's math (Triton 3.9's output, read on CPU
-    with benchmarks/triton_ir.py). Until session 12 it looked its slots up one step early
-    (prefetch_slots) with 3 stages: K/V double-buffered too, but one dependent block-table load
-    a step before that step's copies; H200, cold (session 12, run 1, the two tilings side by
-    side), the 5-stage one took 0.25-2.9 us (0.7-2.4 %) off 6 of 7 pipelined cases (32 x 1K at
-    8 kv heads 36.0 -> 35.5 us, 32 x 8K at 4 kv heads 129.65 -> 126.75, cuDNN 122.3) and left
-    16 x 1K level (20.6 -> 20.65). With 2 stages, or slots looked up in their step with 3,
-    Triton keeps one K/V buffer and copies a step only after the last step's math. With the
-    default mask_all_steps it walks its keys in one masked loop, as every decode grid does, and
-    gains most from that: its pipeline is no longer drained before a separate last-step loop
-    (mask_all_steps=False gives three loops, each pipelined on its own). It needs more busy
-    programs than PIPELINED_MIN_FILL of the SMs (`busy_seqs` sequences with query tokens, at
-    least; None: all num_seqs), in two regions (figures below from sessions 10-11, with the
-    3-stage tiling):
+    with benchmarks/triton_ir.py; with 2 stages, or 3 with slots looked up in their step,
+    Triton keeps one K/V buffer). With the
+    default mask_all_steps the keys are one masked loop, so the pipeline is not drained before
+    a separate last-step loop. Two regions:
 
-    - At most one program per SM (<= NUM_SMS): 128-key steps (140 KiB: one program an SM). H200,
-      cold, against the default for these grids (split to fill the SMs, then a merge kernel): 16
-      decodes of 1K-8K keys at 8 kv heads (128 programs) 9-11 % less time (16 x 1K 23.9 -> 21.5
-      us, cuDNN 19.4; 16 x 8K 144.2 -> 129.2, cuDNN 121.6), 32 decodes at Qwen3-30B-A3B's 4 kv
-      heads 7-12 %, and 104-120 busy programs (13-15 decodes at 8 kv heads, 26-30 at 4) 2-16 %;
-      one loop then took 16 x 1K to 20.6 us and 32 x 1K at 4 kv heads 21.8 -> 20.9. At 96 it was
-      mixed (12 x 1K-4K 5-7 % faster, 12 x 8K level, 24 x 8K at 4 kv heads 5 % slower), and
-      below that splitting can win (8 x 1K, 64 programs: 15.1 against 15.8 us): a lone program
-      streams about 32 GB/s, and a padded bucket holding a few long decodes would stream them
-      through a few SMs. Hence the bound, for which a padded bucket's caller (the engine) says
-      how many slots are busy. (A full bucket of 67-103 programs gets this same tiling through
-      split_decode_tiling, session 13: every slot is busy there.) A third K/V buffer (4
-      stages, 200 KiB) took 0.5-9 % more time, 8 warps 3-14 %.
+    - At most one program per SM (<= NUM_SMS): 128-key steps (one program an SM), instead of
+      splitting to fill the SMs and merging; e.g. 16 x 1K decodes 10 % faster (H200).
     - Over one and at most two programs per SM (up to 2 x NUM_SMS), which the default leaves
-      unsplit where the busy count is said (fill_splits where it is not): 64-key steps (72
-      KiB, so both programs of an SM fit). H200, cold, one loop both ways, against the default
-      128-key 2-stage steps: 256 programs with 17-32 of 32
-      slots busy at 8 kv heads (1K-8K keys, one case with a 6-token chunk) and 33-64 of 64 at 4
-      kv heads: 0.7-6 % less time in 15 cases of 16, level in the 16th (48 x 4K at 4 kv heads,
-      111.1 against 111.5 us); e.g. 32 x 1K 36.35 -> 35.95 us, 32 x 8K 246.5 -> 242.1 (cuDNN
-      34.5 and 236.5). The fewest busy programs timed above the bound were 132 (33 of 64 slots
-      at 4 kv heads) and 136 (17 of 32 at 8): 104-131 were not timed here. With 80-96 busy
-      programs it was level, with 48 or fewer 3-13 % slower (6 x 8K in 32 slots 153 -> 173 us;
-      3 x 1K 21.9 -> 24.7), as in the first region. At 512 programs (64-key pipelined against
-      the default 64-key 2-stage steps) it took 17-18 % more (64 x 1K 66.3 -> 77.4 us, 64 x 2K
-      126.4 -> 148.6, 128 x 1K at 4 kv heads 66.7 -> 77.9), and at 1,024 1 % more (128 x 1K);
-      265-511 were not timed.
+      unsplit where the busy count is said (fill_splits where it is not): 64-key steps (72 KiB,
+      so both programs of an SM fit), 0.7-6 % faster than the default 128-key 2-stage steps;
+      at 512 programs it was 17 % slower, so not there.
 
-    The bound, rechecked with the 5-stage tiling (session 12, run 3): below it the tiling can
-    win or lose by the context, which the wrapper cannot see (a runtime value). With 64-96 busy
-    programs of 1K keys it took 1.4-4.25 us less than splitting in 5 cases of 6 (10 of 16 slots
-    at 8 kv heads 18.7 -> 17.3 us; 16-24 of 32 at 4 kv heads 3.2-4.25 us less) and 0.3 us more
-    in the sixth (8 of 16 at 8 kv heads), with 4K keys up to 13.55 us more (8 of 16 at 8 kv
-    heads 39.55 -> 53.1; 10: 46.35 -> 53.95)."""
+    It needs more busy programs than PIPELINED_MIN_FILL of the SMs (`busy_seqs` sequences with
+    query tokens, at least; None: all num_seqs): a lone program streams only ~32 GB/s, so a
+    padded bucket holding a few long decodes would stream them through a few SMs; below the
+    bound the tiling wins or loses by the context, which the wrapper cannot see (a runtime
+    value). Hence a padded bucket's caller (the engine) says how many slots are busy; a full
+    bucket of 67-103 programs gets this tiling through split_decode_tiling."""
     grid = _measured_decode_grid(num_tokens, num_seqs, num_heads, kv_heads, busy_seqs,
                                  head_dim=head_dim, itemsize=itemsize)
     if grid is None:
@@ -570,7 +528,7 @@ def pipelined_decode(num_tokens: int, num_seqs: int, num_heads: int, kv_heads: i
 # Programs an SM holds of the decode tile above at 64 keys a step with slots looked up in their
 # step and 3 stages (K/V and the block-table entries copied asynchronously, one buffer each):
 # 4. Triton 3.9's reading (benchmarks/triton_ir.py) gives 124 registers a thread and 38 KiB;
-# the H200 timings at 768, 1,024 and 2,048 programs (session 12) fit 4 an SM, not 3.
+# H200 timings at 768-2,048 programs fit 4 an SM, not 3.
 ASYNC_64_PROGRAMS_PER_SM = 4
 
 
@@ -586,21 +544,14 @@ def many_wave_decode(num_tokens: int, num_seqs: int, num_heads: int, kv_heads: i
     the case measured) past one wave of 64-key 2-stage steps takes 64-key steps with slots
     looked up in their step and 3 stages instead of the 128-key 2-stage default: where that
     tiling's waves of busy programs are fuller (ASYNC_64_PROGRAMS_PER_SM against
-    DECODE_PROGRAMS_PER_SM[128]). H200, cold, kv heads launched side by side (session 12, run
-    4): 1,024 programs (128 x 8K decodes at 8 kv heads) 977.9 -> 967.0 us, cuDNN 960.0; 2,048
-    (256 x 1K) 253.9 -> 248.0, cuDNN 245.8; before that launch order (run 3) 128 x 2K and 4K
-    0.6-0.8 % less time (run 2: 128 x 1K level), and at 4 kv heads 256 x 1K and 4K 1.0-1.3 %
-    less; at 768 programs (96 x 1K), where its waves are emptier (1.45 of them against 1.94),
-    5.5-6.5 % more: hence the rule.
+    DECODE_PROGRAMS_PER_SM[128]): 0.6-1.3 % less time at 1,024-2,048 programs, 6 % more at 768
+    (96 x 1K, where its waves are emptier) on an H200; hence the rule.
 
     Busy programs: `busy_seqs` sequences with query tokens (at least; None: all num_seqs; 0: not
     said, as the engine passes below its floor) x kv_heads. Launched with kv heads inner, a
-    padded bucket's busy programs run first, so their count sets the waves: 128 slots of 8 kv
-    heads with 65 busy (520 programs) 74.7 -> 68.05 us, 112 busy 120.3 -> 113.65, but 80 busy
-    (640: 1.21 waves of 528 against 1.62 of 396) 85.2 -> 99.75 and 96 busy 99.85 -> 103.8 (run
-    6, the rule then counting the whole grid). The tiling holds over several ranges of busy
-    counts (there: 50-66 and 100-128); the engine only uses the top one (tiling_busy_floor: one
-    more program per bucket), so 65 busy of 128 run the default tiling (73.05 us in run 7)."""
+    padded bucket's busy programs run first, so their count sets the waves. The tiling holds
+    over several ranges of busy counts; the engine only uses the top one (tiling_busy_floor:
+    one more program per bucket)."""
     grid = _measured_decode_grid(num_tokens, num_seqs, num_heads, kv_heads, busy_seqs,
                                  head_dim=head_dim, itemsize=itemsize)
     if grid is None:
@@ -625,24 +576,18 @@ class DecodeTiling(NamedTuple):
 
 
 # Splits of a decode grid of fewer programs than SMs (split_decode_tiling) take 128-key steps
-# from this many keys a split, 64-key ones below. At exactly 512 it could go either way (H200,
-# session 13 run 2: 8 x 1K at 8 kv heads 13.75 against 13.96 us, 16 x 1K at 4 kv heads 14.33
-# against 13.88); elsewhere the rule picked the faster in every case timed.
+# from this many keys a split, 64-key ones below (the faster in every H200 case timed but at
+# exactly 512, which could go either way).
 SPLIT_128_KEYS = 512
 
 
 def default_fill_programs(items: int) -> int:
     """A fill_splits grid's programs for a decode grid of `items` (query tile, kv head) items:
     one NUM_SMS more than the waves of one program an SM that the items take (64-key 5-stage
-    steps: 72 KiB, three fit an SM), two more past 2 x NUM_SMS items. 264 for up to NUM_SMS
-    items: 396 was 1-8 % slower with 2-8 busy decodes (session 13, run 7); 396 for up to 2 x
-    NUM_SMS: 528 took up to 21 % more in 28 of 31 cases (one of them level) and less in 3 (by up
-    to 16 %: a full bucket of a 16K decode and 31 of 1K, 56.4 against 66.9 us; session 14, runs
-    2-3); 792 for up to 4 x NUM_SMS (skewed steps only): against 660, 89.5 / 89.4 us against
-    106.8 / 98.0 with one 16K decode among 1K ones (64 slots at 8 kv heads, 128 at 4), level
-    (within 1.2 %) in four other cases (session 14, run 8)."""
-    # NOTE: 660 (265-396 items) was not timed. Before session 14 this was 2 x NUM_SMS whatever
-    # the items (a grid of more needed an explicit fill_programs).
+    steps: 72 KiB, three fit an SM), two more past 2 x NUM_SMS items: 264 for up to NUM_SMS
+    items, 396 up to 2 x NUM_SMS, 792 up to 4 x NUM_SMS (skewed steps only). Each was the
+    fastest of its neighbours in most cases timed on an H200 (one NUM_SMS more or fewer)."""
+    # NOTE: 660 (265-396 items) was not timed.
     waves = pl.cdiv(items, NUM_SMS)
     return NUM_SMS * (waves + (1 if waves <= 2 else 2))
 
@@ -668,39 +613,14 @@ def split_decode_tiling(num_tokens: int, num_seqs: int, num_heads: int, kv_heads
       the busy (tile, kv head) items and gives each one split and a share of the spare programs
       in proportion to its key steps (fill_split_counts: P // items each with even contexts, at
       most the item's steps; at most num_splits = min(P // kv_heads, 32, context // 64)), its
-      busy programs spread evenly over the grid. Session 14 (run 1): padded 16-slot buckets at
-      8 kv heads holding one long decode and short ones, splits alike -> by key steps: 32K + 3
-      x 1K keys 62.7 -> 41.9 us, 16K + 7 x 1K 63.9 -> 32.6, 32K + 11 x 2K 225.0 -> 63.3 (cuDNN,
-      dense with key_value_seq_lengths: 51.6, 52.9, 326.2); at 4 kv heads 32 slots, 32K + 15 x 1K
-      115.4 -> 34.3 (92.8); even contexts 0.1-0.4 us more (run 2: 0.5-2 %). Grids of 133-264
-      programs (32 slots at 8 kv heads, 64 at 4) took it in session 14 (run 3; before, the
-      default: unsplit 128-key 2-stage steps): 32 slots with 2 / 4 / 8 / 12 busy decodes of 8K
-      keys 141.9 / 160.3 / 161.8 / 162.7 -> 25.4 / 39.8 / 70.1 / 98.7 us (cuDNN 22.1 / 36.2 /
-      65.5 / 93.9), of 1K 19.4 / 21.4 / 21.8 / 23.2 -> 9.8 / 12.7 / 16.7 / 20.8 (8.1 / 11.0 /
-      14.5 / 16.2); one 16K decode and 7 of 1K 280.0 -> 32.1 (cuDNN with lengths 53.0); at 4
-      kv heads, 64 slots with 4 / 16 / 24 busy alike (8K: 139.2 / 151.8 / 153.9 -> 27.7 / 71.8
-      / 101.1).
+      busy programs spread evenly over the grid. Sharing by key steps is what keeps one long
+      context from setting the step's end: one 32K decode among three of 1K in a 16-slot
+      bucket, 62.7 -> 41.9 us (H200; cuDNN with key lengths 51.6); with even contexts it costs
+      0.5-2 %. Grids of up to two programs an SM with few busy slots stream on a few SMs
+      without it (2 of 32 slots x 8K: 141.9 -> 25.4 us).
 
-    H200, cold, CUPTI time with the merge, HEAD before session 13 -> this (cuDNN on the busy
-    sequences), session 13 run 8 (benchmarks/results/h200-2026-11-30-session13/; the default
-    before: splits towards 512 programs by the slot count, 2 stages):
-    - full buckets at 8 kv heads: 1 x 8K 15.1 -> 13.0 us (15.1), 4 x 4K 22.8 -> 21.7 (22.1),
-      8 x 4K 40.4 -> 36.5 (36.0), 12 x 1K 18.75 -> 16.6 (16.05); at 4 kv heads 1 x 8K 12.6 ->
-      9.7 (12.5), 4 x 4K 14.3 -> 13.4 (14.8), 24 x 1K 19.3 -> 17.9 (16.2); 1 x 1K level.
-    - the engine's 16-slot bucket at 8 kv heads, busy_seqs 0: 1 busy at 8K keys 44.45 -> 15.1
-      (15.1), 2 47.9 -> 23.1 (22.3), 4 53.85 -> 37.8 (36.4), 8 69.6 -> 67.1 (65.6), 10 84.0 ->
-      82.5 (86.2), 12 96.9 -> 96.5 (94.6); at 1K keys 1 busy 12.0 -> 7.5 (7.1), 12 19.9 -> 19.0
-      (16.1). At 4 kv heads, 32 slots: 4 busy at 8K 50.5 -> 24.3 (22.6), 24 99.0 -> 98.6 (95.1).
-      With a 6-token prompt chunk among 5 busy of 11 slots: 39.9 -> 34.5.
-    Full bucket left as it was measured: 24 x 8K at 4 kv heads (96 programs, now one unsplit
-    wave) 102.9-103.9 us against old's 102.9-104.15 (runs 4, 6), where 2 or 4 splits took
-    2.4-3.4 % less than one in run 3.
-    Fill grids tried and not kept (runs 4-7): 132 programs of 128-key steps, within 6 % of 264
-    either way with 2-8 busy decodes; from 80 busy items up, where each item gets one split,
-    between 6 % faster and 25 % slower than old (10 of 16 busy at 8K: 105.2 against 84.5 us with
-    the busy programs spread, 116.4 packed at the grid's start); 396 programs of 64-key steps,
-    1-8 % slower than 264 with 2-8 busy decodes (faster on the bucket with a chunk: 28.6 against
-    34.3 us)."""
+    Not kept: fill grids of 132 programs of 128-key steps, or of 396 below NUM_SMS items
+    (within 1-8 % either way)."""
     grid = _measured_decode_grid(num_tokens, num_seqs, num_heads, kv_heads, busy_seqs,
                                  head_dim=head_dim, itemsize=itemsize)
     if grid is None or grid[0] > (SKEWED_FILL_MAX_WAVES if skewed else 2) * NUM_SMS:
@@ -761,19 +681,14 @@ def tiling_busy_floor(num_tokens: int, num_seqs: int, num_heads: int, kv_heads: 
 
 # A step whose longest context is over this many times its chunks' mean is "skewed": a full
 # bucket's tiling (unsplit, or split alike by the grid's size) then waits on its longest
-# sequence's programs, while fill_splits shares the programs by each one's key steps. H200,
-# cold, full buckets of 128 (tile, kv head) items (16 slots at 8 kv heads, 32 at 4), default
-# -> fill_splits (session 14, run 2): at max/mean 1.88-1.94 10-30 % less time in all 4 cases
-# (16 x ~1K at 8 kv heads 31.9 -> 25.9 us, ~4K 112.5 -> 78.6), at 2.67-2.82 28-44 %; at
-# 1.23-1.51 from 25 % more (32 x ~1K at 4 kv heads spread from 768 to 1,280 keys) to 10 % less
-# (16 x ~4K, one 1.5 x as long); with even contexts 4-21 % more (run 1). 1.52-1.87 untimed.
+# sequence's programs, while fill_splits shares the programs by each one's key steps. On an
+# H200, fill_splits took 10-44 % off full buckets from a ratio of 1.88 up, was mixed at
+# 1.23-1.51 and 4-21 % slower with even contexts (1.52-1.87 not timed).
 SKEWED_CONTEXT_RATIO = 1.8
 # A caller that says a step is skewed gets fill_splits for decode grids of up to this many
-# programs an SM (special_decode_tiling): beyond two, only skewed steps take it. H200, cold,
-# full buckets of 512 items (64 slots at 8 kv heads, 128 at 4), default -> fill_splits over 792
-# programs (session 14, run 8): one 16K decode among 1K ones 454.6 -> 89.5 and 438.1 -> 89.4
-# us (cuDNN with lengths 205.2, 205.1); one 4K 139.9 -> 82.9 and 137.0 -> 85.4 (84.5, 85.0);
-# even 1K contexts 66.1 -> 80.3 and 66.5 -> 84.8 (not taken there). Larger grids not timed.
+# programs an SM (special_decode_tiling): beyond two, only skewed steps take it (H200, 64
+# slots: one 16K decode among 1K ones 454.6 -> 89.5 us; even contexts would lose 21 %). Larger
+# grids not timed.
 SKEWED_FILL_MAX_WAVES = 4
 
 
@@ -806,10 +721,9 @@ def splits_to_fill(num_tokens: int, num_seqs: int, kv_heads: int, context: int, 
 def default_num_splits(num_tokens: int, num_seqs: int, kv_heads: int, block_q: int,
                        context: int) -> int:
     """Split the key range only when the grid has fewer programs than SMs, then until it has
-    about four per SM, keeping at least 64 keys per split. (H200 sweep over 1-32 sequences of
-    1K-32K keys: 32 x 1K decodes ran 36.3 us unsplit against 39.7 in 3 splits; a lone 1K
-    decode 5.3 us in 16 splits against 6.9 in 4; BENCHMARKS.md.) The measured decode case
-    (E = 128 in 2-byte K/V, 16-row tiles) takes split_decode_tiling instead."""
+    about four per SM, keeping at least 64 keys per split (from an H200 sweep over 1-32
+    sequences of 1K-32K keys). The measured decode case (E = 128 in 2-byte K/V, 16-row tiles)
+    takes split_decode_tiling instead."""
     if min(num_tokens, num_seqs) * kv_heads >= NUM_SMS:
         return 1
     return splits_to_fill(num_tokens, num_seqs, kv_heads, context, programs=512, min_keys=64)
@@ -835,8 +749,8 @@ def ragged_paged_attention(q_TNE, k_cache_NPKE, v_cache_NPKE, query_start_loc_S1
     """Attention of a mixed prefill/decode batch over a paged KV cache -> o f[T, N, E].
 
     impl: "pallas" (our kernels: on a GPU, prefill-heavy batches (T > 2 S) that the Mosaic GPU
-    kernel supports go to it (ragged_paged_attention_mgpu.py: 1.5x the Triton kernel's speed
-    on prefill, measured), everything else to the Triton kernel; on CPU the Triton kernel,
+    kernel supports go to it (ragged_paged_attention_mgpu.py: ~1.45x the Triton kernel's speed
+    on prefill), everything else to the Triton kernel; on CPU the Triton kernel,
     interpreted), "triton" or "mgpu" (that kernel only), "xla" (plain XLA, memory-bounded) or
     "auto" (pallas on GPU, xla elsewhere). The tuning options below are the Triton kernel's
     and are picked from the shapes if None.
@@ -844,13 +758,11 @@ def ragged_paged_attention(q_TNE, k_cache_NPKE, v_cache_NPKE, query_start_loc_S1
     three (window edge, unmasked middle, causal edge; same result). Default True in interpret
     mode (3x faster to compile) and for decode buckets (T <= S) of 16-row tiles, where the
     mask is cheap and Triton then pipelines one loop rather than draining between three
-    (H200, cold, same tiling, E = 128 in bf16: 21 of 24 decode cases 0.5-5 % faster, 16 x 1K
-    21.6 -> 20.7 us, a lone 2K decode 8.0 -> 7.6; one level, two within 1 % slower;
-    BENCHMARKS.md; other head dims and dtypes were not timed). Other batches keep three
-    loops: larger tiles' masked steps cost more, and they were not timed one-loop.
+    (0.5-5 % faster on 21 of 24 decode cases, H200, E = 128 in bf16; other head dims and dtypes
+    not timed). Other batches keep three loops: larger tiles' masked steps cost more.
     heavy_first: launch the query tiles in reverse, the longest causal ranges first;
     prefetch_slots: look up the next key step's cache slots one step early. Both default to on
-    for prefill-heavy batches (H200, 2K-token prefill: 132 -> 127.5 us; BENCHMARKS.md).
+    for prefill-heavy batches (a few % off a 2K-token prefill, H200).
     busy_seqs: at least this many of the S sequence slots have query tokens (None: all of
     them). A caller that pads its batch to fixed sizes says how full it is, so that a decode
     grid of up to two programs per SM is pipelined only when most SMs get work
@@ -868,15 +780,10 @@ def ragged_paged_attention(q_TNE, k_cache_NPKE, v_cache_NPKE, query_start_loc_S1
     up to SKEWED_FILL_MAX_WAVES x NUM_SMS programs take fill_splits whatever busy_seqs says.
     heads_inner: launch a query tile's kv heads side by side (grid (K, J, X)) rather than a kv
     head's tiles (J, K, X). Default on for unsplit decode grids (T <= S, one split): the busy
-    programs of a padded bucket, the first in launch order, then go to separate SMs. H200, cold
-    (session 12, run 4): 32 slots at 8 kv heads with 13 or 16 busy 16-27 % less time (13 x 1K
-    24.75 -> 19.35 us, 13 x 4K 84.6 -> 61.9, cuDNN 16.9 and 53.7), with 10 busy 7-9 %, 64 slots
-    at 4 kv heads with 32 busy 13-16 %; full buckets level or up to 2 % less (96 x 1K 98.7 ->
-    96.75, 128 x 8K 988 -> 978); 160 busy programs of 256 (20 of 32, 40 of 64) within 1 % either
-    way to 2.5 % more (40 x 4K of 64 at 4 kv heads). Split grids keep (J, K, X): with kv heads
-    inner a padded bucket's busy programs bunched (8 of 16 slots, 4 splits: 7.7 % more; such
-    buckets take fill_splits' one-dimensional grid since session 13). It applies to tuned calls
-    too (sweeps with explicit options launch this way since session 12).
+    programs of a padded bucket, the first in launch order, then go to separate SMs (half-busy
+    32-slot buckets 16-27 % faster on an H200, full ones level or up to 2 % faster). Split
+    grids keep (J, K, X): with kv heads inner a padded bucket's busy programs bunched. It
+    applies to tuned calls too.
     Any tuning option (block_q ... prefetch_slots, fill_splits, fill_programs) turns off the
     shape rules above: the rest of the tiling is then the plain default.
     """

@@ -41,9 +41,8 @@ Design:
     copy during the current one when q_buffers = 2); the memory warpgroup loads block-table
     entries bt_ahead key steps before their copies; a stored output is waited for only until
     its buffer has been read. Still on the path: the chain at the kernel's start (tile count,
-    the first item's fields, its first block-table entries: the first copies go out ~3 us
-    after launch in a profile), each sequence's first bt_ahead lookups, and the "flat"
-    tiling's per-tile search.
+    the first item's fields, its first block-table entries), each sequence's first bt_ahead
+    lookups, and the "flat" tiling's per-tile search.
   * Per key step: wgmma S = Q K^T into registers, online softmax in exp2 units (the causal
     mask only on steps that need it), wgmma O += P V with P from registers. A two-party
     "schedule" barrier makes the two compute warpgroups alternate, so one's softmax overlaps
@@ -52,11 +51,8 @@ Design:
     "sequence" (default): each tile serves one sequence, so decode rows get tiles of their own
       and run in parallel. The tiles come from a small map computed by XLA before the launch
       (sequence_tile_map: each tile's sequence, first token, its sequence's token bounds and
-      position offset, longest causal range first, and their count). Before it, the grid had
-      a CTA for each of T // CT + S + 1 possible tiles, found by a binary search over
-      query_start_loc; in the engine's buckets (S = 256 slots, few of them used) most were
-      idle, and they took 77 of the 166 us of a 2,048-token prompt's kernel (1K-token prompt
-      in a 1,024-token bucket: 106 us, now 28). A tile starts
+      position offset, longest causal range first, and their count), so the persistent grid
+      never visits the idle tiles of the engine's mostly empty sequence slots. A tile starts
       at its sequence's first token rounded down to 8 (TMA copies into the 8-row-tiled q
       buffer must start on a row that is a multiple of 8; an unaligned start came out wrong on
       the H200), and only the rows of the sequence are stored: from an untiled staging buffer,
@@ -67,65 +63,26 @@ Design:
       loop per sequence present (rows of other sequences masked out); no other tile writes
       those rows, so whole tiles are stored. Lowered with Warpgroup semantics, ~5% faster than
       "sequence" on prefill-only batches, but the loops of a tile run one after the other, so
-      a tile full of decode rows is very slow (1.0 ms on the `mixed` case below): only for
-      batches without decode rows.
+      a tile full of decode rows is very slow (8x "sequence" on 32 decodes beside a 1K chunk):
+      only for batches without decode rows.
 
 Why Mosaic GPU: our Triton kernel (ragged_paged_attention.py) gathers K/V with per-row pointer
-loads and stays at ~128 us (34% of the 794 TFLOP/s bf16 rate) on the 2048-token prefill;
-Triton tiling sweeps did not beat that. Hopper's rate needs wgmma + TMA + warp specialisation,
-which Pallas' Triton lowering does not expose and Mosaic GPU does.
-
-Measured on one H200 (2026-11-29, jax 0.11.2; bf16, N=32, K=8, E=128, P=16, blocks scattered;
-`python benchmarks/mgpu_prefill.py --sweep --iters 30`; median CUPTI kernel time; % of
-794 TFLOP/s counts only the causal FLOPs; rel. L2 error vs the f32 reference):
-    case                              this "sequence"  this "flat"  Triton   cuDNN dense
-    prefill  S=1, T=L=2048            88.0 us (49%)    83.3 (52%)   128.3    81.2 causal (53%)
-    chunked  S=4 x 512, ctx 2048     126.0 us (60%)   119.5 (63%)   193.8   106.5 non-causal*
-    mixed    32 decodes + 1024 chunk 132.1 us (26%)  1025.5 ( 3%)   165.7    -
-  (JAX's dense FA3-style attention_mgpu, f16, on the prefill: 83.7 us.) Errors: 1.7e-3 to
-  2.4e-3 everywhere, the same as Triton's. On the prefill this kernel runs at 0.92x
-  ("sequence") and 0.97x ("flat") of cuDNN's speed while reading K/V through the block table
-  (cuDNN gets them dense), and 1.46x / 1.54x Triton's speed; on the mixed step, 1.25x Triton's.
-  * jax.nn's cuDNN causal mask is top-left aligned, wrong for chunks that start mid-context,
-    so on `chunked` cuDNN ran without a mask and did 14% more work than needed.
-The persistent grid and the tile map (2026-11-30; `python3 benchmarks/kernels.py --only
-attention --quick` and BENCHMARKS.md's engine-bucket cases; kernel time, old -> new): prefill
-88.7 -> 84.2 us ("flat" 83.5 -> 76.0); in a 256-slot bucket, a 2,048-token prompt 165.1 ->
-84.3, a 1,024-token one 106.5 -> 28.4, eight 256-token chunks 208.2 -> 136.1, 32 decodes + a
-1,024-token chunk 203.8 -> 146.4. The XLA ops before the kernel (the map with its sort, the
-padded copies of the small inputs) take 9 us at S = 1 and 15 us at S = 256 when the kernel is
-called alone (prefill with them: 91.6 us, cuDNN 83.9 beside it); they depend only on the step's
-query_start_loc and seq_lens, so the engine's step computes them once for all layers (CSE).
+loads and stays at ~34 % of the 794 TFLOP/s bf16 rate on a 2,048-token prefill; Hopper's rate
+needs wgmma + TMA + warp specialisation, which Pallas' Triton lowering does not expose and
+Mosaic GPU does. On that prefill this kernel runs at 0.91-0.94x cuDNN's speed while reading K/V
+through the block table (cuDNN gets them dense) and ~1.45x the Triton kernel's (H200;
+BENCHMARKS.md, "Kernels"). The XLA ops before the kernel (the tile map with its sort, padded
+copies of the small inputs) depend only on the step's query_start_loc and seq_lens, so the
+engine's step computes them once for all layers (CSE).
 Decode configuration (DECODE_CONFIG: one compute warpgroup, a 4-deep ring of 64-key steps,
-key-range splits merged by log-sum-exp; measured, not dispatched): correct on the H200 (same
-errors as Triton) but slower than the Triton kernel on five decode cases and level on the
-sixth in session 4, e.g. 30.1 vs 15.0 us for one 8K-token sequence, 58.0 vs 41.2 us at 32 x 1K,
-975.9 vs 972.6 us at 128 x 8K (cuDNN: 10.9, 33.5, 954.7); slower on all eight cases since the
-Triton kernel's session-5 defaults (27.7 vs 11.2, 60.0 vs 37.1, 1001.0 vs 989.1 us). Each
-CTA needs ~180 KB of shared memory, so one runs per SM; with one CTA per work item, its fixed
-start and end (q copy, block-table reads, first K/V copies, output store) were never hidden,
-and more splits made it slower (26 -> 66 us from 16 to 128 splits at 8K). The persistent grid
-(the memory warpgroup fetches the next item's keys during the last one's math) helps it a
-little: 22.8 / 59.8 / 153.5 us at 1 x 8K, 32 x 1K, 128 x 1K against 28.0 / 62.7 / 157.1 one CTA
-per item, same session; the Triton kernel: 10.8 / 37.0 / 130.1.
-`python benchmarks/kernels.py --only decode --sweep`; BENCHMARKS.md, "Kernels".
-Seventh session (2026-11-30, kernel time alone, the previous kernel beside it in the same
-process; BENCHMARKS.md): the carried item fields, read-only store waits and the richer map took
-the prefill cases 2.5-4.9% down (2K prefill 83.3-84.0 -> 80.8 us, four 512-token chunks
-127.3-127.6 -> 123.9-124.5, the bucket cases 84.3-84.8 -> 81.5-81.7, 28.4 -> 27.0, 135.3-135.6
--> 131.9-132.1, 144.6-146.2 -> 141.3-141.5); passing the map and the block table as one buffer
-then took 0.5-5.3 us of XLA ops off a lone call (2K prefill 90.4 -> 87.0 us per call, a 1K
-prompt in 256 slots 43.9 -> 38.6). The decode configuration (second q buffer, bt_ahead = 2,
-splits that fit one round) against the Triton kernel, kernel alone: 22.1 vs 22.7 us at 16 x 1K,
-36.9 vs 36.6 at 32 x 1K, 250.9 vs 246.8 at 32 x 8K, but 8.4 vs 5.3 at 1 x 1K, 14.0 vs 10.9 at
-1 x 8K and 132.0 vs 127.0 at 128 x 1K: not dispatched (cuDNN: 18.7, 34.8, 236.3, 6.1, 11.0,
-123.6). A profile (CompilerParams(profile_space=..., profile_dir=...) times the named scopes;
-it about doubles the kernel's time) shows its first copies issued ~3 us after launch and, at
-16 x 1K, CTAs with equal work (16 key steps) ending 1.25-1.34 x apart, which static rounds
-cannot rebalance.
-Tried and slower: block_kv=64 with 3 or 4 stages (102 vs 88 us; 3 stages of 128 keys do not
-fit in shared memory next to "sequence"'s staging buffer, and gave nothing on "flat"), no
-schedule barrier (+8%), launch order not longest-first (+7%, "flat").
+key-range splits merged by log-sum-exp, a second q buffer, bt_ahead = 2): correct, but slower
+than the Triton kernel on most decode cases, so ragged_paged_attention never dispatches it.
+Each CTA needs ~180 KB of shared memory, so one runs per SM, and with static rounds a CTA's
+fixed start (the first copies go out ~3 us after launch) and uneven ends are not hidden;
+balancing them needs items handed out dynamically (a fetch-and-add, which Mosaic GPU's Pallas
+API lacks in jax 0.11.2).
+Tried and slower: 64-key steps with 3 or 4 stages for prefill (3 stages of 128 keys do not fit
+in shared memory beside "sequence"'s staging buffer), no schedule barrier, other launch orders.
 """
 
 from __future__ import annotations
@@ -241,9 +198,8 @@ def sequence_tile_map(query_start_loc_S1, seq_lens_S, num_tokens: int, num_tiles
     multiple of 8 (see the tests). With longest_first_block_kv, the tiles are ordered by their
     number of key steps of that size, most first (stable): the persistent kernel hands them out
     in that order, so the longest start first and the rest even out the CTAs' loads (longest
-    processing time first). Measured: four 512-token chunks at 2K took 136.4 us against 141.4 in
-    reverse sequence order, but in two calls on machines 3 % apart; the other cases moved
-    within 1.5 %; the sort adds ~5 us of XLA ops to a lone call (once per step in the engine)."""
+    processing time first); the gain measured on multi-sequence prefill steps was small, and
+    the sort costs ~5 us of XLA ops once per step."""
     qsl = query_start_loc_S1.astype(jnp.int32)
     begin_S1 = qsl                                              # S real + the padding one
     end_S1 = jnp.append(qsl[1:], jnp.int32(num_tokens))
@@ -672,10 +628,9 @@ def default_num_splits(num_tokens: int, num_seqs: int, kv_heads: int, context: i
     """Key-range splits for decode-heavy batches: as many as keep the work items (sequences x
     kv heads x splits) within one round of the persistent grid, with at least two key steps
     per split (at most 32); 1 for prefill-heavy batches. A second, partial round costs a whole
-    item's time: one 8K-token decode took 13.5 us in 16 splits (128 items), 22.0 in 17 and
-    16.3 in 32; four 4K-token ones 24.4 in 4 splits against 34.5 in 5 (H200, kernel time;
-    BENCHMARKS.md, seventh session). Approximate: it counts min(T, S) sequences, not the
-    padding tokens' tile nor sequences that span several tiles."""
+    item's time (H200: one 8K-token decode took 13.5 us in 16 splits, 128 items, and 22.0 in
+    17). Approximate: it counts min(T, S) sequences, not the padding tokens' tile nor sequences
+    that span several tiles."""
     if prefill_heavy(num_tokens, num_seqs):
         return 1
     work = max(min(num_tokens, num_seqs) * kv_heads, 1)
@@ -792,7 +747,7 @@ def ragged_paged_attention_mgpu(q_TNE, k_cache_NPKE, v_cache_NPKE, query_start_l
         thread_name="wg",
         # NOTE: "sequence" needs Lane semantics: under Warpgroup semantics the layout inference
         # tiles the output buffer in 8 rows and rejects the row-granular store slices; "flat"
-        # runs ~7% faster under Warpgroup semantics (84 vs 90 us on the 2048-token prefill).
+        # runs ~7% faster under Warpgroup semantics.
         compiler_params=plgpu.CompilerParams(
             approx_math=True,
             lowering_semantics=plgpu.LoweringSemantics.Lane if tiling == "sequence"

@@ -23,13 +23,10 @@ chunk of the row) programs (about 4 per SM in all) writing each chunk's 16 sums;
 pass's programs add those up and pick the digit themselves, so a search is 8 kernels and one
 small XLA op. No sort, no scatter, nothing of the row's size written.
 
-Measured on an H200 (V = 128,256 f32, BENCHMARKS.md "Top-k / top-p thresholds"): top-k
-21.6 us for one row (lax.top_k(2048) 38.6, a full sort 44.0), 100 us for 32 rows (560 and
-859), 358 for 128 (748 and 1,075); top-p 30.9 us for one row (sort 54.0), 254 for 32 (851),
-905 for 128 (1,185). A top-p pass costs ~2.5x a top-k one (exp and f32 sums over the 16
-candidates), so from 128 rows the pair takes about as long as one sort, which serves both: the
-sampler sorts past 64 rows. The previous kernel ran one program per row through all 8
-passes: 823 us for one row.
+Why: a full sort of each row costs several times a radix search (H200, 32 rows of 128,256:
+top-k 100 us against a sort's 859; BENCHMARKS.md, "Kernels"). A top-p pass costs ~2.5x a top-k
+one (exp and f32 sums over the 16 candidates), so from ~128 rows the pair takes about as long
+as one sort, which serves both: the sampler sorts past 64 rows.
 
 Layouts: x_SV f32[S, V] (bf16 is upcast), k_S i32[S], p_S f32[S], floor_S f32[S] -> f32[S].
 Legend: S rows (sequences), V vocabulary, C chunks of a row (programs per row per pass),
@@ -144,8 +141,8 @@ def _pass_kernel(x_ref, prev_ref, prefix_ref, target_ref, max_ref, out_ref, pref
             return acc + jnp.where(ge, jnp.exp(x - row_max)[:, None], 0.0)
         return acc + jnp.sum(ge.astype(jnp.int32), axis=0)
 
-    # NOTE (H200, session 9 runs 5-6): per-thread [BV, D] sums made top-p 6-15 % faster from 8
-    # rows (512-element blocks; level at 1) and top-k 1.5-2.3 x slower, so only top-p keeps them
+    # per-thread [BV, D] sums were faster for top-p and slower for top-k (H200), so only top-p
+    # keeps them
     acc = jnp.zeros((block_v, DIGITS) if weighted else (DIGITS,),
                     jnp.float32 if weighted else jnp.int32)
     acc = jax.lax.fori_loop(0, chunk // block_v, step, acc)
@@ -234,8 +231,7 @@ def topk_threshold(x_SV, k_S, *, impl: str = "auto", max_k: int = 2048, block_v:
     impl: "pallas" (radix select; interpreted on CPU), "sort" (full sort, the reference),
     "xla" (lax.top_k(max_k): every k must be <= max_k) or "auto" ("pallas" on a GPU, "sort"
     elsewhere). programs: about how many programs a pass runs (default 4 per SM). Blocks of
-    2,048 elements and 8 warps: the fastest of the H200 sweep from 4 rows up (session 9, run 5:
-    358 us for 128 rows against 406 with 1,024-element blocks; 21.6 against 20.0 for 1 row)."""
+    2,048 elements and 8 warps: the fastest of an H200 sweep from 4 rows up."""
     _check_rows(x_SV, "k_S", k_S)
     impl, on_gpu = _impl(impl, ("pallas", "xla", "sort"))
     if impl == "sort":
@@ -258,9 +254,7 @@ def topp_threshold(x_SV, p_S, floor_S, *, impl: str = "auto", block_v: int = 512
     """Nucleus cut of each row (f32[S]) over its tokens >= floor_S (pass -inf for the whole
     row): keep x >= cut. -inf where p >= 1. impl: "pallas", "sort" or "auto" (as
     topk_threshold). Blocks of 512 elements and 8 warps, with per-thread sums: the fastest of
-    the H200 sweep from 32 rows up (session 9, run 6: 904 us for 128 rows against 1,045 with
-    1,024-element blocks and one reduction a step; 30.6 against 30.1 for 1 row, 82.2 against
-    78.8 for 8 rows with 256-element blocks and 4 warps)."""
+    an H200 sweep from 32 rows up."""
     _check_rows(x_SV, "p_S", p_S)
     _check_rows(x_SV, "floor_S", floor_S)
     impl, on_gpu = _impl(impl, ("pallas", "sort"))

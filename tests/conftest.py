@@ -15,3 +15,16 @@ def tiny_checkpoint():
             raise ValueError(f"no tiny checkpoint {name!r}; have: {', '.join(TINY_CHECKPOINTS)}")
         return _os.path.join(GOLDEN_DIR, "ckpt", name)
     return path
+
+
+# --- `gpu`-marked tests run only where JAX's default backend is a GPU ---
+def pytest_collection_modifyitems(config, items):
+    gpu_items = [item for item in items if item.get_closest_marker("gpu") is not None]
+    if not gpu_items:
+        return                      # jax's backend is only asked when a gpu test is collected
+    import jax
+    if jax.default_backend() == "gpu":
+        return
+    skip = _pytest.mark.skip(reason=f"needs an NVIDIA GPU (JAX backend: {jax.default_backend()})")
+    for item in gpu_items:
+        item.add_marker(skip)
