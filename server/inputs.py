@@ -161,11 +161,6 @@ def chat_prompt(ctx: ServerContext, req: ChatCompletionRequest) -> PromptInput:
 
 def chat_sampling_params(ctx: ServerContext, req: ChatCompletionRequest,
                          prompt: PromptInput) -> SamplingParams:
-    if req.tools:
-        raise bad_request("tools are not supported by this server", param="tools")
-    if req.response_format is not None and req.response_format.type != "text":
-        raise bad_request(f"response_format {req.response_format.type!r} is not supported; only 'text'",
-                          param="response_format")
     if req.top_logprobs is not None and req.top_logprobs > 0 and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs set to true", param="top_logprobs")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
