@@ -21,10 +21,11 @@ def test_wheel_holds_only_jaxserve(tmp_path):
 
 
 def test_cli_help_for_every_command():
-    for cmd in ([], ["serve"], ["generate"], ["chat"], ["download"]):
+    for cmd in ([], ["serve"], ["generate"], ["run-batch"], ["chat"], ["download"], ["bench"],
+                ["bench", "serve"], ["bench", "latency"], ["bench", "throughput"]):
         res = subprocess.run([sys.executable, "-m", "jaxserve.cli", *cmd, "--help"],
                              capture_output=True, text=True, timeout=120)
-        assert res.returncode == 0 and "usage: jaxserve" in res.stdout
+        assert res.returncode == 0 and "usage: jaxserve" in res.stdout, (cmd, res.stderr[-2000:])
 
 
 def test_cli_chat_answers_paris():
