@@ -9,46 +9,17 @@ from types import SimpleNamespace
 
 import pytest
 from fastapi.testclient import TestClient
+from stubs import RecordingEngine
 
 from jaxserve.generation_config import default_sampling
-from jaxserve.outputs import CompletionOutput, RequestOutput
 from jaxserve.server.app import api_keys_from, build_app
 from jaxserve.server.context import ServerContext
 from jaxserve.serving_checks import StartupError
 from jaxserve.startup import read_chat_template
 
 
-class _Tokenizer:
-    vocab_size = 100
-
-    def encode(self, text, add_special_tokens=True):
-        return [ord(c) % 100 for c in text]
-
-    def decode(self, ids, skip_special_tokens=True):
-        return "x" * len(ids)
-
-
-class _RecordingEngine:
-    model_name = "stub"
-    tokenizer = _Tokenizer()
-    is_healthy = True
-    config = SimpleNamespace(scheduler=SimpleNamespace(max_model_len=64),
-                             model=SimpleNamespace(vocab_size=100), max_logprobs=5)
-
-    def __init__(self):
-        self.params = []
-
-    async def generate(self, prompt_token_ids, sampling_params, request_id, prompt=None):
-        self.params.append(sampling_params)
-        yield RequestOutput(request_id, prompt, list(prompt_token_ids),
-                            [CompletionOutput(0, "ok", [1], finish_reason="length")], finished=True)
-
-    async def abort(self, request_id):
-        pass
-
-
 def test_generation_config_defaults_fill_only_what_the_request_leaves_out():
-    engine = _RecordingEngine()
+    engine = RecordingEngine()
     ctx = ServerContext(engine, ("stub",), default_sampling={"temperature": 0.6, "top_k": 20,
                                                              "max_tokens": 5})
     with TestClient(build_app(ctx)) as client:
@@ -87,7 +58,7 @@ def test_chat_template_from_a_file_or_inline(tmp_path):
 
 
 def test_api_keys_guard_v1_and_leave_health_version_docs_open():
-    ctx = ServerContext(_RecordingEngine(), ("stub",), api_keys=("secret",))
+    ctx = ServerContext(RecordingEngine(), ("stub",), api_keys=("secret",))
     with TestClient(build_app(ctx)) as client:
         for path in ("/v1/models",):
             r = client.get(path)

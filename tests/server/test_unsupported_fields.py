@@ -7,43 +7,14 @@ here means the field really went through (nothing else would refuse it).
 from __future__ import annotations
 
 import logging
-from types import SimpleNamespace
 
 import pytest
 from fastapi.testclient import TestClient
+from stubs import RecordingEngine
 
-from jaxserve.outputs import CompletionOutput, RequestOutput
 from jaxserve.server import unsupported
 from jaxserve.server.app import build_app
 from jaxserve.server.context import ServerContext
-
-
-class _Tokenizer:
-    vocab_size = 100
-
-    def encode(self, text, add_special_tokens=True):
-        return [ord(c) % 100 for c in text]
-
-    def decode(self, ids, skip_special_tokens=True):
-        return "x" * len(ids)
-
-    def apply_chat_template(self, messages, add_generation_prompt=True, **kwargs):
-        return " ".join(m["content"] for m in messages)
-
-
-class _Engine:
-    model_name = "stub"
-    tokenizer = _Tokenizer()
-    is_healthy = True
-    config = SimpleNamespace(scheduler=SimpleNamespace(max_model_len=64),
-                             model=SimpleNamespace(vocab_size=100), max_logprobs=5)
-
-    async def generate(self, prompt_token_ids, sampling_params, request_id, prompt=None):
-        yield RequestOutput(request_id, prompt, list(prompt_token_ids),
-                            [CompletionOutput(0, "ok", [1], finish_reason="length")], finished=True)
-
-    async def abort(self, request_id):
-        pass
 
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
@@ -81,7 +52,7 @@ ACCEPTED = [
 
 @pytest.fixture(scope="module")
 def client():
-    with TestClient(build_app(ServerContext(_Engine(), ("stub",))), raise_server_exceptions=False) as c:
+    with TestClient(build_app(ServerContext(RecordingEngine(), ("stub",))), raise_server_exceptions=False) as c:
         yield c
 
 
