@@ -37,6 +37,8 @@ def _chat(args) -> int:
                                           if k not in ("max_waiting_requests", "served_model_name")})
     except (ValueError, OSError) as e:   # a bad file or a limit the model cannot take
         raise StartupError(str(e)) from e
+    if llm.engine.tokenizer is None:
+        raise StartupError("this model has no tokenizer, so it cannot chat; give a model with one")
     if template is not None:
         llm.engine.tokenizer.hf.chat_template = template
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
