@@ -37,3 +37,16 @@ def test_cli_chat_answers_paris():
                          capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-2000:]
     assert "Paris" in res.stdout
+
+
+def test_notebooks_extra_and_spdx_license():
+    import tomllib
+
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        project = tomllib.load(f)["project"]
+    assert project["license"] == "Apache-2.0"                  # an SPDX expression, not a table
+    extra = " ".join(project["optional-dependencies"]["notebooks"])
+    for name in ("jupyter", "nbconvert", "ipykernel", "ipywidgets", "matplotlib"):
+        assert name in extra
+    readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+    assert ".[notebooks]" in readme and ".venv/bin/jaxserve" in readme
