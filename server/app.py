@@ -25,6 +25,7 @@ from jaxserve.server.auth import DEFAULT_OPEN_PATHS, APIKeyMiddleware
 from jaxserve.server.context import ServerContext
 from jaxserve.server.errors import APIError, bad_request, from_validation_error, install_error_handlers
 from jaxserve.server.inputs import check_token_ids, render_chat
+from jaxserve.server.openapi import install_openapi
 from jaxserve.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                       TokenizeRequest)
 from jaxserve.server.serving_chat import create_chat_completion
@@ -90,6 +91,7 @@ def build_app(ctx: ServerContext, open_paths: tuple[str, ...] = DEFAULT_OPEN_PAT
     app = FastAPI(title="jaxserve", version=_version(), docs_url="/docs", redoc_url=None, lifespan=lifespan)
     app.state.ctx = ctx
     install_error_handlers(app)
+    install_openapi(app)
     if ctx.api_keys:
         app.add_middleware(APIKeyMiddleware, api_keys=ctx.api_keys, open_paths=open_paths)
 

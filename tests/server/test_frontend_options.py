@@ -5,6 +5,7 @@ SamplingParams it was given."""
 from __future__ import annotations
 
 import json
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -68,6 +69,12 @@ def test_api_keys_guard_v1_and_leave_health_version_docs_open():
         for path in ("/health", "/version", "/docs", "/openapi.json"):
             assert client.get(path).status_code == 200, path
         assert "swagger" in client.get("/docs").text.lower()
+        spec = client.get("/openapi.json").json()
+        body = spec["paths"]["/v1/chat/completions"]["post"]["requestBody"]["content"]["application/json"]
+        name = body["schema"]["$ref"].rsplit("/", 1)[1]
+        assert "messages" in spec["components"]["schemas"][name]["properties"]
+        refs = set(re.findall(r'"#/components/schemas/([^"]+)"', json.dumps(spec)))
+        assert refs - set(spec["components"]["schemas"]) == set()        # every $ref resolves
 
 
 def test_api_key_from_the_environment(monkeypatch):
