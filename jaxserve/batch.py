@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
+import time
 import uuid
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
@@ -44,33 +45,36 @@ class BatchLine:
     url: str | None
     body: Any                           # the request body, still unvalidated
     error: APIError | None = None       # why the line cannot run at all
+    line_number: int = 0                # in the input file, from 1 (blank lines count)
 
 
-def parse_line(index: int, text: str) -> BatchLine:
-    """The envelope of one input line; problems become `error`, never an exception."""
+def parse_line(index: int, text: str, line_number: int | None = None) -> BatchLine:
+    """The envelope of one input line; problems become `error`, never an exception. Messages
+    name the input file's line number (not positions inside the line's JSON)."""
+    n = index + 1 if line_number is None else line_number
+
+    def fail(custom_id, url, body, message: str, **kwargs) -> BatchLine:
+        return BatchLine(index, custom_id, url, body, bad_request(f"line {n}: {message}", **kwargs), n)
+
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as e:
-        return BatchLine(index, None, None, None,
-                         bad_request(f"line {index + 1} is not valid JSON: {e}", code="invalid_json"))
+        return fail(None, None, None, f"not valid JSON ({e.msg}, at column {e.colno})", code="invalid_json")
     if not isinstance(obj, dict):
-        return BatchLine(index, None, None, None, bad_request(
-            f"line {index + 1} must be a JSON object with custom_id, method, url and body; "
-            f"got {type(obj).__name__}"))
+        return fail(None, None, None, f"must be a JSON object with custom_id, method, url and body; "
+                                      f"got {type(obj).__name__}")
     custom_id, url, body = obj.get("custom_id"), obj.get("url"), obj.get("body")
     if not isinstance(custom_id, str) or not custom_id:
-        return BatchLine(index, None, url, body,
-                         bad_request("custom_id must be a non-empty string", param="custom_id"))
+        return fail(None, url, body, "custom_id must be a non-empty string", param="custom_id")
     if obj.get("method", "POST") != "POST":
-        return BatchLine(index, custom_id, url, body, bad_request(
-            f"method must be 'POST'; got {obj.get('method')!r}", param="method"))
+        return fail(custom_id, url, body, f"method must be 'POST'; got {obj.get('method')!r}", param="method")
     if url not in SUPPORTED_URLS:
-        return BatchLine(index, custom_id, url, body, bad_request(
-            f"url must be one of {', '.join(SUPPORTED_URLS)}; got {url!r}", param="url"))
+        return fail(custom_id, url, body, f"url must be one of {', '.join(SUPPORTED_URLS)}; got {url!r}",
+                    param="url")
     if not isinstance(body, dict):
-        return BatchLine(index, custom_id, url, body, bad_request(
-            f"body must be a JSON object (the request body for {url})", param="body"))
-    return BatchLine(index, custom_id, url, body)
+        return fail(custom_id, url, body, f"body must be a JSON object (the request body for {url})",
+                    param="body")
+    return BatchLine(index, custom_id, url, body, line_number=n)
 
 
 class _NoClient:
@@ -122,7 +126,8 @@ async def run_line(ctx, line: BatchLine) -> dict:
 
 
 async def run_batch(ctx, lines: Iterable[str], write: Callable[[dict], None], *,
-                    max_in_flight: int, on_done: Callable[[], None] = lambda: None) -> None:
+                    max_in_flight: int, on_done: Callable[[BatchLine, dict], None] = lambda line, out: None
+                    ) -> None:
     """Run every non-blank line (at most `max_in_flight` at once) and `write` the output
     lines in input order, each as soon as all lines before it are written."""
     limit = asyncio.Semaphore(max_in_flight)
@@ -132,21 +137,21 @@ async def run_batch(ctx, lines: Iterable[str], write: Callable[[dict], None], *,
     async def one(line: BatchLine) -> None:
         nonlocal next_to_write
         try:
-            done[line.index] = await run_line(ctx, line)
+            done[line.index] = out = await run_line(ctx, line)
         finally:
             limit.release()
-        on_done()
+        on_done(line, out)
         while next_to_write in done:
             write(done.pop(next_to_write))
             next_to_write += 1
 
     tasks = []
     index = 0
-    for text in lines:
+    for line_number, text in enumerate(lines, start=1):
         if not text.strip():
             continue
         await limit.acquire()
-        tasks.append(asyncio.create_task(one(parse_line(index, text))))
+        tasks.append(asyncio.create_task(one(parse_line(index, text, line_number))))
         index += 1
     await asyncio.gather(*tasks)
 
@@ -156,37 +161,80 @@ def _count_lines(path: str) -> int:
         return sum(1 for text in f if text.strip())
 
 
-def run_batch_file(args) -> int:
-    """`jaxserve generate`: args carry the engine flags plus input, output and served_model_name.
-    Returns 0 when every line was answered (errors included), 1 when the files cannot be used."""
-    from tqdm.auto import tqdm
+class BatchProgress:
+    """A bar on a terminal; elsewhere (a log file, CI) a line every `every` requests. Then a
+    summary, with the first failures by input line number."""
 
-    from jaxserve.engine import AsyncEngine
-    from jaxserve.engine_args import engine_kwargs
-    from jaxserve.server.context import ServerContext
+    SHOWN_ERRORS = 5
+
+    def __init__(self, total: int, every: int, stream=None):
+        from tqdm import tqdm      # NOTE: not tqdm.auto: no notebook widget from a CLI
+
+        self.stream = stream or sys.stderr
+        self.total, self.every = total, every
+        self.count = self.failed = 0
+        self.errors: list[str] = []
+        self.t0 = time.perf_counter()
+        self.bar = tqdm(total=total, unit="req", desc="Running batch", file=self.stream) \
+            if self.stream.isatty() else None
+
+    def update(self, line: BatchLine, out: dict) -> None:
+        self.count += 1
+        if out["error"] is not None:
+            self.failed += 1
+            if len(self.errors) < self.SHOWN_ERRORS:
+                message = out["error"]["message"]
+                prefix = f"line {line.line_number}: "
+                self.errors.append(message if message.startswith(prefix) else prefix + message)
+        if self.bar is not None:
+            self.bar.update(1)
+        elif self.every and (self.count % self.every == 0) and self.count < self.total:
+            self._print(f"{self.count}/{self.total} requests done ({self.failed} failed), "
+                        f"{time.perf_counter() - self.t0:.1f} s")
+
+    def close(self, output: str) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        self._print(f"{self.count} requests in {time.perf_counter() - self.t0:.1f} s: "
+                    f"{self.count - self.failed} succeeded, {self.failed} failed; results in {output}")
+        for message in self.errors:
+            self._print(f"  failed: {message}")
+        if self.failed > len(self.errors):
+            self._print(f"  ... and {self.failed - len(self.errors)} more (see `error` in the output)")
+
+    def _print(self, text: str) -> None:
+        print(f"jaxserve batch: {text}", file=self.stream, flush=True)
+
+
+def run_batch_file(args) -> int:
+    """`jaxserve generate` / `run-batch`: args carry the engine and frontend flags, input,
+    output and progress_every. Returns 0 when every line was answered (errors included),
+    1 when the files cannot be used."""
+    from jaxserve.startup import server_context, start_engine
 
     try:
         total = _count_lines(args.input)
         out_file = open(args.output, "w", encoding="utf-8")
     except OSError as e:
-        print(f"jaxserve generate: {e}", file=sys.stderr)
+        print(f"jaxserve {getattr(args, 'command', 'generate')}: error: {e}", file=sys.stderr)
         return 1
     engine = ctx = None
     try:
-        engine = AsyncEngine.from_engine_args(**engine_kwargs(args))
-        ctx = ServerContext(engine, served_model_names=(engine.model_name,))
+        engine, default_sampling = start_engine(args)
+        ctx = server_context(engine, args, default_sampling)
         # NOTE: twice the running batch keeps the engine full while the next lines are
         # tokenized, without queueing a huge file's worth of requests at once.
         max_in_flight = 2 * engine.config.scheduler.max_num_seqs
-        bar = tqdm(total=total, unit="req", desc="Running batch", disable=not sys.stdout.isatty())
+        progress = BatchProgress(total, getattr(args, "progress_every", 100))
 
         def write(obj: dict) -> None:
             out_file.write(json.dumps(obj, ensure_ascii=False) + "\n")
             out_file.flush()
 
-        with bar, open(args.input, encoding="utf-8") as in_file:
+        with open(args.input, encoding="utf-8") as in_file:
             asyncio.run(run_batch(ctx, in_file, write, max_in_flight=max_in_flight,
-                                  on_done=lambda: bar.update(1)))
+                                  on_done=progress.update))
+        progress.close(args.output)
     finally:
         out_file.close()
         if ctx is not None:

@@ -1,29 +1,67 @@
-"""Command-line flags for the engine, shared by `serve`, `generate` and `bench` (vLLM's names)."""
+"""Command-line flags for the engine, shared by `serve`, `generate`, `run-batch`, `chat` and
+`bench` (vLLM's names, and vLLM's spellings of values where they differ from ours)."""
 
 from __future__ import annotations
 
 import argparse
 
+from jaxserve.arg_types import fraction, human_int, int_at_least
+
+# vLLM's --dtype values -> ours (None: bfloat16 on GPU, float32 on CPU).
+DTYPES = {"auto": None, "half": "float16", "float16": "float16", "bfloat16": "bfloat16",
+          "float": "float32", "float32": "float32"}
+
+
+class _ChunkedPrefill(argparse.Action):
+    """--enable-chunked-prefill is accepted (it is how this engine always runs); turning it
+    off is refused, as there is no other prefill path."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if option_string.startswith("--no-"):
+            parser.error("--no-enable-chunked-prefill: chunked prefill is always on in jaxserve "
+                         "(prompts are cut into --max-num-batched-tokens chunks); leave the flag out")
+        setattr(namespace, self.dest, True)
+
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", nargs="?", default=None,
-                        help="a .gguf file or HF model directory (default: the embedded SmolLM2-135M-Instruct)")
+                        help="a .gguf file or HF model directory (default: the embedded SmolLM2-135M-Instruct); "
+                             "nothing is downloaded from a model hub")
     g = parser.add_argument_group("engine")
-    g.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
-                   help="weights and activations (auto: bfloat16 on GPU, float32 on CPU)")
+    g.add_argument("--model", dest="model_option", default=None, metavar="MODEL",
+                   help="the model, as the positional argument (vLLM's spelling)")
+    g.add_argument("--dtype", choices=list(DTYPES), default="auto",
+                   help="weights and activations (auto: bfloat16 on GPU, float32 on CPU; "
+                        "half = float16, float = float32)")
     g.add_argument("--load-format", choices=["auto", "gguf", "safetensors", "dummy"], default="auto")
-    g.add_argument("--max-model-len", type=int, default=None, help="prompt + output tokens of one request")
-    g.add_argument("--max-num-seqs", type=int, default=None, help="sequences in one step")
-    g.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget of one step")
-    g.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
-    g.add_argument("--kv-cache-memory-fraction", type=float, default=0.9,
-                   help="fraction of free device memory for the KV cache")
-    g.add_argument("--num-kv-blocks", type=int, default=None, help="KV blocks (overrides the memory fraction)")
-    g.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
-    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    g.add_argument("--max-model-len", type=human_int, default=None,
+                   help="prompt + output tokens of one request; 4k = 4000, 4K = 4096 (as vLLM)")
+    g.add_argument("--max-num-seqs", type=int_at_least(1), default=None, help="sequences in one step")
+    g.add_argument("--max-num-batched-tokens", type=human_int, default=None, help="token budget of one step")
+    g.add_argument("--block-size", type=int_at_least(1), default=16, help="tokens per KV-cache block")
+    g.add_argument("--kv-cache-memory-fraction", "--gpu-memory-utilization", type=fraction, default=0.9,
+                   dest="kv_cache_memory_fraction",
+                   help="fraction of the device memory still free once the weights are loaded that "
+                        "the KV cache takes (default 0.9). --gpu-memory-utilization is vLLM's name and "
+                        "sets the same number, but vLLM means something else by it: the share of the "
+                        "GPU's whole memory its instance may use for weights, activations and KV cache "
+                        "together; here the weights come first and the rest is split")
+    g.add_argument("--num-kv-blocks", type=int_at_least(2), default=None,
+                   help="KV blocks (overrides the memory fraction); block 0 is reserved, so a request "
+                        "of max_model_len tokens needs ceil(max_model_len / block_size) + 1 blocks")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the KV blocks of prompts' shared prefixes (default: on)")
+    g.add_argument("--enable-chunked-prefill", "--no-enable-chunked-prefill", action=_ChunkedPrefill,
+                   nargs=0, default=True,
+                   help="accepted for vLLM's command lines: chunked prefill is always on here "
+                        "(long prompts are split into --max-num-batched-tokens chunks, mixed with "
+                        "the running decodes); it cannot be turned off")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int_at_least(1), default=1)
     g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--max-logprobs", type=int, default=20)
-    g.add_argument("--max-waiting-requests", type=int, default=4096,
+    g.add_argument("--max-logprobs", type=int_at_least(0), default=20)
+    g.add_argument("--trust-remote-code", action="store_true",
+                   help="accepted for vLLM's command lines; jaxserve never runs a model's own code")
+    g.add_argument("--max-waiting-requests", type=int_at_least(0), default=4096,
                    help="requests queued beyond the running ones; more are refused (HTTP 503)")
     g.add_argument("--long-prefill-token-threshold", type=int, default=0,
                    help="cut each request's prefill chunks to this many tokens (0: off); "
@@ -42,10 +80,28 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         "instead of tracing the model again)")
 
 
+def model_argument(args: argparse.Namespace) -> str | None:
+    """The model, given positionally or as --model (vLLM takes both); also stored in args.model."""
+    option = getattr(args, "model_option", None)
+    if args.model is not None and option is not None and args.model != option:
+        from jaxserve.serving_checks import StartupError
+        raise StartupError(f"two models given: {args.model!r} and --model {option!r}; give one")
+    args.model = args.model if args.model is not None else option
+    return args.model
+
+
+def served_model_names(args: argparse.Namespace) -> tuple[str, ...]:
+    names = getattr(args, "served_model_name", None)
+    if isinstance(names, str):
+        return (names,)
+    return tuple(names or ())
+
+
 def engine_kwargs(args: argparse.Namespace) -> dict:
     """The keyword arguments of LLMEngine.from_engine_args / AsyncEngine.from_engine_args."""
+    names = served_model_names(args)
     return dict(
-        model=args.model, dtype=None if args.dtype == "auto" else args.dtype,
+        model=model_argument(args), dtype=DTYPES[args.dtype],
         load_format=args.load_format, max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         block_size=args.block_size, kv_cache_memory_fraction=args.kv_cache_memory_fraction,
@@ -55,4 +111,5 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         long_prefill_token_threshold=args.long_prefill_token_threshold,
         attention_impl=args.attention_impl, warmup=args.warmup,
         warmup_all=args.warmup_all, program_cache=args.program_cache,
-        served_model_name=getattr(args, "served_model_name", None))
+        # The engine carries one name; the server lists and accepts all of them.
+        served_model_name=names[0] if names else None)

@@ -65,14 +65,15 @@ class SamplingParams:
     def validate(self, max_logprobs: int | None = None, vocab_size: int | None = None) -> None:
         """Raise ValueError on the first invalid field; limits are checked when given."""
         _check_int(self, "n", lo=1)
-        _check_float(self, "temperature", f"in [0, {MAX_FLOAT32:.3g}]", lambda v: 0 <= v <= MAX_FLOAT32)
+        _check_float(self, "temperature", ">= 0 that float32 holds (0 = greedy)",
+                     lambda v: 0 <= v <= MAX_FLOAT32)
         _check_float(self, "top_p", "in (0, 1]", lambda v: 0 < v <= 1)
         if not _is_int(self.top_k) or not 0 <= self.top_k < 2**31:
             _bad("top_k", "-1 (off), 0 (off) or a positive integer below 2**31", self.top_k)
         _check_float(self, "min_p", "in [0, 1]", lambda v: 0 <= v <= 1)
         _check_float(self, "presence_penalty", "in [-2, 2]", lambda v: -2 <= v <= 2)
         _check_float(self, "frequency_penalty", "in [-2, 2]", lambda v: -2 <= v <= 2)
-        _check_float(self, "repetition_penalty", f"in (0, {MAX_FLOAT32:.3g}] (1 = off)",
+        _check_float(self, "repetition_penalty", "> 0 that float32 holds (1 = off)",
                      lambda v: 0 < v <= MAX_FLOAT32)
         if self.seed is not None and not _is_int(self.seed):
             _bad("seed", "an integer or None", self.seed)

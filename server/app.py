@@ -11,6 +11,8 @@ import contextlib
 import importlib.metadata
 import logging
 import os
+import signal
+import threading
 from typing import Callable, TypeVar
 
 import pydantic
@@ -23,6 +25,7 @@ from jaxserve.server.auth import DEFAULT_OPEN_PATHS, APIKeyMiddleware
 from jaxserve.server.context import ServerContext
 from jaxserve.server.errors import APIError, bad_request, from_validation_error, install_error_handlers
 from jaxserve.server.inputs import check_token_ids, render_chat
+from jaxserve.server.openapi import install_openapi
 from jaxserve.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                       TokenizeRequest)
 from jaxserve.server.serving_chat import create_chat_completion
@@ -33,7 +36,9 @@ Body = TypeVar("Body", bound=pydantic.BaseModel)
 logger = logging.getLogger("uvicorn.error")
 
 API_KEY_ENV = "JAXSERVE_API_KEY"
-# On SIGTERM, open streams get this long to finish before they are cut (and aborted).
+VLLM_API_KEY_ENV = "VLLM_API_KEY"
+# On SIGTERM the engine stops at once and open streams send their last event; connections
+# still open after this long are cut. It bounds the time from the signal to the exit.
 GRACEFUL_SHUTDOWN_S = 5
 
 
@@ -82,9 +87,11 @@ def build_app(ctx: ServerContext, open_paths: tuple[str, ...] = DEFAULT_OPEN_PAT
         if on_shutdown is not None:
             on_shutdown()
 
-    app = FastAPI(title="jaxserve", version=_version(), docs_url=None, redoc_url=None, lifespan=lifespan)
+    # /docs: FastAPI's Swagger UI (its scripts come from a CDN, so offline the page stays blank).
+    app = FastAPI(title="jaxserve", version=_version(), docs_url="/docs", redoc_url=None, lifespan=lifespan)
     app.state.ctx = ctx
     install_error_handlers(app)
+    install_openapi(app)
     if ctx.api_keys:
         app.add_middleware(APIKeyMiddleware, api_keys=ctx.api_keys, open_paths=open_paths)
 
@@ -150,35 +157,74 @@ def build_app(ctx: ServerContext, open_paths: tuple[str, ...] = DEFAULT_OPEN_PAT
     return app
 
 
+class _Server(uvicorn.Server):
+    """uvicorn's server, stopping the engine as soon as SIGINT / SIGTERM arrives: every open
+    stream then ends with an error event and `data: [DONE]` (streaming.sse_events), so the
+    connections close and uvicorn's graceful wait ends early instead of cutting them."""
+
+    def __init__(self, config: uvicorn.Config, on_signal: Callable[[], None]):
+        super().__init__(config)
+        self._on_signal = on_signal
+
+    def handle_exit(self, sig, frame) -> None:
+        if not self.should_exit:
+            logger.info("%s: stopping the engine; open streams end with an error event",
+                        signal.Signals(sig).name)
+            # NOTE: in a thread: this runs in the event loop's thread, which must stay free to
+            # send the streams' last events while the engine thread winds down.
+            threading.Thread(target=self._on_signal, name="jaxserve-stop", daemon=True).start()
+        super().handle_exit(sig, frame)
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        with super().capture_signals():
+            yield
+            # A shutdown the user asked for is a success (exit status 0): do not re-raise the
+            # signal once the server has stopped, as uvicorn would. NOTE: uvicorn's private
+            # list (0.29 to 0.54 at least); were it renamed, the exit status would be -15 again
+            # and tests/server/test_serve_command.py would say so.
+            getattr(self, "_captured_signals", []).clear()
+
+
+def api_keys_from(args: argparse.Namespace) -> tuple[str, ...]:
+    """--api-key values, else $JAXSERVE_API_KEY, else $VLLM_API_KEY (vLLM's variable)."""
+    if args.api_key:
+        keys = tuple(args.api_key)
+    else:
+        env = os.environ.get(API_KEY_ENV) or os.environ.get(VLLM_API_KEY_ENV)
+        keys = (env,) if env else ()
+    if any(not k.strip() for k in keys):
+        from jaxserve.serving_checks import StartupError
+        raise StartupError("--api-key must not be empty")
+    return keys
+
+
 def run_server(args: argparse.Namespace) -> None:
     """`jaxserve serve`: loads the model, serves until SIGINT/SIGTERM, then stops the engine thread.
 
     `args` carries the flags of jaxserve.engine_args.add_engine_arguments and
     jaxserve.server_args.add_server_arguments.
     """
-    from jaxserve.engine import AsyncEngine
-    from jaxserve.engine_args import engine_kwargs
+    from jaxserve.startup import server_context, start_engine
 
-    keys = tuple(args.api_key or ([os.environ[API_KEY_ENV]] if os.environ.get(API_KEY_ENV) else []))
-    if any(not k for k in keys):
-        raise SystemExit("--api-key must not be empty")
-    engine = AsyncEngine.from_engine_args(**engine_kwargs(args))
+    keys = api_keys_from(args)
+    engine, default_sampling = start_engine(args)
 
     def stop_engine() -> None:
         engine.shutdown()
         logger.info("engine stopped")
 
     try:
-        ctx = ServerContext(engine, served_model_names=(engine.model_name,), api_keys=keys,
-                            max_request_body_bytes=args.max_request_body_bytes)
+        ctx = server_context(engine, args, default_sampling, api_keys=keys,
+                             max_request_body_bytes=args.max_request_body_bytes)
         open_paths = () if getattr(args, "protect_health_and_metrics", False) else DEFAULT_OPEN_PATHS
-        # NOTE: the engine stops in the app's shutdown, not after `run()`: on SIGTERM uvicorn
-        # re-raises the signal once it has shut down, which ends the process right there.
+        # NOTE: the engine stops in the app's shutdown too, for a server stopped another way.
         app = build_app(ctx, open_paths, on_shutdown=stop_engine)
-        config = uvicorn.Config(app, host=args.host, port=args.port, log_level=getattr(args, "log_level", "info"),
+        config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                access_log=not args.disable_uvicorn_access_log,
                                 timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
-        logger.info("serving %s on http://%s:%d (API keys: %s)", ctx.model_name, args.host, args.port,
-                    len(keys) or "off")
-        uvicorn.Server(config).run()   # SIGINT / SIGTERM: stop accepting, drain, shut down
+        logger.info("serving %s on http://%s:%d (API keys: %s; API docs at /docs)",
+                    ", ".join(ctx.served_model_names), args.host, args.port, len(keys) or "off")
+        _Server(config, on_signal=engine.shutdown).run()   # SIGINT / SIGTERM: stop, drain, exit
     finally:
         engine.shutdown()   # for every other way out (no-op if already stopped)

@@ -13,6 +13,9 @@ from jaxserve.server.errors import APIError
 
 # Liveness and scraping stay open by default, so that probes need no secret.
 DEFAULT_OPEN_PATHS = ("/health", "/metrics")
+# Open always (as in vLLM, which protects only /v1): they tell nothing about the model's use.
+# Every other path needs a key, so that a new route is protected unless it is listed here.
+ALWAYS_OPEN_PATHS = ("/version", "/docs", "/docs/oauth2-redirect", "/openapi.json")
 
 
 def _digest(key: str | bytes) -> bytes:
@@ -24,7 +27,7 @@ class APIKeyMiddleware:
     def __init__(self, app, api_keys: tuple[str, ...], open_paths: tuple[str, ...] = DEFAULT_OPEN_PATHS):
         self.app = app
         self.key_digests = tuple(_digest(k) for k in api_keys)
-        self.open_paths = frozenset(open_paths)
+        self.open_paths = frozenset(open_paths) | frozenset(ALWAYS_OPEN_PATHS)
 
     def authorized(self, authorization: bytes | None) -> bool:
         if authorization is None or not authorization[:7].lower() == b"bearer ":

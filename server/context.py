@@ -19,6 +19,8 @@ class ServerContext:
     served_model_names: tuple[str, ...]  # the first is the name responses carry
     api_keys: tuple[str, ...] = ()       # empty = no authentication
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
+    # Sampling defaults for fields a request leaves out (--generation-config): {field: value}.
+    default_sampling: dict = field(default_factory=dict)
     created: int = field(default_factory=lambda: int(time.time()))
     # NOTE: tokenizing and chat templates run here, off the event loop; one thread, so that
     # requests never tokenize concurrently with each other.

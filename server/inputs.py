@@ -47,7 +47,8 @@ def check_prompt_length(ctx: ServerContext, num_prompt_tokens: int, max_tokens: 
                           f"tokens (leaving room for one generated token)", param=prompt_param,
                           code="context_length_exceeded")
     if max_tokens is None:
-        return limit - num_prompt_tokens
+        # --generation-config's max_new_tokens caps what is left of the context (as vLLM).
+        return min(limit - num_prompt_tokens, ctx.default_sampling.get("max_tokens", limit))
     if num_prompt_tokens + max_tokens > limit:
         raise bad_request(f"this model's maximum context length (max_model_len) is {limit} tokens, "
                           f"but {num_prompt_tokens + max_tokens} were asked for ({num_prompt_tokens} "
@@ -161,11 +162,6 @@ def chat_prompt(ctx: ServerContext, req: ChatCompletionRequest) -> PromptInput:
 
 def chat_sampling_params(ctx: ServerContext, req: ChatCompletionRequest,
                          prompt: PromptInput) -> SamplingParams:
-    if req.tools:
-        raise bad_request("tools are not supported by this server", param="tools")
-    if req.response_format is not None and req.response_format.type != "text":
-        raise bad_request(f"response_format {req.response_format.type!r} is not supported; only 'text'",
-                          param="response_format")
     if req.top_logprobs is not None and req.top_logprobs > 0 and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs set to true", param="top_logprobs")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
@@ -199,10 +195,13 @@ def build_sampling_params(ctx: ServerContext, req: SamplingFields, *, max_tokens
         allowed_token_ids=req.allowed_token_ids, skip_special_tokens=req.skip_special_tokens,
         spaces_between_special_tokens=req.spaces_between_special_tokens,
         include_stop_str_in_output=req.include_stop_str_in_output)
-    # Only the fields the client set; SamplingParams' own defaults (vLLM's) fill the rest.
+    # Only the fields the client set, else --generation-config's; SamplingParams' own
+    # defaults (vLLM's) fill the rest.
     for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                  "repetition_penalty"):
         value = getattr(req, name)
+        if value is None:
+            value = ctx.default_sampling.get(name)
         if value is not None:
             fields[name] = value
     if fields.get("top_k", 0) >= ctx.vocab_size:

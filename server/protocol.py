@@ -1,10 +1,10 @@
 """Request bodies of the OpenAI-compatible API (pydantic, strict types).
 
 Strict mode: a string where a number belongs is a 400, not a silent conversion; NaN and
-infinities are refused. Unknown fields are ignored (clients send fields such as `user` or
-`metadata` that change nothing here). vLLM's sampling extensions (top_k, min_p,
-repetition_penalty, ...) are accepted as extra body fields, as the `openai` client's
-`extra_body` sends them.
+infinities are refused. The generation requests keep the fields they do not declare
+(`model_extra`): unsupported.py refuses those that ask for a missing feature and logs the
+rest once. vLLM's sampling extensions (top_k, min_p, repetition_penalty, ...) are accepted
+as extra body fields, as the `openai` client's `extra_body` sends them.
 """
 
 from __future__ import annotations
@@ -33,6 +33,8 @@ class StreamOptions(_Body):
 
 class SamplingFields(_Body):
     """Fields shared by /v1/completions and /v1/chat/completions (OpenAI + vLLM extras)."""
+
+    model_config = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)
 
     model: str | None = None
     n: int = Field(1, ge=1, le=MAX_N)
@@ -82,10 +84,6 @@ class ChatMessage(_Body):
     name: str | None = None
 
 
-class ResponseFormat(_Body):
-    type: str
-
-
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage]
     max_tokens: int | None = Field(None, ge=1)
@@ -96,8 +94,6 @@ class ChatCompletionRequest(SamplingFields):
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     add_special_tokens: bool = False     # the chat template already places special tokens
-    tools: list[Any] | None = None
-    response_format: ResponseFormat | None = None
 
 
 class TokenizeRequest(_Body):

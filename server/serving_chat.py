@@ -12,6 +12,7 @@ from jaxserve.server.logprobs import chat_logprobs
 from jaxserve.server.protocol import ChatCompletionRequest
 from jaxserve.server.serving import run_generation
 from jaxserve.server.streaming import ChoiceDelta, StreamFormatter, usage
+from jaxserve.server.unsupported import check_request
 
 
 def _echo_text(req: ChatCompletionRequest) -> str:
@@ -68,6 +69,7 @@ def chat_body(ctx: ServerContext, req: ChatCompletionRequest, request_id: str, c
 
 
 async def create_chat_completion(ctx: ServerContext, request, req: ChatCompletionRequest):
+    check_request(req)
     ctx.check_model(req.model)
     prompt = await ctx.in_tokenizer_thread(chat_prompt, ctx, req)
     params = chat_sampling_params(ctx, req, prompt)

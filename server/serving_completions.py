@@ -12,6 +12,7 @@ from jaxserve.server.logprobs import CompletionLogprobs, merge_completion_logpro
 from jaxserve.server.protocol import CompletionRequest
 from jaxserve.server.serving import run_generation
 from jaxserve.server.streaming import ChoiceDelta, StreamFormatter, usage
+from jaxserve.server.unsupported import check_request
 
 
 def _prompt_text(ctx: ServerContext, prompt: PromptInput) -> str:
@@ -90,6 +91,7 @@ def completion_body(ctx: ServerContext, req: CompletionRequest, echo: _Echo, req
 
 
 async def create_completion(ctx: ServerContext, request, req: CompletionRequest):
+    check_request(req)
     ctx.check_model(req.model)
     prompts = await ctx.in_tokenizer_thread(completion_prompts, ctx, req)
     params = [completion_sampling_params(ctx, req, p) for p in prompts]

@@ -32,7 +32,7 @@ def _batch_lines() -> list[str]:
     return lines
 
 
-def test_generate_batch_file_keeps_order_and_reports_bad_lines(tmp_path, monkeypatch):
+def test_generate_batch_file_keeps_order_and_reports_bad_lines(tmp_path, monkeypatch, capsys):
     traces = []
     make_engine = AsyncEngine.from_engine_args.__func__
 
@@ -43,11 +43,19 @@ def test_generate_batch_file_keeps_order_and_reports_bad_lines(tmp_path, monkeyp
 
     monkeypatch.setattr(AsyncEngine, "from_engine_args", classmethod(traced_engine))
     src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
-    src.write_text("\n".join(_batch_lines()) + "\n")
+    # A blank first line: messages count the file's lines, blank ones included.
+    src.write_text("\n" + "\n".join(_batch_lines()) + "\n")
     rc = cli.main(["generate", "--input", str(src), "--output", str(dst), "--max-num-seqs", "16",
                    "--max-num-batched-tokens", "32", "--max-model-len", "256", "--num-kv-blocks", "64",
-                   "--no-warmup"])
+                   "--no-warmup", "--progress-every", "5"])
     assert rc == 0
+    # stderr is not a terminal here: progress lines instead of a bar, then the summary.
+    err = capsys.readouterr().err
+    for done in (5, 10, 15):
+        assert f"jaxserve batch: {done}/20 requests done" in err, err
+    assert "20 requests in" in err and "18 succeeded, 2 failed" in err, err
+    assert f"failed: line {MALFORMED_AT + 2}: not valid JSON" in err, err
+    assert f"failed: line {INVALID_AT + 2}: invalid request: temperature" in err, err
     out = [json.loads(t) for t in dst.read_text().splitlines()]
     assert len(out) == 20
     errors = [i for i, o in enumerate(out) if o["error"] is not None]
@@ -92,6 +100,10 @@ def test_parse_line_names_the_problem():
     assert embed.error.param == "url"
     ok = parse_line(3, '{"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x"}}')
     assert ok.error is None and ok.index == 3 and ok.body == {"prompt": "x"}
+    # The input file's line number, not the JSON decoder's "line 1 column 9 (char 8)".
+    broken = parse_line(3, '{"custom_id": ', line_number=7)
+    assert broken.error.message.startswith("line 7: not valid JSON") and "char" not in broken.error.message
+    assert broken.line_number == 7
 
 
 def test_run_line_refuses_streams_and_invalid_bodies_before_the_engine():

@@ -104,6 +104,15 @@ def test_bench_cli_dispatch(capsys):
     assert main(["nonsense"]) == 2
 
 
+def test_serve_bench_takes_vllms_random_length_flags():
+    from jaxserve.bench.serve import build_parser
+
+    args = build_parser().parse_args(["--dataset-name", "random", "--random-input-len", "32",
+                                      "--random-output-len", "8"])
+    assert (args.dataset_name, args.input_len, args.output_len) == ("random", 32, 8)
+    assert build_parser().parse_args(["--input-len", "7"]).input_len == 7   # our names still work
+
+
 # -- the benchmarks, on the real default model ----------------------------------------------
 @pytest.fixture(scope="module")
 def llm():

@@ -226,6 +226,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output-json", default=None)
     p.add_argument("--disable-tqdm", action="store_true")
     add_dataset_arguments(p)
+    # vLLM's `vllm bench serve` names for the random dataset's lengths (same destinations).
+    g = p.add_argument_group("vLLM's names")
+    g.add_argument("--random-input-len", dest="input_len", type=int, default=argparse.SUPPRESS,
+                   help="the same as --input-len")
+    g.add_argument("--random-output-len", dest="output_len", type=int, default=argparse.SUPPRESS,
+                   help="the same as --output-len")
     return p
 
 

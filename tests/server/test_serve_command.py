@@ -1,15 +1,23 @@
-"""`jaxserve serve` as a user runs it: flags reach the server, SIGTERM ends it cleanly."""
+"""`jaxserve serve` as a user runs it: vLLM's flags reach the server; SIGTERM with streams in
+flight ends each with an error event and [DONE], exit status 0, no traceback."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
+
+from jaxserve.server.app import GRACEFUL_SHUTDOWN_S
+
+KEY = "k1"
+HEADERS = {"Authorization": f"Bearer {KEY}"}
 
 
 def _free_port() -> int:
@@ -18,14 +26,28 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_serve_flags_and_clean_sigterm():
+def _stream_to_the_end(url: str, body: dict, first_chunk: threading.Event, events: list) -> None:
+    """Reads one SSE stream into `events` (the data of each event), setting `first_chunk` once
+    a choice arrived."""
+    with httpx.stream("POST", url, json=body, headers=HEADERS, timeout=120) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                events.append(line[len("data: "):])
+                if '"choices":[{' in line:
+                    first_chunk.set()
+    first_chunk.set()
+
+
+def test_serve_flags_and_sigterm_with_open_streams():
     port = _free_port()
-    # --no-warmup: nothing is compiled, as no request is generated here.
-    cmd = [sys.executable, "-m", "jaxserve.cli", "serve", "--port", str(port), "--max-model-len", "128",
+    # --no-warmup: only the programs the streams use compile. VLLM_API_KEY: vLLM's variable.
+    cmd = [sys.executable, "-m", "jaxserve.cli", "serve", "--port", str(port), "--max-model-len", "1k",
            "--max-num-seqs", "2", "--max-num-batched-tokens", "16", "--no-warmup",
-           "--served-model-name", "my-model", "--api-key", "k1", "--api-key", "k2", "--log-level", "info"]
-    proc = subprocess.Popen(cmd, env={**os.environ, "JAX_PLATFORMS": "cpu"}, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+           "--served-model-name", "my-model", "other-name", "--uvicorn-log-level", "info",
+           "--disable-log-requests", "--enable-chunked-prefill", "--gpu-memory-utilization", "0.5"]
+    proc = subprocess.Popen(cmd, env={**os.environ, "JAX_PLATFORMS": "cpu", "VLLM_API_KEY": KEY},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 120
@@ -39,13 +61,37 @@ def test_serve_flags_and_clean_sigterm():
             assert time.monotonic() < deadline, "the server did not come up within 120 s"
             time.sleep(0.25)
         assert httpx.get(url + "/v1/models").status_code == 401
-        models = httpx.get(url + "/v1/models", headers={"Authorization": "Bearer k2"}).json()
-        assert [(m["id"], m["max_model_len"]) for m in models["data"]] == [("my-model", 128)]
+        assert httpx.get(url + "/version").status_code == 200 and httpx.get(url + "/docs").status_code == 200
+        models = httpx.get(url + "/v1/models", headers=HEADERS).json()
+        assert [(m["id"], m["max_model_len"]) for m in models["data"]] == [("my-model", 1000),
+                                                                          ("other-name", 1000)]
+
+        # Two streams far from their end (ignore_eos, 900 tokens), then SIGTERM.
+        streams = []
+        for model in ("my-model", "other-name"):
+            body = {"model": model, "prompt": "Once upon a time", "max_tokens": 900, "ignore_eos": True,
+                    "stream": True}
+            first, events = threading.Event(), []
+            thread = threading.Thread(target=_stream_to_the_end,
+                                      args=(url + "/v1/completions", body, first, events), daemon=True)
+            thread.start()
+            streams.append((thread, first, events))
+        for _, first, _ in streams:
+            assert first.wait(120), "no stream started within 120 s"
+        t0 = time.monotonic()
         proc.send_signal(signal.SIGTERM)
-        # uvicorn re-raises SIGTERM once it has shut down, so the parent sees the signal.
-        assert proc.wait(timeout=30) in (0, -signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+        assert time.monotonic() - t0 < GRACEFUL_SHUTDOWN_S + 15
+        for thread, _, events in streams:
+            thread.join(timeout=10)
+            assert not thread.is_alive()
+            assert events[-1] == "[DONE]", events[-3:]
+            last = json.loads(events[-2])
+            # Ended early with an error event (the engine stopped), not cut off.
+            assert last["error"]["type"] == "ServiceUnavailableError", last
         log = proc.stdout.read()
         assert "engine stopped" in log and "Traceback" not in log, log
+        assert "ready in" in log and "loading" in log, log
     finally:
         if proc.poll() is None:
             proc.kill()

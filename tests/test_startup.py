@@ -1,0 +1,72 @@
+"""start_engine's glue, with the engine stubbed (no model loads): the flags' checks come before
+loading, a load failure is a StartupError, the cache check and --chat-template are applied to
+the engine that was built, and an engine that cannot serve is shut down again."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from jaxserve import cli
+from jaxserve.engine import AsyncEngine
+from jaxserve.serving_checks import StartupError
+from jaxserve.startup import start_engine
+
+
+class _FakeEngine:
+    def __init__(self, num_blocks: int):
+        self.tokenizer = SimpleNamespace(hf=SimpleNamespace(chat_template="the model's"))
+        self.config = SimpleNamespace(cache=SimpleNamespace(block_size=16, num_kv_blocks=num_blocks),
+                                      scheduler=SimpleNamespace(max_model_len=256))
+        self.engine = SimpleNamespace(runner=SimpleNamespace(num_blocks=num_blocks),
+                                      startup_seconds={"load": 0.1, "warmup": 0.2})
+        self.stopped = False
+
+    def shutdown(self):
+        self.stopped = True
+
+
+@pytest.fixture
+def built(monkeypatch):
+    """Replaces AsyncEngine.from_engine_args; returns the list of engines it made."""
+    engines = []
+
+    def fake(cls, model=None, **kwargs):
+        if kwargs.get("max_model_len") == 999:
+            raise ValueError("max_model_len must be <= the model's max_position_embeddings (256)")
+        engines.append(_FakeEngine(kwargs["num_kv_blocks"]))
+        return engines[-1]
+
+    monkeypatch.setattr(AsyncEngine, "from_engine_args", classmethod(fake))
+    return engines
+
+
+def _args(tmp_path, *flags):
+    (tmp_path / "config.json").write_text("{}")    # any existing folder passes the model check
+    return cli.build_parser().parse_args(["serve", str(tmp_path), "--generation-config", "vllm", *flags])
+
+
+def test_chat_template_reaches_the_tokenizer(tmp_path, built):
+    engine, defaults = start_engine(_args(tmp_path, "--num-kv-blocks", "17", "--chat-template", "{{ x }}"))
+    assert engine.tokenizer.hf.chat_template == "{{ x }}" and defaults == {} and not engine.stopped
+
+
+def test_an_engine_that_cannot_serve_is_refused_and_stopped(tmp_path, built):
+    with pytest.raises(StartupError, match="at least 17"):
+        start_engine(_args(tmp_path, "--num-kv-blocks", "16"))
+    assert built[0].stopped
+
+
+def test_flag_problems_come_before_loading(tmp_path, built):
+    with pytest.raises(StartupError, match="--chat-template"):
+        start_engine(_args(tmp_path, "--chat-template", "no-such-template.jinja"))
+    with pytest.raises(StartupError, match="--generation-config"):
+        start_engine(cli.build_parser().parse_args(["serve", str(tmp_path), "--generation-config",
+                                                    str(tmp_path / "nowhere")]))
+    assert built == []
+
+
+def test_a_load_failure_is_a_startup_error(tmp_path, built):
+    with pytest.raises(StartupError, match="max_position_embeddings"):
+        start_engine(_args(tmp_path, "--max-model-len", "999"))
