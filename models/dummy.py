@@ -71,11 +71,19 @@ def _draw(key, shapes: dict, shardings: dict, dtype: str) -> dict:
 
 def dummy_params(cfg: ModelConfig, dtype: str = "float32", mesh=None, seed: int = 0) -> dict:
     """Random parameters for `cfg`; norm weights are ones, everything else N(0, INIT_STD^2)."""
-    from jaxserve.models.llama import param_shapes
+    from jaxserve.models import llama, registry
     from jaxserve.sharding import rules
 
-    shapes = param_shapes(cfg)
-    shardings = rules.param_placements(cfg, mesh)
+    module = registry.get_model_module(cfg.architecture)
+    shapes = module.param_shapes(cfg)
+    if module is llama:
+        shardings = rules.param_placements(cfg, mesh)
+    elif mesh is None:     # the sharding rules name llama's parameters only
+        one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        shardings = jax.tree.map(lambda _: one, shapes, is_leaf=lambda x: isinstance(x, tuple))
+    else:
+        raise NotImplementedError(f"{cfg.architecture}: dummy weights on a mesh need sharding rules "
+                                  f"for its parameters, which do not exist yet; load without a mesh")
     dtype = jnp.dtype(dtype).name
     root = jax.random.key(seed)
     top = {k: v for k, v in shapes.items() if k != "layers"}
