@@ -53,11 +53,15 @@ def _pad_k(vals_Sk, idx_Sk, k):
             jnp.pad(idx_Sk, ((0, 0), (0, short)), constant_values=-1))
 
 
-def _masks(x, live, kth):
-    """(above the threshold, equal to it) among the live entries; never -inf."""
+def _block(x_ref, row, lo, hi, i, block_l, kth):
+    """Block i of the chunk [lo, hi) of a row: (columns, values, above the threshold i32,
+    equal to it i32); -inf is never either."""
+    col = lo + i * block_l + jnp.arange(block_l, dtype=jnp.int32)
+    live = col < hi
+    x = plgpu.load(x_ref.at[row, col], mask=live, other=-jnp.inf).astype(jnp.float32)
     above = live & (x > kth)
     tie = live & (x == kth) & (kth > -jnp.inf)
-    return above, tie
+    return col, x, above.astype(jnp.int32), tie.astype(jnp.int32)
 
 
 def _count_kernel(x_ref, kth_ref, counts_ref, *, l, chunk, block_l):
@@ -67,11 +71,8 @@ def _count_kernel(x_ref, kth_ref, counts_ref, *, l, chunk, block_l):
     lo = c * chunk
 
     def step(i, acc):
-        col = lo + i * block_l + jnp.arange(block_l, dtype=jnp.int32)
-        live = col < jnp.minimum(lo + chunk, l)
-        x = plgpu.load(x_ref.at[row, col], mask=live, other=-jnp.inf).astype(jnp.float32)
-        above, tie = _masks(x, live, kth)
-        return acc[0] + jnp.sum(above.astype(jnp.int32)), acc[1] + jnp.sum(tie.astype(jnp.int32))
+        _, _, a, t = _block(x_ref, row, lo, jnp.minimum(lo + chunk, l), i, block_l, kth)
+        return acc[0] + jnp.sum(a), acc[1] + jnp.sum(t)
 
     zero = jnp.zeros((), jnp.int32)
     n_above, n_tie = jax.lax.fori_loop(0, chunk // block_l, step, (zero, zero))
@@ -91,15 +92,12 @@ def _write_kernel(x_ref, kth_ref, start_ref, above_ref, vals_in_ref, idx_in_ref,
     lo = c * chunk
 
     def step(i, carry):
-        col = lo + i * block_l + jnp.arange(block_l, dtype=jnp.int32)
-        live = col < jnp.minimum(lo + chunk, l)
-        x = plgpu.load(x_ref.at[row, col], mask=live, other=-jnp.inf).astype(jnp.float32)
-        above, tie = _masks(x, live, kth)
-        a, t = above.astype(jnp.int32), tie.astype(jnp.int32)
+        col, x, a, t = _block(x_ref, row, lo, jnp.minimum(lo + chunk, l), i, block_l, kth)
+        above = a > 0
         rank_above = carry[0] + jnp.cumsum(a) - a
         rank_tie = carry[1] + jnp.cumsum(t) - t
         slot = jnp.where(above, rank_above, n_above + rank_tie)
-        chosen = above | (tie & (n_above + rank_tie < k))
+        chosen = above | ((t > 0) & (n_above + rank_tie < k))
         # NOTE: lanes not chosen aim at the spare column k: the interpreter's masked store is
         # a read-modify-write scatter, where a masked lane sharing a chosen lane's slot could
         # write the old value back over it (a GPU's masked lanes write nothing)
