@@ -29,6 +29,7 @@ Z shared experts, F dense MLP dim, k experts per token.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,7 +40,10 @@ from jaxserve.config import ModelConfig
 from jaxserve.kv_cache.specs import PagedSpec
 from jaxserve.models import layers, llama, mla
 from jaxserve.models.moe import group_by_expert
+from jaxserve.pallas_kernels.dispatch import resolve_impl
 from jaxserve.pallas_kernels.grouped_matmul import grouped_matmul
+from jaxserve.pallas_kernels.mla_attention import mla_attention
+from jaxserve.pallas_kernels.topk import topk
 from jaxserve.step_input import StepInput
 
 LORA_NORM_EPS = 1e-6     # q_a / kv_a norms: DeepSeek builds them with the default eps
@@ -241,7 +245,7 @@ def _rope_first(x_TNJ: jax.Array, r: int, positions_T, rope: Rope) -> jax.Array:
 
 
 def indexer(cfg: DeepseekConfig, lp: dict, cache: dict, h_TD, q_resid_TQ, x: StepInput, rope: Rope,
-            topk_fn=None):
+            impl: str):
     """V3.2's lightning indexer: writes this step's index keys, returns (cache, the positions
     each token attends to i32[T, k], -1: none)."""
     t = h_TD.shape[0]
@@ -253,11 +257,12 @@ def indexer(cfg: DeepseekConfig, lp: dict, cache: dict, h_TD, q_resid_TQ, x: Ste
     w_TI = layers.linear(h_TD, lp["w_idx"]).astype(jnp.float32) * i ** -0.5
     scores_TL = mla.index_scores_xla(q_TIJ, w_TI, index_k, x.block_tables, x.token_seq_ids,
                                      x.positions, scale=j ** -0.5)
+    topk_fn = None if impl == "xla" else functools.partial(topk, impl=impl)
     return dict(cache, index_k=index_k), mla.select_topk(scores_TL, cfg.index_topk, topk_fn)
 
 
 def attention_block(cfg: DeepseekConfig, lp: dict, cache: dict, h_TD: jax.Array, x: StepInput,
-                    rope: Rope):
+                    rope: Rope, impl: str = "xla"):
     """MLA sub-block on normed input: (new cache dict, output f[T, D])."""
     t = h_TD.shape[0]
     n, e, r, c = cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
@@ -276,12 +281,12 @@ def attention_block(cfg: DeepseekConfig, lp: dict, cache: dict, h_TD: jax.Array,
     cache = dict(cache, latent=latent)
     selected_Tk = None
     if cfg.index_topk:
-        cache, selected_Tk = indexer(cfg, lp, cache, h_TD, q_resid_TQ, x, rope)
+        cache, selected_Tk = indexer(cfg, lp, cache, h_TD, q_resid_TQ, x, rope, impl)
     # absorbed: q_nope . (W_UK c) = (q_nope W_UK) . c, so scores need only the latent
     q_lat_TNC = jnp.einsum("tne,nec->tnc", q_nope_TNE, lp["w_uk"].astype(q_nope_TNE.dtype))
     q_TNW = jnp.concatenate([q_lat_TNC, q_rope_TNR], axis=-1)
-    o_TNC = mla.paged_mla_xla(q_TNW, latent, x.block_tables, x.token_seq_ids, x.positions,
-                              sm_scale=rope.sm_scale, value_dim=c, selected_Tk=selected_Tk)
+    o_TNC = mla_attention(q_TNW, latent, x.block_tables, x.token_seq_ids, x.positions, selected_Tk,
+                          sm_scale=rope.sm_scale, value_dim=c, impl=impl)
     o_TNO = jnp.einsum("tnc,nco->tno", o_TNC, lp["w_uv"].astype(o_TNC.dtype))
     return cache, layers.linear(o_TNO.reshape(t, -1), lp["wo"])
 
@@ -291,7 +296,7 @@ def decoder_layer(cfg: DeepseekConfig, i: int, lp: dict, cache: dict, residual_T
     """One pre-norm decoder layer on the residual stream: (cache, new residual)."""
     eps = cfg.rms_norm_eps
     cache, attn_TD = attention_block(cfg, lp, cache, layers.rms_norm(residual_TD, lp["attn_norm"], eps),
-                                     x, rope)
+                                     x, rope, impl)
     residual_TD = residual_TD + attn_TD
     normed_TD = layers.rms_norm(residual_TD, lp["mlp_norm"], eps)
     mlp_TD = moe_mlp(cfg, lp, normed_TD, impl) if "router" in lp else llama.dense_mlp(lp, normed_TD)
@@ -300,15 +305,17 @@ def decoder_layer(cfg: DeepseekConfig, i: int, lp: dict, cache: dict, residual_T
 
 def forward(cfg: DeepseekConfig, params: dict, caches: list[dict[str, jax.Array]], x: StepInput,
             attention_impl: str = "xla"):
-    """Run every layer on the step's tokens: (updated caches, final-normed hidden f[T, D])."""
-    if attention_impl not in ("xla", "auto"):
-        raise ValueError(f"DeepSeek attention_impl must be 'xla' or 'auto' (Pallas MLA is not wired "
-                         f"yet); got {attention_impl!r}")
+    """Run every layer on the step's tokens: (updated caches, final-normed hidden f[T, D]).
+
+    attention_impl: "xla" (plain jnp MLA, lax.top_k, lax.ragged_dot), "pallas" (the MLA and
+    TopK kernels, interpreted on a CPU; the MoE grouped matmul picks its own kernel) or "auto"
+    (pallas on a GPU, else xla)."""
+    impl, _ = resolve_impl(attention_impl)
     rope = make_rope(cfg)
     residual_TD = params["embed"][x.token_ids]
     new_caches = []
     for i, (lp, cache) in enumerate(zip(params["layers"], caches)):
-        cache, residual_TD = decoder_layer(cfg, i, lp, cache, residual_TD, x, rope, "xla")
+        cache, residual_TD = decoder_layer(cfg, i, lp, cache, residual_TD, x, rope, impl)
         new_caches.append(cache)
     return new_caches, layers.rms_norm(residual_TD, params["final_norm"], cfg.rms_norm_eps)
 

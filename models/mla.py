@@ -1,4 +1,6 @@
-"""Multi-head latent attention (DeepSeek V2/V3/V3.2) over a paged latent cache, in plain jnp.
+"""Multi-head latent attention (DeepSeek V2/V3/V3.2): rotary (YaRN), the paged latent write,
+V3.2's indexer scores and top-k choice, in plain jnp (the attention itself over the paged
+latents: pallas_kernels/mla_attention.py, its kernel and its jnp reference).
 
 The cache keeps per token ONE row of width W = C + R: the RMS-normed kv latent (C =
 kv_lora_rank) and the shared roped key (R = qk_rope_head_dim), both single-head. Attention
@@ -94,45 +96,6 @@ def write_paged(cache_NPX: jax.Array, rows_TX: jax.Array, slot_mapping_T: jax.Ar
     n, p = cache_NPX.shape[:2]
     flat = cache_NPX.reshape(n * p, *cache_NPX.shape[2:])
     return flat.at[slot_mapping_T].set(rows_TX.astype(cache_NPX.dtype)).reshape(cache_NPX.shape)
-
-
-def _selected_mask(selected_k: jax.Array, ctx_len: int) -> jax.Array:
-    """bool[L]: the positions in `selected_k` (entries < 0 mean none)."""
-    idx = jnp.where(selected_k >= 0, selected_k, ctx_len)
-    return jnp.zeros((ctx_len,), bool).at[idx].set(True, mode="drop")
-
-
-def paged_mla_xla(q_TNW: jax.Array, latent_NPW: jax.Array, block_tables_SB: jax.Array,
-                  token_seq_ids_T: jax.Array, positions_T: jax.Array, *, sm_scale: float,
-                  value_dim: int, selected_Tk: jax.Array | None = None,
-                  token_chunk: int = 64) -> jax.Array:
-    """Absorbed MLA of every token over its own sequence's paged latents: o f[T, N, C].
-
-    q_TNW = [q_nope @ W_UK | roped q_rope]; latent rows [normed latent (C = value_dim) |
-    roped shared key]. Token t sees positions 0..positions[t] (this step's rows must already
-    be written); with `selected_Tk` (i32[T, k] positions, -1 none: V3.2's indexer choice) only
-    those among them. Per token, so decode, prefill chunks and mixed batches are one case."""
-    t, n, w = q_TNW.shape
-    p = latent_NPW.shape[1]
-    ctx_len = block_tables_SB.shape[1] * p
-    slot_pos_L = jnp.arange(ctx_len, dtype=jnp.int32)
-    if selected_Tk is None:
-        selected_Tk = jnp.zeros((t, 0), jnp.int32)
-    sparse = selected_Tk.shape[1] > 0
-
-    def one_token(args):
-        q_NW, seq, pos, sel_k = args
-        lat_LW = latent_NPW[block_tables_SB[seq]].reshape(ctx_len, w).astype(jnp.float32)
-        s_NL = jnp.einsum("nw,lw->nl", q_NW.astype(jnp.float32), lat_LW) * sm_scale
-        visible_L = slot_pos_L <= pos
-        if sparse:
-            visible_L &= _selected_mask(sel_k, ctx_len)
-        s_NL = jnp.where(visible_L[None, :], s_NL, -jnp.inf)
-        o_NC = jax.nn.softmax(s_NL, axis=-1) @ lat_LW[:, :value_dim]
-        return o_NC.astype(q_TNW.dtype)
-
-    return jax.lax.map(one_token, (q_TNW, token_seq_ids_T, positions_T, selected_Tk),
-                       batch_size=min(t, token_chunk))
 
 
 def layer_norm(x_TJ: jax.Array, w_J: jax.Array, b_J: jax.Array, eps: float = 1e-6) -> jax.Array:
