@@ -63,8 +63,21 @@ def _dict_drawer(spec: tuple, dtype: str, shardings: tuple):
     return jax.jit(draw, out_shardings={name: sh for (name, _), sh in zip(spec, shardings)})
 
 
+# Past this many elements a group is drawn one array at a time: one f32 draw for a whole
+# DeepSeek-V3 MoE layer (11.3G elements) would need a 45 GB scratch buffer on top of the
+# weights. Every Llama / Qwen layer is far below it (Qwen3-30B-A3B's: 0.6G), so they keep the
+# single draw.
+BIG_GROUP_ELEMENTS = 1 << 30
+
+
 def _draw(key, shapes: dict, shardings: dict, dtype: str) -> dict:
     names = sorted(shapes)
+    if sum(math.prod(shapes[n]) for n in names) > BIG_GROUP_ELEMENTS:
+        out = {}
+        for j, n in enumerate(names):
+            one = ((n, tuple(shapes[n])),)
+            out.update(_dict_drawer(one, dtype, (shardings[n],))(jax.random.fold_in(key, j)))
+        return out
     spec = tuple((n, tuple(shapes[n])) for n in names)
     return _dict_drawer(spec, dtype, tuple(shardings[n] for n in names))(key)
 

@@ -39,9 +39,9 @@ def _step(cfg, params, caches, x):
     return caches, deepseek.compute_logits(cfg, params, hidden_TD)
 
 
-def _load(name):
+def _load(name, dtype="float32"):
     golden = np.load(os.path.join(GOLDEN_DIR, f"{name}.npz"))
-    cfg, params, _ = load_model(os.path.join(GOLDEN_DIR, "ckpt", name))
+    cfg, params, _ = load_model(os.path.join(GOLDEN_DIR, "ckpt", name), dtype=dtype)
     assert cfg.architecture == NAMES[name]
     return golden, cfg, params, [golden[f"prompt_{i}"].tolist() for i in range(3)]
 
@@ -147,3 +147,21 @@ def test_pallas_kernels_in_the_model():
         logits_SV = np.asarray(logits_TV)[np.asarray(x.logits_indices)[:3]]
         want = np.stack([golden[f"decode_logits_{i}"][step] for i in range(3)])
         np.testing.assert_allclose(logits_SV, want, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("name", ["deepseek_v3", "deepseek_v32"])
+def test_bfloat16_prefill_is_close(name):
+    """bf16 weights, activations and caches (the router bias stays f32): logits near the f32
+    golden, top-1 nearly always equal. V3.2: a few rows past index_topk pick another position
+    in bf16 (the goldens' top-k gaps are ~4e-4, below bf16's resolution), so there only most
+    rows are held to the bound."""
+    golden, cfg, params, prompts = _load(name, dtype="bfloat16")
+    assert params["layers"][1]["router_bias"].dtype == jnp.float32
+    x = build_step([Chunk(i, p, 0) for i, p in enumerate(prompts)],
+                   scattered_block_tables(3, BLOCKS_PER_SEQ, NUM_BLOCKS), BLOCK_SIZE, 32, S)
+    _, logits_TV = _step(cfg, params, empty_caches(cfg, NUM_BLOCKS, BLOCK_SIZE, jnp.bfloat16), x)
+    want = np.concatenate([golden[f"prefill_logits_{i}"] for i in range(3)])
+    got = np.asarray(logits_TV, np.float32)[:len(want)]
+    close = np.abs(got - want).max(-1) < 0.08
+    assert close.all() if name == "deepseek_v3" else close.mean() >= 0.85, np.abs(got - want).max(-1)
+    assert (got.argmax(-1) == want.argmax(-1)).mean() >= 0.9

@@ -123,3 +123,14 @@ def test_unsupported_routing_is_refused():
         hf_loader.model_config_from_hf(dict(hf, topk_method="group_limited_greedy"))
     with pytest.raises(ValueError, match="n_group"):
         hf_loader.model_config_from_hf(dict(hf, n_group=3))
+
+
+def test_dummy_draws_a_big_group_array_by_array(monkeypatch):
+    """Past BIG_GROUP_ELEMENTS a layer is drawn one array at a time (same shapes, norms ones)."""
+    hf = json.load(open(os.path.join(CKPT, "config.json")))
+    monkeypatch.setattr(dummy, "BIG_GROUP_ELEMENTS", 1000)
+    cfg, params = dummy.load_dummy(hf)
+    lp = params["layers"][1]
+    assert lp["w_gate"].shape == (8, 64, 16) and float(lp["attn_norm"].min()) == 1.0
+    assert 0.015 < float(lp["w_gate"].std()) < 0.025
+    assert not np.array_equal(np.asarray(lp["w_gate"]), np.asarray(lp["w_up"]))
