@@ -18,7 +18,8 @@ Parameters (weights [in, out]); per layer (a Python list: the loop is unrolled i
         w_gate f[X, D, M], w_up f[X, D, M], w_down f[X, M, D],
         shared experts ws_gate f[D, M*Z], ws_up f[D, M*Z], ws_down f[M*Z, D]
     Rotary layout: always half-split; interleaved checkpoints are permuted at load.
-MTP (params["mtp"], loaded when the checkpoint has it): see mtp_param_shapes.
+MTP (params["mtp"], loaded when the checkpoint has it): see mtp_param_shapes; mtp_forward
+runs a layer as a proposer over its own caches (mtp_cache_specs).
 
 Legend: T tokens, S sequences, D model dim, V vocabulary, N heads, Q q_lora_rank,
 C kv_lora_rank, E qk_nope_head_dim, R qk_rope_head_dim, O v_head_dim, W = C + R,
@@ -318,6 +319,32 @@ def forward(cfg: DeepseekConfig, params: dict, caches: list[dict[str, jax.Array]
         cache, residual_TD = decoder_layer(cfg, i, lp, cache, residual_TD, x, rope, impl)
         new_caches.append(cache)
     return new_caches, layers.rms_norm(residual_TD, params["final_norm"], cfg.rms_norm_eps)
+
+
+def mtp_cache_specs(cfg: DeepseekConfig) -> list[PagedSpec]:
+    """The MTP layers' caches (one latent array each, like a decoder layer's), apart from
+    cache_specs so that only an engine that runs the proposer allocates them."""
+    return cache_specs(dataclasses.replace(cfg, num_layers=cfg.num_mtp_layers))
+
+
+def mtp_forward(cfg: DeepseekConfig, params: dict, caches: list[dict], x: StepInput,
+                prev_hidden_TD: jax.Array, depth: int = 0, attention_impl: str = "xla"):
+    """MTP layer `depth` as a proposer: token t of the step is the token AFTER the one whose
+    final (normed) hidden state prev_hidden_TD[t] is, at that earlier token's position (rotary
+    is relative, so every position shifted alike is the same attention). h = eh_proj(
+    [enorm(embed(token)) | hnorm(prev_hidden)]), then a decoder layer over this layer's own
+    latent cache, then head_norm and head: (caches, logits f32[T, V] of the token after
+    `token`, hidden f[T, D] for a next depth)."""
+    impl, _ = resolve_impl(attention_impl)
+    mp = params["mtp"][depth]
+    eps = cfg.rms_norm_eps
+    e_TD = layers.rms_norm(params["embed"][x.token_ids], mp["enorm"], eps)
+    h_TD = layers.linear(jnp.concatenate([e_TD, layers.rms_norm(prev_hidden_TD, mp["hnorm"], eps)], -1),
+                         mp["eh_proj"])
+    cache, h_TD = decoder_layer(cfg, cfg.num_layers + depth, mp, caches[depth], h_TD, x, make_rope(cfg), impl)
+    hidden_TD = layers.rms_norm(h_TD, mp["head_norm"], eps)
+    logits = jnp.dot(hidden_TD, mp["head"], preferred_element_type=jnp.float32)
+    return caches[:depth] + [cache] + caches[depth + 1:], logits, hidden_TD
 
 
 def load_hf(path: str, cfg: DeepseekConfig, dtype: str = "float32", mesh=None):

@@ -2,7 +2,8 @@
 
 Run where torch + transformers exist (not in the test environment):
 
-    /work/ref311/bin/python tests/golden/make_golden_deepseek.py
+    /work/ref311/bin/python tests/golden/make_golden_deepseek.py          # checkpoints + goldens
+    /work/ref311/bin/python tests/golden/make_golden_deepseek.py --mtp    # the MTP layer's golden
 
 Same layout as make_golden.py (whose helpers it reuses): `ckpt/<name>/` in the Hub's tensor
 layout, `<name>.npz` with every prefill position's logits and 16 greedy decode steps.
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 
 import numpy as np
 import torch
@@ -105,7 +107,61 @@ def _index_margins(model) -> list[float]:
     return gaps
 
 
+def make_mtp_golden() -> None:
+    """deepseek_v3_mtp.npz: a random MTP layer for the tiny deepseek_v3 checkpoint, in the Hub's
+    names (model.layers.3.*: enorm, hnorm, eh_proj, the decoder layer's tensors with experts
+    one by one, shared_head.norm, shared_head.head = lm_head), and its logits from HF's own
+    MtpLayer on prompt 2: embed(token i+1) with the main model's final hidden state i, at
+    position i, causal. The test writes the tensors beside the checkpoint and loads them."""
+    from transformers.modeling_layers import MtpLayer
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import (DeepseekV3DecoderLayer,
+                                                                      DeepseekV3RMSNorm)
+
+    path = os.path.join(CKPT_DIR, "deepseek_v3")
+    model = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                    attn_implementation="eager").eval()
+    cfg = model.config
+    n = cfg.num_hidden_layers
+    gen = torch.Generator().manual_seed(SEED + 7)
+    mtp = MtpLayer(cfg, DeepseekV3DecoderLayer, DeepseekV3RMSNorm, n, use_post_norm=True).eval()
+    _randomize(mtp, gen)
+    with torch.no_grad():
+        bias = mtp.mtp_block.mlp.gate.e_score_correction_bias
+        bias.copy_(0.3 * torch.randn(bias.shape, generator=gen))
+    prompt = np.load(os.path.join(HERE, "deepseek_v3.npz"))["prompt_2"].tolist()
+    ids = torch.tensor([prompt])
+    t = len(prompt) - 1
+    with torch.no_grad():
+        hidden = model.model(ids).last_hidden_state[:, :t]
+        pos = torch.arange(t)[None]
+        mask = torch.triu(torch.full((t, t), torch.finfo(torch.float32).min), 1)[None, None]
+        out = mtp(model.model.embed_tokens(ids[:, 1:]), hidden, model.model.rotary_emb(hidden, pos),
+                  mask, pos, None)
+        logits = model.lm_head(out)[0].numpy()
+    pre = f"model.layers.{n}."
+    tensors = {pre + "enorm.weight": mtp.enorm.weight, pre + "hnorm.weight": mtp.hnorm.weight,
+               pre + "eh_proj.weight": mtp.eh_proj.weight, pre + "shared_head.norm.weight": mtp.post_norm.weight,
+               pre + "shared_head.head.weight": model.lm_head.weight}
+    m = cfg.moe_intermediate_size
+    for name, p in mtp.mtp_block.state_dict().items():
+        if name == "mlp.experts.gate_up_proj":       # HF's fused [X, 2M, D]: the Hub has experts one by one
+            for j in range(p.shape[0]):
+                tensors[pre + f"mlp.experts.{j}.gate_proj.weight"] = p[j, :m]
+                tensors[pre + f"mlp.experts.{j}.up_proj.weight"] = p[j, m:]
+        elif name == "mlp.experts.down_proj":
+            for j in range(p.shape[0]):
+                tensors[pre + f"mlp.experts.{j}.down_proj.weight"] = p[j]
+        else:
+            tensors[pre + name] = p
+    arrays = {"tensor:" + k: v.detach().float().numpy() for k, v in tensors.items()}
+    np.savez_compressed(os.path.join(HERE, "deepseek_v3_mtp.npz"), logits=logits.astype(np.float32), **arrays)
+    print(f"deepseek_v3_mtp: {len(tensors)} tensors, logits {logits.shape}")
+
+
 def main() -> None:
+    if "--mtp" in sys.argv:       # only the MTP golden (it reads the deepseek_v3 checkpoint)
+        make_mtp_golden()
+        return
     os.makedirs(CKPT_DIR, exist_ok=True)
     torch.manual_seed(SEED)
     for name in SPECS:
@@ -125,6 +181,7 @@ def main() -> None:
             extra = f", min index top-k gap {min(gaps):.2e} over {len(gaps)} rows"
         print(f"{name}: min top-2 margin {goldens['min_top2_margin']:.4f}{extra}, "
               f"greedy {goldens['greedy_0'][:6].tolist()}...")
+    make_mtp_golden()
 
 
 if __name__ == "__main__":

@@ -165,3 +165,33 @@ def test_bfloat16_prefill_is_close(name):
     close = np.abs(got - want).max(-1) < 0.08
     assert close.all() if name == "deepseek_v3" else close.mean() >= 0.85, np.abs(got - want).max(-1)
     assert (got.argmax(-1) == want.argmax(-1)).mean() >= 0.9
+
+
+def test_mtp_layer_matches_transformers(tmp_path):
+    """The MTP layer (weights from deepseek_v3_mtp.npz written beside the checkpoint, loaded
+    into params["mtp"]) on prompt 2: embed(token i+1) with our final hidden state i, at
+    position i, over its own latent cache; logits as transformers' MtpLayer gives them."""
+    import shutil
+
+    from safetensors.numpy import save_file
+
+    mtp = np.load(os.path.join(GOLDEN_DIR, "deepseek_v3_mtp.npz"))
+    path = tmp_path / "ckpt"
+    shutil.copytree(os.path.join(GOLDEN_DIR, "ckpt", "deepseek_v3"), path)
+    save_file({k[len("tensor:"):]: mtp[k] for k in mtp.files if k.startswith("tensor:")},
+              str(path / "model-mtp.safetensors"))
+    golden = np.load(os.path.join(GOLDEN_DIR, "deepseek_v3.npz"))
+    cfg, params, _ = load_model(str(path))
+    assert len(params["mtp"]) == cfg.num_mtp_layers == 1
+    prompt = golden["prompt_2"].tolist()
+    tables = scattered_block_tables(1, BLOCKS_PER_SEQ, NUM_BLOCKS, seed=11)
+    x = build_step([Chunk(0, prompt, 0)], tables, BLOCK_SIZE, STEP_T, S)
+    _, hidden_TD = jax.jit(deepseek.forward, static_argnums=0)(
+        cfg, params, empty_caches(cfg, NUM_BLOCKS, BLOCK_SIZE), x)
+    t = len(prompt) - 1
+    x_mtp = build_step([Chunk(0, prompt[1:], 0)], tables, BLOCK_SIZE, STEP_T, S)
+    mtp_caches = [{n: jnp.zeros((NUM_BLOCKS, BLOCK_SIZE, *shape)) for n, shape in spec.arrays}
+                  for spec in deepseek.mtp_cache_specs(cfg)]
+    prev_TD = jnp.zeros_like(hidden_TD).at[:t].set(hidden_TD[:t])
+    _, logits_TV, _ = jax.jit(deepseek.mtp_forward, static_argnums=0)(cfg, params, mtp_caches, x_mtp, prev_TD)
+    np.testing.assert_allclose(np.asarray(logits_TV[:t]), mtp["logits"], atol=ATOL, rtol=0)
