@@ -305,8 +305,10 @@ def decoder_layer(cfg: DeepseekConfig, i: int, lp: dict, cache: dict, residual_T
 
 
 def forward(cfg: DeepseekConfig, params: dict, caches: list[dict[str, jax.Array]], x: StepInput,
-            attention_impl: str = "xla"):
+            attention_impl: str = "xla", busy_seqs: int = 0, skewed: bool = False):
     """Run every layer on the step's tokens: (updated caches, final-normed hidden f[T, D]).
+    busy_seqs / skewed: accepted for the runner's call (llama's attention tiles by them); the
+    MLA kernel does not use them yet.
 
     attention_impl: "xla" (plain jnp MLA, lax.top_k, lax.ragged_dot), "pallas" (the MLA and
     TopK kernels, interpreted on a CPU; the MoE grouped matmul picks its own kernel) or "auto"
