@@ -111,7 +111,11 @@ class LLM:
         finished: dict[str, RequestOutput] = {}
         bar = None
         if use_tqdm:
-            from tqdm.auto import tqdm
+            try:                      # a notebook bar needs ipywidgets; without it, a plain bar
+                import ipywidgets  # noqa: F401
+                from tqdm.auto import tqdm
+            except ImportError:
+                from tqdm import tqdm
             bar = tqdm(total=len(request_ids), desc="Processed prompts", dynamic_ncols=True)
         try:
             while self.engine.has_unfinished_requests():

@@ -63,19 +63,40 @@ def _dict_drawer(spec: tuple, dtype: str, shardings: tuple):
     return jax.jit(draw, out_shardings={name: sh for (name, _), sh in zip(spec, shardings)})
 
 
+# Past this many elements a group is drawn one array at a time: one f32 draw for a whole
+# DeepSeek-V3 MoE layer (11.3G elements) would need a 45 GB scratch buffer on top of the
+# weights. Every Llama / Qwen layer is far below it (Qwen3-30B-A3B's: 0.6G), so they keep the
+# single draw.
+BIG_GROUP_ELEMENTS = 1 << 30
+
+
 def _draw(key, shapes: dict, shardings: dict, dtype: str) -> dict:
     names = sorted(shapes)
+    if sum(math.prod(shapes[n]) for n in names) > BIG_GROUP_ELEMENTS:
+        out = {}
+        for j, n in enumerate(names):
+            one = ((n, tuple(shapes[n])),)
+            out.update(_dict_drawer(one, dtype, (shardings[n],))(jax.random.fold_in(key, j)))
+        return out
     spec = tuple((n, tuple(shapes[n])) for n in names)
     return _dict_drawer(spec, dtype, tuple(shardings[n] for n in names))(key)
 
 
 def dummy_params(cfg: ModelConfig, dtype: str = "float32", mesh=None, seed: int = 0) -> dict:
     """Random parameters for `cfg`; norm weights are ones, everything else N(0, INIT_STD^2)."""
-    from jaxserve.models.registry import param_shapes
+    from jaxserve.models import llama, registry
     from jaxserve.sharding import rules
 
-    shapes = param_shapes(cfg)
-    shardings = rules.param_placements(cfg, mesh)
+    module = registry.get_model_module(cfg.architecture)
+    shapes = module.param_shapes(cfg)
+    if module is llama:
+        shardings = rules.param_placements(cfg, mesh)
+    elif mesh is None:     # the sharding rules name llama's parameters only
+        one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        shardings = jax.tree.map(lambda _: one, shapes, is_leaf=lambda x: isinstance(x, tuple))
+    else:
+        raise NotImplementedError(f"{cfg.architecture}: dummy weights on a mesh need sharding rules "
+                                  f"for its parameters, which do not exist yet; load without a mesh")
     dtype = jnp.dtype(dtype).name
     root = jax.random.key(seed)
     top = {k: v for k, v in shapes.items() if k != "layers"}

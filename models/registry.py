@@ -2,16 +2,17 @@
 config to its model family (loaders, dummy weights, sharding and the runner all ask here).
 
 A family is a module with `cache_specs`, `param_shapes`, `forward`, `compute_logits` and
-`make_kernels` (models/llama.py documents the interface). Every architecture so far is a
-configuration of the decoder in llama.py (dense or MoE MLP, qkv bias, q/k norm, sliding
-window).
+`make_kernels` (models/llama.py documents the interface), and optionally its own
+`config_from_hf` / `load_hf`. Most architectures are configurations of the decoder in llama.py
+(dense or MoE MLP, qkv bias, q/k norm, sliding window); DeepSeek V3 / V3.2 (MLA,
+group-limited MoE, sparse attention) have their own module, deepseek.py.
 """
 
 from __future__ import annotations
 
 from types import ModuleType
 
-from jaxserve.models import llama
+from jaxserve.models import deepseek, llama
 
 ARCHITECTURES: dict[str, ModuleType] = {
     "LlamaForCausalLM": llama,
@@ -20,6 +21,9 @@ ARCHITECTURES: dict[str, ModuleType] = {
     "Qwen3ForCausalLM": llama,
     "MixtralForCausalLM": llama,
     "Qwen3MoeForCausalLM": llama,
+    # own module: MLA latent cache, group-limited MoE; config_from_hf / load_hf of their own
+    "DeepseekV3ForCausalLM": deepseek,
+    "DeepseekV32ForCausalLM": deepseek,
 }
 
 

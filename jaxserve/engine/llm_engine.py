@@ -62,6 +62,9 @@ class LLMEngine:
                                    step_sizes=tuple(self.runner.buckets),
                                    cache_specs=self.runner.cache_specs,
                                    num_slots=self.runner.num_slots)
+        # A request of max_model_len must fit the cache: refuse before compiling anything.
+        from jaxserve.serving_checks import check_can_serve
+        check_can_serve(config, self.runner.num_blocks)
         self.core = EngineCore(self.scheduler, self.runner)
         self.metrics = EngineMetrics()
         eos = tokenizer.eos_token_ids if tokenizer else config.model.eos_token_ids
@@ -73,6 +76,7 @@ class LLMEngine:
             logger.warning("warmup_all has no effect without warmup: programs compile on first use")
         if config.warmup:
             t0 = time.perf_counter()
+            logger.info("compiling the step programs of %d step sizes", len(self.runner.buckets))
             self.runner.warmup()
             if config.warmup_all:   # a failed compile is retried on first use (runner.run)
                 self.runner.wait_for_warmup(raise_errors=False)

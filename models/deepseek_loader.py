@@ -1,0 +1,181 @@
+"""Load DeepSeek V3 / V3.2 from a HF directory (sharded safetensors), FP8 checkpoints included.
+
+Name mapping to models/deepseek.py's tree, with three reshapes done once here:
+- kv_b_proj [N*(E+O), C] is split per head into w_uk f[N, E, C] and w_uv f[N, C, O], the
+  factors the absorbed attention applies (W_UK into q, W_UV after);
+- rope_interleave checkpoints: the rope output columns of q (per head) and of the shared key
+  are permuted to the half-split layout (evens then odds), so the forward has one rotary;
+- FP8 (e4m3) weights with `weight_scale_inv` (one f32 per 128 x 128 block, DeepSeek's
+  format) are dequantized to the load dtype (each block times its scale).
+Tensors are read from the files directly (header + memory map), because safetensors' numpy
+reader has no FP8 type; ml_dtypes gives numpy the float8 and bfloat16 types.
+NOTE: whole tensors, placed on the default device: no mesh yet (the sharding rules name
+llama's parameters; DeepSeek's need their own table, with the experts on the expert axis).
+
+Legend: N heads, E qk_nope_head_dim, R qk_rope_head_dim, O v_head_dim, C kv_lora_rank,
+D model dim, X experts.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import struct
+
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+from jaxserve.models import deepseek
+
+_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
+           "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2,
+           "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
+           "BOOL": np.bool_}
+
+
+class SafetensorsDir:
+    """Every tensor of a directory's *.safetensors files, read lazily by name."""
+
+    def __init__(self, path: str):
+        files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+        if not files:
+            raise FileNotFoundError(f"no *.safetensors files in {path!r}")
+        self.entries: dict[str, tuple[str, int, dict]] = {}
+        for file in files:
+            with open(file, "rb") as f:
+                (n,) = struct.unpack("<Q", f.read(8))
+                header = json.loads(f.read(n))
+            header.pop("__metadata__", None)
+            for name, info in header.items():
+                self.entries[name] = (file, 8 + n, info)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.entries
+
+    def raw(self, name: str) -> np.ndarray:
+        if name not in self.entries:
+            raise ValueError(f"checkpoint is missing tensor {name!r}")
+        file, base, info = self.entries[name]
+        if info["dtype"] not in _DTYPES:
+            raise ValueError(f"tensor {name!r} has dtype {info['dtype']}; supported: {', '.join(_DTYPES)}")
+        start, end = info["data_offsets"]
+        dt = np.dtype(_DTYPES[info["dtype"]])
+        count = (end - start) // dt.itemsize
+        if count == 0:
+            return np.zeros(info["shape"], dt)
+        return np.memmap(file, dtype=dt, mode="r", offset=base + start, shape=(count,)).reshape(info["shape"])
+
+    def weight(self, name: str, block: tuple[int, int] = (128, 128)) -> np.ndarray:
+        """A tensor as f32, dequantized when it is FP8 with a `<name>_scale_inv` beside it."""
+        w = self.raw(name)
+        scale_name = name + "_scale_inv"
+        if scale_name in self:
+            return dequantize_blocks(w, self.raw(scale_name), block)
+        if "float8" in w.dtype.name:
+            raise ValueError(f"tensor {name!r} is {w.dtype.name} but has no {scale_name!r}")
+        return np.asarray(w, dtype=np.float32)
+
+
+def dequantize_blocks(w_OI: np.ndarray, scale_inv: np.ndarray, block: tuple[int, int]) -> np.ndarray:
+    """f32 weight from FP8 values and per-block scales: w[o, i] * scale_inv[o // bo, i // bi]
+    (DeepSeek's `weight_scale_inv` is the factor that multiplies back; the last blocks of a
+    side that is not a multiple of the block size are partial)."""
+    bo, bi = block
+    o, i = w_OI.shape
+    if scale_inv.shape != (-(-o // bo), -(-i // bi)):
+        raise ValueError(f"scale shape {scale_inv.shape} does not match weight {w_OI.shape} in "
+                         f"{bo}x{bi} blocks (expected {(-(-o // bo), -(-i // bi))})")
+    s = np.repeat(np.repeat(np.asarray(scale_inv, np.float32), bo, axis=0), bi, axis=1)[:o, :i]
+    return np.asarray(w_OI, dtype=np.float32) * s
+
+
+def _deinterleave(r: int) -> np.ndarray:
+    return np.concatenate([np.arange(0, r, 2), np.arange(1, r, 2)])
+
+
+def _layer_tensors(cfg, ck: SafetensorsDir, prefix: str, shapes: dict, block) -> dict:
+    n, e, r, o, c = (cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim,
+                     cfg.kv_lora_rank)
+    w = lambda name: ck.weight(prefix + name, block)          # noqa: E731  [out, in] f32
+    t = lambda name: w(name).T                                # noqa: E731  [in, out]
+    perm = _deinterleave(r) if cfg.rope_interleave else np.arange(r)
+    a = "self_attn."
+    out = {"attn_norm": w("input_layernorm.weight"), "mlp_norm": w("post_attention_layernorm.weight"),
+           "kv_a_norm": w(a + "kv_a_layernorm.weight"), "wo": t(a + "o_proj.weight")}
+    wkv_a = t(a + "kv_a_proj_with_mqa.weight")
+    out["wkv_a"] = np.concatenate([wkv_a[:, :c], wkv_a[:, c:][:, perm]], axis=1)
+    q_name = "wq_b" if "wq_b" in shapes else "wq"
+    wq = t(a + ("q_b_proj.weight" if q_name == "wq_b" else "q_proj.weight"))
+    wq = wq.reshape(wq.shape[0], n, e + r)
+    out[q_name] = np.concatenate([wq[..., :e], wq[..., e:][..., perm]], -1).reshape(wq.shape[0], -1)
+    if q_name == "wq_b":
+        out["wq_a"], out["q_a_norm"] = t(a + "q_a_proj.weight"), w(a + "q_a_layernorm.weight")
+    kv_b = w(a + "kv_b_proj.weight").reshape(n, e + o, c)
+    out["w_uk"], out["w_uv"] = kv_b[:, :e], kv_b[:, e:].transpose(0, 2, 1)
+    if "wq_idx" in shapes:
+        ix = a + "indexer."
+        out.update(wq_idx=t(ix + "wq_b.weight"), wk_idx=t(ix + "wk.weight"),
+                   k_idx_norm=w(ix + "k_norm.weight"), k_idx_bias=w(ix + "k_norm.bias"),
+                   w_idx=t(ix + "weights_proj.weight"))
+    if "router" in shapes:
+        out["router"] = t("mlp.gate.weight")
+        out["router_bias"] = w("mlp.gate.e_score_correction_bias")
+        for ours, hf in (("w_gate", "gate_proj"), ("w_up", "up_proj"), ("w_down", "down_proj")):
+            out[ours] = np.stack([t(f"mlp.experts.{j}.{hf}.weight") for j in range(cfg.num_experts)])
+        if "ws_gate" in shapes:
+            for ours, hf in (("ws_gate", "gate_proj"), ("ws_up", "up_proj"), ("ws_down", "down_proj")):
+                out[ours] = t(f"mlp.shared_experts.{hf}.weight")
+    else:
+        for ours, hf in (("w_gate", "gate_proj"), ("w_up", "up_proj"), ("w_down", "down_proj")):
+            out[ours] = t(f"mlp.{hf}.weight")
+    return out
+
+
+def _checked(tree: dict, shapes: dict, where: str, jdtype) -> dict:
+    if set(tree) != set(shapes):
+        raise ValueError(f"{where}: parameters {sorted(set(tree) ^ set(shapes))} do not match the config")
+    out = {}
+    for name, arr in tree.items():
+        if tuple(arr.shape) != tuple(shapes[name]):
+            raise ValueError(f"{where}{name}: checkpoint gives shape {arr.shape}; the config.json "
+                             f"expects {tuple(shapes[name])}")
+        # the router bias only ranks experts: keep it f32 whatever the load dtype (as HF does)
+        out[name] = jnp.asarray(arr, jnp.float32 if name == "router_bias" else jdtype)
+    return out
+
+
+def load_hf(path: str, cfg, dtype: str = "float32", mesh=None):
+    """(cfg, params): the decoder, and params["mtp"] when the checkpoint has the MTP layers."""
+    if mesh is not None:
+        raise NotImplementedError("DeepSeek loads on one device for now (no sharding rules yet)")
+    with open(os.path.join(path, "config.json")) as f:
+        hf = json.load(f)
+    quant = hf.get("quantization_config") or {}
+    block = tuple(quant.get("weight_block_size") or (128, 128))
+    ck = SafetensorsDir(path)
+    jdtype = jnp.dtype(dtype)
+    shapes = deepseek.param_shapes(cfg)
+    params = {"embed": jnp.asarray(ck.weight("model.embed_tokens.weight"), jdtype),
+              "final_norm": jnp.asarray(ck.weight("model.norm.weight"), jdtype), "layers": []}
+    if "lm_head" in shapes:
+        params["lm_head"] = jnp.asarray(ck.weight("lm_head.weight", block).T, jdtype)
+    for i, ls in enumerate(shapes["layers"]):
+        prefix = f"model.layers.{i}."
+        params["layers"].append(_checked(_layer_tensors(cfg, ck, prefix, ls, block), ls, prefix, jdtype))
+    mtp = []
+    for m, ms in enumerate(deepseek.mtp_param_shapes(cfg)):
+        prefix = f"model.layers.{cfg.num_layers + m}."
+        if prefix + "eh_proj.weight" not in ck:
+            break                          # a checkpoint without its MTP layers (e.g. HF-saved)
+        layer_shapes = {k: v for k, v in ms.items() if k not in ("enorm", "hnorm", "eh_proj", "head_norm", "head")}
+        tree = _layer_tensors(cfg, ck, prefix, layer_shapes, block)
+        tree.update(enorm=ck.weight(prefix + "enorm.weight"), hnorm=ck.weight(prefix + "hnorm.weight"),
+                    eh_proj=ck.weight(prefix + "eh_proj.weight", block).T,
+                    head_norm=ck.weight(prefix + "shared_head.norm.weight"),
+                    head=ck.weight(prefix + "shared_head.head.weight", block).T)
+        mtp.append(_checked(tree, ms, prefix, jdtype))
+    if mtp:
+        params["mtp"] = mtp
+    return cfg, params

@@ -1,0 +1,136 @@
+"""DeepSeek loading: FP8 block dequantization, the MTP layer's subtree, dummy weights, configs."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import jax
+import ml_dtypes
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+
+from jaxserve.models import deepseek, deepseek_loader, dummy, hf_loader
+
+CKPT = os.path.join(os.path.dirname(__file__), os.pardir, "golden", "ckpt", "deepseek_v3")
+F8 = ml_dtypes.float8_e4m3fn
+
+
+def _quantize(w_OI: np.ndarray, block: int):
+    """(fp8 values, scale_inv f32[ceil(O/b), ceil(I/b)]) with each block's max at 448."""
+    o, i = w_OI.shape
+    s = np.zeros((-(-o // block), -(-i // block)), np.float32)
+    for a in range(s.shape[0]):
+        for b in range(s.shape[1]):
+            s[a, b] = np.abs(w_OI[a * block:(a + 1) * block, b * block:(b + 1) * block]).max() / 448.0
+    full = np.repeat(np.repeat(s, block, 0), block, 1)[:o, :i]
+    return (w_OI / full).astype(F8), s
+
+
+def test_dequantize_blocks_partial_blocks():
+    rng = np.random.default_rng(0)
+    # magnitudes that differ per block, and sides that are not multiples of 128
+    w = rng.normal(size=(200, 300)).astype(np.float32) * np.repeat(
+        np.repeat(np.array([[1.0, 10.0, 0.01], [100.0, 0.1, 3.0]]), 128, 0), 128, 1)[:200, :300]
+    q, s = _quantize(w, 128)
+    got = deepseek_loader.dequantize_blocks(q, s, (128, 128))
+    # exact: value times its block's scale
+    assert got[150, 290] == np.float32(q[150, 290]) * s[1, 2]
+    assert got[0, 0] == np.float32(q[0, 0]) * s[0, 0]
+    np.testing.assert_allclose(got, w, rtol=0.07, atol=1e-6 * np.abs(w).max())
+    with pytest.raises(ValueError, match="does not match"):
+        deepseek_loader.dequantize_blocks(q, s[:, :2], (128, 128))
+
+
+def _fp8_copy(tmp_path, block: int) -> str:
+    """The tiny checkpoint with every 2-D projection stored as FP8 + block scales."""
+    src = deepseek_loader.SafetensorsDir(CKPT)
+    out = {}
+    for name in src.entries:
+        w = np.asarray(src.raw(name), np.float32)
+        if name.endswith("proj.weight") and w.ndim == 2:
+            out[name], out[name + "_scale_inv"] = _quantize(w, block)
+        else:
+            out[name] = np.asarray(src.raw(name))
+    path = tmp_path / "fp8"
+    path.mkdir()
+    save_file(out, str(path / "model.safetensors"))
+    hf = json.load(open(os.path.join(CKPT, "config.json")))
+    hf["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [block, block]}
+    json.dump(hf, open(path / "config.json", "w"))
+    return str(path)
+
+
+def test_fp8_checkpoint_loads_dequantized(tmp_path):
+    cfg, ref = hf_loader.load_hf(CKPT)
+    cfg8, got = hf_loader.load_hf(_fp8_copy(tmp_path, block=16))
+    assert cfg8 == cfg
+    raw = deepseek_loader.SafetensorsDir(str(tmp_path / "fp8")).raw("model.layers.1.self_attn.o_proj.weight")
+    assert raw.dtype == F8
+    for a, b in zip(jax.tree.leaves(ref), jax.tree.leaves(got)):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=0.07, atol=2e-3)
+    # the dense layer's MLP and the experts changed (they were quantized), norms did not
+    assert not np.array_equal(np.asarray(ref["layers"][1]["w_up"]), np.asarray(got["layers"][1]["w_up"]))
+    np.testing.assert_array_equal(np.asarray(ref["layers"][1]["mlp_norm"]), np.asarray(got["layers"][1]["mlp_norm"]))
+
+
+def test_mtp_layer_loads_into_its_own_subtree(tmp_path):
+    path = tmp_path / "mtp"
+    shutil.copytree(CKPT, path)
+    src = deepseek_loader.SafetensorsDir(CKPT)
+    rng = np.random.default_rng(1)
+    d, v = 64, 256
+    extra = {name.replace("model.layers.2.", "model.layers.3."): np.asarray(src.raw(name))
+             for name in src.entries if name.startswith("model.layers.2.")}   # a MoE decoder layer
+    for name, shape in (("enorm.weight", (d,)), ("hnorm.weight", (d,)), ("eh_proj.weight", (d, 2 * d)),
+                        ("shared_head.norm.weight", (d,)), ("shared_head.head.weight", (v, d))):
+        extra["model.layers.3." + name] = rng.normal(size=shape).astype(np.float32)
+    save_file(extra, str(path / "model-mtp.safetensors"))
+    cfg, params = hf_loader.load_hf(str(path))
+    assert cfg.num_mtp_layers == 1 and cfg.num_layers == 3 and len(params["layers"]) == 3
+    (mtp,) = params["mtp"]
+    want = deepseek.mtp_param_shapes(cfg)[0]
+    assert {k: v.shape for k, v in mtp.items()} == want
+    np.testing.assert_array_equal(np.asarray(mtp["eh_proj"]), extra["model.layers.3.eh_proj.weight"].T)
+    np.testing.assert_array_equal(np.asarray(mtp["head"]), extra["model.layers.3.shared_head.head.weight"].T)
+    for k in ("w_uk", "router", "router_bias", "w_down", "ws_up"):
+        np.testing.assert_array_equal(np.asarray(mtp[k]), np.asarray(params["layers"][2][k]))
+    # without the MTP tensors (as transformers saves them) there is no subtree
+    assert "mtp" not in hf_loader.load_hf(CKPT)[1]
+
+
+def test_dummy_weights_follow_param_shapes():
+    hf = json.load(open(os.path.join(CKPT, "config.json")))
+    cfg, params = dummy.load_dummy(hf)
+    shapes = deepseek.param_shapes(cfg)
+    assert jax.tree.map(lambda a: a.shape, params) == jax.tree.map(
+        tuple, shapes, is_leaf=lambda x: isinstance(x, tuple))
+
+
+@pytest.mark.parametrize("name", ["DeepSeek-V3-4L", "DeepSeek-V3.2-4L"])
+def test_reduced_depth_configs(name):
+    cfg = hf_loader.model_config_from_hf(dummy.read_config(name))
+    assert (cfg.hidden_size, cfg.num_heads, cfg.latent_dim, cfg.num_experts) == (7168, 128, 576, 256)
+    assert [cfg.is_moe_layer(i) for i in range(cfg.num_layers)] == [False, True, True, True]
+    assert deepseek.make_rope(cfg).sm_scale == pytest.approx(192 ** -0.5 * (0.1 * np.log(40) + 1) ** 2)
+
+
+def test_unsupported_routing_is_refused():
+    hf = json.load(open(os.path.join(CKPT, "config.json")))
+    with pytest.raises(ValueError, match="topk_method"):
+        hf_loader.model_config_from_hf(dict(hf, topk_method="group_limited_greedy"))
+    with pytest.raises(ValueError, match="n_group"):
+        hf_loader.model_config_from_hf(dict(hf, n_group=3))
+
+
+def test_dummy_draws_a_big_group_array_by_array(monkeypatch):
+    """Past BIG_GROUP_ELEMENTS a layer is drawn one array at a time (same shapes, norms ones)."""
+    hf = json.load(open(os.path.join(CKPT, "config.json")))
+    monkeypatch.setattr(dummy, "BIG_GROUP_ELEMENTS", 1000)
+    cfg, params = dummy.load_dummy(hf)
+    lp = params["layers"][1]
+    assert lp["w_gate"].shape == (8, 64, 16) and float(lp["attn_norm"].min()) == 1.0
+    assert 0.015 < float(lp["w_gate"].std()) < 0.025
+    assert not np.array_equal(np.asarray(lp["w_gate"]), np.asarray(lp["w_up"]))
