@@ -54,6 +54,7 @@ class AttentionBackend:
         """context: the longest context a sequence may have (max_model_len rounded up to
         blocks); itemsize: bytes per cached K/V element."""
         self.cfg = cfg
+        self.requested = impl           # as asked: a family with its own kernels resolves it
         self.impl = kernel_impl(cfg, impl)
         self.scale = cfg.head_dim ** -0.5
         self._tiling_kw = dict(context=context, head_dim=cfg.head_dim, itemsize=itemsize)

@@ -304,23 +304,31 @@ def decoder_layer(cfg: DeepseekConfig, i: int, lp: dict, cache: dict, residual_T
     return cache, residual_TD + mlp_TD
 
 
-def forward(cfg: DeepseekConfig, params: dict, caches: list[dict[str, jax.Array]], x: StepInput,
-            attention_impl: str = "xla", busy_seqs: int = 0, skewed: bool = False):
-    """Run every layer on the step's tokens: (updated caches, final-normed hidden f[T, D]).
-    busy_seqs / skewed: accepted for the runner's call (llama's attention tiles by them); the
-    MLA kernel does not use them yet.
+def make_kernels(cfg: DeepseekConfig, backend, plan=None, fused=frozenset()) -> str:
+    """The family interface's kernel choice (models/llama.py): this family's kernels are picked
+    by one impl name, the runner's requested attention impl ("auto" is Pallas on a GPU); the
+    attention plan and the fused-kernel switches are llama's and unused here."""
+    return resolve_impl(backend if isinstance(backend, str) else backend.requested)[0]
 
-    attention_impl: "xla" (plain jnp MLA, lax.top_k, lax.ragged_dot), "pallas" (the MLA and
-    TopK kernels, interpreted on a CPU; the MoE grouped matmul picks its own kernel) or "auto"
+
+def forward(cfg: DeepseekConfig, params: dict, caches: list[dict[str, jax.Array]], x: StepInput,
+            kernels: str = "xla", aux_layers: tuple[int, ...] = ()):
+    """Run every layer on the step's tokens: (updated caches, final-normed hidden f[T, D], the
+    residual stream after each layer in `aux_layers`).
+
+    kernels: "xla" (plain jnp MLA, lax.top_k, lax.ragged_dot), "pallas" (the MLA and TopK
+    kernels, interpreted on a CPU; the MoE grouped matmul picks its own kernel) or "auto"
     (pallas on a GPU, else xla)."""
-    impl, _ = resolve_impl(attention_impl)
+    impl, _ = resolve_impl(kernels)
     rope = make_rope(cfg)
     residual_TD = params["embed"][x.token_ids]
-    new_caches = []
+    new_caches, aux = [], []
     for i, (lp, cache) in enumerate(zip(params["layers"], caches)):
         cache, residual_TD = decoder_layer(cfg, i, lp, cache, residual_TD, x, rope, impl)
         new_caches.append(cache)
-    return new_caches, layers.rms_norm(residual_TD, params["final_norm"], cfg.rms_norm_eps)
+        if i in aux_layers:
+            aux.append(residual_TD)
+    return new_caches, layers.rms_norm(residual_TD, params["final_norm"], cfg.rms_norm_eps), tuple(aux)
 
 
 def mtp_cache_specs(cfg: DeepseekConfig) -> list[PagedSpec]:

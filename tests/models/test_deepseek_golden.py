@@ -35,7 +35,7 @@ def empty_caches(cfg, num_blocks: int, block_size: int, dtype=jnp.float32) -> li
 
 @functools.partial(jax.jit, static_argnums=0)
 def _step(cfg, params, caches, x):
-    caches, hidden_TD = deepseek.forward(cfg, params, caches, x)
+    caches, hidden_TD, _ = deepseek.forward(cfg, params, caches, x)
     return caches, deepseek.compute_logits(cfg, params, hidden_TD)
 
 
@@ -123,7 +123,7 @@ def test_config_fields():
 
 @functools.partial(jax.jit, static_argnums=0)
 def _step_pallas(cfg, params, caches, x):
-    caches, hidden_TD = deepseek.forward(cfg, params, caches, x, attention_impl="pallas")
+    caches, hidden_TD, _ = deepseek.forward(cfg, params, caches, x, "pallas")
     return caches, deepseek.compute_logits(cfg, params, hidden_TD)
 
 
@@ -186,7 +186,7 @@ def test_mtp_layer_matches_transformers(tmp_path):
     prompt = golden["prompt_2"].tolist()
     tables = scattered_block_tables(1, BLOCKS_PER_SEQ, NUM_BLOCKS, seed=11)
     x = build_step([Chunk(0, prompt, 0)], tables, BLOCK_SIZE, STEP_T, S)
-    _, hidden_TD = jax.jit(deepseek.forward, static_argnums=0)(
+    _, hidden_TD, _ = jax.jit(deepseek.forward, static_argnums=0)(
         cfg, params, empty_caches(cfg, NUM_BLOCKS, BLOCK_SIZE), x)
     t = len(prompt) - 1
     x_mtp = build_step([Chunk(0, prompt[1:], 0)], tables, BLOCK_SIZE, STEP_T, S)
