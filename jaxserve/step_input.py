@@ -34,6 +34,7 @@ class StepInput:
     next_token_ids: jax.Array | None = None  # i32[T] prompt token after each position (prompt logprobs)
     prev_token_rows: jax.Array | None = None  # i32[T] row of the previous step's output holding this
                                               # token (it was sampled there); -1: token_ids has it
+    state_slots: jax.Array | None = None  # i32[S] state slot of each sequence (0: null slot)
 
     @property
     def num_tokens(self) -> int:

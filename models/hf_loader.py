@@ -63,7 +63,9 @@ def read_hf_config(path: str) -> dict[str, Any]:
 def model_config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     """ModelConfig of a supported architecture; unsupported variants are refused by name."""
     arch = (hf.get("architectures") or ["?"])[0]
-    registry.get_model_module(arch)       # raises, listing the supported architectures
+    module = registry.get_model_module(arch)   # raises, listing the supported architectures
+    if hasattr(module, "config_from_hf"):      # a family with its own config class
+        return module.config_from_hf(hf)
     if hf.get("mlp_only_layers") or hf.get("decoder_sparse_step", 1) != 1:
         raise ValueError(f"{arch}: dense layers between MoE layers (mlp_only_layers="
                          f"{hf.get('mlp_only_layers')}, decoder_sparse_step="
@@ -181,7 +183,11 @@ def load_hf(path: str, dtype: str = "float32", mesh=None) -> tuple[ModelConfig, 
     """(config, params as jax arrays in `dtype`), sharded over `mesh` if given."""
     from jaxserve.sharding import rules
 
-    cfg = model_config_from_hf(read_hf_config(path))
+    hf = read_hf_config(path)
+    module = registry.get_model_module((hf.get("architectures") or ["?"])[0])
+    if hasattr(module, "load_hf"):             # a family with its own tensor layout
+        return module.load_hf(path, dtype, mesh)
+    cfg = model_config_from_hf(hf)
     jdtype = jnp.dtype(dtype)
     shapes = param_shapes(cfg)
     shardings = rules.param_placements(cfg, mesh)

@@ -9,6 +9,7 @@ from __future__ import annotations
 from types import ModuleType
 
 from jaxserve.models import llama
+from jaxserve.models import qwen3_next
 
 ARCHITECTURES: dict[str, ModuleType] = {
     "LlamaForCausalLM": llama,
@@ -18,6 +19,13 @@ ARCHITECTURES: dict[str, ModuleType] = {
     "MixtralForCausalLM": llama,
     "Qwen3MoeForCausalLM": llama,
 }
+# Hybrid gated-DeltaNet families: their own module, config class (`config_from_hf`) and
+# loaders (`load_hf`, `dummy_params`), which hf_loader.py and dummy.py dispatch to.
+ARCHITECTURES.update({
+    "Qwen3NextForCausalLM": qwen3_next,
+    "Qwen3_5MoeForCausalLM": qwen3_next,
+    "Qwen3_5MoeForConditionalGeneration": qwen3_next,   # the text model; vision tower skipped
+})
 
 
 def get_model_module(architecture: str) -> ModuleType:
