@@ -37,7 +37,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jaxserve.models import gated_deltanet as gdn
-from jaxserve.pallas_kernels.dispatch import resolve_impl, whole
+from jaxserve.pallas_kernels.dispatch import resolve_impl
+from jaxserve.pallas_kernels.gated_delta_decode import call_state_kernel
 
 HIGHEST = jax.lax.Precision.HIGHEST   # f32 matmuls, no TF32: the state accumulates over 10K tokens
 
@@ -169,32 +170,19 @@ def gated_delta_chunked(q_TGK, k_TGK, v_THV, g_TH, beta_TH, query_start_loc, seq
                         block_v: int | None = None, num_warps: int = 4, interpret: bool | None = None):
     """(o f32[T, H, V], state_NHVK updated in place): see the module docstring.
     impl: "pallas" (Triton; interpreted on a CPU), "xla" (the reference), "auto"."""
-    t, g, kd = q_TGK.shape
-    _, h, vd = v_THV.shape
-    bv = block_v or min(vd, 32)
+    t = q_TGK.shape[0]
+    bv = block_v or min(v_THV.shape[2], 32)
     _validate(q_TGK, k_TGK, v_THV, g_TH, beta_TH, query_start_loc, seq_lens, state_slots, state_NHVK,
               chunk, bv)
     impl, on_gpu = resolve_impl(impl)
     if impl == "xla":
         return ref_gated_delta_chunked(q_TGK, k_TGK, v_THV, g_TH, beta_TH, query_start_loc, seq_lens,
                                        state_slots, state_NHVK, chunk=chunk)
-    s = seq_lens.shape[0]
-    interpret = (not on_gpu) if interpret is None else interpret
-    kernel = functools.partial(_kernel, ratio=h // g, bv=bv, kd=kd, chunk=chunk, num_tokens=t)
-    ins = [query_start_loc.astype(jnp.int32), seq_lens.astype(jnp.int32), state_slots.astype(jnp.int32),
-           q_TGK, k_TGK, v_THV, g_TH, beta_TH, state_NHVK]
-    o, state = pl.pallas_call(
-        kernel,
-        grid=(s, h, vd // bv),
-        in_specs=[whole(*a.shape) for a in ins],
-        out_specs=[whole(t, h, vd), whole(*state_NHVK.shape)],
-        out_shape=[jax.ShapeDtypeStruct((t, h, vd), jnp.float32),
-                   jax.ShapeDtypeStruct(state_NHVK.shape, state_NHVK.dtype)],
-        input_output_aliases={len(ins) - 1: 1},
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
-        interpret=interpret,
-        name=f"gated_delta_chunked_l{chunk}_bv{bv}",
-    )(*ins)
+    o, state = call_state_kernel(_kernel, (q_TGK, k_TGK, v_THV, g_TH, beta_TH, query_start_loc, seq_lens,
+                                           state_slots, state_NHVK), per_token=True, bv=bv,
+                                 num_warps=num_warps, chunk=chunk,
+                                 interpret=(not on_gpu) if interpret is None else interpret,
+                                 name=f"gated_delta_chunked_l{chunk}_bv{bv}")
     # padding tokens are written by no program: zero them so nothing downstream sees garbage
     real_T = jnp.arange(t) < query_start_loc[-1]
     return jnp.where(real_T[:, None, None], o, 0.0), state

@@ -138,25 +138,35 @@ def gated_delta_decode(q_TGK, k_TGK, v_THV, g_TH, beta_TH, query_start_loc, seq_
     if impl == "xla":
         return ref_gated_delta_decode(q_TGK, k_TGK, v_THV, g_TH, beta_TH, query_start_loc, seq_lens,
                                       state_slots, state_NHVK)
+    # 32 x 128 f32 = 16 KiB of state per program: registers, no spills at 4 warps
+    bv = block_v or min(v_THV.shape[2], 32)
+    return call_state_kernel(_kernel, (q_TGK, k_TGK, v_THV, g_TH, beta_TH, query_start_loc, seq_lens,
+                                       state_slots, state_NHVK), per_token=False, bv=bv,
+                             num_warps=num_warps, interpret=(not on_gpu) if interpret is None else interpret,
+                             name=f"gated_delta_decode_bv{bv}")
+
+
+def call_state_kernel(kernel, args, *, per_token: bool, bv: int, num_warps: int, interpret: bool,
+                      name: str, **static):
+    """The pallas_call both gated-delta kernels share: grid (S, H, V/BV), every operand whole,
+    outputs o (f32[T, H, V] per token, or f32[S, H, V] per sequence) and the state, aliased to
+    the state input (updated in place). `kernel` takes ratio, bv, kd, num_tokens and `static`."""
+    q_TGK, k_TGK, v_THV, g_TH, beta_TH, query_start_loc, seq_lens, state_slots, state_NHVK = args
     t, g, kd = q_TGK.shape
     _, h, vd = v_THV.shape
     s = seq_lens.shape[0]
-    # 32 x 128 f32 = 16 KiB of state per program: registers, no spills at 4 warps
-    bv = block_v or min(vd, 32)
-    interpret = (not on_gpu) if interpret is None else interpret
-    kernel = functools.partial(_kernel, ratio=h // g, bv=bv, kd=kd, num_tokens=t)
     ins = [query_start_loc.astype(jnp.int32), seq_lens.astype(jnp.int32), state_slots.astype(jnp.int32),
            q_TGK, k_TGK, v_THV, g_TH, beta_TH, state_NHVK]
-    o, state = pl.pallas_call(
-        kernel,
+    o_shape = ((t if per_token else s), h, vd)
+    return tuple(pl.pallas_call(
+        functools.partial(kernel, ratio=h // g, bv=bv, kd=kd, num_tokens=t, **static),
         grid=(s, h, vd // bv),
         in_specs=[whole(*a.shape) for a in ins],
-        out_specs=[whole(s, h, vd), whole(*state_NHVK.shape)],
-        out_shape=[jax.ShapeDtypeStruct((s, h, vd), jnp.float32),
+        out_specs=[whole(*o_shape), whole(*state_NHVK.shape)],
+        out_shape=[jax.ShapeDtypeStruct(o_shape, jnp.float32),
                    jax.ShapeDtypeStruct(state_NHVK.shape, state_NHVK.dtype)],
         input_output_aliases={len(ins) - 1: 1},
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret,
-        name=f"gated_delta_decode_bv{bv}",
-    )(*ins)
-    return o, state
+        name=name,
+    )(*ins))

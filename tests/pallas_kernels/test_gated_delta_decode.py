@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from gdn_batches import gdn_batch
 from jaxserve.models import gated_deltanet as gdn
 from jaxserve.pallas_kernels.cuda_lowering import export_for_cuda, triton_kernel_names
 from jaxserve.pallas_kernels.gated_delta_decode import gated_delta_decode, ref_gated_delta_decode
@@ -18,17 +19,8 @@ NUM_SLOTS = 8
 
 
 def _batch(qlens, starts, slots, pad_tokens=2, seed=0):
-    rng = np.random.default_rng(seed)
-    t = sum(qlens) + pad_tokens
-    q = gdn.l2norm(jnp.asarray(rng.standard_normal((t, G, K)), jnp.float32)) * K ** -0.5
-    k = gdn.l2norm(jnp.asarray(rng.standard_normal((t, G, K)), jnp.float32))
-    v = jnp.asarray(rng.standard_normal((t, H, V)), jnp.float32)
-    g = -jnp.asarray(rng.uniform(0.01, 1.5, (t, H)), jnp.float32)
-    beta = jnp.asarray(rng.uniform(0.05, 0.95, (t, H)), jnp.float32)
-    qsl = jnp.asarray(np.concatenate([[0], np.cumsum(qlens)]).astype(np.int32))
-    seq_lens = jnp.asarray(np.asarray(starts) + np.asarray(qlens), jnp.int32)
-    state = jnp.asarray(rng.standard_normal((NUM_SLOTS, H, V, K)), jnp.float32)
-    return q, k, v, g, beta, qsl, seq_lens, jnp.asarray(slots, jnp.int32), state
+    return gdn_batch(qlens, starts, slots, g=G, h=H, k=K, v=V, num_slots=NUM_SLOTS,
+                     pad_tokens=pad_tokens, seed=seed)
 
 
 CASES = [  # (qlens, tokens already computed, state slots): padding seqs point at slot 0
