@@ -209,7 +209,7 @@ def attention_block(cfg, lp, cache, h_TD, x: StepInput, inv_freq, attention):
     return {"k": k_cache, "v": v_cache}, layers.linear(o_TF, lp["wo"])
 
 
-def linear_block(cfg, lp, cache, h_TD, x: StepInput):
+def linear_block(cfg, lp, cache, h_TD, x: StepInput, impl: str = "xla"):
     """Gated DeltaNet: projections, causal conv (state carried), post-conv, the delta rule
     (state carried), gated RMSNorm, out_proj. A sequence whose chunk starts at position 0
     starts from zero states; every sequence writes its states back at its slot."""
@@ -222,14 +222,50 @@ def linear_block(cfg, lp, cache, h_TD, x: StepInput):
     fresh_S = (x.seq_lens - jnp.diff(qsl)) == 0
     zero_fresh = lambda s: jnp.where(fresh_S.reshape((-1,) + (1,) * (s.ndim - 1)), 0, s)  # noqa: E731
     conv_TC, conv_state = gdn.causal_conv(qkv_TC, lp["conv_w"], zero_fresh(cache["conv"][slots_S]), qsl)
-    q, k, v, g, beta = gdn.post_conv(conv_TC, a_in, beta_in, lp["a_log"], lp["dt_bias"],
-                                     num_k_heads=cfg.linear_num_key_heads, k_dim=a, v_dim=b)
-    o_THB, ssm = gdn.gated_delta_rule(gdn.expand_heads(q, h), gdn.expand_heads(k, h), v, g, beta,
-                                      zero_fresh(cache["ssm"][slots_S]), qsl)
-    new_cache = {"conv": cache["conv"].at[slots_S].set(conv_state.astype(cache["conv"].dtype)),
-                 "ssm": cache["ssm"].at[slots_S].set(ssm.astype(cache["ssm"].dtype))}
+    conv_cache = cache["conv"].at[slots_S].set(conv_state.astype(cache["conv"].dtype))
+    if impl == "pallas" and pallas_fits(cfg):
+        o_THB, ssm_cache = pallas_delta_rule(cfg, lp, conv_TC, a_in, beta_in, cache["ssm"], x)
+    else:
+        q, k, v, g, beta = gdn.post_conv(conv_TC, a_in, beta_in, lp["a_log"], lp["dt_bias"],
+                                         num_k_heads=cfg.linear_num_key_heads, k_dim=a, v_dim=b)
+        o_THB, ssm = gdn.gated_delta_rule(gdn.expand_heads(q, h), gdn.expand_heads(k, h), v, g, beta,
+                                          zero_fresh(cache["ssm"][slots_S]), qsl)
+        ssm_cache = cache["ssm"].at[slots_S].set(ssm.astype(cache["ssm"].dtype))
+    new_cache = {"conv": conv_cache, "ssm": ssm_cache}
     y_THB = gdn.gated_rms_norm(o_THB, z_THB, lp["gdn_norm"], cfg.rms_norm_eps).astype(h_TD.dtype)
     return new_cache, layers.linear(y_THB.reshape(t, h * b), lp["w_out"])
+
+
+def pallas_fits(cfg) -> bool:
+    """The Triton kernels' shape rules: power-of-two head dims, K >= 16 and V >= 16 (Triton's
+    dot), a power-of-two number of value heads per key head."""
+    pow2 = lambda n: n >= 16 and n & (n - 1) == 0  # noqa: E731
+    r = cfg.linear_num_value_heads // cfg.linear_num_key_heads
+    return pow2(cfg.linear_key_head_dim) and pow2(cfg.linear_value_head_dim) and r & (r - 1) == 0
+
+
+def pallas_delta_rule(cfg, lp, conv_TC, a_TH, b_TH, ssm_NHBA, x: StepInput):
+    """The Pallas path: fused post-conv, then the recurrent decode kernel when no sequence has
+    more than one token, else the chunked kernel; both update the state cache in place.
+    Returns (o f32[T, H, B], ssm cache)."""
+    from jaxserve.pallas_kernels.gated_delta_chunked import gated_delta_chunked
+    from jaxserve.pallas_kernels.gated_delta_decode import gated_delta_decode
+    from jaxserve.pallas_kernels.gdn_post_conv import gdn_post_conv
+
+    q, k, v, g, beta = gdn_post_conv(conv_TC, a_TH, b_TH, lp["a_log"], lp["dt_bias"],
+                                     num_k_heads=cfg.linear_num_key_heads, k_dim=cfg.linear_key_head_dim,
+                                     v_dim=cfg.linear_value_head_dim, impl="pallas")
+    args = (q, k, v, g, beta, x.query_start_loc, x.seq_lens, x.state_slots)
+    seq_T, _, _, real_T = gdn.ragged_index(x.query_start_loc, conv_TC.shape[0])
+
+    def decode(ssm):
+        o_SHB, ssm = gated_delta_decode(*args, ssm, impl="pallas")
+        return jnp.where(real_T[:, None, None], o_SHB[seq_T], 0.0), ssm
+
+    def chunked(ssm):
+        return gated_delta_chunked(*args, ssm, impl="pallas")
+
+    return jax.lax.cond(jnp.max(jnp.diff(x.query_start_loc)) <= 1, decode, chunked, ssm_NHBA)
 
 
 def mlp_block(cfg, lp, h_TD, impl: str):
@@ -246,7 +282,9 @@ def mlp_block(cfg, lp, h_TD, impl: str):
 def forward(cfg: Qwen3NextConfig, params: dict, caches: list, x: StepInput,
             attention_impl: str = "xla"):
     """Every layer on the step's tokens: (updated caches, final-normed hidden f[T, D]).
-    attention_impl: "xla" | "pallas" | "auto" for the paged attention and the MoE (llama.py)."""
+    attention_impl: "xla" | "pallas" | "auto" (llama.kernel_impl) for the paged attention, the
+    MoE and the linear layers' post-conv and delta rule (Pallas kernels when their shape rules
+    hold: pallas_fits; on a CPU they are interpreted: slow, for tests)."""
     impl = llama.kernel_impl(cfg, attention_impl)
     attention = llama.make_attention_fn(cfg, impl)
     inv_freq = layers.rope_inv_freq(cfg.rotary_dim, cfg.rope_theta, None)
@@ -256,7 +294,7 @@ def forward(cfg: Qwen3NextConfig, params: dict, caches: list, x: StepInput,
     for i, (lp, cache) in enumerate(zip(params["layers"], caches)):
         normed = zc_rms_norm(h_TD, lp["attn_norm"], eps)
         if cfg.layer_types[i] == LINEAR:
-            cache, mix_TD = linear_block(cfg, lp, cache, normed, x)
+            cache, mix_TD = linear_block(cfg, lp, cache, normed, x, impl)
         else:
             cache, mix_TD = attention_block(cfg, lp, cache, normed, x, inv_freq, attention)
         new_caches.append(cache)

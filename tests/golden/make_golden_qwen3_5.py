@@ -33,7 +33,7 @@ SEED = 4321
 
 _COMMON = dict(vocab_size=256, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
                num_key_value_heads=2, head_dim=16, max_position_embeddings=256, rms_norm_eps=1e-6,
-               linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=8,
+               linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=16,
                linear_num_key_heads=2, linear_num_value_heads=4, num_experts=4, num_experts_per_tok=2,
                moe_intermediate_size=32, shared_expert_intermediate_size=24,
                layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],

@@ -32,9 +32,9 @@ ATOL = 2e-4
 DECODE = 16
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def _step(cfg, params, caches, x):
-    caches, hidden_TD = qwen3_next.forward(cfg, params, caches, x)
+@functools.partial(jax.jit, static_argnums=(0, 4))
+def _step(cfg, params, caches, x, impl="xla"):
+    caches, hidden_TD = qwen3_next.forward(cfg, params, caches, x, impl)
     return caches, qwen3_next.compute_logits(cfg, params, hidden_TD)
 
 
@@ -47,7 +47,7 @@ def _load(name):
     return golden, cfg, params, prompts
 
 
-def _run(cfg, params, prompts, chunk: int):
+def _run(cfg, params, prompts, chunk: int, impl: str = "xla"):
     """Continuous batching: each step every sequence brings up to `chunk` prompt tokens, or its
     next decode token once its prompt is done. Returns (logits of every prompt position,
     decode-step logits, generated tokens) per sequence."""
@@ -65,7 +65,7 @@ def _run(cfg, params, prompts, chunk: int):
             elif len(decode[i]) < DECODE:
                 chunks.append(Chunk(i, [tokens[i][-1]], done[i]))
         x = build_hybrid_step(chunks, tables, SLOTS, BLOCK_SIZE, STEP_T, S)
-        caches, logits_TV = _step(cfg, params, caches, x)
+        caches, logits_TV = _step(cfg, params, caches, x, impl)
         logits_TV = np.asarray(logits_TV)
         t = 0
         for c in chunks:
@@ -87,11 +87,16 @@ def _log_softmax(x):
     return x - np.log(np.exp(x).sum(-1, keepdims=True))
 
 
-@pytest.mark.parametrize("name", list(ARCHS))
-@pytest.mark.parametrize("chunk", [64, CHUNK])
-def test_matches_transformers(name, chunk):
+# (name, prefill chunk, impl): the Pallas kernels (interpreted: slow) on the chunked schedule,
+# which runs both of the delta rule's kernels (mixed steps: chunked; decode-only: recurrent)
+CASES = [(name, chunk, "xla") for name in ARCHS for chunk in (64, CHUNK)] + [("qwen3_5_moe", CHUNK, "pallas")]
+
+
+@pytest.mark.parametrize("name, chunk, impl", CASES)
+def test_matches_transformers(name, chunk, impl):
     golden, cfg, params, prompts = _load(name)
-    prefill, decode, tokens = _run(cfg, params, prompts, chunk)
+    assert impl == "xla" or qwen3_next.pallas_fits(cfg)
+    prefill, decode, tokens = _run(cfg, params, prompts, chunk, impl)
     for i in range(3):
         np.testing.assert_allclose(prefill[i], golden[f"prefill_logits_{i}"], atol=ATOL, rtol=0,
                                    err_msg=f"{name} prefill, prompt {i}")
