@@ -25,6 +25,8 @@ ARCHITECTURES.update({
     "Qwen3NextForCausalLM": qwen3_next,
     "Qwen3_5MoeForCausalLM": qwen3_next,
     "Qwen3_5MoeForConditionalGeneration": qwen3_next,   # the text model; vision tower skipped
+    "Qwen3_5ForCausalLM": qwen3_next,                   # dense Qwen3.5: a dense MLP in every layer
+    "Qwen3_5ForConditionalGeneration": qwen3_next,
 })
 
 

@@ -49,7 +49,13 @@ SPECS = {
                     dict(rope_parameters=dict(rope_type="default", rope_theta=10000.0,
                                               partial_rotary_factor=0.5, mrope_section=[2, 1, 1],
                                               mrope_interleaved=True))),
+    # the dense text model: same layers, a dense MLP everywhere (no MoE keys), tied embeddings
+    "qwen3_5": (tf.Qwen3_5TextConfig, tf.Qwen3_5ForCausalLM,
+                dict(intermediate_size=48, tie_word_embeddings=True,
+                     rope_parameters=dict(rope_type="default", rope_theta=10000.0,
+                                          partial_rotary_factor=0.25, mrope_section=[1, 1, 0]))),
 }
+_MOE_KEYS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size")
 
 
 def randomize(model: torch.nn.Module, gen: torch.Generator) -> None:
@@ -72,7 +78,10 @@ def randomize(model: torch.nn.Module, gen: torch.Generator) -> None:
 
 def build(name: str, gen: torch.Generator) -> str:
     cfg_cls, model_cls, extra = SPECS[name]
-    config = cfg_cls(**dict(_COMMON, **extra))
+    kwargs = dict(_COMMON, **extra)
+    if "intermediate_size" in extra and name != "qwen3_next":
+        kwargs = {k: v for k, v in kwargs.items() if k not in _MOE_KEYS}
+    config = cfg_cls(**kwargs)
     model = model_cls(config).eval()
     randomize(model, gen)
     out = os.path.join(CKPT_DIR, name)

@@ -1,4 +1,4 @@
-"""Qwen3-Next and Qwen3.5-MoE (models/qwen3_next.py) against transformers on tiny random
+"""Qwen3-Next, Qwen3.5-MoE and dense Qwen3.5 (models/qwen3_next.py) against transformers on tiny random
 weights (goldens from tests/golden/make_golden_qwen3_5.py).
 
 Two schedules through a scattered paged cache and scattered state slots:
@@ -22,7 +22,8 @@ from jaxserve.models.loader import load_model
 from hybrid_step_builder import Chunk, build_hybrid_step, empty_caches, scattered_block_tables
 
 GOLDEN_DIR = os.path.join(os.path.dirname(__file__), os.pardir, "golden")
-ARCHS = {"qwen3_next": "Qwen3NextForCausalLM", "qwen3_5_moe": "Qwen3_5MoeForCausalLM"}
+ARCHS = {"qwen3_next": "Qwen3NextForCausalLM", "qwen3_5_moe": "Qwen3_5MoeForCausalLM",
+         "qwen3_5": "Qwen3_5ForCausalLM"}
 BLOCK_SIZE, NUM_BLOCKS, BLOCKS_PER_SEQ = 8, 32, 8
 NUM_SLOTS = 6
 SLOTS = np.array([3, 1, 5], np.int32)     # state slot of each sequence (0 is the null slot)
