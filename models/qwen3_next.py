@@ -11,7 +11,9 @@ mlp_only_layers, the dense Qwen3.5 models).
 
 Parameters (weights [in, out]; norms zero-centred, applied as (1 + w), except gdn_norm):
     embed f[V, D]; final_norm f[D]; lm_head f[D, V] (absent when tied); mtp (optional: the
-    multi-token-prediction head's tensors, models/qwen3_next_loader.py); layers: a list of
+    multi-token-prediction head: fc f[2D, D], pre_fc_norm_embedding / pre_fc_norm_hidden /
+    norm f[D], layers (full-attention layers as below); models/qwen3_next_loader.py);
+    layers: a list of
     attn_norm f[D], mlp_norm f[D], and
     linear layers: w_qkv f[D, C] (conv channels q | k | v), w_z f[D, H*B], w_b f[D, H],
         w_a f[D, H], conv_w f[C, W], dt_bias f[H], a_log f[H], gdn_norm f[B], w_out f[H*B, D]
@@ -135,10 +137,19 @@ class Qwen3NextConfig(ModelConfig):
 
 
 def layer_shapes(cfg: Qwen3NextConfig, i: int) -> dict:
+    return _layer_shapes(cfg, cfg.layer_types[i], cfg.is_moe_layer(i))
+
+
+def mtp_layer_shapes(cfg: Qwen3NextConfig) -> dict:
+    """A multi-token-prediction layer: full attention, and an MoE when the model has experts."""
+    return _layer_shapes(cfg, FULL, cfg.num_experts > 0)
+
+
+def _layer_shapes(cfg: Qwen3NextConfig, kind: str, is_moe: bool) -> dict:
     d, n, kh, e = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     h, b = cfg.linear_num_value_heads, cfg.linear_value_head_dim
     shapes = {"attn_norm": (d,), "mlp_norm": (d,)}
-    if cfg.layer_types[i] == LINEAR:
+    if kind == LINEAR:
         c = cfg.conv_dim
         shapes.update(w_qkv=(d, c), w_z=(d, h * b), w_b=(d, h), w_a=(d, h),
                       conv_w=(c, cfg.linear_conv_kernel_dim), dt_bias=(h,), a_log=(h,),
@@ -146,7 +157,7 @@ def layer_shapes(cfg: Qwen3NextConfig, i: int) -> dict:
     else:
         shapes.update(wq=(d, n * 2 * e), wk=(d, kh * e), wv=(d, kh * e), wo=(n * e, d),
                       q_norm=(e,), k_norm=(e,))
-    if cfg.is_moe_layer(i):
+    if is_moe:
         shapes.update(moe.moe_param_shapes(cfg))
         fs = cfg.shared_expert_intermediate_size
         if fs:

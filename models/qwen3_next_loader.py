@@ -56,10 +56,9 @@ def _rows_source(ckpt, name: str, rows: np.ndarray):
     return read
 
 
-def _plan(cfg: qn.Qwen3NextConfig, ckpt) -> dict:
-    shapes = qn.param_shapes(cfg)
-    pre = _prefix(ckpt)
-
+def _readers(cfg: qn.Qwen3NextConfig, ckpt):
+    """(check, leaf): a shape check naming the tensor, and a planned leaf (HF name, source,
+    our shape) after checking presence and shape."""
     def check(name, got, want):
         if tuple(got) != tuple(want):
             raise ValueError(f"tensor {name!r}: shape {tuple(got)} (in our [in, out] layout), "
@@ -75,50 +74,60 @@ def _plan(cfg: qn.Qwen3NextConfig, ckpt) -> dict:
             return name, lambda index: sl((slice(None),) * 3)[:, 0, :][index], tuple(want)
         check(name, got, want)
         return name, ckpt.source(name, transpose), tuple(want)
+    return check, leaf
 
+
+def _plan(cfg: qn.Qwen3NextConfig, ckpt) -> dict:
+    shapes = qn.param_shapes(cfg)
+    pre = _prefix(ckpt)
+    _, leaf = _readers(cfg, ckpt)
     plan = {"embed": leaf(pre + "embed_tokens.weight", False, shapes["embed"]),
             "final_norm": leaf(pre + "norm.weight", False, shapes["final_norm"])}
     if "lm_head" in shapes:
         plan["lm_head"] = leaf("lm_head.weight", True, shapes["lm_head"])
-    perm = qkvz_permutation(cfg)
-    plan["layers"] = []
-    for i, want in enumerate(shapes["layers"]):
-        p = f"{pre}layers.{i}."
-        lp = {"attn_norm": leaf(p + "input_layernorm.weight", False, want["attn_norm"]),
-              "mlp_norm": leaf(p + "post_attention_layernorm.weight", False, want["mlp_norm"])}
-        if cfg.layer_types[i] == qn.LINEAR:
-            la = p + "linear_attn."
-            if cfg.split_projections:
-                for ours, hf in (("w_qkv", "in_proj_qkv"), ("w_z", "in_proj_z"), ("w_b", "in_proj_b"),
-                                 ("w_a", "in_proj_a")):
-                    lp[ours] = leaf(la + hf + ".weight", True, want[ours])
-            else:
-                for ours, hf, rows in (("w_qkv", "in_proj_qkvz", perm[0]), ("w_z", "in_proj_qkvz", perm[1]),
-                                       ("w_b", "in_proj_ba", perm[2]), ("w_a", "in_proj_ba", perm[3])):
-                    name = la + hf + ".weight"
-                    if name not in ckpt.where:
-                        raise ValueError(f"checkpoint is missing tensor {name!r}")
-                    pair = perm[:2] if hf == "in_proj_qkvz" else perm[2:]
-                    check(name, ckpt.shape(name, True), (want[ours][0], sum(map(len, pair))))
-                    lp[ours] = (name, _rows_source(ckpt, name, rows), tuple(want[ours]))
-            lp["conv_w"] = leaf(la + "conv1d.weight", False, want["conv_w"], reshape=True)
-            lp["dt_bias"] = leaf(la + "dt_bias", False, want["dt_bias"])
-            lp["a_log"] = leaf(la + "A_log", False, want["a_log"])
-            lp["gdn_norm"] = leaf(la + "norm.weight", False, want["gdn_norm"])
-            lp["w_out"] = leaf(la + "out_proj.weight", True, want["w_out"])
-        else:
-            sa = p + "self_attn."
-            for ours, hf in (("wq", "q_proj"), ("wk", "k_proj"), ("wv", "v_proj"), ("wo", "o_proj")):
-                lp[ours] = leaf(sa + hf + ".weight", True, want[ours])
-            lp["q_norm"] = leaf(sa + "q_norm.weight", False, want["q_norm"])
-            lp["k_norm"] = leaf(sa + "k_norm.weight", False, want["k_norm"])
-        if "router" in want:
-            lp.update(_moe_plan(cfg, ckpt, p + "mlp.", want, leaf, check))
-        else:
-            for ours, hf in (("w_gate", "gate_proj"), ("w_up", "up_proj"), ("w_down", "down_proj")):
-                lp[ours] = leaf(p + f"mlp.{hf}.weight", True, want[ours])
-        plan["layers"].append(lp)
+    plan["layers"] = [_layer_plan(cfg, ckpt, f"{pre}layers.{i}.", want, cfg.layer_types[i])
+                      for i, want in enumerate(shapes["layers"])]
     return plan
+
+
+def _layer_plan(cfg: qn.Qwen3NextConfig, ckpt, p: str, want: dict, kind: str) -> dict:
+    """One decoder layer's tensors under the HF prefix `p`."""
+    check, leaf = _readers(cfg, ckpt)
+    lp = {"attn_norm": leaf(p + "input_layernorm.weight", False, want["attn_norm"]),
+          "mlp_norm": leaf(p + "post_attention_layernorm.weight", False, want["mlp_norm"])}
+    if kind == qn.LINEAR:
+        la = p + "linear_attn."
+        if cfg.split_projections:
+            for ours, hf in (("w_qkv", "in_proj_qkv"), ("w_z", "in_proj_z"), ("w_b", "in_proj_b"),
+                             ("w_a", "in_proj_a")):
+                lp[ours] = leaf(la + hf + ".weight", True, want[ours])
+        else:
+            perm = qkvz_permutation(cfg)
+            for ours, hf, rows in (("w_qkv", "in_proj_qkvz", perm[0]), ("w_z", "in_proj_qkvz", perm[1]),
+                                   ("w_b", "in_proj_ba", perm[2]), ("w_a", "in_proj_ba", perm[3])):
+                name = la + hf + ".weight"
+                if name not in ckpt.where:
+                    raise ValueError(f"checkpoint is missing tensor {name!r}")
+                pair = perm[:2] if hf == "in_proj_qkvz" else perm[2:]
+                check(name, ckpt.shape(name, True), (want[ours][0], sum(map(len, pair))))
+                lp[ours] = (name, _rows_source(ckpt, name, rows), tuple(want[ours]))
+        lp["conv_w"] = leaf(la + "conv1d.weight", False, want["conv_w"], reshape=True)
+        lp["dt_bias"] = leaf(la + "dt_bias", False, want["dt_bias"])
+        lp["a_log"] = leaf(la + "A_log", False, want["a_log"])
+        lp["gdn_norm"] = leaf(la + "norm.weight", False, want["gdn_norm"])
+        lp["w_out"] = leaf(la + "out_proj.weight", True, want["w_out"])
+    else:
+        sa = p + "self_attn."
+        for ours, hf in (("wq", "q_proj"), ("wk", "k_proj"), ("wv", "v_proj"), ("wo", "o_proj")):
+            lp[ours] = leaf(sa + hf + ".weight", True, want[ours])
+        lp["q_norm"] = leaf(sa + "q_norm.weight", False, want["q_norm"])
+        lp["k_norm"] = leaf(sa + "k_norm.weight", False, want["k_norm"])
+    if "router" in want:
+        lp.update(_moe_plan(cfg, ckpt, p + "mlp.", want, leaf, check))
+    else:
+        for ours, hf in (("w_gate", "gate_proj"), ("w_up", "up_proj"), ("w_down", "down_proj")):
+            lp[ours] = leaf(p + f"mlp.{hf}.weight", True, want[ours])
+    return lp
 
 
 def _moe_plan(cfg, ckpt, p: str, want: dict, leaf, check) -> dict:
@@ -150,14 +159,22 @@ def _moe_plan(cfg, ckpt, p: str, want: dict, leaf, check) -> dict:
     return lp
 
 
-def _mtp_plan(ckpt) -> dict:
-    """Every mtp.* tensor by its HF name; 2-D weights transposed to [in, out]."""
-    out = {}
-    for name in sorted(ckpt.where):
-        if name.startswith("mtp."):
-            two_d = len(ckpt.shape(name, False)) == 2 and name.endswith("weight")
-            out[name] = (name, ckpt.source(name, two_d), tuple(ckpt.shape(name, two_d)))
-    return out
+def _mtp_plan(cfg: qn.Qwen3NextConfig, ckpt) -> dict:
+    """The multi-token-prediction head, if the checkpoint has one (mtp.fc.weight), in our
+    layout: fc f[2D, D] (its input: [RMSNorm(embedding) | RMSNorm(hidden)]), the zero-centred
+    norms pre_fc_norm_embedding, pre_fc_norm_hidden and norm f[D], and `layers`: full-attention
+    decoder layers (mtp.layers.{i}.*) shaped like the main model's (qn.mtp_layer_shapes)."""
+    if "mtp.fc.weight" not in ckpt.where:
+        return {}
+    _, leaf = _readers(cfg, ckpt)
+    d = cfg.hidden_size
+    plan = {"fc": leaf("mtp.fc.weight", True, (2 * d, d))}
+    for name in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        plan[name] = leaf(f"mtp.{name}.weight", False, (d,))
+    count = len({n.split(".")[2] for n in ckpt.where if n.startswith("mtp.layers.")})
+    plan["layers"] = [_layer_plan(cfg, ckpt, f"mtp.layers.{i}.", qn.mtp_layer_shapes(cfg), qn.FULL)
+                      for i in range(count)]
+    return plan
 
 
 def load_hf(path: str, dtype: str = "float32", mesh=None):
@@ -172,7 +189,7 @@ def load_hf(path: str, dtype: str = "float32", mesh=None):
     with contextlib.ExitStack() as stack:
         ckpt = hf_loader._Checkpoint(path, stack)
         plan = _plan(cfg, ckpt)
-        mtp = _mtp_plan(ckpt)
+        mtp = _mtp_plan(cfg, ckpt)
 
         def build(entry):
             _, read, shape = entry

@@ -38,8 +38,14 @@ def _rewrite_as_vlm(dst: str) -> dict:
         q = f"model.language_model.layers.{i}.mlp.experts."
         out[q + "gate_up_proj"] = np.stack(gate_up)
         out[q + "down_proj"] = np.stack([src[p + f"{j}.down_proj.weight"] for j in range(x)])
-    mtp = {"mtp.fc.weight": np.arange(64 * 128, dtype=np.float32).reshape(64, 128),
-           "mtp.norm.weight": np.ones(64, np.float32)}
+    # an mtp head: fc [D, 2D] as HF stores it, norms, and a copy of layer 1 (full attention)
+    rng = np.random.default_rng(0)
+    mtp = {"mtp.fc.weight": rng.standard_normal((64, 128)).astype(np.float32)}
+    for n in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        mtp[f"mtp.{n}.weight"] = rng.standard_normal(64).astype(np.float32)
+    for name, t in out.items():
+        if name.startswith("model.language_model.layers.1."):
+            mtp[name.replace("model.language_model.layers.1.", "mtp.layers.0.")] = t
     out.update(mtp)
     save_file(out, os.path.join(dst, "model.safetensors"))
     vlm = {"architectures": ["Qwen3_5MoeForConditionalGeneration"], "model_type": "qwen3_5_moe",
@@ -56,8 +62,13 @@ def test_conditional_generation_fused_experts_and_mtp(tmp_path):
     assert cfg_b.layer_types == cfg_a.layer_types and cfg_b.split_projections
     mtp_b = params_b.pop("mtp")
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), params_a, params_b)
-    np.testing.assert_array_equal(np.asarray(mtp_b["mtp.fc.weight"]), mtp["mtp.fc.weight"].T)  # [in, out]
-    np.testing.assert_array_equal(np.asarray(mtp_b["mtp.norm.weight"]), mtp["mtp.norm.weight"])
+    assert "mtp" not in params_a                         # save_pretrained drops the mtp head
+    np.testing.assert_array_equal(np.asarray(mtp_b["fc"]), mtp["mtp.fc.weight"].T)     # [in, out]
+    for n in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        np.testing.assert_array_equal(np.asarray(mtp_b[n]), mtp[f"mtp.{n}.weight"])
+    assert len(mtp_b["layers"]) == 1
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
+                 params_a["layers"][1], mtp_b["layers"][0])
 
 
 def test_missing_tensor_is_named(tmp_path):
