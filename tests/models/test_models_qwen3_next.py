@@ -128,3 +128,48 @@ def test_config_from_hf_layouts():
     assert specs[1].arrays == (("k", (1, 16)), ("v", (1, 16)))
     nxt = qwen3_next.config_from_hf(dict(text, architectures=["Qwen3NextForCausalLM"], norm_topk_prob=False))
     assert not nxt.split_projections and not nxt.norm_topk_prob
+
+
+def test_resume_from_a_copied_state_matches():
+    """A prefix-cache hit in vLLM's "align" mode: a new request with the same prompt shares the
+    first 16 tokens' K/V blocks and starts from a copy of the linear layers' states kept at that
+    block boundary (another slot), then prefills the rest and decodes: same logits."""
+    golden, cfg, params, prompts = _load("qwen3_5_moe")
+    prompt = prompts[2]
+    tables = scattered_block_tables(2, BLOCKS_PER_SEQ, NUM_BLOCKS, seed=3)
+    tables[1, :2] = tables[0, :2]                  # 16 tokens = 2 shared blocks of 8
+    slots = np.array([3, 5], np.int32)
+    caches = empty_caches(qwen3_next.cache_specs(cfg), NUM_BLOCKS, BLOCK_SIZE, NUM_SLOTS)
+    x = build_hybrid_step([Chunk(0, prompt[:16], 0)], tables, slots, BLOCK_SIZE, STEP_T, S)
+    caches, logits = _step(cfg, params, caches, x)
+    np.testing.assert_allclose(np.asarray(logits)[:16], golden["prefill_logits_2"][:16], atol=ATOL, rtol=0)
+    caches = [{n: a.at[5].set(a[3]) for n, a in c.items()} if "ssm" in c else c for c in caches]
+    x = build_hybrid_step([Chunk(1, prompt[16:], 16)], tables, slots, BLOCK_SIZE, STEP_T, S)
+    caches, logits = _step(cfg, params, caches, x)
+    np.testing.assert_allclose(np.asarray(logits)[:len(prompt) - 16], golden["prefill_logits_2"][16:],
+                               atol=ATOL, rtol=0)
+    token = int(np.argmax(np.asarray(logits)[len(prompt) - 17]))
+    for step in range(4):
+        x = build_hybrid_step([Chunk(1, [token], len(prompt) + step)], tables, slots, BLOCK_SIZE, STEP_T, S)
+        caches, logits = _step(cfg, params, caches, x)
+        row = np.asarray(logits)[0]
+        np.testing.assert_allclose(row, golden["decode_logits_2"][step], atol=ATOL, rtol=0)
+        token = int(np.argmax(row))
+
+
+def test_bfloat16_prefill_is_close():
+    """bf16 weights, activations, K/V and conv state (the recurrent state stays f32): logits
+    near the f32 golden, top-1 nearly always equal."""
+    import jax.numpy as jnp
+
+    golden = np.load(os.path.join(GOLDEN_DIR, "qwen3_5_moe.npz"))
+    cfg, params, _ = load_model(os.path.join(GOLDEN_DIR, "ckpt", "qwen3_5_moe"), dtype="bfloat16")
+    prompts = [golden[f"prompt_{i}"].tolist() for i in range(3)]
+    tables = scattered_block_tables(3, BLOCKS_PER_SEQ, NUM_BLOCKS)
+    caches = empty_caches(qwen3_next.cache_specs(cfg), NUM_BLOCKS, BLOCK_SIZE, NUM_SLOTS, dtype=jnp.bfloat16)
+    x = build_hybrid_step([Chunk(i, p, 0) for i, p in enumerate(prompts)], tables, SLOTS, BLOCK_SIZE, 64, S)
+    _, logits = _step(cfg, params, caches, x)
+    want = np.concatenate([golden[f"prefill_logits_{i}"] for i in range(3)])
+    got = np.asarray(logits, np.float32)[:len(want)]
+    np.testing.assert_allclose(got, want, atol=0.15, rtol=0)
+    assert (got.argmax(-1) == want.argmax(-1)).mean() >= 0.9
