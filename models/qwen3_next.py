@@ -22,6 +22,8 @@ Parameters (weights [in, out]; norms zero-centred, applied as (1 + w), except gd
         lays out q_proj), wk f[D, K*E], wv f[D, K*E], wo f[N*E, D], q_norm f[E], k_norm f[E]
     MoE layers: router, w_gate, w_up, w_down (models/moe.py), ws_gate f[D, Fs], ws_up f[D, Fs],
         ws_down f[Fs, D], w_shared_gate f[D, 1]; dense layers: w_gate, w_up, w_down
+    The runner fuses projections that share an input (fuse_projections): w_in, wqkv,
+    w_gate_up, ws_gate_up.
 Caches: a list with one dict per layer: full {"k", "v": f[num_blocks, P, K, E]}; linear
 {"conv": f[num_slots, C, W-1], "ssm": f32[num_slots, H, B, A]} read and written at
 x.state_slots (slot 0: the null slot that padding sequences point at).
@@ -209,9 +211,12 @@ def attention_block(cfg, lp, cache, h_TD, x: StepInput, inv_freq, attention):
     sigmoid(gate) (the gate: the second half of each head's q_proj columns)."""
     t = h_TD.shape[0]
     n, kh, e = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    q, gate = jnp.split(layers.linear(h_TD, lp["wq"]).reshape(t, n, 2 * e), 2, axis=-1)
-    k = layers.linear(h_TD, lp["wk"]).reshape(t, kh, e)
-    v = layers.linear(h_TD, lp["wv"]).reshape(t, kh, e)
+    if "wqkv" in lp:        # fused by fuse_projections
+        qg, k, v = jnp.split(layers.linear(h_TD, lp["wqkv"]), [2 * n * e, (2 * n + kh) * e], axis=-1)
+    else:
+        qg, k, v = (layers.linear(h_TD, lp[w]) for w in ("wq", "wk", "wv"))
+    q, gate = jnp.split(qg.reshape(t, n, 2 * e), 2, axis=-1)
+    k, v = k.reshape(t, kh, e), v.reshape(t, kh, e)
     q = partial_rope(zc_rms_norm(q, lp["q_norm"], cfg.rms_norm_eps), x.positions, inv_freq, cfg.rotary_dim)
     k = partial_rope(zc_rms_norm(k, lp["k_norm"], cfg.rms_norm_eps), x.positions, inv_freq, cfg.rotary_dim)
     k_cache, v_cache = layers.write_kv(cache["k"], cache["v"], k, v, x.slot_mapping)
@@ -226,9 +231,13 @@ def linear_block(cfg, lp, cache, h_TD, x: StepInput, impl: str = "xla"):
     starts from zero states; every sequence writes its states back at its slot."""
     t = h_TD.shape[0]
     h, b, a = cfg.linear_num_value_heads, cfg.linear_value_head_dim, cfg.linear_key_head_dim
-    qkv_TC = layers.linear(h_TD, lp["w_qkv"])
-    z_THB = layers.linear(h_TD, lp["w_z"]).reshape(t, h, b)
-    beta_in, a_in = layers.linear(h_TD, lp["w_b"]), layers.linear(h_TD, lp["w_a"])
+    if "w_in" in lp:        # fused by fuse_projections
+        c = cfg.conv_dim
+        qkv_TC, z, beta_in, a_in = jnp.split(layers.linear(h_TD, lp["w_in"]),
+                                             [c, c + h * b, c + h * b + h], axis=-1)
+    else:
+        qkv_TC, z, beta_in, a_in = (layers.linear(h_TD, lp[w]) for w in ("w_qkv", "w_z", "w_b", "w_a"))
+    z_THB = z.reshape(t, h, b)
     slots_S, qsl = x.state_slots, x.query_start_loc
     fresh_S = (x.seq_lens - jnp.diff(qsl)) == 0
     zero_fresh = lambda s: jnp.where(fresh_S.reshape((-1,) + (1,) * (s.ndim - 1)), 0, s)  # noqa: E731
@@ -283,21 +292,42 @@ def mlp_block(cfg, lp, h_TD, impl: str):
     if "router" not in lp:
         return llama.dense_mlp(lp, h_TD)
     y_TD = moe.moe_mlp(cfg, lp, h_TD, impl)
-    if "ws_gate" in lp:
-        shared = layers.linear(jax.nn.silu(layers.linear(h_TD, lp["ws_gate"])) * layers.linear(h_TD, lp["ws_up"]),
-                               lp["ws_down"])
+    if "ws_down" in lp:
+        if "ws_gate_up" in lp:
+            gate, up = jnp.split(layers.linear(h_TD, lp["ws_gate_up"]), 2, axis=-1)
+        else:
+            gate, up = layers.linear(h_TD, lp["ws_gate"]), layers.linear(h_TD, lp["ws_up"])
+        shared = layers.linear(jax.nn.silu(gate) * up, lp["ws_down"])
         y_TD = y_TD + jax.nn.sigmoid(layers.linear(h_TD, lp["w_shared_gate"])) * shared
     return y_TD
 
 
+def fuse_projections(cfg: Qwen3NextConfig, params: dict) -> dict:
+    """Concatenate the projections that read the same input, in place, layer by layer (the
+    runner calls this for unsharded parameters; llama.fuse_projections says why):
+    w_qkv|w_z|w_b|w_a -> w_in f[D, C + H*B + 2H] (a decode step's linear layer: one GEMM
+    instead of four, two of them [D, H] slivers), wq|wk|wv -> wqkv, w_gate|w_up -> w_gate_up
+    (dense f[D, 2F], experts f[X, D, 2F]), ws_gate|ws_up -> ws_gate_up."""
+    groups = (("w_in", ("w_qkv", "w_z", "w_b", "w_a")), ("wqkv", ("wq", "wk", "wv")),
+              ("w_gate_up", ("w_gate", "w_up")), ("ws_gate_up", ("ws_gate", "ws_up")))
+    for i, lp in enumerate(params["layers"]):
+        lp = dict(lp)
+        for fused, parts in groups:
+            if parts[0] in lp:
+                lp[fused] = jnp.concatenate([lp.pop(w) for w in parts], axis=-1)
+        params["layers"][i] = lp
+    return params
+
+
 def forward(cfg: Qwen3NextConfig, params: dict, caches: list, x: StepInput,
-            attention_impl: str = "xla"):
+            attention_impl: str = "xla", busy_seqs: int = 0, skewed: bool = False):
     """Every layer on the step's tokens: (updated caches, final-normed hidden f[T, D]).
     attention_impl: "xla" | "pallas" | "auto" (llama.kernel_impl) for the paged attention, the
     MoE and the linear layers' post-conv and delta rule (Pallas kernels when their shape rules
-    hold: pallas_fits; on a CPU they are interpreted: slow, for tests)."""
+    hold: pallas_fits; on a CPU they are interpreted: slow, for tests). busy_seqs, skewed: the
+    runner's tiling hints for the paged attention (llama.make_attention_fn)."""
     impl = llama.kernel_impl(cfg, attention_impl)
-    attention = llama.make_attention_fn(cfg, impl)
+    attention = llama.make_attention_fn(cfg, impl, busy_seqs, skewed)
     inv_freq = layers.rope_inv_freq(cfg.rotary_dim, cfg.rope_theta, None)
     eps = cfg.rms_norm_eps
     h_TD = params["embed"][x.token_ids]

@@ -90,13 +90,19 @@ def _log_softmax(x):
 
 # (name, prefill chunk, impl): the Pallas kernels (interpreted: slow) on the chunked schedule,
 # which runs both of the delta rule's kernels (mixed steps: chunked; decode-only: recurrent)
-CASES = [(name, chunk, "xla") for name in ARCHS for chunk in (64, CHUNK)] + [("qwen3_5_moe", CHUNK, "pallas")]
+# and the engine's fused projections (fuse_projections) on the MoE + dense-MLP model
+CASES = ([(name, chunk, "xla", False) for name in ARCHS for chunk in (64, CHUNK)]
+         + [("qwen3_5_moe", CHUNK, "pallas", False), ("qwen3_next", CHUNK, "xla", True)])
 
 
-@pytest.mark.parametrize("name, chunk, impl", CASES)
-def test_matches_transformers(name, chunk, impl):
+@pytest.mark.parametrize("name, chunk, impl, fused", CASES)
+def test_matches_transformers(name, chunk, impl, fused):
     golden, cfg, params, prompts = _load(name)
     assert impl == "xla" or qwen3_next.pallas_fits(cfg)
+    if fused:
+        qwen3_next.fuse_projections(cfg, params)
+        assert {"w_in", "wqkv", "w_gate_up", "ws_gate_up"} <= set().union(*params["layers"])
+        assert not {"w_qkv", "wq", "w_gate", "ws_gate"} & set().union(*params["layers"])
     prefill, decode, tokens = _run(cfg, params, prompts, chunk, impl)
     for i in range(3):
         np.testing.assert_allclose(prefill[i], golden[f"prefill_logits_{i}"], atol=ATOL, rtol=0,
