@@ -85,9 +85,12 @@ def _draw(key, shapes: dict, shardings: dict, dtype: str) -> dict:
 def dummy_params(cfg: ModelConfig, dtype: str = "float32", mesh=None, seed: int = 0) -> dict:
     """Random parameters for `cfg`; norm weights are ones, everything else N(0, INIT_STD^2)."""
     from jaxserve.models import llama, registry
-    from jaxserve.sharding import rules
 
     module = registry.get_model_module(cfg.architecture)
+    if hasattr(module, "dummy_params"):        # a family with its own parameter layout
+        return module.dummy_params(cfg, dtype, mesh, seed)
+    from jaxserve.sharding import rules
+
     shapes = module.param_shapes(cfg)
     if module is llama:
         shardings = rules.param_placements(cfg, mesh)

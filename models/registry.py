@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from jaxserve.models import deepseek, llama
+from jaxserve.models import deepseek, llama, qwen3_next
 
 ARCHITECTURES: dict[str, ModuleType] = {
     "LlamaForCausalLM": llama,
@@ -25,6 +25,15 @@ ARCHITECTURES: dict[str, ModuleType] = {
     "DeepseekV3ForCausalLM": deepseek,
     "DeepseekV32ForCausalLM": deepseek,
 }
+# Hybrid gated-DeltaNet families: their own module, config class (`config_from_hf`) and
+# loaders (`load_hf`, `dummy_params`), which hf_loader.py and dummy.py dispatch to.
+ARCHITECTURES.update({
+    "Qwen3NextForCausalLM": qwen3_next,
+    "Qwen3_5MoeForCausalLM": qwen3_next,
+    "Qwen3_5MoeForConditionalGeneration": qwen3_next,   # the text model; vision tower skipped
+    "Qwen3_5ForCausalLM": qwen3_next,                   # dense Qwen3.5: a dense MLP in every layer
+    "Qwen3_5ForConditionalGeneration": qwen3_next,
+})
 
 
 def get_model_module(architecture: str) -> ModuleType:
