@@ -110,7 +110,8 @@ def allocate_caches(specs, num_blocks: int, num_slots: int, block_size: int, dty
         for name, shape in spec.arrays:
             full = lead + tuple(shape)
             out = sharding_of(name, full) if sharding_of else None
-            layer[name] = jax.jit(lambda s=full: jnp.zeros(s, dtype), out_shardings=out)()
+            kind = jnp.float32 if name in getattr(spec, "float32", ()) else dtype
+            layer[name] = jax.jit(lambda s=full, d=kind: jnp.zeros(s, d), out_shardings=out)()
         caches.append(layer)
     return caches
 

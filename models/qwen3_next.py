@@ -186,7 +186,7 @@ def cache_specs(cfg: Qwen3NextConfig) -> list:
     kv = PagedSpec((("k", (cfg.num_kv_heads, cfg.head_dim)), ("v", (cfg.num_kv_heads, cfg.head_dim))))
     state = StateSpec((("conv", (cfg.conv_dim, cfg.linear_conv_kernel_dim - 1)),
                        ("ssm", (cfg.linear_num_value_heads, cfg.linear_value_head_dim,
-                                cfg.linear_key_head_dim))))
+                                cfg.linear_key_head_dim))), float32=("ssm",))
     return [state if t == LINEAR else kv for t in cfg.layer_types]
 
 

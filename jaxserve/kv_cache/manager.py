@@ -47,8 +47,9 @@ def bytes_per_block(specs, block_size: int, itemsize: int) -> int:
 
 
 def bytes_per_slot(specs, itemsize: int) -> int:
-    """Bytes one state slot takes over every state layer."""
-    return itemsize * sum(_elements(s.arrays) for s in specs if isinstance(s, StateSpec))
+    """Bytes one state slot takes over every state layer (its float32 arrays at 4 bytes)."""
+    return sum((4 if name in s.float32 else itemsize) * math.prod(shape)
+               for s in specs if isinstance(s, StateSpec) for name, shape in s.arrays)
 
 
 def size_caches(specs, *, block_size: int, itemsize: int, budget_bytes: int, max_num_seqs: int,

@@ -15,3 +15,6 @@ class StateSpec:
     [num_slots, *shape], slot 0 is the null slot; a sequence reads and writes its state at
     StepInput.state_slots[s]."""
     arrays: tuple[tuple[str, tuple[int, ...]], ...]   # e.g. (("conv", (C, W-1)), ("ssm", (H, V, K)))
+    # Arrays kept in f32 whatever the cache dtype: a recurrent state accumulates over the
+    # whole sequence, so bf16 rounding would compound.
+    float32: tuple[str, ...] = ()
