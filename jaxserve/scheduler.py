@@ -193,8 +193,9 @@ class Scheduler:
                     rid, list(req.prompt_token_ids), list(req.output_token_ids),
                     req.sampling_params, req.seed, req.eos_token_ids))
             scheduled.append(self._advance(req, n, known.get(rid)))
-        finished, self._finished_ids = self._finished_ids, []
-        if chunks:          # an empty step is never run, so never updated
+        finished = []
+        if chunks:          # an empty step is never run: it carries nothing, not even these
+            finished, self._finished_ids = self._finished_ids, []
             self._in_flight.append([req for req, _ in chunks])
         return SchedulerOutput(new_requests=new_requests, scheduled=scheduled,
                                finished_req_ids=finished,

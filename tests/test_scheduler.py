@@ -305,3 +305,15 @@ def test_drafts_never_exceed_max_tokens_and_a_budget_cut_keeps_the_first_drafts(
     s.update(out, result(out, [[8, 9, 12]]))
     assert r.output_token_ids == [7, 8, 9] and "a" not in s.requests   # max_tokens=3 reached
     assert s.pool.num_used == 0
+
+
+def test_finished_ids_wait_for_a_step_that_runs():
+    # an empty schedule() is never dispatched: the runner must still hear of every finish
+    s = make()
+    s.add_request(req("a", 3, max_tokens=1))
+    run_step(s)
+    assert not s.requests
+    assert s.schedule().scheduled == []                # nothing to run: nothing sent
+    s.add_request(req("b", 3, max_tokens=1))
+    out = s.schedule()
+    assert out.finished_req_ids == ["a"] and out.req_ids == ["b"]
