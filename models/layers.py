@@ -80,12 +80,16 @@ def write_kv(k_cache_NPKE, v_cache_NPKE, k_TKE, v_TKE, slot_mapping_T):
     Indexed by (block, offset), not by slot into a reshaped [N*P, K, E] cache: on XLA:CPU
     the reshaped form of a one-token write became a dynamic-update-slice that copied the
     whole cache four times per layer (1456-block cache: 12.6 GB accessed per decode step,
-    jax 0.11.2); this form is updated in place (tests/test_cpu_step_cost.py checks)."""
+    jax 0.11.2); this form, behind the barrier, is updated in place (tests/test_cpu_step_cost.py
+    checks the compiled step)."""
     p = k_cache_NPKE.shape[1]
     block_T, offset_T = slot_mapping_T // p, slot_mapping_T % p
     k_cache = k_cache_NPKE.at[block_T, offset_T].set(k_TKE.astype(k_cache_NPKE.dtype))
     v_cache = v_cache_NPKE.at[block_T, offset_T].set(v_TKE.astype(v_cache_NPKE.dtype))
-    return k_cache, v_cache
+    # The written cache has two readers, the attention and the step's output: without the
+    # barrier XLA:CPU may fuse the write into the attention's gather as well, and copy the
+    # cache to give the fused copy its own operand (seen on the tiny test model).
+    return jax.lax.optimization_barrier((k_cache, v_cache))
 
 
 def qk_norm_rope_write(q_TNE, k_TKE, v_TKE, positions_T, slot_mapping_T, k_cache_NPKE, v_cache_NPKE,
