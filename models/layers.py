@@ -75,11 +75,21 @@ def apply_rope(x_TNE: jax.Array, positions_T: jax.Array, inv_freq: jax.Array) ->
 
 
 def write_kv(k_cache_NPKE, v_cache_NPKE, k_TKE, v_TKE, slot_mapping_T):
-    """Scatter this step's keys and values into their cache slots (in place once donated)."""
-    n, p, kh, e = k_cache_NPKE.shape
-    k_flat = k_cache_NPKE.reshape(n * p, kh, e).at[slot_mapping_T].set(k_TKE.astype(k_cache_NPKE.dtype))
-    v_flat = v_cache_NPKE.reshape(n * p, kh, e).at[slot_mapping_T].set(v_TKE.astype(v_cache_NPKE.dtype))
-    return k_flat.reshape(n, p, kh, e), v_flat.reshape(n, p, kh, e)
+    """Scatter this step's keys and values into their cache slots, in place once donated.
+
+    Indexed by (block, offset), not by slot into a reshaped [N*P, K, E] cache: on XLA:CPU
+    the reshaped form of a one-token write became a dynamic-update-slice that copied the
+    whole cache four times per layer (1456-block cache: 12.6 GB accessed per decode step,
+    jax 0.11.2); this form, behind the barrier, is updated in place (tests/test_cpu_step_cost.py
+    checks the compiled step)."""
+    p = k_cache_NPKE.shape[1]
+    block_T, offset_T = slot_mapping_T // p, slot_mapping_T % p
+    k_cache = k_cache_NPKE.at[block_T, offset_T].set(k_TKE.astype(k_cache_NPKE.dtype))
+    v_cache = v_cache_NPKE.at[block_T, offset_T].set(v_TKE.astype(v_cache_NPKE.dtype))
+    # The written cache has two readers, the attention and the step's output: without the
+    # barrier XLA:CPU may fuse the write into the attention's gather as well, and copy the
+    # cache to give the fused copy its own operand (seen on the tiny test model).
+    return jax.lax.optimization_barrier((k_cache, v_cache))
 
 
 def qk_norm_rope_write(q_TNE, k_TKE, v_TKE, positions_T, slot_mapping_T, k_cache_NPKE, v_cache_NPKE,
@@ -97,36 +107,80 @@ def qk_norm_rope_write(q_TNE, k_TKE, v_TKE, positions_T, slot_mapping_T, k_cache
 
 def paged_attention_xla(q_TNE, k_cache_NPKE, v_cache_NPKE, block_tables_SB, token_seq_ids_T,
                         positions_T, *, sm_scale: float, sliding_window: int | None = None,
-                        soft_cap: float | None = None, token_chunk: int = 64) -> jax.Array:
+                        soft_cap: float | None = None, token_chunk: int = 64,
+                        keys_per_step: int = 128) -> jax.Array:
     """Causal attention of every token over its own sequence's paged context.
 
     Token t of sequence s sees the cached keys at positions 0..positions[t] (this step's keys
     must already be written), restricted to the last `sliding_window` positions if set.
     Works per token, so decode rows, prefill chunks and mixed batches are all the same case.
-    Memory is bounded by processing `token_chunk` tokens at a time.
+
+    The keys are walked `keys_per_step` at a time (whole blocks) with an online softmax, up to
+    the step's furthest position only: a loop with a dynamic trip count, so the work follows
+    the step's contexts, not max_model_len (the block-table width), while the shapes, and so
+    the compiled programs, stay the same. Why: gathering all B * P slots per token made a
+    one-token decode of the default model read 2048 keys per layer at any context.
+    Memory is bounded by processing `token_chunk` tokens at a time (each chunk walks up to its
+    own furthest position).
     """
+    t = q_TNE.shape[0]
+    if t <= token_chunk:
+        return _attend_chunk(q_TNE, k_cache_NPKE, v_cache_NPKE, block_tables_SB, token_seq_ids_T,
+                             positions_T, sm_scale, sliding_window, soft_cap, keys_per_step)
+    chunks = -(-t // token_chunk)
+    pad = chunks * token_chunk - t
+
+    def split(x_T):   # padding tokens: sequence 0, position 0 (outputs dropped below)
+        return jnp.pad(x_T, [(0, pad)] + [(0, 0)] * (x_T.ndim - 1)).reshape(
+            chunks, token_chunk, *x_T.shape[1:])
+
+    def one_chunk(args):
+        return _attend_chunk(*args[:1], k_cache_NPKE, v_cache_NPKE, block_tables_SB, *args[1:],
+                             sm_scale, sliding_window, soft_cap, keys_per_step)
+
+    out = jax.lax.map(one_chunk, (split(q_TNE), split(token_seq_ids_T), split(positions_T)))
+    return out.reshape(chunks * token_chunk, *q_TNE.shape[1:])[:t]
+
+
+def _attend_chunk(q_TNE, k_cache_NPKE, v_cache_NPKE, block_tables_SB, token_seq_ids_T,
+                  positions_T, sm_scale, sliding_window, soft_cap, keys_per_step):
+    """paged_attention_xla for one chunk of tokens: the online-softmax loop over key steps."""
     t, n, e = q_TNE.shape
     _, p, kh, _ = k_cache_NPKE.shape
     g = n // kh
-    ctx_len = block_tables_SB.shape[1] * p
-    slot_pos_L = jnp.arange(ctx_len, dtype=jnp.int32)
+    b = block_tables_SB.shape[1]
+    c = max(1, min(keys_per_step // p, b))          # blocks a step
+    num_steps = -(-b // c)
+    tables_TB = block_tables_SB[token_seq_ids_T]     # [T, B]: small (ids, not keys)
+    tables_TB = jnp.pad(tables_TB, ((0, 0), (0, num_steps * c - b)))   # null block: never seen
+    q_TKGE = q_TNE.reshape(t, kh, g, e).astype(jnp.float32)
+    pos_T = positions_T.astype(jnp.int32)
+    first = 0
+    if sliding_window is not None:    # steps wholly before every token's window are skipped
+        first = jnp.maximum(jnp.min(pos_T) - sliding_window + 1, 0) // (c * p)
+    last = jnp.max(pos_T) // (c * p) + 1
 
-    def one_token(args):
-        q_NE, seq, pos = args
-        table_B = block_tables_SB[seq]
-        k_LKE = k_cache_NPKE[table_B].reshape(ctx_len, kh, e).astype(jnp.float32)
-        v_LKE = v_cache_NPKE[table_B].reshape(ctx_len, kh, e).astype(jnp.float32)
-        q_KGE = q_NE.reshape(kh, g, e).astype(jnp.float32)
-        s_KGL = jnp.einsum("kge,lke->kgl", q_KGE, k_LKE) * sm_scale
+    def body(j, carry):
+        m_TKG, l_TKG, acc_TKGE = carry
+        blocks_TC = jax.lax.dynamic_slice_in_dim(tables_TB, j * c, c, axis=1)
+        k_TLKE = k_cache_NPKE[blocks_TC].reshape(t, c * p, kh, e).astype(jnp.float32)
+        v_TLKE = v_cache_NPKE[blocks_TC].reshape(t, c * p, kh, e).astype(jnp.float32)
+        s_TKGL = jnp.einsum("tkge,tlke->tkgl", q_TKGE, k_TLKE) * sm_scale
         if soft_cap is not None:
-            s_KGL = soft_cap * jnp.tanh(s_KGL / soft_cap)
-        visible_L = slot_pos_L <= pos
+            s_TKGL = soft_cap * jnp.tanh(s_TKGL / soft_cap)
+        key_pos_L = j * c * p + jnp.arange(c * p, dtype=jnp.int32)
+        visible_TL = key_pos_L[None, :] <= pos_T[:, None]
         if sliding_window is not None:
-            visible_L &= slot_pos_L > pos - sliding_window
-        s_KGL = jnp.where(visible_L[None, None, :], s_KGL, -jnp.inf)
-        w_KGL = jax.nn.softmax(s_KGL, axis=-1)
-        o_KGE = jnp.einsum("kgl,lke->kge", w_KGL, v_LKE)
-        return o_KGE.reshape(n, e).astype(q_TNE.dtype)
+            visible_TL &= key_pos_L[None, :] > pos_T[:, None] - sliding_window
+        s_TKGL = jnp.where(visible_TL[:, None, None, :], s_TKGL, -jnp.inf)
+        m_new = jnp.maximum(m_TKG, s_TKGL.max(axis=-1))
+        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)   # nothing seen yet: no NaN
+        alpha = jnp.exp(m_TKG - m_safe)
+        w_TKGL = jnp.exp(s_TKGL - m_safe[..., None])
+        acc_TKGE = acc_TKGE * alpha[..., None] + jnp.einsum("tkgl,tlke->tkge", w_TKGL, v_TLKE)
+        return m_new, l_TKG * alpha + w_TKGL.sum(axis=-1), acc_TKGE
 
-    return jax.lax.map(one_token, (q_TNE, token_seq_ids_T, positions_T),
-                       batch_size=min(t, token_chunk))
+    init = (jnp.full((t, kh, g), -jnp.inf, jnp.float32), jnp.zeros((t, kh, g), jnp.float32),
+            jnp.zeros((t, kh, g, e), jnp.float32))
+    _, l_TKG, acc_TKGE = jax.lax.fori_loop(first, last, body, init)
+    return (acc_TKGE / l_TKG[..., None]).reshape(t, n, e).astype(q_TNE.dtype)

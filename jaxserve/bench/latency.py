@@ -7,6 +7,13 @@ fraction of the HBM roofline (weights + KV context read per step over the bandwi
 split of a step into host and device time, and the step replayed on the device alone.
 
 The first request's first token after process start is the cold start-up time.
+
+`--baseline hf` also runs each batch's first timed prompts through Hugging Face transformers
+(greedy, f32, the same model file; benchmarks/hf_cpu_baseline.py under `--baseline-python`,
+an interpreter with torch) and reports its ms per output token beside ours. On the CPU:
+
+    jaxserve bench latency --engine-defaults --batch-size 1 --input-len 32 --output-len 64 \
+        --baseline hf --baseline-python /work/ref311/bin/python
 """
 
 from __future__ import annotations
@@ -39,6 +46,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=int, default=0, help="top-k sampling (0: off)")
     g.add_argument("--device-only-iters", type=int, default=20,
                    help="back-to-back replays of one decode step (0: skip)")
+    g.add_argument("--engine-defaults", action="store_true",
+                   help="leave max_model_len and max_num_seqs at the engine's defaults (LLM()'s) "
+                        "instead of fitting them to the lengths and batch sizes")
+    g.add_argument("--baseline", choices=["hf"], default=None,
+                   help="hf: time the same prompts with Hugging Face transformers too")
+    g.add_argument("--baseline-python", default=sys.executable,
+                   help="the interpreter (with torch and transformers) that runs the baseline")
     g.add_argument("--profile-dir", default=None,
                    help="also trace a few decode steps with jax.profiler into this folder and "
                         "summarise device kernels against the step's wall time")
@@ -117,6 +131,14 @@ def bench_batch(llm, batch: int, args, bar=None) -> dict:
             dev_s = device_only_step_seconds(engine.runner, *captured, iters=args.device_only_iters)
             row.update(device_only_step_ms=1e3 * dev_s, device_only_roofline_fraction=floor_s / dev_s,
                        host_overhead_fraction=1 - dev_s / step_s)
+    if getattr(args, "baseline", None) == "hf":     # (callers building args by hand may omit it)
+        from jaxserve.bench.hf_baseline import run_hf_baseline
+        hf = run_hf_baseline(args.baseline_python, args.model,
+                             [r.prompt_token_ids for r in reqs(0)], args.output_len,
+                             args.num_iters)
+        row.update(hf_ms_per_output_token=hf["ms_per_output_token"], hf_torch_threads=hf["torch_threads"])
+        if "ms_per_output_token" in row:
+            row["ratio_to_hf"] = row["ms_per_output_token"] / hf["ms_per_output_token"]
     if args.profile_dir:
         from jaxserve.bench.profile import profile_decode_steps
         row["profile"] = profile_decode_steps(engine, batch, args, params)
@@ -140,7 +162,8 @@ def main(argv: list[str]) -> int:
     before_build = seconds_since_process_start()
     block = args.block_size
     max_len = -(-(args.input_len + args.output_len) // block) * block
-    llm, build_s = build_llm(args, max_num_seqs=max(args.batch_size), max_model_len=max_len)
+    fitted = {} if args.engine_defaults else dict(max_num_seqs=max(args.batch_size), max_model_len=max_len)
+    llm, build_s = build_llm(args, **fitted)
     after_build = seconds_since_process_start()
     # Cold start: the first token of the very first request this process serves.
     vocab = llm.engine.config.model.vocab_size
@@ -173,7 +196,8 @@ def main(argv: list[str]) -> int:
     report.print_table("latency", [{k: v for k, v in r.items() if not isinstance(v, dict)} for r in rows],
                        ["batch_size", "latency_mean_s", "ms_per_output_token", "decode_tok_per_s",
                         "roofline_ms", "roofline_fraction", "step_host_ms", "step_device_ms",
-                        "device_only_step_ms", "device_only_roofline_fraction"])
+                        "device_only_step_ms", "device_only_roofline_fraction"]
+                       + (["hf_ms_per_output_token", "ratio_to_hf"] if args.baseline else []))
     for r in rows:
         if "profile" in r:
             report.print_table(f"profile, batch {r['batch_size']}", [r["profile"]["summary"]])
