@@ -9,6 +9,7 @@ import time
 
 import jax
 
+from jaxserve import cpu_defaults
 from jaxserve.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
 from jaxserve.engine.core import EngineCore
 from jaxserve.engine.input_processor import InputProcessor
@@ -88,7 +89,8 @@ class LLMEngine:
     def from_engine_args(cls, model: str | None = None, *, dtype: str | None = None,
                          load_format: str = "auto", served_model_name: str | None = None,
                          block_size: int = 16, num_kv_blocks: int | None = None,
-                         kv_cache_memory_fraction: float = 0.9, kv_cache_cpu_bytes: int = 1 << 30,
+                         kv_cache_memory_fraction: float = 0.9,
+                         kv_cache_cpu_bytes: int = cpu_defaults.KV_CACHE_BYTES,
                          enable_prefix_caching: bool = True, max_num_seqs: int | None = None,
                          max_num_batched_tokens: int | None = None, max_model_len: int | None = None,
                          max_waiting_requests: int = 4096, long_prefill_token_threshold: int = 0,
@@ -111,12 +113,12 @@ class LLMEngine:
         cfg, params, tokenizer = loader.load_model(model, load_format=load_format, dtype=dtype,
                                                    mesh=mesh, seed=seed)
         load_s = time.perf_counter() - t0
-        max_model_len = max_model_len or min(cfg.max_position_embeddings, _default(None, 8192, 2048))
+        max_model_len = max_model_len or min(cfg.max_position_embeddings, _default(None, 8192, cpu_defaults.MAX_MODEL_LEN))
         if max_model_len > cfg.max_position_embeddings:
             raise ValueError(f"max_model_len must be <= the model's max_position_embeddings "
                              f"({cfg.max_position_embeddings}); got {max_model_len}")
-        max_num_seqs = _default(max_num_seqs, 256, 16)
-        max_num_batched_tokens = _default(max_num_batched_tokens, 2048, 256)
+        max_num_seqs = _default(max_num_seqs, 256, cpu_defaults.MAX_NUM_SEQS)
+        max_num_batched_tokens = _default(max_num_batched_tokens, 2048, cpu_defaults.MAX_NUM_BATCHED_TOKENS)
         config = EngineConfig(
             model=cfg,
             cache=CacheConfig(block_size=block_size, num_kv_blocks=num_kv_blocks,
