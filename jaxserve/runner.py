@@ -103,7 +103,7 @@ def allocate_caches(specs, num_blocks: int, num_slots: int, block_size: int, dty
                     sharding_of=None) -> list[dict[str, jax.Array]]:
     """Zeroed device arrays of every layer's cache spec: paged arrays [num_blocks, P, *shape],
     state arrays [num_slots, *shape]; `sharding_of(name, shape)` places them (None: default)."""
-    caches = []
+    caches, makers = [], {}
     for spec in specs:
         lead = (num_blocks, block_size) if isinstance(spec, PagedSpec) else (num_slots,)
         layer = {}
@@ -111,7 +111,11 @@ def allocate_caches(specs, num_blocks: int, num_slots: int, block_size: int, dty
             full = lead + tuple(shape)
             out = sharding_of(name, full) if sharding_of else None
             kind = jnp.float32 if name in getattr(spec, "float32", ()) else dtype
-            layer[name] = jax.jit(lambda s=full, d=kind: jnp.zeros(s, d), out_shardings=out)()
+            # One compiled zeros per distinct array (not per layer: 4 s of start-up at 8B)
+            key = (full, jnp.dtype(kind).name, out)
+            if key not in makers:
+                makers[key] = jax.jit(lambda s=full, d=kind: jnp.zeros(s, d), out_shardings=out)
+            layer[name] = makers[key]()
         caches.append(layer)
     return caches
 

@@ -287,4 +287,4 @@ def test_final_only_requests_report_once_and_match_cumulative_ones(model):
     assert seen["fin"][0].outputs[0].token_ids == seen["cum"][-1].outputs[0].token_ids
     assert seen["fin"][0].outputs[0].text == seen["cum"][-1].outputs[0].text
     with pytest.raises(ValueError, match="output_kind"):
-        eng.add_request("bad", ids, SamplingParams(output_kind="delta"))
+        eng.add_request("bad", ids, SamplingParams(output_kind="streaming"))

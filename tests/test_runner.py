@@ -291,6 +291,23 @@ def test_warmup_packs_busy_variants_like_the_steps_that_use_them(monkeypatch):
     assert len(keys) == 2 * len(runner.buckets) + 4
 
 
+def run_python(script: str, *argv: str, cache=None, timeout: int = 600):
+    """`script` in a fresh CPU-only Python process (caches under `cache` if given; jax's
+    Mosaic GPU runtime variable unset, as in a process that never imported it); asserts it
+    exited cleanly and returns it."""
+    import subprocess
+    import sys
+
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env.pop("MOSAIC_GPU_RUNTIME_LIB_PATH", None)
+    if cache is not None:
+        env.update(JAXSERVE_CACHE=str(cache), JAX_COMPILATION_CACHE_DIR=str(cache / "xla"))
+    done = subprocess.run([sys.executable, "-c", script, *argv], capture_output=True, text=True,
+                          env=env, timeout=timeout)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done
+
+
 def test_exiting_while_programs_compile_in_the_background_exits_cleanly(tmp_path):
     """A script that ends right after building its engine, the full programs still compiling:
     the interpreter must not finalise under a compile in flight (before, it segfaulted or

@@ -63,9 +63,6 @@ class LLMEngine:
                                    step_sizes=tuple(self.runner.buckets),
                                    cache_specs=self.runner.cache_specs,
                                    num_slots=self.runner.num_slots)
-        # A request of max_model_len must fit the cache: refuse before compiling anything.
-        from jaxserve.serving_checks import check_can_serve
-        check_can_serve(config, self.runner.num_blocks)
         self.core = EngineCore(self.scheduler, self.runner)
         self.metrics = EngineMetrics()
         eos = tokenizer.eos_token_ids if tokenizer else config.model.eos_token_ids

@@ -49,7 +49,7 @@ def _run(cfg, params, mesh):
         out.append(np.asarray(logits)[: sum(len(c.token_ids) for c in chunks)])
     if mesh is not None:
         want = rules.kv_cache_sharding(cfg, mesh)
-        assert kv[0][0].sharding.is_equivalent_to(want, 4), (kv[0][0].sharding, want)
+        assert kv[0]["k"].sharding.is_equivalent_to(want, 4), (kv[0]["k"].sharding, want)
     return out
 
 
