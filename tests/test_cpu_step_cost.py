@@ -14,7 +14,7 @@ import re
 import pytest
 
 from jaxserve import LLM, packing
-from jaxserve.scheduler import SchedulerOutput
+from jaxserve.step_messages import SchedulerOutput
 
 TINY = os.path.join(os.path.dirname(__file__), "golden", "ckpt", "llama")
 
@@ -25,12 +25,12 @@ def step_program(num_kv_blocks: int, max_model_len: int, num_tokens: int):
     llm = LLM(TINY, dtype="float32", max_num_seqs=4, max_num_batched_tokens=16,
               max_model_len=max_model_len, num_kv_blocks=num_kv_blocks, warmup=False)
     runner = llm.engine.runner
-    empty = SchedulerOutput(chunks=[], num_tokens=num_tokens, preempted_ids=[], new_ids=[],
-                            num_cached_tokens=0)
-    x, variant = runner.prepare(empty)
+    empty = SchedulerOutput(new_requests=[], scheduled=[], finished_req_ids=[],
+                            num_tokens=num_tokens, preempted_ids=[], num_cached_tokens=0)
+    x, _, variant = runner.prepare(empty)
     packed, layout = packing.pack(x)
     assert x.num_tokens == num_tokens
-    return runner._compile(layout, variant, len(packed)), runner.kv_cache[0][0]
+    return runner._compile(layout, variant, len(packed)), runner.kv_cache[0]["k"]
 
 
 def cost(program) -> tuple[float, float]:
