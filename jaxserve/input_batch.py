@@ -110,8 +110,7 @@ class InputBatch:
             req.output_token_ids.extend(tokens)
 
     # -- one step's input --------------------------------------------------------------------
-    def build(self, out: SchedulerOutput, num_tokens: int, num_seqs: int,
-              max_logprobs: int) -> tuple[StepInput, StepPlan]:
+    def build(self, out: SchedulerOutput, num_tokens: int, num_seqs: int) -> tuple[StepInput, StepPlan]:
         """Host-side numpy StepInput of the step, padded to (num_tokens, num_seqs)."""
         p = self.block_size
         token_ids, positions, seq_ids = [], [], []

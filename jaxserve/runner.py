@@ -220,7 +220,7 @@ class ModelRunner:
 
     def _build(self, out: SchedulerOutput) -> tuple[StepInput, StepPlan, StepVariant]:
         t_pad, s_pad = self.bucket(max(out.num_tokens, 1))
-        x, plan = self.batch.build(out, t_pad, s_pad, self.config.max_logprobs)
+        x, plan = self.batch.build(out, t_pad, s_pad)
         n = len(out.scheduled)
         attention = self.backend.plan(t_pad, s_pad, n, np.asarray(x.seq_lens[:n]))
         variant = StepVariant(self.config.max_logprobs if plan.full else 0, plan.full,
