@@ -43,9 +43,14 @@ class CachedRequest:
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
-    def token(self, position: int) -> int:
+    def tokens(self, start: int, end: int) -> list[int]:
+        """Token ids at positions start..end-1 (all known to the host)."""
         n = len(self.prompt_token_ids)
-        return self.prompt_token_ids[position] if position < n else self.output_token_ids[position - n]
+        if end <= n:
+            return self.prompt_token_ids[start:end]
+        if start >= n:
+            return self.output_token_ids[start - n:end - n]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:end - n]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,7 +137,7 @@ class InputBatch:
                 raise NotImplementedError("draft tokens were scheduled, but this runner has no "
                                           "draft verification yet")
             known = min(start + n, req.num_tokens)
-            token_ids += [req.token(q) for q in range(start, known)]
+            token_ids += req.tokens(start, known)
             if known < start + n:      # the last token is still on the device
                 if known + 1 != start + n or sched.req_id not in self.prev_rows:
                     raise RuntimeError(f"request {sched.req_id}: tokens {known}..{start + n - 1} "

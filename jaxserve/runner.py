@@ -282,14 +282,15 @@ class ModelRunner:
         else:                            # lean step: only the sampled ids come back
             result, prompt = None, None
             ids = np.asarray(step.result.token_ids).tolist()
-        sampled, logprobs = [], []
-        for i, (req, s) in enumerate(zip(plan.requests, plan.samples)):
-            tokens = [ids[i]] if s else []
-            sampled.append(tokens)
+        sampled = [[t] if s else [] for t, s in zip(ids, plan.samples)]
+        for req, tokens in zip(plan.requests, sampled):
             self.batch.append_tokens(req, tokens)
-            logprobs.append(TokenLogprobs(result.logprobs[i:i + 1], result.ranks[i:i + 1],
-                                          result.top_ids[i:i + 1], result.top_logprobs[i:i + 1])
-                            if s and variant.num_top else None)
+        logprobs = [None] * len(sampled)
+        if variant.num_top:
+            for i, s in enumerate(plan.samples):
+                if s:
+                    logprobs[i] = TokenLogprobs(result.logprobs[i:i + 1], result.ranks[i:i + 1],
+                                                result.top_ids[i:i + 1], result.top_logprobs[i:i + 1])
         prompt_lps = {}
         if prompt is not None:
             qsl = plan.query_start_loc

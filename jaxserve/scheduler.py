@@ -30,9 +30,9 @@ from jaxserve.step_messages import (NewRequestData, RunnerOutput, ScheduledReque
 FIT_MIN_STEP = 128
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)     # one per running request per step: slots, not frozen (step_messages.py)
 class RequestUpdate:
-    """What one step did to one request, for output processing."""
+    """What one step did to one request, for output processing (not changed once made)."""
     request_id: str
     new_token_ids: list[int]            # tokens appended this step (0, 1 or more)
     finished: RequestStatus | None      # set when the step ended the request
@@ -129,7 +129,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
         chunks: list[tuple[Request, int]] = []      # (request, tokens) in step order
-        known: dict[str, list[list[int]]] = {}      # ids per group the runner already holds
+        added: dict[str, list[list[int]]] = {}      # running requests' new ids per group
         preempted: list[str] = []
 
         i = 0
@@ -145,8 +145,8 @@ class Scheduler:
             if self.kv.num_free_blocks < need:   # even alone it does not fit: preempt itself
                 preempted.append(self._preempt(self.running.pop()).request_id)
                 break
-            known[req.request_id] = self.kv.group_block_ids(req.request_id)
-            self.kv.grow(req.request_id, req.num_computed_tokens + n)
+            added[req.request_id] = self.kv.new_group_ids(
+                self.kv.grow(req.request_id, req.num_computed_tokens + n, need))
             chunks.append((req, n))
             budget -= n
             i += 1
@@ -192,7 +192,8 @@ class Scheduler:
                 new_requests.append(NewRequestData(
                     rid, list(req.prompt_token_ids), list(req.output_token_ids),
                     req.sampling_params, req.seed, req.eos_token_ids))
-            scheduled.append(self._advance(req, n, known.get(rid)))
+            new_ids = added.get(rid) if rid in added else self.kv.group_block_ids(rid)
+            scheduled.append(self._advance(req, n, new_ids))
         finished = []
         if chunks:          # an empty step is never run: it carries nothing, not even these
             finished, self._finished_ids = self._finished_ids, []
@@ -202,21 +203,21 @@ class Scheduler:
                                num_tokens=sum(r.num_tokens for r in scheduled),
                                preempted_ids=preempted, num_cached_tokens=cached_tokens)
 
-    def _advance(self, req: Request, n: int, known: list[list[int]] | None) -> ScheduledRequest:
+    def _advance(self, req: Request, n: int, new_ids: list[list[int]]) -> ScheduledRequest:
         """Schedule n tokens of `req`: they count as computed from now on, and the token the
-        step samples counts as a placeholder until update() sees it. `known`: the ids per
-        group the runner already holds (None: none; the message carries only the rest). A
-        budget that cuts into the drafts keeps the first ones."""
+        step samples counts as a placeholder until update() sees it. `new_ids`: the ids per
+        group the runner does not hold yet. A budget that cuts into the drafts keeps the first
+        ones."""
         start = req.num_computed_tokens
         base = req.num_tokens + req.num_output_placeholders      # without the drafts
         sample = start + n >= base
-        drafts = req.spec_token_ids[:max(0, start + n - base)]
-        req.spec_token_ids = []
+        drafts = []
+        if req.spec_token_ids:
+            drafts = req.spec_token_ids[:max(0, start + n - base)]
+            req.spec_token_ids = []
         req.num_computed_tokens += n
         req.num_output_placeholders += int(sample)
-        now = self.kv.group_block_ids(req.request_id)
-        new = now if known is None else [ids[len(old):] for ids, old in zip(now, known)]
-        return ScheduledRequest(req.request_id, start, n, new, sample, drafts)
+        return ScheduledRequest(req.request_id, start, n, new_ids, sample, drafts)
 
     def _num_known(self, req: Request) -> int:
         """Tokens whose ids exist (on the host or, as placeholders, on the device), drafts
@@ -252,7 +253,7 @@ class Scheduler:
                     break
             if req.status == RequestStatus.RUNNING:   # the KV this step wrote is valid now
                 end = sched.start_position + sched.num_tokens - rejected
-                self.kv.cache_full_blocks(req.request_id, req.all_token_ids,
+                self.kv.cache_full_blocks(req.request_id, req.token_slice,
                                           min(end, req.num_tokens))
             if kept and req.first_token_time is None:
                 req.first_token_time = time.monotonic()

@@ -49,7 +49,7 @@ def test_prefix_hits_per_group():
     tokens = list(range(100, 113))              # 3 full blocks of 4, then one token
     paged = KVCacheManager([KV], block_size=4, num_blocks=16)
     paged.admit("a", [], len(tokens))
-    paged.cache_full_blocks("a", tokens, len(tokens))
+    paged.cache_full_blocks("a", lambda a, b: tokens[a:b], len(tokens))
     hits = paged.prefix_hits("b", tokens)
     assert hits == paged.blocks["a"][:3]        # full blocks only, one token left to compute
     assert paged.prefix_hits("c", tokens[:8]) == paged.blocks["a"][:1]
@@ -59,6 +59,6 @@ def test_prefix_hits_per_group():
     # paged layers register their full blocks.
     hybrid = KVCacheManager(HYBRID, block_size=4, num_blocks=16, num_slots=3)
     hybrid.admit("a", [], len(tokens))
-    hybrid.cache_full_blocks("a", tokens, len(tokens))
+    hybrid.cache_full_blocks("a", lambda a, b: tokens[a:b], len(tokens))
     assert len(hybrid.pool.cached) == 3
     assert hybrid.prefix_hits("b", tokens) == []

@@ -146,7 +146,7 @@ class OutputProcessor:
                 self.fail(group.request_id, f"{type(e).__name__}: {e}")
             touched[group.request_id] = group
         return [self.finish_if_done(g, now) for g in touched.values()
-                if g.finished or g.output_kind != "final_only"]
+                if g.output_kind != "final_only" or g.finished]
 
     def _process_tokens(self, group: _Group, sample: _Sample, up: RequestUpdate,
                         lps: TokenLogprobs | None, now: float) -> bool:

@@ -18,7 +18,7 @@ waits for one), then for as many blocks as fit.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from jaxserve.kv_cache.block_pool import BlockPool
 from jaxserve.kv_cache.prefix_cache import extend_block_hashes
@@ -79,6 +79,7 @@ class KVCacheManager:
         self.blocks: dict[str, list[int]] = {}     # request -> its block table (paged group)
         self.slots: dict[str, int] = {}            # request -> its state slot
         self.hashes: dict[str, list[bytes]] = {}   # request -> hashes of its full blocks
+        self.registered: dict[str, int] = {}       # request -> its leading blocks already cached
 
     # -- figures ---------------------------------------------------------------------------
     @property
@@ -124,32 +125,53 @@ class KVCacheManager:
         if self.has_state:
             self.slots[request_id] = self.free_slots.pop()
 
-    def grow(self, request_id: str, num_tokens: int) -> list[int]:
-        """Blocks so the request holds `num_tokens` tokens; returns the new ones."""
-        new = self.pool.allocate(self.blocks_needed(request_id, num_tokens))
+    def grow(self, request_id: str, num_tokens: int, need: int | None = None) -> list[int]:
+        """Blocks so the request holds `num_tokens` tokens (`need`: blocks_needed of that,
+        when the caller has it); returns the new ones."""
+        if need is None:
+            need = self.blocks_needed(request_id, num_tokens)
+        if not need:
+            return []
+        new = self.pool.allocate(need)
         self.blocks[request_id] += new
         return new
+
+    def new_group_ids(self, new_blocks: list[int]) -> list[list[int]]:
+        """Per group, the ids a running request gained: `grow`'s new blocks in each paged
+        group; nothing in a state group (its slot was sent at admission)."""
+        if self.kinds == [PAGED]:        # the common case, at every step of every request
+            return [new_blocks]
+        return [new_blocks if k == PAGED else [] for k in self.kinds]
 
     def group_block_ids(self, request_id: str) -> list[list[int]]:
         """The request's ids per group, in self.kinds order: its block table, its [state slot]."""
         return [list(self.blocks.get(request_id, ())) if k == PAGED else [self.slots[request_id]]
                 for k in self.kinds]
 
-    def cache_full_blocks(self, request_id: str, token_ids: list[int], num_computed: int) -> None:
-        """Register the blocks that the first `num_computed` tokens fill (their KV is written)."""
+    def cache_full_blocks(self, request_id: str, token_slice: Callable[[int, int], list[int]],
+                          num_computed: int) -> None:
+        """Register the blocks that the first `num_computed` tokens fill (their KV is written).
+        `token_slice(start, end)`: the request's token ids there, asked for only when a block
+        was filled (building every request's whole token list each step cost ~0.2 ms at 256)."""
         if not self.pool.enable_caching:
             return
         hashes = self.hashes.setdefault(request_id, [])
         full = num_computed // self.block_size
         if len(hashes) < full:
-            extend_block_hashes(hashes, token_ids[:num_computed], self.block_size)
+            extend_block_hashes(hashes, token_slice(0, full * self.block_size), self.block_size)
         blocks = self.blocks.get(request_id, [])
-        for j in range(min(full, len(hashes), len(blocks))):
+        # Only the blocks filled since the last call: the earlier ones are registered already
+        # (a step at 256 sequences otherwise walked every block of every table).
+        first, end = self.registered.get(request_id, 0), min(full, len(hashes), len(blocks))
+        for j in range(first, end):
             self.pool.cache_block(blocks[j], hashes[j])
+        if end > first:
+            self.registered[request_id] = end
 
     def free(self, request_id: str, forget: bool = True) -> None:
         """Give back the request's blocks and slot (preemption keeps its hashes: forget=False)."""
         blocks = self.blocks.pop(request_id, None)
+        self.registered.pop(request_id, None)
         if blocks:
             self.pool.free(blocks)
         slot = self.slots.pop(request_id, None)
