@@ -56,6 +56,10 @@ class MiniMaxM2Config(ModelConfig):
         for key, allowed in (("hidden_act", "silu"), ("scoring_func", "sigmoid")):
             if hf.get(key, allowed) != allowed:
                 raise ValueError(f"{arch}: {key}={hf[key]!r} is not supported; supported: {allowed}")
+        if not hf.get("use_qk_norm", True) or hf.get("qk_norm_type", "per_layer") != "per_layer":
+            raise ValueError(f"{arch}: use_qk_norm={hf.get('use_qk_norm')!r}, qk_norm_type="
+                             f"{hf.get('qk_norm_type')!r} is not supported; supported: true, 'per_layer' "
+                             f"(one norm over all heads, as transformers implements)")
         if hf.get("shared_intermediate_size"):
             raise ValueError(f"{arch}: shared experts (shared_intermediate_size="
                              f"{hf['shared_intermediate_size']}) are not supported; supported: 0")
