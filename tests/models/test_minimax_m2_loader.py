@@ -3,6 +3,7 @@ and tensors, dummy weights, the reduced-depth full-width config, the whole engin
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -146,3 +147,65 @@ def test_engine_matches_transformers_batched_chunked_and_on_prefix_hits():
     assert llm.get_metrics()["prefix_cache_hits_total"] > hits
     s = llm.engine.scheduler
     assert not s.requests and s.pool.num_used == 0
+
+
+def _write_gguf(path: str) -> None:
+    """The tiny checkpoint as llama.cpp's convert_hf_to_gguf.py writes MiniMax-M2 (its tensor
+    and metadata names, from the gguf package): q/k rows as in HF (no permutation), experts
+    stacked [X, out, in], the correction bias as exp_probs_b.bias; f32 tensors."""
+    import gguf
+
+    hf, src = _hf(), deepseek_loader.SafetensorsDir(CKPT)
+    f32 = lambda name: np.asarray(src.raw(name), np.float32)  # noqa: E731
+    w = gguf.GGUFWriter(path, "minimax-m2")
+    w.add_block_count(hf["num_hidden_layers"])
+    w.add_context_length(hf["max_position_embeddings"])
+    w.add_embedding_length(hf["hidden_size"])
+    w.add_feed_forward_length(hf["intermediate_size"])
+    w.add_head_count(hf["num_attention_heads"])
+    w.add_head_count_kv(hf["num_key_value_heads"])
+    w.add_key_length(hf["head_dim"])
+    w.add_value_length(hf["head_dim"])
+    w.add_rope_freq_base(hf["rope_theta"])
+    w.add_layer_norm_rms_eps(hf["rms_norm_eps"])
+    w.add_expert_count(hf["num_local_experts"])
+    w.add_expert_used_count(hf["num_experts_per_tok"])
+    w.add_expert_feed_forward_length(hf["intermediate_size"])
+    w.add_rope_dimension_count(hf["rotary_dim"])
+    w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    w.add_vocab_size(hf["vocab_size"])
+    w.add_tensor("token_embd.weight", f32("model.embed_tokens.weight"))
+    w.add_tensor("output_norm.weight", f32("model.norm.weight"))
+    w.add_tensor("output.weight", f32("lm_head.weight"))
+    names = {"attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
+             "attn_q.weight": "self_attn.q_proj.weight", "attn_k.weight": "self_attn.k_proj.weight",
+             "attn_v.weight": "self_attn.v_proj.weight", "attn_output.weight": "self_attn.o_proj.weight",
+             "attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight",
+             "ffn_gate_inp.weight": "block_sparse_moe.gate.weight",
+             "exp_probs_b.bias": "block_sparse_moe.e_score_correction_bias"}
+    for i in range(hf["num_hidden_layers"]):
+        for ours, theirs in names.items():
+            w.add_tensor(f"blk.{i}.{ours}", f32(f"model.layers.{i}.{theirs}"))
+        for ours, theirs in (("ffn_gate_exps", "w1"), ("ffn_up_exps", "w3"), ("ffn_down_exps", "w2")):
+            w.add_tensor(f"blk.{i}.{ours}.weight", np.stack([
+                f32(f"model.layers.{i}.block_sparse_moe.experts.{j}.{theirs}.weight")
+                for j in range(hf["num_local_experts"])]))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_gguf_loads_like_the_hf_checkpoint(tmp_path):
+    from jaxserve.models import gguf_loader
+
+    path = str(tmp_path / "tiny-minimax-m2.gguf")
+    _write_gguf(path)
+    cfg, host, _ = gguf_loader.load_gguf(path)
+    hf_cfg, ref = hf_loader.load_hf(CKPT)
+    # eps passes through f32 metadata; bos / eos come from tokenizer metadata, absent here
+    assert cfg.rms_norm_eps == pytest.approx(hf_cfg.rms_norm_eps)
+    assert dataclasses.replace(cfg, rms_norm_eps=hf_cfg.rms_norm_eps, bos_token_id=1, eos_token_ids=(2,)) == hf_cfg
+    assert jax.tree.structure(host) == jax.tree.structure(ref)
+    for a, b in zip(jax.tree.leaves(ref), jax.tree.leaves(host)):
+        np.testing.assert_array_equal(np.asarray(a), b)
