@@ -27,6 +27,7 @@ R rotary dims, X experts, F expert MLP dim, V vocabulary.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -110,11 +111,20 @@ compute_logits = llama.compute_logits
 fuse_projections = llama.fuse_projections
 
 
-def make_kernels(cfg: MiniMaxM2Config, backend="xla", plan=None, fused=frozenset()):
-    """llama's kernels (attention backend and plan, add+RMSNorm, the MoE impl). The fused
-    QK-norm + RoPE kernel is llama's per-head one and does not apply: "rope" is ignored."""
+def make_kernels(cfg: MiniMaxM2Config, backend="xla", plan=None, fused=frozenset()) -> llama.Kernels:
+    """llama's kernels (attention backend and plan, add+RMSNorm, the MoE impl) with this
+    family's rope_write: the full-width q/k norm, partial rotary and KV write, in XLA, or
+    with "rope" in `fused` (and the Pallas impl, a power-of-two head dim >= 32) the fused
+    kernel pallas_kernels/full_qk_norm_rope_kv_write.py. Off by default, as llama's."""
     kw = {} if plan is None else {"plan": plan}
-    return llama.make_kernels(cfg, backend, fused=frozenset(fused) - {"rope"}, **kw)
+    fused = frozenset(fused)
+    kernels = llama.make_kernels(cfg, backend, fused=fused - {"rope"}, **kw)
+    eps, e = cfg.rms_norm_eps, cfg.head_dim
+    rope_write = functools.partial(rope_write_xla, eps=eps)
+    if "rope" in fused and kernels.impl == "pallas" and e >= 32 and e & (e - 1) == 0:
+        from jaxserve.pallas_kernels.full_qk_norm_rope_kv_write import full_qk_norm_rope_kv_write
+        rope_write = functools.partial(full_qk_norm_rope_kv_write, eps=eps, impl="pallas")
+    return dataclasses.replace(kernels, rope_write=rope_write)
 
 
 def qk_norm(q_TF: jax.Array, k_TF: jax.Array, q_w: jax.Array, k_w: jax.Array, num_kv_heads: int,
@@ -145,6 +155,19 @@ def partial_rope(x_TNE: jax.Array, positions_T: jax.Array, inv_freq: jax.Array) 
     return jnp.concatenate([layers.apply_rope(x_TNE[..., :r], positions_T, inv_freq), x_TNE[..., r:]], -1)
 
 
+def rope_write_xla(q_TNE, k_TKE, v_TKE, positions_T, slot_mapping_T, k_cache, v_cache, inv_freq_R,
+                   q_norm, k_norm, *, eps: float):
+    """The full-width q/k norm, partial rotary and the cache write in plain XLA: (q', k_cache,
+    v_cache). The fused kernel (pallas_kernels/full_qk_norm_rope_kv_write.py) matches it."""
+    t, n, e = q_TNE.shape
+    kh = k_TKE.shape[1]
+    q, k = qk_norm(q_TNE.reshape(t, n * e), k_TKE.reshape(t, kh * e), q_norm, k_norm, kh, eps)
+    q_TNE = partial_rope(q.reshape(t, n, e), positions_T, inv_freq_R)
+    k_TKE = partial_rope(k.reshape(t, kh, e), positions_T, inv_freq_R)
+    k_cache, v_cache = layers.write_kv(k_cache, v_cache, k_TKE, v_TKE, slot_mapping_T)
+    return q_TNE, k_cache, v_cache
+
+
 def attention_block(cfg: MiniMaxM2Config, lp: dict, kv: dict, h_TD: jax.Array, x: StepInput,
                     inv_freq: jax.Array, kernels: llama.Kernels):
     """(the layer's new {"k", "v"} cache, attention output f[T, D]) of normed input."""
@@ -154,10 +177,9 @@ def attention_block(cfg: MiniMaxM2Config, lp: dict, kv: dict, h_TD: jax.Array, x
         q, k, v = jnp.split(layers.linear(h_TD, lp["wqkv"]), [n * e, (n + kh) * e], axis=-1)
     else:
         q, k, v = (layers.linear(h_TD, lp[w]) for w in ("wq", "wk", "wv"))
-    q, k = qk_norm(q, k, lp["q_norm"], lp["k_norm"], kh, cfg.rms_norm_eps)
-    q_TNE = partial_rope(q.reshape(t, n, e), x.positions, inv_freq)
-    k_TKE = partial_rope(k.reshape(t, kh, e), x.positions, inv_freq)
-    k_cache, v_cache = layers.write_kv(kv["k"], kv["v"], k_TKE, v.reshape(t, kh, e), x.slot_mapping)
+    q_TNE, k_cache, v_cache = kernels.rope_write(
+        q.reshape(t, n, e), k.reshape(t, kh, e), v.reshape(t, kh, e), x.positions, x.slot_mapping,
+        kv["k"], kv["v"], inv_freq, lp["q_norm"], lp["k_norm"])
     o_TNE = kernels.attention(q_TNE, k_cache, v_cache, x)
     return {"k": k_cache, "v": v_cache}, layers.linear(o_TNE.reshape(t, n * e), lp["wo"])
 

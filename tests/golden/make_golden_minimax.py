@@ -8,8 +8,8 @@ Same layout as make_golden.py (whose helpers it reuses): `ckpt/minimax_m2/` in t
 tensor layout (block_sparse_moe.experts.{j}.w1/w2/w3, block_sparse_moe.e_score_correction_bias),
 `minimax_m2.npz` with every prefill position's logits and 16 greedy decode steps.
 MiniMax specifics made non-trivial on purpose: a non-zero `e_score_correction_bias` (it
-changes the expert choice but not the weights), partial rotary (rotary_dim 8 of head_dim 16),
-a rope theta other than the default, full-width q/k norm weights away from 1, and a
+changes the expert choice but not the weights), partial rotary (rotary_dim 16 of head_dim
+32, a head dim the fused Pallas kernel takes), a rope theta other than the default, full-width q/k norm weights away from 1, and a
 config.json in the published checkpoints' style (top-level `rotary_dim` and `rope_theta`,
 no `rope_parameters`), read back by transformers before the goldens are recorded.
 """
@@ -28,11 +28,11 @@ from make_golden import CKPT_DIR, HERE, PROMPT_LENS, SEED, _greedy_goldens, _ran
 
 NAME = "minimax_m2"
 CONFIG = dict(vocab_size=256, hidden_size=64, intermediate_size=32, num_hidden_layers=2,
-              num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=8,
+              num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_local_experts=8,
               num_experts_per_tok=2, max_position_embeddings=256, rms_norm_eps=1e-6,
               bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False,
               rope_parameters=dict(rope_type="default", rope_theta=50000.0, partial_rotary_factor=0.5))
-ROTARY_DIM = 8
+ROTARY_DIM = 16
 
 
 def _published_style_config(path: str) -> None:

@@ -1,5 +1,6 @@
 """MiniMax-M2 against transformers on tiny random weights (golden from
-tests/golden/make_golden_minimax.py: non-zero correction bias, partial rotary, theta 5e4):
+tests/golden/make_golden_minimax.py: non-zero correction bias, rotary_dim 16 of head_dim 32,
+theta 5e4):
 chunked ragged prefill inside a batch through a scattered paged cache, then 16 batched greedy
 decode steps; a prefix-cache hit; logits close, first-token log-probabilities within 2e-3,
 identical greedy tokens. Also the pieces alone: the full-width q/k norm and partial rotary
@@ -110,10 +111,10 @@ def test_prefix_cache_hit():
 
 def test_config_fields():
     _, cfg, params, _ = _load()
-    assert (cfg.rotary_dim, cfg.head_dim, cfg.rope_theta) == (8, 16, 50000.0)
+    assert (cfg.rotary_dim, cfg.head_dim, cfg.rope_theta) == (16, 32, 50000.0)
     assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size) == (8, 2, 32)
     lp = params["layers"][0]
-    assert lp["q_norm"].shape == (64,) and lp["k_norm"].shape == (32,)    # whole projections
+    assert lp["q_norm"].shape == (128,) and lp["k_norm"].shape == (64,)   # whole projections
     assert float(jnp.abs(lp["router_bias"]).max()) > 0.1                   # non-trivial bias
 
 
@@ -150,20 +151,24 @@ def test_routing_bias_chooses_but_does_not_weigh():
     np.testing.assert_allclose(np.sort(np.asarray(w)[0]), np.sort(np.asarray(s / s.sum())), rtol=1e-6)
 
 
-def test_pallas_attention_in_the_model():
-    """The ragged paged attention kernel (interpreted) inside the model: a chunked prefill
-    and two batched decode steps match the goldens."""
+@pytest.mark.parametrize("fused", [(), ("rope",)])
+def test_pallas_kernels_in_the_model(fused):
+    """The ragged paged attention kernel (interpreted) inside the model, and with "rope" the
+    fused full-width QK-norm + partial RoPE + KV write kernel too: a chunked prefill and two
+    batched decode steps match the goldens."""
     golden, cfg, params, prompts = _load()
+    kernels = minimax_m2.make_kernels(cfg, "pallas", fused=fused)
+    assert (kernels.rope_write.func is minimax_m2.rope_write_xla) == (not fused)
     tables = scattered_block_tables(3, BLOCKS_PER_SEQ, NUM_BLOCKS, seed=7)
     caches = empty_kv_cache(cfg, NUM_BLOCKS, BLOCK_SIZE)
     x = build_step([Chunk(0, prompts[0], 0), Chunk(1, prompts[1], 0), Chunk(2, prompts[2][:10], 0)],
                    tables, BLOCK_SIZE, STEP_T, S)
-    caches, _ = _step(cfg, params, caches, x, "pallas")
+    caches, _ = _step(cfg, params, caches, x, kernels)
     x = build_step([Chunk(2, prompts[2][10:], 10)], tables, BLOCK_SIZE, STEP_T, S)
-    caches, logits_TV = _step(cfg, params, caches, x, "pallas")
+    caches, logits_TV = _step(cfg, params, caches, x, kernels)
     np.testing.assert_allclose(np.asarray(logits_TV[:10]), golden["prefill_logits_2"][10:], atol=ATOL, rtol=0)
     tokens = [golden[f"greedy_{i}"].tolist()[:1] for i in range(3)]
     for step in range(2):
-        logits_SV = _decode_step(cfg, params, caches, tables, prompts, tokens, step, "pallas")
+        logits_SV = _decode_step(cfg, params, caches, tables, prompts, tokens, step, kernels)
         want = np.stack([golden[f"decode_logits_{i}"][step] for i in range(3)])
         np.testing.assert_allclose(logits_SV, want, atol=ATOL, rtol=0)

@@ -82,14 +82,14 @@ def test_missing_or_misshapen_tensor_is_named(tmp_path):
     save_file({n: t for n, t in tensors.items() if n != gone}, str(path / "model.safetensors"))
     with pytest.raises(ValueError, match="e_score_correction_bias"):
         hf_loader.load_hf(str(path))
-    tensors["model.layers.0.self_attn.k_norm.weight"] = np.ones(16, np.float32)   # a per-head norm
+    tensors["model.layers.0.self_attn.k_norm.weight"] = np.ones(32, np.float32)   # a per-head norm
     save_file(tensors, str(path / "model.safetensors"))
-    with pytest.raises(ValueError, match=r"k_norm.*\(16,\).*\(32,\)"):
+    with pytest.raises(ValueError, match=r"k_norm.*\(32,\).*\(64,\)"):
         hf_loader.load_hf(str(path))
 
 
 @pytest.mark.parametrize("change, field", [
-    (dict(rotary_dim=7), "rotary_dim"), (dict(rotary_dim=32), "rotary_dim"),
+    (dict(rotary_dim=7), "rotary_dim"), (dict(rotary_dim=64), "rotary_dim"),
     (dict(shared_intermediate_size=64), "shared_intermediate_size"),
     (dict(attn_type_list=[0, 1]), "attn_type_list"), (dict(qk_norm_type="per_head"), "qk_norm_type"),
     (dict(scoring_func="softmax"), "scoring_func"), (dict(num_experts_per_tok=9), "num_experts_per_tok"),
@@ -104,7 +104,7 @@ def test_partial_rotary_factor_is_read_when_rotary_dim_is_absent():
     hf = {k: v for k, v in _hf().items() if k not in ("rotary_dim", "rope_theta")}
     hf["rope_parameters"] = {"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.25}
     cfg = hf_loader.model_config_from_hf(hf)
-    assert (cfg.rotary_dim, cfg.rope_theta) == (4, 1e6)
+    assert (cfg.rotary_dim, cfg.rope_theta) == (8, 1e6)
 
 
 def test_dummy_weights_follow_param_shapes():
