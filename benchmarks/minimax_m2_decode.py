@@ -6,8 +6,13 @@ step; and that kernel alone against XLA.
     python benchmarks/minimax_m2_decode.py [--batch 1 16 64] [--context 1024] [--json out.json]
     python benchmarks/minimax_m2_decode.py --smoke     # tiny shapes, any backend (a CPU interprets)
 
+On the H200, one device call each (a step figure compiles 4 programs per batch size):
+    python benchmarks/minimax_m2_decode.py --only kernel --json $OUT/m2_kernel.json
+    python benchmarks/minimax_m2_decode.py --only step --batch 1 16 --json $OUT/m2_step_1_16.json
+    python benchmarks/minimax_m2_decode.py --only step --batch 64 --json $OUT/m2_step_64.json
+
 The step is the model's forward + logits (no sampler, no host): one jitted program looping the
-step over its donated caches (benchmarks/kernels.py loop_time_ms: CUPTI kernel time). Per
+step over its caches, timed by benchmarks/kernels.py gpu_time_ms (CUPTI kernel time). Per
 layer = (step with 4 layers - step with 2 layers) / 2, which removes the embedding and the
 200K-vocabulary head. Roofline per layer: the attention and router weights, the experts the
 batch reaches (expected distinct of 256 with top-8 under uniform routing: 8 at batch 1, ~102
@@ -84,12 +89,19 @@ def step_ms(cfg, params, num_layers: int, batch: int, context: int, fused: tuple
     caches = [{"k": jnp.zeros(shape, jnp.bfloat16), "v": jnp.zeros(shape, jnp.bfloat16)}
               for _ in range(num_layers)]
 
-    def step(carry):
-        p, kv, _ = carry
-        kv, hidden, _ = minimax_m2.forward(cfg, p, kv, x, kernels)
-        return p, kv, minimax_m2.compute_logits(cfg, p, hidden)[:1, :1]
+    reps = 5 if jax.default_backend() == "cpu" else 20
 
-    return kb.loop_time_ms(step, (params, caches, jnp.zeros((1, 1), jnp.float32)), reps=5 if impl else 20)
+    def run(p, kv):
+        """`reps` decode steps over the carried caches; only a scalar comes out, so the
+        parameters are read in place (a carried or returned copy would add 30 GB a call),
+        and the caches are copied once a call (under 1 % of the step at batch 64)."""
+        def body(_, carry):
+            kv, acc = carry
+            kv, hidden, _ = minimax_m2.forward(cfg, p, kv, x, kernels)
+            return kv, acc + minimax_m2.compute_logits(cfg, p, hidden)[0, 0]
+        return jax.lax.fori_loop(0, reps, body, (kv, jnp.float32(0)))[1]
+
+    return kb.gpu_time_ms(jax.jit(run), params, caches, iters=5) / reps
 
 
 def bench_steps(cfg, params, batches, context: int, impl: str):
