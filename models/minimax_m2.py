@@ -69,8 +69,10 @@ class MiniMaxM2Config(ModelConfig):
                              f"linear-attention layers are MiniMax-Text-01's, not supported here")
         base = ModelConfig.from_hf(hf)
         rope = dict(hf.get("rope_parameters") or {})
-        kind = rope.get("rope_type", (hf.get("rope_scaling") or {}).get("rope_type", "default"))
-        if kind != "default" or base.rope_scaling:
+        # partial_rotary_factor travels in rope_parameters beside the (absent) scaling
+        scaling = {k: v for k, v in (base.rope_scaling or ()) if k != "partial_rotary_factor"}
+        kind = scaling.get("rope_type", scaling.get("type", "default"))
+        if kind != "default" or set(scaling) - {"rope_type", "type"}:
             raise ValueError(f"{arch}: rope scaling {kind!r} is not supported; supported: default")
         e = base.head_dim
         partial = hf.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0))
@@ -84,7 +86,7 @@ class MiniMaxM2Config(ModelConfig):
         fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(ModelConfig)}
         fields.update(num_experts=num_experts, moe_intermediate_size=hf["intermediate_size"],
                       norm_topk_prob=True, scoring_func="sigmoid", routed_scaling_factor=1.0,
-                      qk_norm=False, sliding_window=None, attention_bias=False)
+                      qk_norm=False, sliding_window=None, attention_bias=False, rope_scaling=None)
         return cls(**fields, rotary_dim=rotary_dim)
 
 

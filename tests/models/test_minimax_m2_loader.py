@@ -102,9 +102,10 @@ def test_unsupported_configs_are_refused(change, field):
 
 def test_partial_rotary_factor_is_read_when_rotary_dim_is_absent():
     hf = {k: v for k, v in _hf().items() if k not in ("rotary_dim", "rope_theta")}
-    hf["rope_parameters"] = {"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.25}
-    cfg = hf_loader.model_config_from_hf(hf)
-    assert (cfg.rotary_dim, cfg.rope_theta) == (8, 1e6)
+    for rope in ({"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.25},
+                 {"rope_theta": 1e6, "partial_rotary_factor": 0.25}):         # no rope_type
+        cfg = hf_loader.model_config_from_hf(dict(hf, rope_parameters=rope))
+        assert (cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling) == (8, 1e6, None)
 
 
 def test_dummy_weights_follow_param_shapes():
