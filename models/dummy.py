@@ -100,6 +100,12 @@ def dummy_params(cfg: ModelConfig, dtype: str = "float32", mesh=None, seed: int 
     else:
         raise NotImplementedError(f"{cfg.architecture}: dummy weights on a mesh need sharding rules "
                                   f"for its parameters, which do not exist yet; load without a mesh")
+    return draw_params(shapes, shardings, dtype, seed)
+
+
+def draw_params(shapes: dict, shardings: dict, dtype: str, seed: int = 0) -> dict:
+    """Random parameters of a {top-level..., "layers": [...]} shape tree, each array made
+    with its sharding (also for families with their own dummy_params)."""
     dtype = jnp.dtype(dtype).name
     root = jax.random.key(seed)
     top = {k: v for k, v in shapes.items() if k != "layers"}

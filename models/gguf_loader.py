@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from jaxserve.config import ModelConfig
+from jaxserve.models import registry
 
 # GGUF `general.architecture` -> HF architecture name.
 GGUF_ARCHITECTURES = {
@@ -21,6 +22,7 @@ GGUF_ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "qwen3moe": "Qwen3MoeForCausalLM",
+    "minimax-m2": "MiniMaxM2ForCausalLM",   # llama.cpp keeps HF's q/k layout (NEOX rotary) here
 }
 
 # Per-layer GGUF tensor suffix -> (our name, transpose to [in, out]).
@@ -43,6 +45,7 @@ _LAYER_TENSORS = {
     "ffn_gate_exps.weight": ("w_gate", "experts"),
     "ffn_up_exps.weight": ("w_up", "experts"),
     "ffn_down_exps.weight": ("w_down", "experts"),
+    "exp_probs_b.bias": ("router_bias", False),       # e_score_correction_bias (MiniMax-M2)
 }
 
 
@@ -83,6 +86,10 @@ def gguf_to_hf_config(meta: dict[str, Any]) -> dict[str, Any]:
     if g("expert_count"):
         hf.update(num_experts=g("expert_count"), num_experts_per_tok=g("expert_used_count"),
                   moe_intermediate_size=g("expert_feed_forward_length"), norm_topk_prob=True)
+    if arch == "minimax-m2":    # experts in every layer; partial rotary; sigmoid unless said
+        gating = g("expert_gating_func", 2)                   # gguf.ExpertGatingFuncType.SIGMOID
+        hf.update(num_local_experts=g("expert_count"), intermediate_size=g("expert_feed_forward_length"),
+                  rotary_dim=g("rope.dimension_count"), scoring_func="sigmoid" if gating == 2 else "softmax")
     if g("attention.sliding_window"):
         hf["sliding_window"] = g("attention.sliding_window")
     return hf
@@ -106,7 +113,8 @@ def load_gguf(path: str, dtype=np.float32) -> tuple[ModelConfig, dict, dict[str,
     hf = gguf_to_hf_config(meta)
     has_output = any(t.name == "output.weight" for t in reader.tensors)
     hf["tie_word_embeddings"] = not has_output
-    cfg = ModelConfig.from_hf(hf)
+    module = registry.get_model_module(hf["architectures"][0])
+    cfg = module.config_from_hf(hf) if hasattr(module, "config_from_hf") else ModelConfig.from_hf(hf)
     permute_qk = meta["general.architecture"] in ("llama", "mistral")
 
     params: dict[str, Any] = {"layers": [dict() for _ in range(cfg.num_layers)]}

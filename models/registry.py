@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from jaxserve.models import deepseek, llama, qwen3_next
+from jaxserve.models import deepseek, llama, minimax_m2, qwen3_next
 
 ARCHITECTURES: dict[str, ModuleType] = {
     "LlamaForCausalLM": llama,
@@ -24,6 +24,8 @@ ARCHITECTURES: dict[str, ModuleType] = {
     # own module: MLA latent cache, group-limited MoE; config_from_hf / load_hf of their own
     "DeepseekV3ForCausalLM": deepseek,
     "DeepseekV32ForCausalLM": deepseek,
+    # own module: full-width q/k norm, partial rotary, biased sigmoid routing (deepseek's)
+    "MiniMaxM2ForCausalLM": minimax_m2,
 }
 # Hybrid gated-DeltaNet families: their own module, config class (`config_from_hf`) and
 # loaders (`load_hf`, `dummy_params`), which hf_loader.py and dummy.py dispatch to.

@@ -45,6 +45,11 @@ _MOE_AXES = {
     "w_gate": ("experts", "embed", "mlp"), "w_up": ("experts", "embed", "mlp"),
     "w_down": ("experts", "mlp", "embed"),
 }
+# Families whose parameters of the same name mean something else, or that have more:
+# MiniMax-M2 normalises q / k over the whole projection, so its norm weights span the heads.
+_FAMILY_AXES = {
+    "MiniMaxM2ForCausalLM": {"q_norm": ("heads",), "k_norm": ("kv_heads",), "router_bias": ("router",)},
+}
 KV_CACHE_AXES = ("kv_blocks", "block_tokens", "kv_heads", "head_dim")
 
 
@@ -52,7 +57,7 @@ def param_logical_axes(cfg: ModelConfig) -> dict:
     """The parameter tree with a tuple of logical axis names at every leaf."""
     from jaxserve.models.registry import param_shapes
 
-    table = dict(_DENSE_AXES, **(_MOE_AXES if cfg.is_moe else {}))
+    table = {**_DENSE_AXES, **(_MOE_AXES if cfg.is_moe else {}), **_FAMILY_AXES.get(cfg.architecture, {})}
     shapes = param_shapes(cfg)
     top = {name: table[name] for name in shapes if name != "layers"}
     top["layers"] = [{name: table[name] for name in layer} for layer in shapes["layers"]]

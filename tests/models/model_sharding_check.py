@@ -17,7 +17,7 @@ os.environ["JAX_PLATFORMS"] = "cpu"
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jaxserve.models import llama  # noqa: E402
+from jaxserve.models import registry  # noqa: E402
 from jaxserve.models.loader import load_model  # noqa: E402
 from jaxserve.sharding import mesh as mesh_lib, rules  # noqa: E402
 from model_step_builder import Chunk, build_step, empty_kv_cache, scattered_block_tables  # noqa: E402
@@ -54,8 +54,9 @@ def _run(cfg, params, mesh):
 
 
 def _forward_logits(cfg, params, kv, x):
-    kv, hidden, _ = llama.forward(cfg, params, kv, x)
-    return kv, llama.compute_logits(cfg, params, hidden)
+    model = registry.get_model_module(cfg.architecture)    # llama's families, MiniMax-M2, ...
+    kv, hidden, _ = model.forward(cfg, params, kv, x)
+    return kv, model.compute_logits(cfg, params, hidden)
 
 
 def check_matches(source, tp, ep, load_format="auto", atol=2e-5):
