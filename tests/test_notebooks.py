@@ -3,7 +3,9 @@
 The notebooks run in a fresh `python3` kernel of this interpreter (ipykernel from the test
 extra; nothing is registered globally), with the working directory set to notebooks/ and this
 process's environment (so JAX_PLATFORMS=cpu, as scripts/test.sh sets it, holds there too).
-Committed notebooks carry no outputs: the second test keeps it that way.
+Committed notebooks carry the outputs of one top-to-bottom run, so their plots show where the
+repository is browsed: the second test checks that they are whole, in order and error-free.
+To refresh them: `.venv/bin/jupyter nbconvert --to notebook --execute --inplace notebooks/*.ipynb`.
 """
 
 import pathlib
@@ -25,11 +27,17 @@ def test_there_are_notebooks():
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
-def test_notebook_is_committed_without_outputs(path):
+def test_notebook_is_committed_with_the_outputs_of_one_clean_run(path):
     nb = nbformat.read(path, as_version=4)
-    dirty = [i for i, c in enumerate(nb.cells)
-             if c.cell_type == "code" and (c.outputs or c.execution_count is not None)]
-    assert not dirty, f"{path.name}: clear the outputs of cells {dirty} before committing"
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    assert [c.execution_count for c in code] == list(range(1, len(code) + 1)), \
+        f"{path.name}: run it top to bottom once before committing (README, Notebooks)"
+    outputs = [o for c in code for o in c.outputs]
+    errors = [o.get("ename") for o in outputs if o.output_type == "error"]
+    assert not errors, f"{path.name}: committed with errors {errors}"
+    text = "".join(o.get("text", "") for o in outputs if o.output_type == "stream")
+    assert "IProgress" not in text, f"{path.name}: tqdm's IProgress warning (install the notebooks extra)"
+    assert any("image/png" in o.get("data", {}) for o in outputs), f"{path.name}: no plot in its outputs"
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
