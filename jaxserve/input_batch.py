@@ -39,7 +39,7 @@ class CachedRequest:
     row: int                        # its row of InputBatch.block_table
     num_blocks: int = 0             # filled entries of that row
     state_slot: int = 0             # its state slot (0: the model keeps no state)
-    matcher: object | None = None   # its grammar's llguidance matcher (structured output only)
+    grammar: object | None = None   # structured output: its structured.masks.RequestGrammar
 
     @property
     def num_tokens(self) -> int:
@@ -74,6 +74,7 @@ class InputBatch:
         self.requests: dict[str, CachedRequest] = {}
         self.prev_rows: dict[str, int] = {}     # req -> its row of the last step's sampled ids
         self.grammars = None    # the engine's structured.compiler.GrammarCompiler (None: no tokenizer)
+        self.last_sampled = None   # () -> the last step's sampled ids on the host (the runner's)
 
     # -- the diffs ---------------------------------------------------------------------------
     def apply(self, out: SchedulerOutput) -> None:
@@ -100,7 +101,7 @@ class InputBatch:
             new.req_id, list(new.prompt_token_ids), list(new.output_token_ids),
             new.sampling_params, new.seed, tuple(new.eos_token_ids), row)
         if new.sampling_params.structured_outputs is not None:
-            req.matcher = structured_masks.new_matcher(self.grammars, new)
+            req.grammar = structured_masks.RequestGrammar.for_request(self.grammars, new)
 
     def remove(self, req_id: str) -> None:
         req = self.requests.pop(req_id, None)
@@ -113,8 +114,6 @@ class InputBatch:
         dropped, also when its id now names a new request)."""
         if self.requests.get(req.req_id) is req:
             req.output_token_ids.extend(tokens)
-            if req.matcher is not None:
-                structured_masks.advance(req.matcher, tokens)
 
     # -- one step's input --------------------------------------------------------------------
     def build(self, out: SchedulerOutput, num_tokens: int, num_seqs: int) -> tuple[StepInput, StepPlan]:
@@ -129,7 +128,7 @@ class InputBatch:
         logits_idx = np.zeros(num_seqs, np.int32)
         slots_S = np.zeros(num_seqs, np.int32)
         sampling_rows, samples, prompt_lp, reqs = [], [], {}, []
-        constrained = []            # (row, matcher) of the rows a grammar constrains
+        constrained = []            # (row, request, its row of the last step's ids or None)
         full = False
         t = 0
         for s, sched in enumerate(out.scheduled):
@@ -167,11 +166,8 @@ class InputBatch:
                 offset=start + n - n_prompt if sched.sample else 0,
                 eos_token_ids=req.eos_token_ids))
             samples.append(sched.sample)
-            if req.matcher is not None and sched.sample:
-                if known < start + n:      # the core waits for these steps (engine/core.py)
-                    raise RuntimeError(f"request {sched.req_id}: its grammar's matcher needs the "
-                                       f"last step's token, which is still on the device")
-                constrained.append((s, req.matcher))
+            if req.grammar is not None and sched.sample:
+                constrained.append((s, req, self.prev_rows[sched.req_id] if known < start + n else None))
             full = full or params.logprobs is not None or params.uses_truncation
             t += n
         qsl[len(out.scheduled) + 1:] = t
@@ -187,8 +183,9 @@ class InputBatch:
         sampling = make_sampling_tensors(sampling_rows, num_seqs, self.vocab_size,
                                          self.max_model_len, with_extras=full,
                                          with_mask=full or bool(constrained))
-        if constrained:
-            structured_masks.fill_masks(self.grammars.executor, sampling.allowed_mask, constrained)
+        if constrained:   # last: it may wait for the last step's tokens (structured/masks.py)
+            structured_masks.fill_step_masks(self.grammars, sampling.allowed_mask, constrained,
+                                             self.last_sampled)
         x = StepInput(token_ids=np.array(token_ids + [0] * pad, np.int32), positions=positions_T,
                       slot_mapping=slots_T.astype(np.int32), token_seq_ids=seq_T,
                       query_start_loc=qsl, seq_lens=seq_lens, block_tables=tables_SB,

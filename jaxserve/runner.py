@@ -169,6 +169,8 @@ class ModelRunner:
         # The previous step's sampled ids (padded to max_num_seqs).
         self._prev_ids = jax.device_put(jnp.zeros(config.scheduler.max_num_seqs, jnp.int32),
                                         self.input_sharding)
+        # A grammar's next mask needs the token still on its way (jaxserve/structured/masks.py).
+        self.batch.last_sampled = lambda: np.asarray(self._prev_ids)
         # Compiled step programs by (input layout, variant): warm-up fills it, run() uses it.
         # NOTE: the identity names what the jitted step closes over: a stored program is
         # loaded only for the same ones (compiling.ProgramStore)

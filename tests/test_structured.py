@@ -194,13 +194,17 @@ def test_max_tokens_still_ends_a_constrained_request(llm):
     assert c.finish_reason == "length" and len(c.token_ids) == 5 and re.fullmatch("[ab]+", c.text)
 
 
-def test_constrained_and_plain_requests_share_a_batch_and_free_their_matchers(llm):
+def test_constrained_and_plain_requests_share_a_batch_and_free_their_matchers(llm, monkeypatch):
     plain = SamplingParams(temperature=0, max_tokens=6)
     alone = llm.generate(["plain"], plain, use_tqdm=False)[0].outputs[0].token_ids
+    waits = []                  # the pipeline stays on: masks wait for the in-flight step's ids
+    batch = llm.engine.runner.batch
+    monkeypatch.setattr(batch, "last_sampled", lambda real=batch.last_sampled: waits.append(1) or real())
     outs = llm.generate(["plain", "q"], [plain, SamplingParams(temperature=0, max_tokens=20,
                                                                structured_outputs=CASES[1])],
                         use_tqdm=False)
     assert outs[0].outputs[0].token_ids == alone and outs[1].outputs[0].text in CASES[1].choice
+    assert waits
     assert not llm.engine.scheduler.requests
     # The runner drops finished requests (and their matchers) with the next step it runs.
     ended = set(llm.engine.runner.batch.requests)
@@ -215,13 +219,29 @@ def test_a_resumed_request_replays_its_tokens_into_a_new_matcher():
     so = SO(choice=["ab", "ba"])
     ids = tiny_tokenizer().encode("b")
     new = NewRequestData("r", [5], ids, SamplingParams(structured_outputs=so), 0, (2,))
-    m = masks.new_matcher(grammars, new)
+    grammar = masks.RequestGrammar.for_request(grammars, new)
+    assert grammar.consumed == 1
     allowed = np.full((1, 32), 0xFF, np.uint8)
-    masks.fill_masks(grammars.executor, allowed, [(0, m)])
+    masks.fill_masks(grammars.executor, allowed, [(0, grammar.matcher)])
     ok = np.unpackbits(allowed[0], count=256, bitorder="little").nonzero()[0]
     assert [tiny_tokenizer().decode([int(t)]) for t in ok] == ["a"]
     with pytest.raises(ValueError, match="needs the model's tokenizer"):
-        masks.new_matcher(None, new)
+        masks.RequestGrammar.for_request(None, new)
+
+
+def test_a_pending_token_is_consumed_once_however_often_the_step_is_built():
+    """The last step's token is fed to the matcher when the next step's mask is filled (it is
+    still on the device then), and not again when the runner reads it back."""
+    grammars = GrammarCompiler(tiny_tokenizer(), 256, [2])
+    grammar = masks.RequestGrammar(grammars.matcher(SO(choice=["abab"])))
+    a, b = tiny_tokenizer().encode("a")[0], tiny_tokenizer().encode("b")[0]
+    output = [a]
+    grammar.catch_up(output, pending=b)          # "a" read back, "b" still on the device
+    grammar.catch_up(output, pending=b)          # the step built again (a failed dispatch)
+    output.append(b)                             # the runner reads "b" back
+    grammar.catch_up(output)
+    assert grammar.consumed == 2 and not grammar.matcher.is_error()
+    assert grammar.matcher.consume_tokens([a, b]) and grammar.matcher.is_accepting()
 
 
 def test_no_compilation_after_warmup_with_constrained_requests(ckpt_dir):

@@ -4,8 +4,7 @@ Pipelined: before waiting for step N's tokens, step N+1 is scheduled and dispatc
 N's sampled tokens straight from the device; N's tokens are then read and applied one step
 late. Requests that finish at N waste one token of N+1. Requests whose next step needs the
 host's view of this step's tokens (penalties read the whole history; drafts are proposed
-from it; a grammar's matcher must consume the token before it gives the next mask) make the
-core wait for each step before scheduling the next.
+from it) make the core wait for each step before scheduling the next.
 """
 
 from __future__ import annotations
@@ -50,7 +49,6 @@ class EngineCore:
 
     def _must_wait(self) -> bool:
         return any(r.sampling_params.uses_penalties or r.spec_token_ids
-                   or r.sampling_params.structured_outputs is not None
                    for r in self.scheduler.running)
 
     def step(self) -> StepOutcome | None:
