@@ -72,9 +72,17 @@ class GrammarCompiler:
             if self._ll_tokenizer is None:
                 import llguidance.hf
 
+                # NOTE: the model's vocabulary may have padding rows past the tokenizer's
+                # (never allowed) or, rarely, fewer rows (the extra tokens are cut from the mask)
                 self._ll_tokenizer = llguidance.hf.from_tokenizer(
-                    self._hf, n_vocab=self.vocab_size, eos_token=self.eos_token_ids or None)
+                    self._hf, n_vocab=max(self.vocab_size, len(self._hf)),
+                    eos_token=self.eos_token_ids or None)
             return self._ll_tokenizer
+
+    @property
+    def mask_words(self) -> int:
+        """int32 words of one llguidance mask."""
+        return -(-self.ll_tokenizer.vocab_size // 32)
 
     @property
     def executor(self):

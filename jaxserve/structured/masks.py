@@ -54,14 +54,16 @@ class RequestGrammar:
             self.matcher.consume_tokens(tokens)
 
 
-def fill_masks(executor, allowed_SW: np.ndarray, rows: list[tuple[int, object]]) -> None:
-    """AND each (row, matcher)'s next-token mask into allowed_SW (u8[S, W], in place)."""
+def fill_masks(executor, allowed_SW: np.ndarray, rows: list[tuple[int, object]],
+               num_words: int | None = None) -> None:
+    """AND each (row, matcher)'s next-token mask into allowed_SW (u8[S, W], in place);
+    `num_words`: llguidance's mask width (its vocabulary may be larger than the model's)."""
     if not rows:
         return
     import llguidance.numpy as lln
 
     S, W = allowed_SW.shape
-    words = np.full((len(rows), -(-W // 4)), -1, np.int32)
+    words = np.full((len(rows), max(num_words or 0, -(-W // 4))), -1, np.int32)
     lln.fill_next_token_bitmask_par(executor, [(m, i) for i, (_, m) in enumerate(rows)], words)
     idx = np.array([r for r, _ in rows])
     allowed_SW[idx] &= words.view(np.uint8)[:, :W]
@@ -80,4 +82,4 @@ def fill_step_masks(grammars, allowed_SW: np.ndarray, constrained: list[tuple], 
     for row, req, prev in constrained:
         req.grammar.catch_up(req.output_token_ids, None if prev is None else int(ids[prev]))
         rows.append((row, req.grammar.matcher))
-    fill_masks(grammars.executor, allowed_SW, rows)
+    fill_masks(grammars.executor, allowed_SW, rows, grammars.mask_words)
