@@ -255,3 +255,16 @@ def test_no_compilation_after_warmup_with_constrained_requests(ckpt_dir):
     outs = llm.generate(["a", "bb", "ccc"], params + [], use_tqdm=False)
     assert all(_matches(so, o.outputs[0].text) for so, o in zip(CASES, outs))
     assert compiles == []
+
+
+def test_preempted_constrained_requests_resume_where_they_were(ckpt_dir, llm):
+    small = LLM(ckpt_dir, dtype="float32", max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64,
+                num_kv_blocks=8, block_size=4, warmup=False)
+    so = SO(regex="[ab]{12,20}")
+    params = [SamplingParams(temperature=0.9, seed=i, max_tokens=20, structured_outputs=so) for i in range(6)]
+    prompts = [f"p{i}" for i in range(6)]
+    outs = small.generate(prompts, params, use_tqdm=False)
+    assert small.get_metrics()["num_preemptions_total"] > 0
+    for prompt, p, out in zip(prompts, params, outs):
+        assert re.fullmatch("[ab]{12,20}", out.outputs[0].text)
+        assert out.outputs[0].token_ids == llm.generate([prompt], p, use_tqdm=False)[0].outputs[0].token_ids
