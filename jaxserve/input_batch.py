@@ -166,6 +166,10 @@ class InputBatch:
                 offset=start + n - n_prompt if sched.sample else 0,
                 eos_token_ids=req.eos_token_ids))
             samples.append(sched.sample)
+            if req.grammar is not None and sched.spec_token_ids:
+                # NOTE: a mask per draft position and matcher rollback are not built: the
+                # request fails alone (EngineCore._dispatch) rather than run unconstrained drafts
+                raise ValueError("structured_outputs cannot be combined with speculative decoding yet")
             if req.grammar is not None and sched.sample:
                 constrained.append((s, req, self.prev_rows[sched.req_id] if known < start + n else None))
             full = full or params.logprobs is not None or params.uses_truncation
