@@ -13,6 +13,7 @@ from jaxserve.server.protocol import ChatCompletionRequest
 from jaxserve.server.serving import run_generation
 from jaxserve.server.streaming import ChoiceDelta, StreamFormatter, usage
 from jaxserve.server.structured import check_compiles, field_of, structured_outputs
+from jaxserve.server.tool_parsers import SAFE_CONTENT
 from jaxserve.server.tools import (ToolPlan, finish_reason, new_call_id, parse_output, tool_call,
                                    tool_plan)
 from jaxserve.server.unsupported import check_request
@@ -35,6 +36,7 @@ class ChatStream(StreamFormatter):
         super().__init__(**kwargs)
         self.ctx, self.req, self.plan = ctx, req, plan
         self.call_ids: dict[int, str] = {}     # named tool choice: each choice's call id
+        self.content_sent: dict[int, int] = {}  # auto: characters of each choice sent as content
 
     def start(self) -> list[dict]:
         # OpenAI opens every choice with a delta that carries only the role.
@@ -67,10 +69,22 @@ class ChatStream(StreamFormatter):
                 self.call_ids[index] = new_call_id()
                 call = tool_call(self.plan.name, delta.text, 0, self.call_ids[index])
             return ({"tool_calls": [call]} if delta.text or delta.first else {}), delta.finish_reason
+        sent = self.content_sent.get(index, 0)
         if delta.finish_reason is None:
-            return {}, None
+            # auto: text that cannot be part of a call streams; required: nothing is content
+            safe = SAFE_CONTENT[self.plan.parser](c.text) if mode == "auto" else 0
+            if safe <= sent:
+                return {}, None
+            self.content_sent[index] = safe
+            return {"content": c.text[sent:safe]}, None
         content, calls = parse_output(self.plan, c.text)
-        body = {"content": content} if content else {}
+        # The whole output is parsed. Without calls it all is content; with calls the content
+        # is the (stripped) text before the first one, of which `sent` raw characters went out.
+        if not calls:
+            rest = c.text[sent:]
+        else:
+            rest = (content or "")[len(c.text[:sent].lstrip()):]
+        body = {"content": rest} if rest else {}
         if calls:
             body["tool_calls"] = [tool_call(name, args, i) for i, (name, args) in enumerate(calls)]
         return body, finish_reason(self.plan, delta.finish_reason, calls)

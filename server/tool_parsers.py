@@ -63,4 +63,26 @@ def parse_llama3_json(text: str) -> tuple[str | None, list[tuple[str, str]]]:
     return None, calls
 
 
+def _safe_hermes(text: str) -> int:
+    """How much of `text` is content for sure: up to a `<tool_call>`, or up to a tail that
+    could still become one."""
+    start = text.find("<tool_call>")
+    if start >= 0:
+        return start
+    for keep in range(min(len(text), len("<tool_call>") - 1), 0, -1):
+        if "<tool_call>".startswith(text[-keep:]):
+            return len(text) - keep
+    return len(text)
+
+
+def _safe_llama3_json(text: str) -> int:
+    """A Llama-3 call is the whole output: nothing is sure until the output shows it is not one."""
+    body = text.lstrip()
+    if not body or body.startswith("{") or body.startswith("<|python_tag|>") or "<|python_tag|>".startswith(body):
+        return 0
+    return len(text)
+
+
 PARSERS = {"hermes": parse_hermes, "llama3_json": parse_llama3_json}
+# parser -> (text so far -> how many of its leading characters a stream may send as content)
+SAFE_CONTENT = {"hermes": _safe_hermes, "llama3_json": _safe_llama3_json}

@@ -7,6 +7,7 @@ Forced calls (required, named) run on the real model: server_structured_tests.py
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
@@ -90,6 +91,40 @@ def test_auto_tool_calls_streamed():
     assert calls[0]["function"] == {"name": "get_weather", "arguments": '{"city": "Rome"}'}
     assert not any(d.get("content") for d in deltas)
     assert events[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+class ChunkedEngine(ScriptedEngine):
+    """Answers with `text` in cumulative outputs of a few characters each, as a stream."""
+
+    async def generate(self, prompt_token_ids, sampling_params, request_id, prompt=None):
+        for end in range(3, len(self.text) + 3, 3):
+            await asyncio.sleep(0.01)     # one output at a time reaches the stream (it merges a backlog)
+            done = end >= len(self.text)
+            yield RequestOutput(request_id, prompt, list(prompt_token_ids),
+                                [CompletionOutput(0, self.text[:end], list(range(end // 3)),
+                                                  finish_reason="stop" if done else None)], finished=done)
+
+
+@pytest.mark.parametrize("parser,text,content,calls", [
+    ("hermes", 'I will check. <tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>',
+     "I will check.", [("get_weather", '{"city": "Oslo"}')]),
+    ("hermes", "No tools <tool today.", "No tools <tool today.", []),
+    ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Oslo"}}', "", [("get_weather", '{"city": "Oslo"}')]),
+    ("llama3_json", "Plain words here.", "Plain words here.", []),
+])
+def test_auto_streams_content_as_it_comes_and_calls_at_the_end(parser, text, content, calls):
+    ctx = ServerContext(ChunkedEngine(text), ("stub",), enable_auto_tool_choice=True, tool_call_parser=parser)
+    with TestClient(build_app(ctx)) as client:
+        r = client.post("/v1/chat/completions", json={**BODY, "stream": True})
+        whole = client.post("/v1/chat/completions", json=BODY).json()["choices"][0]["message"]
+    events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+    deltas = [c["delta"] for e in events for c in e["choices"]]
+    pieces = [d["content"] for d in deltas if d.get("content")]
+    got_calls = [(tc["function"]["name"], tc["function"]["arguments"]) for d in deltas for tc in d.get("tool_calls", [])]
+    assert "".join(pieces).strip() == content == (whole["content"] or "")
+    assert got_calls == calls == [(c["function"]["name"], c["function"]["arguments"]) for c in whole["tool_calls"]]
+    if not calls:
+        assert len(pieces) > 1            # streamed as it came, not once at the end
 
 
 def test_auto_without_a_call_is_plain_content_and_tools_reach_the_template():
