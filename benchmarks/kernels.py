@@ -193,7 +193,7 @@ def dense_kv(c):
 
 def bench_attention(rng, quick: bool, sweep: bool, decode_only: bool = False):
     from jaxserve.pallas_kernels import ragged_paged_attention as rpa
-    from jaxserve.pallas_kernels.dispatch import NUM_SMS
+    from jaxserve.pallas_kernels.dispatch import num_sms
     scale = E ** -0.5
     decode_cases = [(1, 1024), (1, 8192), (4, 4096), (16, 1024), (32, 1024), (32, 8192),
                     (64, 1024), (64, 2048), (128, 1024), (128, 8192)]
@@ -217,7 +217,7 @@ def bench_attention(rng, quick: bool, sweep: bool, decode_only: bool = False):
             variants = [(f"x{xs} bk{bk}", dict(block_k=bk, num_splits=xs))
                         for xs in (1, 2, 4, 8, 16, 32, 64) for bk in (64, 128)
                         if ctx // xs >= bk and s * KH * xs <= 2048]
-            fill = max(1, NUM_SMS // (s * KH))
+            fill = max(1, num_sms() // (s * KH))
             variants += [(f"x{fill} bk{bk} {label}", dict(block_k=bk, num_splits=fill, **kw))
                          for bk in (64, 128)
                          for label, kw in (("pf s3", dict(prefetch_slots=True, num_stages=3)),

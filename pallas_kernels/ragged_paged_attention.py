@@ -43,7 +43,7 @@ waves better than 128-key 2-stage ones takes those (many_wave_decode). Both hold
 bucket from tiling_busy_floor busy sequences up, which its caller says (busy_seqs). A decode
 grid of fewer programs than SMs is split into one pipelined wave (split_decode_tiling): X from
 the grid's size when every slot is busy. In a padded bucket of up to two programs per SM whose
-busy count is not said, the grid is 2 or 3 x NUM_SMS programs and the kernel itself counts the
+busy count is not said, the grid is 2 or 3 x num_sms() programs and the kernel itself counts the
 busy (tile, kv head) items and splits each, in proportion to its key steps, to fill them
 (fill_splits: grid (P,), the split counts run-time values that the merge is told through a
 small `live` output). The engine also takes that tiling for a full bucket whose contexts are
@@ -62,7 +62,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jaxserve.pallas_kernels.dispatch import NUM_SMS, absent_refs, resolve_impl, whole
+from jaxserve.pallas_kernels.dispatch import absent_refs, num_sms, resolve_impl, tuning, whole
 from jaxserve.pallas_kernels.split_merge import merge_splits
 
 # ---------------------------------------------------------------------------------------------
@@ -422,17 +422,9 @@ def default_block_q(num_tokens: int, num_seqs: int, group: int) -> int:
     return max(1, min(max(bq, 16 // gp), max(1, 64 // gp)))
 
 
-# Programs of a decode tile (16 rows, 4 warps, 2 stages, E = 128 in 2-byte K/V) that one H200
-# SM holds at once, by keys per step: Nsight Compute's occupancy limits, by registers and by
-# shared memory alike (162-165 registers a thread and 72 KiB at 128 keys, 96 and 38 KiB at 64),
-# read from the kernels of jax 0.11.2's Triton; a compiler that used ~4 more registers at 128
-# keys would make it 2.
-DECODE_PROGRAMS_PER_SM = {128: 3, 64: 5}
-
-
 def waves(programs: int, per_sm: int) -> int:
     """Rounds of `per_sm` programs on every SM that a grid of `programs` takes."""
-    return pl.cdiv(programs, per_sm * NUM_SMS)
+    return pl.cdiv(programs, per_sm * num_sms())
 
 
 def default_block_k(block_q: int, group: int, context: int, num_splits: int = 1, *,
@@ -455,17 +447,10 @@ def default_block_k(block_q: int, group: int, context: int, num_splits: int = 1,
     block_k = 128 if rows <= 16 and not short_splits else 64
     measured = num_splits == 1 and (head_dim, itemsize, num_warps, num_stages) == (128, 2, 4, 2)
     if block_k == 128 and measured and programs and (
-            waves(programs, DECODE_PROGRAMS_PER_SM[64]) == 1
-            < waves(programs, DECODE_PROGRAMS_PER_SM[128])):
+            waves(programs, tuning().decode_programs_per_sm[64]) == 1
+            < waves(programs, tuning().decode_programs_per_sm[128])):
         block_k = 64
     return max(16, min(block_k, pl.next_power_of_2(context)))
-
-
-# Decode grids of up to two programs per SM with more busy programs than this share of NUM_SMS
-# (103 of 132) run pipelined, below (full buckets from 67 programs too: split_decode_tiling).
-# Timed on an H200 with three key loops: from 104 busy programs faster in every case, at 96
-# mixed, below that slower; with today's one loop 96 gained too, so it may be conservative.
-PIPELINED_MIN_FILL = 0.78
 
 
 def _measured_decode_grid(num_tokens: int, num_seqs: int, num_heads: int, kv_heads: int,
@@ -500,14 +485,14 @@ def pipelined_decode(num_tokens: int, num_seqs: int, num_heads: int, kv_heads: i
     default mask_all_steps the keys are one masked loop, so the pipeline is not drained before
     a separate last-step loop. Two regions:
 
-    - At most one program per SM (<= NUM_SMS): 128-key steps (one program an SM), instead of
+    - At most one program per SM (<= num_sms()): 128-key steps (one program an SM), instead of
       splitting to fill the SMs and merging; e.g. 16 x 1K decodes 10 % faster (H200).
-    - Over one and at most two programs per SM (up to 2 x NUM_SMS), which the default leaves
+    - Over one and at most two programs per SM (up to 2 x num_sms()), which the default leaves
       unsplit where the busy count is said (fill_splits where it is not): 64-key steps (72 KiB,
       so both programs of an SM fit), 0.7-6 % faster than the default 128-key 2-stage steps;
       at 512 programs it was 17 % slower, so not there.
 
-    It needs more busy programs than PIPELINED_MIN_FILL of the SMs (`busy_seqs` sequences with
+    It needs more busy programs than tuning().pipelined_min_fill of the SMs (`busy_seqs` sequences with
     query tokens, at least; None: all num_seqs): a lone program streams only ~32 GB/s, so a
     padded bucket holding a few long decodes would stream them through a few SMs; below the
     bound the tiling wins or loses by the context, which the wrapper cannot see (a runtime
@@ -518,23 +503,16 @@ def pipelined_decode(num_tokens: int, num_seqs: int, num_heads: int, kv_heads: i
     if grid is None:
         return 0
     programs, busy = grid
-    if busy <= PIPELINED_MIN_FILL * NUM_SMS:
+    if busy <= tuning().pipelined_min_fill * num_sms():
         return 0
-    if programs <= NUM_SMS:
+    if programs <= num_sms():
         return 128
-    return 64 if programs <= 2 * NUM_SMS else 0
-
-
-# Programs an SM holds of the decode tile above at 64 keys a step with slots looked up in their
-# step and 3 stages (K/V and the block-table entries copied asynchronously, one buffer each):
-# 4. Triton 3.9's reading (benchmarks/triton_ir.py) gives 124 registers a thread and 38 KiB;
-# H200 timings at 768-2,048 programs fit 4 an SM, not 3.
-ASYNC_64_PROGRAMS_PER_SM = 4
+    return 64 if programs <= 2 * num_sms() else 0
 
 
 def wave_fill(programs: int, per_sm: int) -> float:
     """Busy share of the program slots over the waves a grid takes (1.0: its last wave full)."""
-    return programs / (waves(programs, per_sm) * per_sm * NUM_SMS)
+    return programs / (waves(programs, per_sm) * per_sm * num_sms())
 
 
 def many_wave_decode(num_tokens: int, num_seqs: int, num_heads: int, kv_heads: int,
@@ -543,8 +521,8 @@ def many_wave_decode(num_tokens: int, num_seqs: int, num_heads: int, kv_heads: i
     """Whether an unsplit decode grid (T <= S; the wrapper's 16-row tile, E = 128, 2-byte K/V:
     the case measured) past one wave of 64-key 2-stage steps takes 64-key steps with slots
     looked up in their step and 3 stages instead of the 128-key 2-stage default: where that
-    tiling's waves of busy programs are fuller (ASYNC_64_PROGRAMS_PER_SM against
-    DECODE_PROGRAMS_PER_SM[128]): 0.6-1.3 % less time at 1,024-2,048 programs, 6 % more at 768
+    tiling's waves of busy programs are fuller (tuning().async_64_programs_per_sm against
+    tuning().decode_programs_per_sm[128]): 0.6-1.3 % less time at 1,024-2,048 programs, 6 % more at 768
     (96 x 1K, where its waves are emptier) on an H200; hence the rule.
 
     Busy programs: `busy_seqs` sequences with query tokens (at least; None: all num_seqs; 0: not
@@ -557,14 +535,14 @@ def many_wave_decode(num_tokens: int, num_seqs: int, num_heads: int, kv_heads: i
     if grid is None:
         return False
     programs, busy = grid
-    return (busy > 0 and waves(programs, DECODE_PROGRAMS_PER_SM[64]) > 1 and
-            wave_fill(busy, ASYNC_64_PROGRAMS_PER_SM)
-            > wave_fill(busy, DECODE_PROGRAMS_PER_SM[128]))
+    return (busy > 0 and waves(programs, tuning().decode_programs_per_sm[64]) > 1 and
+            wave_fill(busy, tuning().async_64_programs_per_sm)
+            > wave_fill(busy, tuning().decode_programs_per_sm[128]))
 
 
 def pipelined_busy_floor(kv_heads: int) -> int:
     """The fewest busy sequences at which pipelined_decode can hold."""
-    return int(PIPELINED_MIN_FILL * NUM_SMS) // kv_heads + 1
+    return int(tuning().pipelined_min_fill * num_sms()) // kv_heads + 1
 
 
 class DecodeTiling(NamedTuple):
@@ -583,13 +561,13 @@ SPLIT_128_KEYS = 512
 
 def default_fill_programs(items: int) -> int:
     """A fill_splits grid's programs for a decode grid of `items` (query tile, kv head) items:
-    one NUM_SMS more than the waves of one program an SM that the items take (64-key 5-stage
-    steps: 72 KiB, three fit an SM), two more past 2 x NUM_SMS items: 264 for up to NUM_SMS
-    items, 396 up to 2 x NUM_SMS, 792 up to 4 x NUM_SMS (skewed steps only). Each was the
-    fastest of its neighbours in most cases timed on an H200 (one NUM_SMS more or fewer)."""
+    one num_sms() more than the waves of one program an SM that the items take (64-key 5-stage
+    steps: 72 KiB, three fit an SM), two more past 2 x num_sms() items: 264 for up to num_sms()
+    items, 396 up to 2 x num_sms(), 792 up to 4 x num_sms() (skewed steps only). Each was the
+    fastest of its neighbours in most cases timed on an H200 (one num_sms() more or fewer)."""
     # NOTE: 660 (265-396 items) was not timed.
-    waves = pl.cdiv(items, NUM_SMS)
-    return NUM_SMS * (waves + (1 if waves <= 2 else 2))
+    waves = pl.cdiv(items, num_sms())
+    return num_sms() * (waves + (1 if waves <= 2 else 2))
 
 
 def split_decode_tiling(num_tokens: int, num_seqs: int, num_heads: int, kv_heads: int,
@@ -603,7 +581,7 @@ def split_decode_tiling(num_tokens: int, num_seqs: int, num_heads: int, kv_heads
     default then).
 
     - Every slot busy (busy_seqs None or the whole bucket; a one-slot bucket always): X =
-      NUM_SMS // programs splits (at most 32, at least 64 keys each), 128-key steps (one
+      num_sms() // programs splits (at most 32, at least 64 keys each), 128-key steps (one
       program an SM) from SPLIT_128_KEYS keys a split, else 64-key. X = 1 from 67 programs up:
       pipelined_decode's tiling, below its busy bound too.
     - Busy count not said or short of the bucket (a padded bucket below its tiling_busy_floor,
@@ -619,16 +597,16 @@ def split_decode_tiling(num_tokens: int, num_seqs: int, num_heads: int, kv_heads
       0.5-2 %. Grids of up to two programs an SM with few busy slots stream on a few SMs
       without it (2 of 32 slots x 8K: 141.9 -> 25.4 us).
 
-    Not kept: fill grids of 132 programs of 128-key steps, or of 396 below NUM_SMS items
+    Not kept: fill grids of 132 programs of 128-key steps, or of 396 below num_sms() items
     (within 1-8 % either way)."""
     grid = _measured_decode_grid(num_tokens, num_seqs, num_heads, kv_heads, busy_seqs,
                                  head_dim=head_dim, itemsize=itemsize)
-    if grid is None or grid[0] > (SKEWED_FILL_MAX_WAVES if skewed else 2) * NUM_SMS:
+    if grid is None or grid[0] > (SKEWED_FILL_MAX_WAVES if skewed else 2) * num_sms():
         return None
     programs, busy = grid
     full = min(num_tokens, num_seqs) == 1 or (not skewed and busy == programs)
-    if full and programs <= NUM_SMS:
-        x = max(1, min(NUM_SMS // programs, 32, context // 64))
+    if full and programs <= num_sms():
+        x = max(1, min(num_sms() // programs, 32, context // 64))
         return DecodeTiling(x, 128 if x == 1 or context // x >= SPLIT_128_KEYS else 64, 5)
     if full:
         return None
@@ -643,7 +621,7 @@ def special_decode_tiling(num_tokens: int, num_seqs: int, num_heads: int, kv_hea
     5 stages), many_wave_decode's (unsplit, 64 keys, 3 stages) or split_decode_tiling's; None
     where none holds. context: the bucket's keys a sequence (B x P). skewed: the caller says
     the step's contexts are skewed (skewed_contexts): fill_splits for grids of up to
-    SKEWED_FILL_MAX_WAVES x NUM_SMS programs, whatever the busy count."""
+    SKEWED_FILL_MAX_WAVES x num_sms() programs, whatever the busy count."""
     kw = dict(head_dim=head_dim, itemsize=itemsize)
     if skewed:
         fill = split_decode_tiling(num_tokens, num_seqs, num_heads, kv_heads, busy_seqs,
@@ -724,7 +702,7 @@ def default_num_splits(num_tokens: int, num_seqs: int, kv_heads: int, block_q: i
     about four per SM, keeping at least 64 keys per split (from an H200 sweep over 1-32
     sequences of 1K-32K keys). The measured decode case (E = 128 in 2-byte K/V, 16-row tiles)
     takes split_decode_tiling instead."""
-    if min(num_tokens, num_seqs) * kv_heads >= NUM_SMS:
+    if min(num_tokens, num_seqs) * kv_heads >= num_sms():
         return 1
     return splits_to_fill(num_tokens, num_seqs, kv_heads, context, programs=512, min_keys=64)
 
@@ -777,7 +755,7 @@ def ragged_paged_attention(q_TNE, k_cache_NPKE, v_cache_NPKE, query_start_loc_S1
     SM whose busy count is not said (split_decode_tiling), which is how the engine runs padded
     buckets, and skewed steps of such buckets (skewed_contexts; larger ones: `skewed`).
     skewed: the caller says this step's contexts are skewed (skewed_contexts): decode grids of
-    up to SKEWED_FILL_MAX_WAVES x NUM_SMS programs take fill_splits whatever busy_seqs says.
+    up to SKEWED_FILL_MAX_WAVES x num_sms() programs take fill_splits whatever busy_seqs says.
     heads_inner: launch a query tile's kv heads side by side (grid (K, J, X)) rather than a kv
     head's tiles (J, K, X). Default on for unsplit decode grids (T <= S, one split): the busy
     programs of a padded bucket, the first in launch order, then go to separate SMs (half-busy

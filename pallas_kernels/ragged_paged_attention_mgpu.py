@@ -97,7 +97,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxserve.pallas_kernels.ragged_paged_attention import (  # noqa: F401 (re-exported)
     LOG2E, _validate, prefill_heavy, ref_ragged_paged_attention)
-from jaxserve.pallas_kernels.dispatch import NUM_SMS, absent_refs
+from jaxserve.pallas_kernels.dispatch import H200, absent_refs, num_sms
 from jaxserve.pallas_kernels.split_merge import merge_splits
 
 ROWS_PER_WG = 64          # wgmma M per warpgroup
@@ -232,12 +232,7 @@ def sequence_tile_map(query_start_loc_S1, seq_lens_S, num_tokens: int, num_tiles
                            + [ends_S1[-1:]])
 
 
-def _num_sms() -> int:
-    """SMs of the GPU: one CTA of the persistent grid each (one fits an SM: ~180-190 KB of shared
-    memory); the H200's 132 when there is no GPU (interpret mode, lowering for export)."""
-    device = jax.devices()[0]
-    sms = int(getattr(device, "core_count", 0) or 0) if device.platform == "gpu" else 0
-    return sms if 0 < sms <= 1024 else NUM_SMS   # NOTE: the guard: not checked on a GPU yet
+
 
 
 def supports(q_TNE, k_cache, *, sliding_window=None, soft_cap=None,
@@ -624,7 +619,7 @@ def _rpa_mgpu_kernel(
 
 
 def default_num_splits(num_tokens: int, num_seqs: int, kv_heads: int, context: int,
-                       block_kv: int, num_ctas: int = NUM_SMS) -> int:
+                       block_kv: int, num_ctas: int = H200.num_sms) -> int:
     """Key-range splits for decode-heavy batches: as many as keep the work items (sequences x
     kv heads x splits) within one round of the persistent grid, with at least two key steps
     per split (at most 32); 1 for prefill-heavy batches. A second, partial round costs a whole
@@ -680,7 +675,7 @@ def ragged_paged_attention_mgpu(q_TNE, k_cache_NPKE, v_cache_NPKE, query_start_l
     nb, p, kh, _ = k_cache_NPKE.shape
     s, b = block_tables_SB.shape
     g = n // kh
-    num_ctas = num_ctas or _num_sms()
+    num_ctas = num_ctas or num_sms()
     if num_splits is None:
         num_splits = (default_num_splits(t, s, kh, b * p, block_kv, num_ctas)
                       if tiling == "sequence" else 1)

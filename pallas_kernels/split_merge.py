@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jaxserve.pallas_kernels.dispatch import NUM_SMS, absent_refs, resolve_impl, whole
+from jaxserve.pallas_kernels.dispatch import absent_refs, num_sms, resolve_impl, whole
 
 # ---------------------------------------------------------------------------------------------
 # Reference
@@ -67,11 +67,11 @@ def _tiles(rows: int, e: int, xp: int) -> tuple[int, int]:
     """(BR, BE): about one program per SM of an H200 (132) where there are enough outputs, and
     at most 8K partial elements per program (more spill registers: 64 splits x 8 rows x 128
     columns ran 30 x slower than 1 row x 64 columns on an H200)."""
-    be = min(e, 64 if rows * e // 64 >= NUM_SMS else 32)
+    be = min(e, 64 if rows * e // 64 >= num_sms() else 32)
     while be > 16 and xp * be > 8192:
         be //= 2
     br = 1
-    while br < 16 and pl.cdiv(rows, 2 * br) * (e // be) >= NUM_SMS and xp * 2 * br * be <= 8192:
+    while br < 16 and pl.cdiv(rows, 2 * br) * (e // be) >= num_sms() and xp * 2 * br * be <= 8192:
         br *= 2
     return br, be
 

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jaxserve.pallas_kernels.dispatch import NUM_SMS, resolve_impl, whole
+from jaxserve.pallas_kernels.dispatch import num_sms, resolve_impl, whole
 from jaxserve.pallas_kernels.topk_threshold import _chunking, topk_threshold
 
 
@@ -164,5 +164,5 @@ def topk(x_SL, k: int, *, impl: str = "auto", sorted: bool = False, block_l: int
     kth_S = topk_threshold(x_SL, jnp.full((s,), min(k, l), jnp.int32), impl="pallas",
                            interpret=interpret)
     vals_Sk, idx_Sk = _compact(x_SL, kth_S, k, block_l=block_l, num_warps=num_warps,
-                               programs=programs or 4 * NUM_SMS, interpret=interpret)
+                               programs=programs or 4 * num_sms(), interpret=interpret)
     return _sort_desc(vals_Sk, idx_Sk) if sorted else (vals_Sk, idx_Sk)

@@ -42,7 +42,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jaxserve.pallas_kernels.dispatch import NUM_SMS, absent_refs, resolve_impl, whole
+from jaxserve.pallas_kernels.dispatch import absent_refs, num_sms, resolve_impl, whole
 
 INT_MIN = -(2 ** 31)
 BITS = 4                       # bits of the key fixed per pass
@@ -218,7 +218,7 @@ def _impl(impl: str, allowed) -> tuple[str, bool]:
 
 
 def _programs(programs: int | None) -> int:
-    return programs or 4 * NUM_SMS
+    return programs or 4 * num_sms()
 
 
 @functools.partial(jax.jit, static_argnames=("impl", "max_k", "block_v", "num_warps",

@@ -1,7 +1,7 @@
 """Running one HTTP request's prompts on the engine, and stopping them when the client leaves.
 
-Each prompt's `engine.generate` is consumed by its own asyncio task that puts the cumulative
-outputs into one queue. NOTE: the tasks are plain asyncio tasks, not the route's own task:
+Each prompt's `engine.generate` is consumed by its own asyncio task that puts its outputs
+(cumulative for a whole answer, delta for a stream) into one queue. NOTE: the tasks are plain asyncio tasks, not the route's own task:
 starlette cancels a streaming route through an anyio cancel scope, which cancels *every*
 later await in that scope, so cleanup there could never await anything. Here, cleanup is
 synchronous (cancel the tasks; the engine aborts a request whose generator is cancelled) plus
@@ -70,19 +70,20 @@ class GenerationSet:
     def finished(self) -> bool:
         return all(out is not None and out.finished for out in self.latest)
 
-    async def next_outputs(self) -> dict[int, RequestOutput]:
-        """Waits for news, then takes all that is queued: {prompt index: latest output}."""
+    async def next_outputs(self) -> list[tuple[int, RequestOutput]]:
+        """Waits for news, then takes all that is queued, in order: [(prompt index, output)]."""
         items = [await self._queue.get()]
         while not self._queue.empty():
             items.append(self._queue.get_nowait())
-        news = {}
+        news = []
         for index, item in items:
             if isinstance(item, Exception):
                 raise engine_error(item)
             if item.error is not None or any(c.finish_reason == "error" for c in item.outputs):
                 raise APIError(500, f"the request failed: {item.error or 'error in the engine'}",
                                code="internal_error")
-            self.latest[index] = news[index] = item
+            self.latest[index] = item
+            news.append((index, item))
         return news
 
     async def wait_all_finished(self) -> list[RequestOutput]:

@@ -21,6 +21,8 @@ async def run_generation(ctx: ServerContext, request, request_id: str,
                          prompts: list[tuple[list[int], str | None]], params: list[SamplingParams],
                          stream: StreamFormatter | None,
                          body: Callable[[list[RequestOutput]], dict]) -> Response:
+    if stream is not None:    # a stream sends what is new: the engine hands out only that
+        params = [p.clone(output_kind="delta") for p in params]
     generation = GenerationSet(ctx.engine, request_id, prompts, params)
     handed_to_stream = False
     try:

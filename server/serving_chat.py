@@ -47,9 +47,8 @@ class ChatStream(StreamFormatter):
     def choice(self, index: int, prompt_index: int, out: RequestOutput, c: CompletionOutput,
                delta: ChoiceDelta) -> dict | None:
         logprobs = None
-        if self.req.logprobs and delta.token_end > delta.token_start:
-            logprobs = chat_logprobs(self.ctx.tokenizer, c.token_ids[delta.token_start:delta.token_end],
-                                     (c.logprobs or [])[delta.token_start:delta.token_end],
+        if self.req.logprobs and delta.token_ids:
+            logprobs = chat_logprobs(self.ctx.tokenizer, delta.token_ids, delta.logprobs,
                                      self.req.top_logprobs or 0)
         body, finish = self._delta(index, c, delta)
         if not body and logprobs is None and finish is None:

@@ -54,8 +54,7 @@ class CompletionStream(StreamFormatter):
         if self.req.logprobs is not None:
             fmt = self.logprob_fmts.setdefault(index, CompletionLogprobs(self.ctx.tokenizer))
             parts = self.echo.logprobs(prompt_index, out, fmt) if delta.first else []
-            parts.append(fmt.format(c.token_ids[delta.token_start:delta.token_end],
-                                    (c.logprobs or [])[delta.token_start:delta.token_end]))
+            parts.append(fmt.format(delta.token_ids, delta.logprobs))
             logprobs = merge_completion_logprobs(parts)
         if delta.first:
             text = self.echo.text(prompt_index) + text

@@ -1,8 +1,8 @@
-"""Server-sent events: cumulative engine outputs -> per-choice deltas -> `data: {...}` lines.
+"""Server-sent events: the engine's delta outputs -> per-choice chunks -> `data: {...}` lines.
 
-The engine hands back cumulative text; a stream sends only what is new. The engine already
-holds back a tail that may become a stop string (text once sent cannot be taken back), so
-the cumulative text only ever grows.
+A stream's requests run with `output_kind="delta"`: each output holds only what is new since
+the last (the output processor holds back a tail that may yet become a stop string, since
+text once sent cannot be taken back), so nothing here re-diffs cumulative lists.
 """
 
 from __future__ import annotations
@@ -25,41 +25,42 @@ def sse(data: dict) -> str:
     return f"data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
-def usage(outputs: list[RequestOutput]) -> dict:
+def usage(outputs: list[RequestOutput], completion: int | None = None) -> dict:
+    """Token counts of whole outputs (or, for a stream, of the completion tokens it counted)."""
     prompt = sum(len(o.prompt_token_ids) for o in outputs)
-    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    if completion is None:
+        completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
 @dataclass(frozen=True)
 class ChoiceDelta:
     text: str                            # new text
-    token_start: int                     # new tokens are token_ids[token_start:token_end]
-    token_end: int
+    token_ids: list[int]                 # new tokens
+    logprobs: list                       # their logprobs (empty when not asked)
     first: bool                          # the first delta of this choice
     finish_reason: str | None            # set on the last delta only
     stop_reason: int | str | None
 
 
 class ChoiceCursor:
-    """How much of one choice's cumulative output has been sent."""
+    """Where one choice's stream stands: started, finished, tokens sent."""
 
     def __init__(self):
-        self.text_sent = 0
         self.tokens_sent = 0
         self.started = False
         self.done = False
 
     def advance(self, c: CompletionOutput) -> ChoiceDelta | None:
+        """`c` is a delta output: only what is new. None once the choice has finished."""
         if self.done:
             return None
         finished = c.finish_reason is not None
-        delta = ChoiceDelta(text=c.text[self.text_sent:], token_start=self.tokens_sent,
-                            token_end=len(c.token_ids), first=not self.started,
+        delta = ChoiceDelta(text=c.text, token_ids=list(c.token_ids), logprobs=list(c.logprobs or []),
+                            first=not self.started,
                             finish_reason=c.finish_reason if finished else None,
                             stop_reason=c.stop_reason if finished else None)
-        self.text_sent = max(self.text_sent, len(c.text))
-        self.tokens_sent = len(c.token_ids)
+        self.tokens_sent += len(c.token_ids)
         self.started = True
         self.done = finished
         return delta
@@ -92,9 +93,10 @@ class StreamFormatter:
                delta: ChoiceDelta) -> dict | None:
         raise NotImplementedError
 
-    def chunks(self, news: dict[int, RequestOutput]) -> list[dict]:
+    def chunks(self, news: list[tuple[int, RequestOutput]]) -> list[dict]:
+        """Chunks for the delta outputs that arrived, in order: [(prompt index, output)]."""
         chunks = []
-        for prompt_index, out in sorted(news.items()):
+        for prompt_index, out in news:
             for c in out.outputs:
                 index = prompt_index * self.n + c.index
                 delta = self.cursors.setdefault(index, ChoiceCursor()).advance(c)
@@ -104,11 +106,12 @@ class StreamFormatter:
         return chunks
 
     def end(self, outputs: list[RequestOutput]) -> list[dict]:
-        return [self.envelope([], usage(outputs))] if self.include_usage else []
+        sent = sum(c.tokens_sent for c in self.cursors.values())
+        return [self.envelope([], usage(outputs, sent))] if self.include_usage else []
 
 
 async def sse_events(formatter: StreamFormatter, generation: GenerationSet,
-                     first_news: dict[int, RequestOutput]) -> AsyncIterator[str]:
+                     first_news: list[tuple[int, RequestOutput]]) -> AsyncIterator[str]:
     """The whole event stream of one request, ending in `data: [DONE]` (errors included)."""
     try:
         for chunk in formatter.start():

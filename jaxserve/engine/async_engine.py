@@ -110,11 +110,15 @@ class AsyncEngine:
                                       time.monotonic()))
         self._wake.set()
         finished = False
+        # Delta outputs are each yielded (each holds only its own news); cumulative ones that
+        # queued up while the caller was busy are skipped to the newest.
+        cumulative = sampling_params.output_kind == "cumulative"
         try:
             while True:
                 item = await q.get()
-                while not q.empty() and not isinstance(item, BaseException) and not item.finished:
-                    item = q.get_nowait()      # outputs are cumulative: only the newest matters
+                while (cumulative and not q.empty() and not isinstance(item, BaseException)
+                       and not item.finished):
+                    item = q.get_nowait()      # cumulative outputs: only the newest matters
                 if isinstance(item, BaseException):
                     finished = True
                     raise item

@@ -292,7 +292,7 @@ def test_split_decode_tiling_of_grids_smaller_than_the_gpu():
     T = rpa.DecodeTiling
     def tiling(s, kh=8, busy=None, ctx=8192, t=None, **kw):
         return rpa.split_decode_tiling(t or s, s, 32, kh, busy, context=ctx, **kw)
-    # every slot busy: NUM_SMS // programs splits, 128-key steps from 512 keys a split
+    # every slot busy: num_sms() // programs splits, 128-key steps from 512 keys a split
     assert tiling(1) == T(16, 128, 5)                 # 8 programs x 16 = 128
     assert tiling(1, ctx=4096) == T(16, 64, 5)        # 256 keys a split
     assert tiling(1, ctx=1024) == T(16, 64, 5)
@@ -303,7 +303,7 @@ def test_split_decode_tiling_of_grids_smaller_than_the_gpu():
     assert tiling(1, ctx=100) == T(1, 128, 5)         # at least 64 keys a split
     assert tiling(1, busy=0) == tiling(1)             # a one-slot bucket is always full
     assert tiling(16, busy=16) == tiling(16)
-    # busy count not said (or short of the bucket): fill_splits over 2 x NUM_SMS programs
+    # busy count not said (or short of the bucket): fill_splits over 2 x num_sms() programs
     assert tiling(16, busy=0) == tiling(16, busy=15) == T(32, 64, 5, fill_splits=True)
     assert tiling(16, busy=0, ctx=1024) == T(16, 64, 5, fill_splits=True)
     assert tiling(32, kh=4, busy=3) == T(32, 64, 5, fill_splits=True)
@@ -436,7 +436,7 @@ def test_skewed_steps_take_fill_splits_up_to_four_programs_an_sm():
 
     def tiling(s, kh=8, busy=None, **kw):
         return rpa.special_decode_tiling(s, s, 32, kh, busy, context=8192, **kw)
-    # whatever the busy count, full buckets too, up to 4 x NUM_SMS programs
+    # whatever the busy count, full buckets too, up to 4 x num_sms() programs
     assert tiling(16, skewed=True) == tiling(16, busy=0) == T(32, 64, 5, fill_splits=True)
     assert tiling(16) == T(1, 128, 5)                           # not skewed: pipelined
     assert tiling(64, skewed=True) == tiling(64, busy=40, skewed=True) == T(32, 64, 5, True)

@@ -21,15 +21,15 @@ def _out(texts: list[str], finished: bool = False, prompt_ids=(1, 2)) -> Request
     return RequestOutput("r", None, list(prompt_ids), outs, finished=finished)
 
 
-def test_cursor_sends_each_character_once_and_finishes_once():
+def test_cursor_passes_delta_outputs_on_and_finishes_once():
     cursor = ChoiceCursor()
     deltas = [cursor.advance(_out([t], finished=f).outputs[0]) for t, f in
-              (("He", False), ("Hello", False), ("Hello", False), ("Hello!", True))]
+              (("He", False), ("llo", False), ("", False), ("!", True))]
     assert [d.text for d in deltas] == ["He", "llo", "", "!"]
     assert [d.first for d in deltas] == [True, False, False, False]
-    assert [(d.token_start, d.token_end) for d in deltas] == [(0, 2), (2, 5), (5, 5), (5, 6)]
+    assert [len(d.token_ids) for d in deltas] == [2, 3, 0, 1] and cursor.tokens_sent == 6
     assert [d.finish_reason for d in deltas] == [None, None, None, "length"]
-    assert cursor.advance(_out(["Hello!"], finished=True).outputs[0]) is None
+    assert cursor.advance(_out([""], finished=True).outputs[0]) is None
 
 
 class _TextStream(StreamFormatter):
@@ -42,10 +42,13 @@ class _TextStream(StreamFormatter):
 
 def test_choice_index_is_prompt_index_times_n_plus_sample_index():
     fmt = _TextStream(request_id="r", model="m", created=0, n=2, include_usage=True)
-    chunks = fmt.chunks({0: _out(["a", "b"]), 1: _out(["c", ""])})
-    assert [(c["choices"][0]["index"], c["choices"][0]["text"]) for c in chunks] == [(0, "a"), (1, "b"), (2, "c")]
+    chunks = fmt.chunks([(0, _out(["a", "b"])), (1, _out(["c", ""]))])
+    chunks += fmt.chunks([(0, _out(["b", ""], True)), (1, _out(["", ""], True))])
+    assert [(c["choices"][0]["index"], c["choices"][0]["text"]) for c in chunks] == \
+        [(0, "a"), (1, "b"), (2, "c"), (0, "b"), (1, ""), (2, ""), (3, "")]
     assert all(c["usage"] is None for c in chunks)
-    (usage,) = fmt.end([_out(["ab", "b"], True), _out(["c", ""], True)])
+    # usage counts the completion tokens the stream carried: "a"+"b", "b", "c"
+    (usage,) = fmt.end([_out(["", ""], True), _out(["", ""], True)])
     assert usage["choices"] == [] and usage["usage"] == {"prompt_tokens": 4, "completion_tokens": 4,
                                                          "total_tokens": 8}
 
