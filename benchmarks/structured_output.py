@@ -50,6 +50,7 @@ def main() -> None:
     p.add_argument("--num-compile-schemas", type=int, default=200,
                    help="distinct schemas compiled cold for the compile-time percentiles")
     p.add_argument("--max-model-len", type=int, default=1024)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--attention-impl", default="auto")
     args = p.parse_args()
 
@@ -57,7 +58,7 @@ def main() -> None:
     from jaxserve.structured import StructuredOutputsParams, masks
 
     llm = LLM(args.model, load_format=args.load_format, dtype=args.dtype, max_num_seqs=args.num_requests,
-              max_num_batched_tokens=2048, max_model_len=args.max_model_len, max_logprobs=0,
+              max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len, max_logprobs=0,
               attention_impl=args.attention_impl)
     llm.engine.runner.wait_for_warmup()      # the masked programs compile in the background
     grammars = llm.engine.grammars

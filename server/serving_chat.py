@@ -37,6 +37,7 @@ class ChatStream(StreamFormatter):
         self.ctx, self.req, self.plan = ctx, req, plan
         self.call_ids: dict[int, str] = {}     # named tool choice: each choice's call id
         self.content_sent: dict[int, int] = {}  # auto: characters of each choice sent as content
+        self.texts: dict[int, str] = {}         # auto, required: each choice's text so far
 
     def start(self) -> list[dict]:
         # OpenAI opens every choice with a delta that carries only the role.
@@ -50,13 +51,13 @@ class ChatStream(StreamFormatter):
         if self.req.logprobs and delta.token_ids:
             logprobs = chat_logprobs(self.ctx.tokenizer, delta.token_ids, delta.logprobs,
                                      self.req.top_logprobs or 0)
-        body, finish = self._delta(index, c, delta)
+        body, finish = self._delta(index, delta)
         if not body and logprobs is None and finish is None:
             return None
         return {"index": index, "delta": body, "logprobs": logprobs, "finish_reason": finish,
                 "stop_reason": delta.stop_reason}
 
-    def _delta(self, index: int, c: CompletionOutput, delta: ChoiceDelta) -> tuple[dict, str | None]:
+    def _delta(self, index: int, delta: ChoiceDelta) -> tuple[dict, str | None]:
         """The delta's body and finish reason. A named tool's arguments stream as they come;
         the other tool modes send their calls once the output is whole (they are parsed)."""
         mode = self.plan.mode
@@ -68,21 +69,22 @@ class ChatStream(StreamFormatter):
                 self.call_ids[index] = new_call_id()
                 call = tool_call(self.plan.name, delta.text, 0, self.call_ids[index])
             return ({"tool_calls": [call]} if delta.text or delta.first else {}), delta.finish_reason
+        text = self.texts[index] = self.texts.get(index, "") + delta.text   # deltas: put together
         sent = self.content_sent.get(index, 0)
         if delta.finish_reason is None:
             # auto: text that cannot be part of a call streams; required: nothing is content
-            safe = SAFE_CONTENT[self.plan.parser](c.text) if mode == "auto" else 0
+            safe = SAFE_CONTENT[self.plan.parser](text) if mode == "auto" else 0
             if safe <= sent:
                 return {}, None
             self.content_sent[index] = safe
-            return {"content": c.text[sent:safe]}, None
-        content, calls = parse_output(self.plan, c.text)
+            return {"content": text[sent:safe]}, None
+        content, calls = parse_output(self.plan, text)
         # The whole output is parsed. Without calls it all is content; with calls the content
         # is the (stripped) text before the first one, of which `sent` raw characters went out.
         if not calls:
-            rest = c.text[sent:]
+            rest = text[sent:]
         else:
-            rest = (content or "")[len(c.text[:sent].lstrip()):]
+            rest = (content or "")[len(text[:sent].lstrip()):]
         body = {"content": rest} if rest else {}
         if calls:
             body["tool_calls"] = [tool_call(name, args, i) for i, (name, args) in enumerate(calls)]

@@ -94,15 +94,18 @@ def test_auto_tool_calls_streamed():
 
 
 class ChunkedEngine(ScriptedEngine):
-    """Answers with `text` in cumulative outputs of a few characters each, as a stream."""
+    """Answers with `text` a few characters per output: delta outputs when asked (streams),
+    else cumulative ones."""
 
     async def generate(self, prompt_token_ids, sampling_params, request_id, prompt=None):
+        delta = sampling_params.output_kind == "delta"
         for end in range(3, len(self.text) + 3, 3):
-            await asyncio.sleep(0.01)     # one output at a time reaches the stream (it merges a backlog)
+            await asyncio.sleep(0.01)     # one output at a time reaches the stream
             done = end >= len(self.text)
+            text, ids = (self.text[end - 3:end], [end // 3]) if delta else (self.text[:end], list(range(end // 3)))
             yield RequestOutput(request_id, prompt, list(prompt_token_ids),
-                                [CompletionOutput(0, self.text[:end], list(range(end // 3)),
-                                                  finish_reason="stop" if done else None)], finished=done)
+                                [CompletionOutput(0, text, ids, finish_reason="stop" if done else None)],
+                                finished=done)
 
 
 @pytest.mark.parametrize("parser,text,content,calls", [
