@@ -57,7 +57,9 @@ class GrammarCompiler:
         self.eos_token_ids = list(eos_token_ids)
         self.timeout_s = timeout_s
         self.cache_size = cache_size
-        self._lock = threading.Lock()
+        # Reentrant: a compile that is already done runs its done-callback (_store) at once,
+        # in the thread that is adding it while holding the lock.
+        self._lock = threading.RLock()
         self._ll_tokenizer = None
         self._executor = None
         self._cache: collections.OrderedDict[tuple, object] = collections.OrderedDict()
