@@ -122,6 +122,10 @@ def test_compiles_are_cached_by_grammar_text():
         grammars.check(SO(json=json.dumps(SCHEMA)))   # the same text: the same entry
     grammars.check(SO(regex="a+"))
     assert len(grammars.compile_seconds) == 2
+    for _ in range(2):              # an invalid one is remembered as invalid
+        with pytest.raises(ValueError, match="structured_outputs.regex is invalid"):
+            grammars.check(SO(regex="a[b"))
+    assert len(grammars._cache) == 3
 
 
 def test_a_compile_past_the_time_limit_is_a_value_error(monkeypatch):

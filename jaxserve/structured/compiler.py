@@ -115,7 +115,10 @@ class GrammarCompiler:
         with self._lock:
             if key in self._cache:
                 self._cache.move_to_end(key)
-                return self._cache[key]
+                entry = self._cache[key]
+                if isinstance(entry, ValueError):     # an invalid grammar is refused at once
+                    raise ValueError(str(entry))
+                return entry
             future = self._compiling.get(key)
             if future is None:
                 future = self._compiling[key] = self._pool.submit(self._compile, key)
@@ -129,8 +132,9 @@ class GrammarCompiler:
     def _store(self, key: tuple, future: concurrent.futures.Future) -> None:
         with self._lock:
             self._compiling.pop(key, None)
-            if future.exception() is None:
-                self._cache[key] = future.result()
+            error = future.exception()
+            if error is None or isinstance(error, ValueError):   # a grammar's own error is kept too
+                self._cache[key] = future.result() if error is None else error
                 while len(self._cache) > self.cache_size:
                     self._cache.popitem(last=False)
 
