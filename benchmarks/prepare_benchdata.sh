@@ -7,7 +7,7 @@
 #   qwen3-8b-dummy/     Qwen3-8B's config + Qwen's tokenizer       streams a text chunk per token
 # and .whl/ (git-ignored): the server's packages that the device machine's image lacks (fastapi
 # and uvicorn with their dependencies as pip resolves them for .venv's Python, which must be a
-# 3.12 on x86-64 like the device's; gguf alone: its numpy must stay the device's own)
+# 3.12 on x86-64 like the device's; gguf and llguidance alone: gguf's numpy must stay the device's own)
 # Usage: bash benchmarks/prepare_benchdata.sh   (after scripts/test.sh or serve.sh made .venv)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -32,4 +32,5 @@ du -sh .benchdata/*
 rm -rf .whl && mkdir -p .whl
 "$PY" -m pip download -q -d .whl fastapi uvicorn
 "$PY" -m pip download -q --no-deps -d .whl gguf
+"$PY" -m pip download -q --no-deps -d .whl llguidance     # structured output (abi3 wheel, no deps)
 ls .whl

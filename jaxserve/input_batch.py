@@ -24,6 +24,7 @@ from jaxserve.sampling_params import SamplingParams
 from jaxserve.sampling_tensors import SamplingRow, make_sampling_tensors, needs_extras
 from jaxserve.step_input import StepInput
 from jaxserve.step_messages import NewRequestData, SchedulerOutput
+from jaxserve.structured import masks as structured_masks
 
 
 @dataclasses.dataclass
@@ -38,6 +39,7 @@ class CachedRequest:
     row: int                        # its row of InputBatch.block_table
     num_blocks: int = 0             # filled entries of that row
     state_slot: int = 0             # its state slot (0: the model keeps no state)
+    grammar: object | None = None   # structured output: its structured.masks.RequestGrammar
 
     @property
     def num_tokens(self) -> int:
@@ -76,6 +78,8 @@ class InputBatch:
         self.free_rows = list(range(max_num_seqs - 1, -1, -1))
         self.requests: dict[str, CachedRequest] = {}
         self.prev_rows: dict[str, int] = {}     # req -> its row of the last step's sampled ids
+        self.grammars = None    # the engine's structured.compiler.GrammarCompiler (None: no tokenizer)
+        self.last_sampled = None   # () -> the last step's sampled ids on the host (the runner's)
 
     # -- the diffs ---------------------------------------------------------------------------
     def apply(self, out: SchedulerOutput) -> None:
@@ -98,9 +102,11 @@ class InputBatch:
             self.remove(new.req_id)
         row = self.free_rows.pop()
         self.block_table[row] = 0
-        self.requests[new.req_id] = CachedRequest(
+        self.requests[new.req_id] = req = CachedRequest(
             new.req_id, list(new.prompt_token_ids), list(new.output_token_ids),
             new.sampling_params, new.seed, tuple(new.eos_token_ids), row)
+        if new.sampling_params.structured_outputs is not None:
+            req.grammar = structured_masks.RequestGrammar.for_request(self.grammars, new)
 
     def remove(self, req_id: str) -> None:
         req = self.requests.pop(req_id, None)
@@ -127,6 +133,7 @@ class InputBatch:
         logits_idx = np.zeros(num_seqs, np.int32)
         slots_S = np.zeros(num_seqs, np.int32)
         sampling_rows, samples, prompt_lp, reqs = [], [], {}, []
+        constrained = []            # (row, request, its row of the last step's ids or None)
         full = False
         t = 0
         for s, sched in enumerate(out.scheduled):
@@ -164,6 +171,12 @@ class InputBatch:
                 offset=start + n - n_prompt if sched.sample else 0,
                 eos_token_ids=req.eos_token_ids))
             samples.append(sched.sample)
+            if req.grammar is not None and sched.spec_token_ids:
+                # NOTE: a mask per draft position and matcher rollback are not built: the
+                # request fails alone (EngineCore._dispatch) rather than run unconstrained drafts
+                raise ValueError("structured_outputs cannot be combined with speculative decoding yet")
+            if req.grammar is not None and sched.sample:
+                constrained.append((s, req, self.prev_rows[sched.req_id] if known < start + n else None))
             full = full or params.logprobs is not None or params.uses_truncation
             t += n
         qsl[len(out.scheduled) + 1:] = t
@@ -177,7 +190,11 @@ class InputBatch:
         slots_T[t:] = 0
         full = full or bool(prompt_lp) or needs_extras(sampling_rows)
         sampling = make_sampling_tensors(sampling_rows, num_seqs, self.vocab_size,
-                                         self.max_model_len, with_extras=full)
+                                         self.max_model_len, with_extras=full,
+                                         with_mask=full or bool(constrained))
+        if constrained:   # last: it may wait for the last step's tokens (structured/masks.py)
+            structured_masks.fill_step_masks(self.grammars, sampling.allowed_mask, constrained,
+                                             self.last_sampled)
         x = StepInput(token_ids=np.array(token_ids + [0] * pad, np.int32), positions=positions_T,
                       slot_mapping=slots_T.astype(np.int32), token_seq_ids=seq_T,
                       query_start_loc=qsl, seq_lens=seq_lens, block_tables=tables_SB,

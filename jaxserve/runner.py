@@ -45,7 +45,9 @@ class StepVariant:
     """What a step computes besides the next tokens; each variant is its own compiled program.
 
     `lean` (no logprobs, no penalties/bias/masks, no top-k/top-p/min-p sort) is the common
-    case; `full` adds all of that. Warm-up compiles both for every bucket. Prompt logprobs
+    case; `full` adds all of that. Warm-up compiles both for every bucket, and with a
+    tokenizer a third, lean but with the allowed-token mask (its input layout differs), for
+    steps whose only extra is a grammar's mask (jaxserve/structured/). Prompt logprobs
     (logits at every position) are rare and compile on first use.
     """
     num_top: int = 0                # logprobs returned per sequence (0 or max_logprobs)
@@ -167,6 +169,8 @@ class ModelRunner:
         # The previous step's sampled ids (padded to max_num_seqs).
         self._prev_ids = jax.device_put(jnp.zeros(config.scheduler.max_num_seqs, jnp.int32),
                                         self.input_sharding)
+        # A grammar's next mask needs the token still on its way (jaxserve/structured/masks.py).
+        self.batch.last_sampled = lambda: np.asarray(self._prev_ids)
         # Compiled step programs by (input layout, variant): warm-up fills it, run() uses it.
         # NOTE: the identity names what the jitted step closes over: a stored program is
         # loaded only for the same ones (compiling.ProgramStore)
@@ -317,18 +321,23 @@ class ModelRunner:
         skewed programs up front delayed the 8B engine's first token by 12 s."""
         empty = SchedulerOutput(new_requests=[], scheduled=[], finished_req_ids=[], num_tokens=0,
                                 preempted_ids=[], num_cached_tokens=0)
-        jobs = []
+        jobs, masked_layouts = [], set()
         for t in self.buckets:
             lean, _, _ = self._build(dataclasses.replace(empty, num_tokens=t))
             full = dataclasses.replace(lean, sampling=make_sampling_tensors(
                 [], lean.num_seqs, self.cfg.vocab_size, self.config.scheduler.max_model_len))
+            masked = self._masked_input(lean)
             for attention in self.backend.warmup_plans(t, lean.num_seqs):
                 for variant in self.warmup_variants:
                     variant = dataclasses.replace(variant, attention=attention)
                     packed, layout = packing.pack(full if variant.full else lean)
                     jobs.append((layout, variant, len(packed)))
+                if masked is not None:
+                    packed, layout = packing.pack(masked)
+                    jobs.append((layout, StepVariant(attention=attention), len(packed)))
+                    masked_layouts.add(layout)
 
-        later = [job for job in jobs if job[1].full or job[1].attention.skewed]
+        later = [job for job in jobs if job[1].full or job[1].attention.skewed or job[0] in masked_layouts]
         now = [job for job in jobs if job not in later]
         threads = os.cpu_count() or 1
         try:
@@ -346,6 +355,15 @@ class ModelRunner:
                     self._compile(layout, variant, num_words)
         logger.info("compiled %d lean step programs; %d full or skewed ones compile in the "
                     "background", len(now), len(later))
+
+    def _masked_input(self, lean: StepInput) -> StepInput | None:
+        """`lean` with a full-width allowed-token mask and no other extras: the program of
+        steps whose only extra is a grammar's mask (None: the engine has no grammars)."""
+        if self.batch.grammars is None:
+            return None
+        return dataclasses.replace(lean, sampling=make_sampling_tensors(
+            [], lean.num_seqs, self.cfg.vocab_size, self.config.scheduler.max_model_len,
+            with_extras=False, with_mask=True))
 
     def wait_for_warmup(self, raise_errors: bool = True) -> None:
         """Wait until every program warm-up started is compiled."""

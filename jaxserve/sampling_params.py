@@ -12,6 +12,8 @@ import math
 import numbers
 from dataclasses import dataclass, field
 
+from jaxserve.structured.params import StructuredOutputsParams
+
 DEFAULT_MAX_LOGPROBS = 20      # engine default for logprobs / prompt_logprobs (vLLM's)
 MAX_LOGIT_BIAS_ENTRIES = 300   # logit_bias entries per request: a fixed-size device array
 LOGIT_BIAS_RANGE = 100.0       # |bias| allowed, as in the OpenAI API
@@ -46,6 +48,8 @@ class SamplingParams:
     # only when it finishes (LLM.generate: building per-step outputs of 256 requests was
     # ~15 % of the engine's host time per step, cProfile on the CPU machine).
     output_kind: str = "cumulative"
+    # The output must match a JSON schema, regex, choice or grammar (jaxserve/structured/).
+    structured_outputs: StructuredOutputsParams | None = None
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -60,6 +64,8 @@ class SamplingParams:
             self.logit_bias = {_token_id("logit_bias", k): v for k, v in self.logit_bias.items()}
         if self.allowed_token_ids is not None:
             self.allowed_token_ids = list(self.allowed_token_ids)
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
         self.validate()
 
     def validate(self, max_logprobs: int | None = None, vocab_size: int | None = None) -> None:
@@ -102,6 +108,10 @@ class SamplingParams:
             if not self.allowed_token_ids:
                 _bad("allowed_token_ids", "None or a non-empty list of token ids", [])
             _check_token_ids("allowed_token_ids", self.allowed_token_ids, vocab_size)
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs,
+                                                                  StructuredOutputsParams):
+            _bad("structured_outputs", "None, a StructuredOutputsParams or a dict of its fields",
+                 self.structured_outputs)
         if self.output_kind not in ("cumulative", "delta", "final_only"):
             _bad("output_kind", "'cumulative', 'delta' or 'final_only'", self.output_kind)
 

@@ -70,15 +70,22 @@ def needs_extras(rows: Sequence[SamplingRow]) -> bool:
 
 
 def make_sampling_tensors(rows: Sequence[SamplingRow], num_seqs: int, vocab_size: int,
-                          max_model_len: int, *, with_extras: bool = True) -> SamplingTensors:
-    """Numpy SamplingTensors for `rows`, padded with greedy rows to `num_seqs`."""
+                          max_model_len: int, *, with_extras: bool = True,
+                          with_mask: bool | None = None) -> SamplingTensors:
+    """Numpy SamplingTensors for `rows`, padded with greedy rows to `num_seqs`.
+
+    `with_mask` (default: with_extras) keeps the allowed-token mask at full width alone: a
+    step whose only extra is a grammar's mask (jaxserve/structured/) then runs neither the
+    penalties nor logit_bias, in a program of its own."""
+    with_mask = with_extras if with_mask is None else with_mask
     if len(rows) > num_seqs:
         raise ValueError(f"rows must be at most num_seqs ({num_seqs}); got {len(rows)} rows")
     if not with_extras and needs_extras(rows):
         raise ValueError("with_extras=False, but a row uses penalties, logit_bias, allowed_token_ids "
                          "or min_tokens: build with with_extras=True (see needs_extras)")
     S, V = num_seqs, vocab_size
-    L, M, W = (max_model_len, MAX_LOGIT_BIAS_ENTRIES, mask_width(V)) if with_extras else (0, 0, 0)
+    L, M = (max_model_len, MAX_LOGIT_BIAS_ENTRIES) if with_extras else (0, 0)
+    W = mask_width(V) if with_mask else 0
     temperature = np.zeros(S, np.float32)
     top_k = np.zeros(S, np.int32)
     top_p = np.ones(S, np.float32)

@@ -26,6 +26,12 @@ def add_frontend_arguments(parser: argparse.ArgumentParser) -> None:
                         "them out: 'auto' reads generation_config.json from the model folder (a .gguf "
                         "has none), a FOLDER reads it from there, 'vllm' uses none (vLLM's defaults); "
                         "a request's own values always win")
+    g.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='allow tool_choice "auto": the tools go through the chat template and the '
+                        "model's tool calls are parsed (needs --tool-call-parser)")
+    g.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json"],
+                   help="the model's tool-call format: hermes (Hermes, Qwen: <tool_call>{...}</tool_call>) "
+                        "or llama3_json (Llama 3.x: a JSON object with name and parameters)")
 
 
 def add_server_arguments(parser: argparse.ArgumentParser) -> None:

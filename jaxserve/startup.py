@@ -95,4 +95,6 @@ def server_context(engine, args: argparse.Namespace, default_sampling: dict, **k
     from jaxserve.server.context import ServerContext
 
     return ServerContext(engine, served_model_names=served_model_names(args) or (engine.model_name,),
-                         default_sampling=default_sampling, **kwargs)
+                         default_sampling=default_sampling,
+                         enable_auto_tool_choice=getattr(args, "enable_auto_tool_choice", False),
+                         tool_call_parser=getattr(args, "tool_call_parser", None), **kwargs)

@@ -22,6 +22,9 @@ class ServerContext:
     # Sampling defaults for fields a request leaves out (--generation-config): {field: value}.
     default_sampling: dict = field(default_factory=dict)
     created: int = field(default_factory=lambda: int(time.time()))
+    # tool_choice "auto": vLLM's --enable-auto-tool-choice and --tool-call-parser (server/tools.py)
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
     # NOTE: tokenizing and chat templates run here, off the event loop; one thread, so that
     # requests never tokenize concurrently with each other.
     tokenizer_pool: ThreadPoolExecutor = field(

@@ -6,15 +6,17 @@ naming the field and the allowed range before any stream has started.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.server.context import ServerContext
 from jaxserve.server.errors import APIError, bad_request
+from jaxserve.server.structured import structured_outputs
 from jaxserve.server.protocol import (MAX_STOP_STRINGS, ChatCompletionRequest, ChatMessage,
                                       CompletionRequest, SamplingFields)
 
-CHAT_ROLES = ("system", "user", "assistant")
+CHAT_ROLES = ("system", "user", "assistant", "tool")
 # Template arguments a request may not override through chat_template_kwargs.
 _RESERVED_TEMPLATE_KWARGS = {"conversation", "messages", "tokenize", "chat_template", "tools",
                              "add_generation_prompt", "continue_final_message", "return_dict",
@@ -100,7 +102,7 @@ def completion_sampling_params(ctx: ServerContext, req: CompletionRequest,
     # echo + logprobs lists the prompt's tokens with their logprobs too (as vLLM does).
     prompt_lp = req.logprobs if req.echo and req.logprobs is not None else None
     return build_sampling_params(ctx, req, max_tokens=max_tokens, logprobs=req.logprobs,
-                                 prompt_logprobs=prompt_lp)
+                                 prompt_logprobs=prompt_lp, structured_outputs=structured_outputs(req))
 
 
 # ---- chat ---------------------------------------------------------------------------------
@@ -120,11 +122,25 @@ def _message_dict(i: int, m: ChatMessage) -> dict:
     out = {"role": role, "content": content}
     if m.name is not None:
         out["name"] = m.name
+    if m.tool_call_id is not None:
+        out["tool_call_id"] = m.tool_call_id
+    if m.tool_calls:
+        # Templates read the arguments as a mapping (HF's convention), clients send JSON text.
+        out["tool_calls"] = [{"id": c.id, "type": c.type, "function": {
+            "name": c.function.name, "arguments": _arguments(c.function.arguments)}} for c in m.tool_calls]
     return out
 
 
+def _arguments(text: str):
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
 def render_chat(ctx: ServerContext, messages: list[ChatMessage], add_generation_prompt: bool,
-                continue_final_message: bool = False, template_kwargs: dict | None = None) -> str:
+                continue_final_message: bool = False, template_kwargs: dict | None = None,
+                tools: list[dict] | None = None) -> str:
     """The chat template applied to the messages (blocking)."""
     if not messages:
         raise bad_request("messages is empty; give at least one message", param="messages")
@@ -142,6 +158,8 @@ def render_chat(ctx: ServerContext, messages: list[ChatMessage], add_generation_
                           param="chat_template_kwargs")
     if continue_final_message:
         kwargs["continue_final_message"] = True
+    if tools:
+        kwargs["tools"] = tools
     tokenizer = ctx.require_tokenizer("messages")
     try:
         return tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
@@ -153,15 +171,16 @@ def render_chat(ctx: ServerContext, messages: list[ChatMessage], add_generation_
                           param="messages") from e
 
 
-def chat_prompt(ctx: ServerContext, req: ChatCompletionRequest) -> PromptInput:
-    """Messages -> template text -> token ids (blocking)."""
+def chat_prompt(ctx: ServerContext, req: ChatCompletionRequest, tools: list[dict] | None = None) -> PromptInput:
+    """Messages (and the tools to show the model) -> template text -> token ids (blocking)."""
     text = render_chat(ctx, req.messages, req.add_generation_prompt, req.continue_final_message,
-                       req.chat_template_kwargs)
+                       req.chat_template_kwargs, tools)
     return PromptInput(ctx.tokenizer.encode(text, add_special_tokens=req.add_special_tokens), text)
 
 
-def chat_sampling_params(ctx: ServerContext, req: ChatCompletionRequest,
-                         prompt: PromptInput) -> SamplingParams:
+def chat_sampling_params(ctx: ServerContext, req: ChatCompletionRequest, prompt: PromptInput,
+                         structured=None) -> SamplingParams:
+    """`structured`: the StructuredOutputsParams of the request (or of its tool choice)."""
     if req.top_logprobs is not None and req.top_logprobs > 0 and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs set to true", param="top_logprobs")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
@@ -169,7 +188,8 @@ def chat_sampling_params(ctx: ServerContext, req: ChatCompletionRequest,
     asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     max_tokens = check_prompt_length(ctx, len(prompt.token_ids), asked, "messages", param)
-    return build_sampling_params(ctx, req, max_tokens=max_tokens, logprobs=logprobs)
+    return build_sampling_params(ctx, req, max_tokens=max_tokens, logprobs=logprobs,
+                                 structured_outputs=structured)
 
 
 # ---- shared -------------------------------------------------------------------------------
@@ -181,7 +201,8 @@ def check_logprobs_limit(ctx: ServerContext, value: int | None, param: str) -> N
 
 
 def build_sampling_params(ctx: ServerContext, req: SamplingFields, *, max_tokens: int,
-                          logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
+                          logprobs: int | None, prompt_logprobs: int | None = None,
+                          structured_outputs=None) -> SamplingParams:
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     if len(stop) > MAX_STOP_STRINGS:
         raise bad_request(f"stop may hold at most {MAX_STOP_STRINGS} strings; got {len(stop)}", param="stop")
@@ -194,7 +215,8 @@ def build_sampling_params(ctx: ServerContext, req: SamplingFields, *, max_tokens
         logprobs=logprobs, prompt_logprobs=prompt_logprobs, logit_bias=req.logit_bias,
         allowed_token_ids=req.allowed_token_ids, skip_special_tokens=req.skip_special_tokens,
         spaces_between_special_tokens=req.spaces_between_special_tokens,
-        include_stop_str_in_output=req.include_stop_str_in_output)
+        include_stop_str_in_output=req.include_stop_str_in_output,
+        structured_outputs=structured_outputs)
     # Only the fields the client set, else --generation-config's; SamplingParams' own
     # defaults (vLLM's) fill the rest.
     for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",

@@ -12,6 +12,7 @@ from jaxserve.server.logprobs import CompletionLogprobs, merge_completion_logpro
 from jaxserve.server.protocol import CompletionRequest
 from jaxserve.server.serving import run_generation
 from jaxserve.server.streaming import ChoiceDelta, StreamFormatter, usage
+from jaxserve.server.structured import check_compiles, field_of
 from jaxserve.server.unsupported import check_request
 
 
@@ -94,6 +95,8 @@ async def create_completion(ctx: ServerContext, request, req: CompletionRequest)
     ctx.check_model(req.model)
     prompts = await ctx.in_tokenizer_thread(completion_prompts, ctx, req)
     params = [completion_sampling_params(ctx, req, p) for p in prompts]
+    if params:
+        await check_compiles(ctx, params[0], field_of(req))
     request_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     echo = _Echo(ctx, req, prompts)
     include_usage = bool(req.stream_options and req.stream_options.include_usage)

@@ -28,20 +28,6 @@ def _truthy(value: Any, body: dict) -> bool:
     return bool(value)
 
 
-def _non_text_format(value: Any, body: dict) -> bool:
-    return value is not None and not (isinstance(value, dict) and value.get("type") == "text")
-
-
-def _tools_in_use(value: Any, body: dict) -> bool:
-    # With tool_choice "none" the model may not call a tool: the tools change nothing.
-    return bool(value) and body.get("tool_choice", "auto") != "none"
-
-
-def _tool_choice_forcing(value: Any, body: dict) -> bool:
-    # "required" or a named function asks for a tool call even when no tools were listed.
-    return value not in (None, "none", "auto")
-
-
 def _functions_in_use(value: Any, body: dict) -> bool:
     return bool(value) and body.get("function_call", "auto") != "none"
 
@@ -56,22 +42,12 @@ class Unsupported:
     asks: Callable[[Any, dict], bool] = _given    # (value, whole body) -> does it ask for it?
 
 
-_STRUCTURED = "structured output (constrained decoding) is not implemented yet"
 UNSUPPORTED: dict[str, Unsupported] = {
-    "guided_json": Unsupported(_STRUCTURED),
-    "guided_regex": Unsupported(_STRUCTURED),
-    "guided_choice": Unsupported(_STRUCTURED),
-    "guided_grammar": Unsupported(_STRUCTURED),
-    "structural_tag": Unsupported(_STRUCTURED),
-    "structured_outputs": Unsupported(_STRUCTURED),
-    "response_format": Unsupported(_STRUCTURED + "; only response_format {\"type\": \"text\"} is accepted",
-                                   _non_text_format),
+    "structural_tag": Unsupported("structural tags are not implemented; use structured_outputs "
+                                  "(json, regex, choice, grammar) or response_format"),
     "use_beam_search": Unsupported("beam search is not implemented", _truthy),
-    "tools": Unsupported("tool calling is not implemented; leave tools out or set "
-                         "tool_choice to \"none\"", _tools_in_use),
-    "tool_choice": Unsupported("tool calling is not implemented; tool_choice may only be "
-                               "\"none\" or \"auto\"", _tool_choice_forcing),
-    "functions": Unsupported("function calling is not implemented", _functions_in_use),
+    "functions": Unsupported("the legacy functions field is not implemented; use tools",
+                             _functions_in_use),
     "logits_processors": Unsupported("custom logits processors are not implemented", _truthy),
     "bad_words": Unsupported("bad_words is not implemented; logit_bias with -100 bans tokens", _truthy),
     "truncate_prompt_tokens": Unsupported("prompt truncation is not implemented; shorten the prompt"),

@@ -10,6 +10,8 @@ from jaxserve.engine import AsyncEngine
 from jaxserve.trace import StepTrace
 
 MALFORMED_AT, INVALID_AT = 4, 11
+CHOICE_AT, SCHEMA_AT = 6, 9          # structured output: a choice, a JSON schema
+CHOICES = ["red", "green", "blue"]
 
 
 def _batch_lines() -> list[str]:
@@ -27,6 +29,13 @@ def _batch_lines() -> list[str]:
             body["model"] = DEFAULT_MODEL_NAME
         if i == INVALID_AT:
             body["temperature"] = -1
+        if i == CHOICE_AT:
+            body["guided_choice"] = CHOICES
+        if i == SCHEMA_AT:
+            body["max_tokens"] = 12
+            body["response_format"] = {"type": "json_schema", "json_schema": {"name": "n", "schema": {
+                "type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}},
+                "required": ["n"], "additionalProperties": False}}}
         line = json.dumps({"custom_id": f"req-{i}", "method": "POST", "url": url, "body": body})
         lines.append(line[:-7] if i == MALFORMED_AT else line)
     return lines
@@ -79,11 +88,15 @@ def test_generate_batch_file_keeps_order_and_reports_bad_lines(tmp_path, monkeyp
         if i % 2:
             assert body["object"] == "chat.completion"
             assert choice["message"]["role"] == "assistant"
-            assert body["usage"]["completion_tokens"] <= 4 + i % 5
+            assert body["usage"]["completion_tokens"] <= (12 if i == SCHEMA_AT else 4 + i % 5)
+            if i == SCHEMA_AT:
+                assert list(json.loads(choice["message"]["content"])) == ["n"]
         else:
             assert body["object"] == "text_completion"
             assert isinstance(choice["text"], str)
             assert body["usage"]["completion_tokens"] <= 8
+            if i == CHOICE_AT:
+                assert choice["text"] in CHOICES
         assert choice["finish_reason"] in ("stop", "length")
     # the lines ran together, not one after another
     (trace,) = traces

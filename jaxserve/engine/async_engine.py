@@ -65,6 +65,11 @@ class AsyncEngine:
         return self.engine.tokenizer
 
     @property
+    def grammars(self):
+        """The engine's GrammarCompiler (thread-safe: the server compiles off the engine thread)."""
+        return self.engine.grammars
+
+    @property
     def config(self) -> EngineConfig:
         return self.engine.config
 

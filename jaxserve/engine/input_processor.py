@@ -27,8 +27,10 @@ class EngineRequest:
 
 
 class InputProcessor:
-    def __init__(self, config: EngineConfig, eos_token_ids: tuple[int, ...], num_blocks: int):
+    def __init__(self, config: EngineConfig, eos_token_ids: tuple[int, ...], num_blocks: int,
+                 grammars=None):
         self.config = config
+        self.grammars = grammars     # structured.compiler.GrammarCompiler; None: no tokenizer
         self.eos_token_ids = tuple(eos_token_ids)
         self.num_blocks = num_blocks
         self._rng = random.Random(config.seed)
@@ -54,6 +56,10 @@ class InputProcessor:
         if blocks > self.num_blocks - 1:
             raise ValueError(f"the request needs up to {blocks} KV blocks but the cache holds "
                              f"{self.num_blocks - 1}; lower max_tokens or raise num_kv_blocks")
+        if params.structured_outputs is not None:
+            if self.grammars is None:
+                raise ValueError("structured_outputs needs the model's tokenizer; this model has none")
+            self.grammars.check(params.structured_outputs)   # ValueError: invalid or too slow
 
     def process(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                 arrival_time: float) -> list[EngineRequest]:

@@ -20,6 +20,7 @@ from jaxserve.request import RequestStatus
 from jaxserve.runner import ModelRunner
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.scheduler import Scheduler
+from jaxserve.structured.compiler import GrammarCompiler
 from jaxserve.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -66,7 +67,10 @@ class LLMEngine:
         self.core = EngineCore(self.scheduler, self.runner)
         self.metrics = EngineMetrics()
         eos = tokenizer.eos_token_ids if tokenizer else config.model.eos_token_ids
-        self.inputs = InputProcessor(config, tuple(eos), self.runner.num_blocks)
+        # Structured output needs the vocabulary as text: only a model with a tokenizer has it.
+        self.grammars = GrammarCompiler(tokenizer.hf, config.model.vocab_size, eos) if tokenizer else None
+        self.runner.batch.grammars = self.grammars
+        self.inputs = InputProcessor(config, tuple(eos), self.runner.num_blocks, self.grammars)
         self.outputs = OutputProcessor(tokenizer, self.metrics)
         self.step_listeners: list = []      # callables(core.StepOutcome)
         self.num_steps = 0

@@ -1,0 +1,127 @@
+"""Issue 35's structured-output cost: N concurrent requests, each with its own JSON schema,
+against the same requests unconstrained, in one process (rounds alternate so both see the
+same machine), plus the schemas' compile times.
+
+    python benchmarks/structured_output.py --model .benchdata/llama8b-dummy --load-format dummy \
+        --num-requests 64 --output-len 128 --rounds 2
+
+NOTE: dummy weights cannot write meaningful JSON; what is measured is the mask's cost (host
+fill, the lean masked step program, and the engine waiting for each step so that every
+matcher has consumed its token before its next mask). Each schema is an object with a
+bounded integer, an enum and a free string: random weights stay inside the string, so the
+matcher is live on every step, and ignore_eos keeps both runs at exactly output-len tokens.
+The model folder must hold a tokenizer (the grammars need the vocabulary as text):
+.benchdata/llama8b-dummy has Llama-3's (benchmarks/prepare_benchdata.sh).
+
+Prints one JSON line: tokens/s of each run, their ratio, compile seconds p50 / p99 (cold, one
+distinct schema each), and the host milliseconds per step spent filling masks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+
+def schema(i: int) -> dict:
+    return {"type": "object",
+            "properties": {f"id_{i}": {"type": "integer", "minimum": 0, "maximum": 10 ** (i % 6 + 1)},
+                           f"kind_{i}": {"enum": [f"a{i}", f"b{i}", f"c{i}"]},
+                           f"note_{i}": {"type": "string"}},
+            "required": [f"id_{i}", f"kind_{i}", f"note_{i}"], "additionalProperties": False}
+
+
+def percentile(values: list[float], q: float) -> float:
+    s = sorted(values)
+    return s[min(len(s) - 1, int(round(q / 100 * (len(s) - 1))))]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=".benchdata/llama8b-dummy")
+    p.add_argument("--load-format", default="dummy")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--num-compile-schemas", type=int, default=200,
+                   help="distinct schemas compiled cold for the compile-time percentiles")
+    p.add_argument("--max-model-len", type=int, default=1024)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--attention-impl", default="auto")
+    args = p.parse_args()
+
+    from jaxserve import LLM, SamplingParams
+    from jaxserve.structured import StructuredOutputsParams, masks
+
+    llm = LLM(args.model, load_format=args.load_format, dtype=args.dtype, max_num_seqs=args.num_requests,
+              max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len, max_logprobs=0,
+              attention_impl=args.attention_impl)
+    llm.engine.runner.wait_for_warmup()      # the masked programs compile in the background
+    grammars = llm.engine.grammars
+    if grammars is None:
+        raise SystemExit(f"{args.model} has no tokenizer: structured output needs one")
+
+    # Compile times: distinct schemas, none cached (offset past the throughput runs' ones).
+    base = 10_000
+    grammars.ll_tokenizer                     # built once (about 1 s for 128K tokens), not timed
+    compile_s = []
+    for i in range(args.num_compile_schemas):
+        t = time.perf_counter()
+        grammars.check(StructuredOutputsParams(json=schema(base + i)))
+        compile_s.append(time.perf_counter() - t)
+
+    fill = {"seconds": 0.0, "calls": 0}
+    real_fill = masks.fill_masks
+
+    def timed_fill(*a, **k):
+        t = time.perf_counter()
+        real_fill(*a, **k)
+        fill["seconds"] += time.perf_counter() - t
+        fill["calls"] += 1
+
+    masks.fill_masks = timed_fill
+
+    vocab = llm.engine.config.model.vocab_size
+    prompts = [{"prompt_token_ids": [(7 * i + 13 * j) % (vocab // 2) + 3 for j in range(args.input_len)]}
+               for i in range(args.num_requests)]
+
+    def params(constrained: bool):
+        return [SamplingParams(temperature=0.8, seed=i, max_tokens=args.output_len, ignore_eos=True,
+                               output_kind="final_only",
+                               structured_outputs=StructuredOutputsParams(json=schema(i)) if constrained else None)
+                for i in range(args.num_requests)]
+
+    def run(constrained: bool) -> float:
+        t = time.perf_counter()
+        outs = llm.generate(prompts, params(constrained), use_tqdm=False)
+        seconds = time.perf_counter() - t
+        tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+        assert tokens == args.num_requests * args.output_len, tokens
+        return tokens / seconds
+
+    run(False), run(True)                      # warm: the schemas compile here, once
+    fill.update(seconds=0.0, calls=0)
+    tps = {"unconstrained": [], "constrained": []}
+    for _ in range(args.rounds):
+        tps["unconstrained"].append(run(False))
+        tps["constrained"].append(run(True))
+    med = {k: statistics.median(v) for k, v in tps.items()}
+    print(json.dumps({
+        "num_requests": args.num_requests, "input_len": args.input_len, "output_len": args.output_len,
+        "tokens_per_s": {k: round(v, 1) for k, v in med.items()},
+        "rounds_tokens_per_s": {k: [round(x, 1) for x in v] for k, v in tps.items()},
+        "constrained_over_unconstrained": round(med["constrained"] / med["unconstrained"], 3),
+        "compile_ms": {"p50": round(1e3 * percentile(compile_s, 50), 2),
+                       "p99": round(1e3 * percentile(compile_s, 99), 2),
+                       "max": round(1e3 * max(compile_s), 2), "schemas": len(compile_s)},
+        "mask_fill_ms_per_step": round(1e3 * fill["seconds"] / max(fill["calls"], 1), 3),
+        "mask_fill_steps": fill["calls"],
+    }))
+
+
+if __name__ == "__main__":
+    main()
