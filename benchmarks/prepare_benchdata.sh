@@ -32,5 +32,5 @@ du -sh .benchdata/*
 rm -rf .whl && mkdir -p .whl
 "$PY" -m pip download -q -d .whl fastapi uvicorn
 "$PY" -m pip download -q --no-deps -d .whl gguf
-"$PY" -m pip download -q --no-deps -d .whl llguidance     # structured output (abi3 wheel, no deps)
+"$PY" -m pip download -q --no-deps -d .whl "llguidance>=1.9"     # structured output (abi3 wheel, no deps)
 ls .whl

@@ -128,6 +128,12 @@ def test_compiles_are_cached_by_grammar_text():
     assert len(grammars._cache) == 3
 
 
+def test_every_eos_id_of_the_model_is_the_grammars_end():
+    # Llama-3 instruct ends on any of three ids (llguidance before 1.9 took only one)
+    grammars = GrammarCompiler(tiny_tokenizer(), 256, [2, 3])
+    assert list(grammars.ll_tokenizer.eos_tokens) == [2, 3]
+
+
 def test_a_compile_past_the_time_limit_is_a_value_error(monkeypatch):
     import threading
 
