@@ -33,6 +33,7 @@ from jaxserve.kv_cache import manager as cache_manager
 from jaxserve.kv_cache.specs import PagedSpec
 from jaxserve.models.attention import AttentionBackend, AttentionPlan
 from jaxserve.sampling_tensors import make_sampling_tensors
+from jaxserve.spec_decode import rejection_sampler, verify_rows
 from jaxserve.step_input import StepInput
 from jaxserve.step_messages import (PromptLogprobs, RunnerOutput, SchedulerOutput,
                                     TokenLogprobs)
@@ -80,14 +81,28 @@ def _step(params, caches, packed_W, prev_ids_M, *, model, cfg, backend: Attentio
     kernels = model.make_kernels(cfg, backend, variant.attention, fused)
     caches, hidden_TD, _ = model.forward(cfg, params, caches, x, kernels)
     logits_SV = model.compute_logits(cfg, params, hidden_TD[x.logits_indices])
-    out = sampler.sample(logits_SV, x.sampling, variant.num_top, truncate=variant.full,
-                         kernels=backend.impl != "xla")
+    out, last_ids_S = _sample(logits_SV, x, variant, backend)
     prompt = None
     if variant.prompt_logprobs:
         prompt = sampler.prompt_logprobs(model.compute_logits(cfg, params, hidden_TD),
                                          x.next_token_ids, variant.num_top)
-    ids_M = jnp.zeros_like(prev_ids_M).at[:out.token_ids.shape[0]].set(out.token_ids)
+    ids_M = jnp.zeros_like(prev_ids_M).at[:last_ids_S.shape[0]].set(last_ids_S)
     return caches, out, prompt, ids_M
+
+
+def _sample(logits_RV, x: StepInput, variant: StepVariant, backend: AttentionBackend):
+    """(the step's sampler output, each sequence's last new token). A step that carries
+    drafts (x.draft_rows: a static part of its layout, so a step without them compiles
+    exactly as before) verifies them instead: rejection_sampler.verify."""
+    kernels = backend.impl != "xla"
+    if x.draft_rows is None:
+        out = sampler.sample(logits_RV, x.sampling, variant.num_top, truncate=variant.full,
+                             kernels=kernels)
+        return out, out.token_ids
+    out = rejection_sampler.verify(logits_RV, x.sampling, x.draft_token_ids, x.draft_rows,
+                                   x.num_drafts, variant.num_top, truncate=variant.full,
+                                   kernels=kernels)
+    return out, out.last_ids
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,7 +110,7 @@ class InFlightStep:
     """A dispatched step whose results are still on the device."""
     plan: StepPlan
     variant: StepVariant
-    result: sampler.SamplerOutput
+    result: sampler.SamplerOutput | rejection_sampler.VerifyOutput
     prompt: tuple | None
 
 
@@ -163,7 +178,8 @@ class ModelRunner:
                                 max_blocks_per_seq=self.max_blocks_per_seq,
                                 block_size=self.block_size, vocab_size=self.cfg.vocab_size,
                                 max_model_len=config.scheduler.max_model_len,
-                                group_kinds=self.group_kinds)
+                                group_kinds=self.group_kinds,
+                                max_spec_tokens=config.num_speculative_tokens)
         # The previous step's sampled ids (padded to max_num_seqs).
         self._prev_ids = jax.device_put(jnp.zeros(config.scheduler.max_num_seqs, jnp.int32),
                                         self.input_sharding)
@@ -276,19 +292,23 @@ class ModelRunner:
         """Wait for a dispatched step, bring its sampled tokens (and logprobs) to the host and
         append them to the persistent batch."""
         plan, variant = step.plan, step.variant
+        # A verifying step's rows are its sequences' then its drafts' (spec_decode/verify_rows.py)
+        rows_out = step.result.rows if plan.draft_starts else step.result
+        accepted = np.asarray(step.result.num_accepted).tolist() if plan.draft_starts else None
         if variant.num_top or variant.prompt_logprobs:
-            result, prompt = jax.device_get((step.result, step.prompt))
+            result, prompt = jax.device_get((rows_out, step.prompt))
             ids = result.token_ids.tolist()
         else:                            # lean step: only the sampled ids come back
             result, prompt = None, None
-            ids = np.asarray(step.result.token_ids).tolist()
+            ids = np.asarray(rows_out.token_ids).tolist()
         sampled, logprobs = [], []
         for i, (req, s) in enumerate(zip(plan.requests, plan.samples)):
-            tokens = [ids[i]] if s else []
+            rows = verify_rows.kept_rows(i, plan.draft_starts, accepted[i] if accepted else 0)
+            tokens = [ids[r] for r in rows] if s else []
             sampled.append(tokens)
             self.batch.append_tokens(req, tokens)
-            logprobs.append(TokenLogprobs(result.logprobs[i:i + 1], result.ranks[i:i + 1],
-                                          result.top_ids[i:i + 1], result.top_logprobs[i:i + 1])
+            logprobs.append(TokenLogprobs(result.logprobs[rows], result.ranks[rows],
+                                          result.top_ids[rows], result.top_logprobs[rows])
                             if s and variant.num_top else None)
         prompt_lps = {}
         if prompt is not None:

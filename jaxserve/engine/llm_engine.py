@@ -20,6 +20,8 @@ from jaxserve.request import RequestStatus
 from jaxserve.runner import ModelRunner
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.scheduler import Scheduler
+from jaxserve.spec_decode import drafting
+from jaxserve.spec_decode import metrics as spec_metrics
 from jaxserve.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -63,7 +65,8 @@ class LLMEngine:
                                    step_sizes=tuple(self.runner.buckets),
                                    cache_specs=self.runner.cache_specs,
                                    num_slots=self.runner.num_slots)
-        self.core = EngineCore(self.scheduler, self.runner)
+        self.core = EngineCore(self.scheduler, self.runner,
+                               drafting.make_proposer(config.speculative, config))
         self.metrics = EngineMetrics()
         eos = tokenizer.eos_token_ids if tokenizer else config.model.eos_token_ids
         self.inputs = InputProcessor(config, tuple(eos), self.runner.num_blocks)
@@ -182,6 +185,8 @@ class LLMEngine:
             self._update_gauges()
             return outputs
         self.num_steps += 1
+        if self.core.proposer is not None:
+            spec_metrics.record(self.metrics, outcome.scheduled, outcome.result)
         step_outputs = self.outputs.process(outcome.updates, outcome.result)
         self._finish_ended()
         for listener in self.step_listeners:

@@ -1,0 +1,134 @@
+"""Speculative decoding end to end on a tiny random-weight Llama: n-gram drafts change no
+greedy output (batched or alone, with penalties, min_tokens, logprobs, n > 1), never pass
+max_tokens or max_model_len, are counted in the metrics, and leave no block behind."""
+
+import numpy as np
+import pytest
+
+from jaxserve import SamplingParams
+from jaxserve.models import loader
+from jaxserve.spec_decode import ngram
+from jaxserve.spec_decode.config import SpeculativeConfig
+from tests.spec_helpers import make_llm, spec_counts, token_ids
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+         "prompt_lookup_max": 3}
+
+
+@pytest.fixture(scope="module")
+def model(tiny_checkpoint_path):
+    return loader.load_model(tiny_checkpoint_path, dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint_path():
+    from tests.conftest import GOLDEN_DIR
+    import os
+    return os.path.join(GOLDEN_DIR, "ckpt", "llama")
+
+
+@pytest.fixture(scope="module")
+def plain(model):
+    return make_llm(model)
+
+
+@pytest.fixture(scope="module")
+def spec(model):
+    return make_llm(model, NGRAM)
+
+
+def prompts(n):
+    rng = np.random.default_rng(0)
+    out = []
+    for i in range(n):
+        motif = rng.integers(3, 256, size=2 + i % 3).tolist()
+        out.append({"prompt_token_ids": motif * (2 + i % 2) + rng.integers(3, 256, size=i % 4).tolist()})
+    return out
+
+
+def test_ngram_proposes_what_followed_the_longest_suffix():
+    toks = np.array([5, 6, 7, 8, 1, 6, 7, 9, 5, 6, 7])
+    assert ngram.propose(toks, 1, 3, 2) == [8, 1]        # "5 6 7" first came before "8 1"
+    assert ngram.propose(toks, 1, 3, 9) == [8, 1, 6, 7, 9, 5, 6, 7]
+    assert ngram.propose(np.array([1, 2, 3]), 1, 3, 2) == []
+    assert ngram.propose(np.array([4, 4]), 1, 3, 3) == [4]
+
+
+def test_greedy_with_drafts_equals_without_batched_and_alone(plain, spec):
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    want = token_ids(plain.generate(prompts(6), greedy, use_tqdm=False))
+    assert token_ids(spec.generate(prompts(6), greedy, use_tqdm=False)) == want
+    before = spec_counts(spec)
+    alone = [token_ids(spec.generate(p, greedy, use_tqdm=False))[0] for p in prompts(6)[:3]]
+    assert alone == want[:3]
+    counts = spec_counts(spec)
+    assert counts["spec_decode_num_drafts_total"] > before["spec_decode_num_drafts_total"]
+    assert counts["spec_decode_num_accepted_tokens_total"] > 0
+    assert counts['spec_decode_num_accepted_tokens_per_pos_total{position="0"}'] > 0
+    assert (counts["spec_decode_num_accepted_tokens_total"]
+            <= counts["spec_decode_num_draft_tokens_total"])
+    assert spec.engine.scheduler.pool.num_used == 0
+
+
+@pytest.mark.parametrize("max_tokens", [1, 2, 3, 5])
+def test_max_tokens_is_never_exceeded(plain, spec, max_tokens):
+    p = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    outs = spec.generate(prompts(3), p, use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [max_tokens] * 3
+    assert token_ids(outs) == token_ids(plain.generate(prompts(3), p, use_tqdm=False))
+
+
+def test_max_model_len_is_never_exceeded(model):
+    short = make_llm(model, NGRAM, max_len=24)
+    outs = short.generate(prompts(4), SamplingParams(temperature=0, max_tokens=None, ignore_eos=True),
+                          use_tqdm=False)
+    for p, o in zip(prompts(4), outs):
+        assert len(p["prompt_token_ids"]) + len(o.outputs[0].token_ids) == 24
+        assert o.outputs[0].finish_reason == "length"
+    assert short.engine.scheduler.pool.num_used == 0
+
+
+def test_penalties_min_tokens_and_logprobs_see_the_drafts(plain, spec):
+    """A draft row samples after the drafts before it: its penalties' history and min_tokens
+    count must include them, so greedy outputs and logprobs stay those without drafts."""
+    params = [SamplingParams(temperature=0, max_tokens=10, repetition_penalty=1.3, frequency_penalty=0.2),
+              SamplingParams(temperature=0, max_tokens=10, min_tokens=8, logprobs=3),
+              SamplingParams(temperature=0, max_tokens=10, logprobs=2, ignore_eos=True)]
+    ps = prompts(3)
+    want = plain.generate(ps, params, use_tqdm=False)
+    got = spec.generate(ps, params, use_tqdm=False)
+    assert token_ids(got) == token_ids(want)
+    for g, w in zip(got[1:], want[1:]):
+        assert len(g.outputs[0].logprobs) == len(w.outputs[0].logprobs)
+        for lg, lw in zip(g.outputs[0].logprobs, w.outputs[0].logprobs):
+            assert list(lg) == list(lw)
+            assert np.allclose([x.logprob for x in lg.values()], [x.logprob for x in lw.values()],
+                               atol=1e-4)
+
+
+def test_n_samples_and_random_sampling_with_drafts(plain, spec):
+    greedy_n = SamplingParams(temperature=0, max_tokens=8, n=2, ignore_eos=True)
+    assert token_ids(spec.generate(prompts(2), greedy_n, use_tqdm=False)) == \
+        token_ids(plain.generate(prompts(2), greedy_n, use_tqdm=False))
+    rand = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=9, n=3, seed=7, ignore_eos=True)
+    outs = spec.generate(prompts(2), rand, use_tqdm=False)
+    assert all(len(c.token_ids) == 9 for o in outs for c in o.outputs)
+    assert spec.engine.scheduler.pool.num_used == 0
+
+
+def test_bad_speculative_configs_name_the_key():
+    with pytest.raises(ValueError, match=r"'method'.*ngram, draft_model"):
+        SpeculativeConfig.from_dict({"method": "medusa", "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match=r"'num_speculative_tokens'.*1 to 8.*9"):
+        SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 9})
+    with pytest.raises(ValueError, match=r"'num_speculative_tokens'.*1 to 8.*0"):
+        SpeculativeConfig.from_dict('{"method": "ngram", "num_speculative_tokens": 0}')
+    with pytest.raises(ValueError, match=r"unknown key 'lookahead'"):
+        SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 1})
+    with pytest.raises(ValueError, match=r"'prompt_lookup_max'.*>= prompt_lookup_min"):
+        SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 2,
+                                     "prompt_lookup_min": 4, "prompt_lookup_max": 2})
+    with pytest.raises(ValueError, match=r"'model'"):
+        SpeculativeConfig.from_dict({"method": "draft_model", "num_speculative_tokens": 2})
+    c = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3})
+    assert (c.prompt_lookup_min, c.prompt_lookup_max) == (3, 3)
