@@ -138,7 +138,9 @@ class InputBatch:
             known = min(real, req.num_tokens)
             token_ids += [req.token(q) for q in range(start, known)]
             if known < real:           # the last token is still on the device
-                if known + 1 != real or sched.req_id not in self.prev_rows:
+                # (a draft model's proposer runs several steps ahead of what it read back:
+                # only the chunk's own tokens must be known, so max(known, start))
+                if max(known, start) + 1 != real or sched.req_id not in self.prev_rows:
                     raise RuntimeError(f"request {sched.req_id}: tokens {known}..{real - 1} "
                                        f"are neither known nor on their way from the last step")
                 prev_rows[t + real - start - 1] = self.prev_rows[sched.req_id]

@@ -7,7 +7,7 @@ from jaxserve.models import registry
 from jaxserve.spec_decode.config import SpeculativeConfig
 
 
-def make_llm(model, spec: dict | None = None, *, max_num_seqs=8, max_tokens=64, max_len=128,
+def make_llm(model, spec: dict | None = None, *, max_num_seqs=8, max_tokens=32, max_len=128,
              block_size=4, num_kv_blocks=None) -> LLM:
     cfg, params, tok = model
     config = EngineConfig(

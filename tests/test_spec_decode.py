@@ -2,6 +2,8 @@
 greedy output (batched or alone, with penalties, min_tokens, logprobs, n > 1), never pass
 max_tokens or max_model_len, are counted in the metrics, and leave no block behind."""
 
+import os
+
 import numpy as np
 import pytest
 
@@ -9,6 +11,7 @@ from jaxserve import SamplingParams
 from jaxserve.models import loader
 from jaxserve.spec_decode import ngram
 from jaxserve.spec_decode.config import SpeculativeConfig
+from tests.conftest import GOLDEN_DIR
 from tests.spec_helpers import make_llm, spec_counts, token_ids
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
@@ -16,25 +19,21 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
 
 
 @pytest.fixture(scope="module")
-def model(tiny_checkpoint_path):
-    return loader.load_model(tiny_checkpoint_path, dtype="float32")
+def model():
+    return loader.load_model(os.path.join(GOLDEN_DIR, "ckpt", "llama"), dtype="float32")
 
 
-@pytest.fixture(scope="module")
-def tiny_checkpoint_path():
-    from tests.conftest import GOLDEN_DIR
-    import os
-    return os.path.join(GOLDEN_DIR, "ckpt", "llama")
+MAX_LEN = 40      # short enough for a test to run requests into it
 
 
 @pytest.fixture(scope="module")
 def plain(model):
-    return make_llm(model)
+    return make_llm(model, max_len=MAX_LEN)
 
 
 @pytest.fixture(scope="module")
 def spec(model):
-    return make_llm(model, NGRAM)
+    return make_llm(model, NGRAM, max_len=MAX_LEN)
 
 
 def prompts(n):
@@ -78,14 +77,13 @@ def test_max_tokens_is_never_exceeded(plain, spec, max_tokens):
     assert token_ids(outs) == token_ids(plain.generate(prompts(3), p, use_tqdm=False))
 
 
-def test_max_model_len_is_never_exceeded(model):
-    short = make_llm(model, NGRAM, max_len=24)
-    outs = short.generate(prompts(4), SamplingParams(temperature=0, max_tokens=None, ignore_eos=True),
-                          use_tqdm=False)
+def test_max_model_len_is_never_exceeded(spec):
+    outs = spec.generate(prompts(4), SamplingParams(temperature=0, max_tokens=None, ignore_eos=True),
+                         use_tqdm=False)
     for p, o in zip(prompts(4), outs):
-        assert len(p["prompt_token_ids"]) + len(o.outputs[0].token_ids) == 24
+        assert len(p["prompt_token_ids"]) + len(o.outputs[0].token_ids) == MAX_LEN
         assert o.outputs[0].finish_reason == "length"
-    assert short.engine.scheduler.pool.num_used == 0
+    assert spec.engine.scheduler.pool.num_used == 0
 
 
 def test_penalties_min_tokens_and_logprobs_see_the_drafts(plain, spec):

@@ -66,7 +66,8 @@ class LLMEngine:
                                    cache_specs=self.runner.cache_specs,
                                    num_slots=self.runner.num_slots)
         self.core = EngineCore(self.scheduler, self.runner,
-                               drafting.make_proposer(config.speculative, config))
+                               drafting.make_proposer(config.speculative, config,
+                                                      num_blocks=self.runner.num_blocks))
         self.metrics = EngineMetrics()
         eos = tokenizer.eos_token_ids if tokenizer else config.model.eos_token_ids
         self.inputs = InputProcessor(config, tuple(eos), self.runner.num_blocks)

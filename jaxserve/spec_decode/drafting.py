@@ -34,7 +34,7 @@ def propose_drafts(proposer, running: list[Request], alive_ids, k: int, max_mode
             req.spec_token_ids = list(drafts)
 
 
-def make_proposer(spec_config, engine_config, **kw):
+def make_proposer(spec_config, engine_config, num_blocks: int | None = None):
     """The proposer of `spec_config.method` (None when speculation is off)."""
     if spec_config is None:
         return None
@@ -43,5 +43,5 @@ def make_proposer(spec_config, engine_config, **kw):
         return NgramProposer(spec_config)
     if spec_config.method == "draft_model":
         from jaxserve.spec_decode.draft_model import DraftModelProposer
-        return DraftModelProposer(spec_config, engine_config, **kw)
+        return DraftModelProposer(spec_config, engine_config, num_blocks=num_blocks)
     raise ValueError(f"speculative_config['method'] {spec_config.method!r} has no proposer")
