@@ -24,3 +24,38 @@ def token_ids(outs):
 
 def spec_counts(llm) -> dict:
     return {k: v for k, v in llm.get_metrics().items() if k.startswith("spec_decode")}
+
+
+def write_tiny_llama(path, vocab_size: int, seed: int = 0, **config) -> str:
+    """A tiny random-weight Llama checkpoint in HF format (config.json + model.safetensors) on
+    a vocabulary of `vocab_size` tokens: a draft model for the target of that vocabulary."""
+    import json
+    import os
+
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    from jaxserve.models import dummy
+    from jaxserve.models.hf_loader import _LAYER_TENSORS, model_config_from_hf
+
+    hf = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 32,
+          "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
+          "num_key_value_heads": 1, "head_dim": 16, "rms_norm_eps": 1e-5,
+          "max_position_embeddings": 2048, "tie_word_embeddings": True, "vocab_size": vocab_size,
+          "bos_token_id": 1, "eos_token_id": 2, **config}
+    cfg = model_config_from_hf(hf)
+    params = dummy.dummy_params(cfg, "float32", seed=seed)
+    ours = {o: (n, t) for n, (o, t) in _LAYER_TENSORS.items()}
+    tensors = {"model.embed_tokens.weight": params["embed"], "model.norm.weight": params["final_norm"]}
+    if "lm_head" in params:
+        tensors["lm_head.weight"] = np.asarray(params["lm_head"]).T
+    for i, layer in enumerate(params["layers"]):
+        for name, value in layer.items():
+            hf_name, transpose = ours[name]
+            tensors[f"model.layers.{i}.{hf_name}"] = np.asarray(value).T if transpose else np.asarray(value)
+    os.makedirs(path, exist_ok=True)
+    save_file({k: np.ascontiguousarray(np.asarray(v, np.float32)) for k, v in tensors.items()},
+              os.path.join(path, "model.safetensors"))
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(hf, f)
+    return str(path)
