@@ -130,3 +130,27 @@ def test_bad_speculative_configs_name_the_key():
         SpeculativeConfig.from_dict({"method": "draft_model", "num_speculative_tokens": 2})
     c = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3})
     assert (c.prompt_lookup_min, c.prompt_lookup_max) == (3, 3)
+
+
+def test_the_interface_takes_vllms_speculative_config(capsys):
+    import argparse
+
+    from jaxserve.engine import LLMEngine
+    from jaxserve.engine_args import add_engine_arguments, engine_kwargs
+    from jaxserve.spec_decode.ngram import NgramProposer
+
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    args = parser.parse_args([os.path.join(GOLDEN_DIR, "ckpt", "llama"), "--speculative-config",
+                              '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}'])
+    kwargs = engine_kwargs(args)
+    assert kwargs["speculative_config"]["num_speculative_tokens"] == 2
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--speculative-config", '{"method": "eagle9", "num_speculative_tokens": 2}'])
+    assert "speculative_config['method'] must be one of ngram, draft_model" in capsys.readouterr().err
+    engine = LLMEngine.from_engine_args(**dict(kwargs, warmup=False, max_model_len=64))
+    assert isinstance(engine.core.proposer, NgramProposer)
+    assert engine.config.speculative.prompt_lookup_max == 3
+    with pytest.raises(ValueError, match=r"'num_speculative_tokens'.*1 to 8"):
+        LLMEngine.from_engine_args(kwargs["model"], speculative_config={"method": "ngram",
+                                                                       "num_speculative_tokens": 12})

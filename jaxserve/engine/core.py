@@ -76,8 +76,7 @@ class EngineCore:
         updates = self.scheduler.update(out, result)
         if self.proposer is not None:
             drafting.propose_drafts(self.proposer, self.scheduler.running, self.scheduler.requests,
-                                    self.runner.config.num_speculative_tokens,
-                                    self.scheduler.config.max_model_len)
+                                    self.proposer.k, self.scheduler.config.max_model_len)
         return StepOutcome(out, result, updates, time.perf_counter() - t0)
 
     def _dispatch(self, out: SchedulerOutput):

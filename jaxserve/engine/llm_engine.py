@@ -98,11 +98,15 @@ class LLMEngine:
                          tensor_parallel_size: int = 1,
                          expert_parallel_size: int = 1, seed: int = 0, max_logprobs: int = 20,
                          attention_impl: str = "auto", warmup: bool = True,
-                         warmup_all: bool = False, program_cache: bool = False) -> "LLMEngine":
+                         warmup_all: bool = False, program_cache: bool = False,
+                         speculative_config: dict | str | None = None) -> "LLMEngine":
         from jaxserve import default_model
         from jaxserve.models import loader, registry
 
+        from jaxserve.spec_decode.config import SpeculativeConfig
+
         enable_compilation_cache()
+        speculative = SpeculativeConfig.from_dict(speculative_config)   # fail before loading
         dtype = _default(dtype, "bfloat16", "float32")
         parallel = ParallelConfig(tensor_parallel_size=tensor_parallel_size,
                                   expert_parallel_size=expert_parallel_size)
@@ -133,7 +137,7 @@ class LLMEngine:
                                       long_prefill_token_threshold=long_prefill_token_threshold),
             parallel=parallel,
             dtype=dtype, seed=seed, max_logprobs=max_logprobs, attention_impl=attention_impl,
-            warmup=warmup, warmup_all=warmup_all,
+            warmup=warmup, warmup_all=warmup_all, speculative=speculative,
             # NOTE: off unless asked (the CLI does): a program is keyed on the package's
             # sources, so code changed in memory (a notebook's monkeypatch) would not be seen
             program_cache_dir=os.path.join(default_model.cache_dir(), "steps") if program_cache

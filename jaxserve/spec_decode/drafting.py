@@ -1,5 +1,9 @@
 """Which running requests get drafts after a step, and how many at most.
 
+A proposer has `k` (num_speculative_tokens), `propose(requests, limits) -> drafts per
+request` (scheduler Requests, each at most its limit) and `retain(alive_ids)` (forget the
+others: a proposer with per-request state frees it there).
+
 A request drafts only in decode (its last token sampled and read back, every other token
 computed), and never so many that the step could pass max_tokens or max_model_len: a step
 with k drafts keeps up to k + 1 tokens.
