@@ -113,7 +113,8 @@ def main() -> None:
     if args.tiny:
         args.rounds = min(args.rounds, 2)
 
-    sys.path.insert(0, ROOT)
+    from jaxserve.spec_decode.metrics import mean_acceptance_length
+
     llm = build_engine(args)
     core, vocab = llm.engine.core, llm.engine.config.model.vocab_size
     rng = np.random.default_rng(0)
@@ -131,12 +132,8 @@ def main() -> None:
                 llm.engine.runner.batch.max_spec_tokens = k     # one K per verifying program
                 before = llm.get_metrics()
                 rate, outs = decode_rate(llm, prompts, args.output_len, args.rounds)
-                m = llm.get_metrics()
-                drafts = m["spec_decode_num_drafts_total"] - before["spec_decode_num_drafts_total"]
-                accepted = (m["spec_decode_num_accepted_tokens_total"]
-                            - before["spec_decode_num_accepted_tokens_total"])
                 row = dict(batch=b, k=k, acceptance=acc, tokens_per_s=rate, speedup=rate / base,
-                           mean_acceptance_length=1 + accepted / max(drafts, 1),
+                           mean_acceptance_length=mean_acceptance_length(before, llm.get_metrics()) or 1.0,
                            identical=outs == recorded_outs)
                 rows.append(row)
                 print(f"batch {b:3d}  k={k} p={acc:.1f}  {rate:9.1f} tok/s  x{rate / base:4.2f}  "

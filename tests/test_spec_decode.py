@@ -154,3 +154,21 @@ def test_the_interface_takes_vllms_speculative_config(capsys):
     with pytest.raises(ValueError, match=r"'num_speculative_tokens'.*1 to 8"):
         LLMEngine.from_engine_args(kwargs["model"], speculative_config={"method": "ngram",
                                                                        "num_speculative_tokens": 12})
+
+
+def test_preemption_and_prefix_hits_with_drafts(model, plain):
+    """Drafts' blocks are taken back by preemption and rolled back positions never enter the
+    prefix cache: outputs stay those without drafts, and every block comes back."""
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    ps = prompts(6)
+    small = make_llm(model, NGRAM, max_len=MAX_LEN, num_kv_blocks=14)
+    outs = small.generate(ps, greedy, use_tqdm=False)
+    assert token_ids(outs) == token_ids(plain.generate(ps, greedy, use_tqdm=False))
+    # The same prompt again: its blocks (written with drafts) are found in the prefix cache.
+    again = {"prompt_token_ids": ps[5]["prompt_token_ids"] + outs[5].outputs[0].token_ids[:8]}
+    assert token_ids(small.generate(again, greedy, use_tqdm=False)) == \
+        token_ids(plain.generate(again, greedy, use_tqdm=False))
+    m = small.get_metrics()
+    assert m["num_preemptions_total"] > 0 and m["prefix_cache_hits_total"] > 0
+    assert m["spec_decode_num_accepted_tokens_total"] > 0
+    assert small.engine.scheduler.pool.num_used == 0

@@ -1,5 +1,5 @@
 """Speculative decoding on the real default model: n-gram drafts on repetitive prompts are
-accepted and counted, and change no greedy output (batched, alone, with stop strings); a
+accepted and counted, and change no greedy output (batched, with stop strings); a
 tiny draft model on the default model's vocabulary changes none either."""
 
 import pytest
@@ -36,8 +36,7 @@ def ngram(model):
 
 def test_ngram_drafts_on_repetitive_prompts_are_accepted(plain, ngram):
     want = token_ids(plain.generate(PROMPTS, GREEDY, use_tqdm=False))
-    assert token_ids(ngram.generate(PROMPTS, GREEDY, use_tqdm=False)) == want
-    assert [token_ids(ngram.generate(p, GREEDY, use_tqdm=False))[0] for p in PROMPTS[:2]] == want[:2]
+    assert token_ids(ngram.generate(PROMPTS, GREEDY, use_tqdm=False)) == want   # (alone: test_spec_decode.py)
     c = spec_counts(ngram)
     assert c["spec_decode_num_accepted_tokens_total"] >= 4, c
     assert ngram.engine.scheduler.pool.num_used == 0

@@ -16,3 +16,11 @@ def record(metrics, scheduled, result) -> None:
         metrics.inc("spec_decode_num_accepted_tokens", accepted)
         for pos in range(accepted):
             metrics.inc_labeled("spec_decode_num_accepted_tokens_per_pos", pos)
+
+
+def mean_acceptance_length(before: dict, after: dict) -> float | None:
+    """Tokens kept per verifying request-step between two get_metrics() dicts (1 + accepted
+    drafts per draft; None when nothing was drafted)."""
+    drafts = after["spec_decode_num_drafts_total"] - before["spec_decode_num_drafts_total"]
+    accepted = after["spec_decode_num_accepted_tokens_total"] - before["spec_decode_num_accepted_tokens_total"]
+    return 1 + accepted / drafts if drafts else None
