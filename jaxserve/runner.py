@@ -336,18 +336,27 @@ class ModelRunner:
         skewed programs up front delayed the 8B engine's first token by 12 s."""
         empty = SchedulerOutput(new_requests=[], scheduled=[], finished_req_ids=[], num_tokens=0,
                                 preempted_ids=[], num_cached_tokens=0)
-        jobs = []
+        jobs, verifying = [], []
         for t in self.buckets:
             lean, _, _ = self._build(dataclasses.replace(empty, num_tokens=t))
-            full = dataclasses.replace(lean, sampling=make_sampling_tensors(
-                [], lean.num_seqs, self.cfg.vocab_size, self.config.scheduler.max_model_len))
-            for attention in self.backend.warmup_plans(t, lean.num_seqs):
-                for variant in self.warmup_variants:
-                    variant = dataclasses.replace(variant, attention=attention)
-                    packed, layout = packing.pack(full if variant.full else lean)
-                    jobs.append((layout, variant, len(packed)))
+            inputs = [(lean, self._with_sampling(lean, lean.num_seqs, True))]
+            for d in verify_rows.warmup_draft_rows(t, self.config.num_speculative_tokens) \
+                    if self.config.num_speculative_tokens else ():
+                rows = lean.num_seqs + d
+                inputs.append(tuple(verify_rows.with_draft_rows(
+                    lean, d, self.config.num_speculative_tokens, self._with_sampling(lean, rows, extras).sampling)
+                    for extras in (False, True)))
+            for i, (lean_x, full_x) in enumerate(inputs):
+                for attention in self.backend.warmup_plans(t, lean.num_seqs):
+                    for variant in self.warmup_variants:
+                        variant = dataclasses.replace(variant, attention=attention)
+                        packed, layout = packing.pack(full_x if variant.full else lean_x)
+                        (verifying if i else jobs).append((layout, variant, len(packed)))
 
-        later = [job for job in jobs if job[1].full or job[1].attention.skewed]
+        # Verifying programs (speculative decoding) compile in the background too: a step
+        # without drafts then starts exactly as soon as without speculation.
+        later = [job for job in jobs if job[1].full or job[1].attention.skewed] + verifying
+        jobs += verifying
         now = [job for job in jobs if job not in later]
         threads = os.cpu_count() or 1
         try:
@@ -365,6 +374,11 @@ class ModelRunner:
                     self._compile(layout, variant, num_words)
         logger.info("compiled %d lean step programs; %d full or skewed ones compile in the "
                     "background", len(now), len(later))
+
+    def _with_sampling(self, x: StepInput, rows: int, extras: bool) -> StepInput:
+        """`x` with empty sampling tensors of `rows` rows (the full program's with extras)."""
+        return dataclasses.replace(x, sampling=make_sampling_tensors(
+            [], rows, self.cfg.vocab_size, self.config.scheduler.max_model_len, with_extras=extras))
 
     def wait_for_warmup(self, raise_errors: bool = True) -> None:
         """Wait until every program warm-up started is compiled."""

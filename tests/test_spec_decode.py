@@ -172,3 +172,19 @@ def test_preemption_and_prefix_hits_with_drafts(model, plain):
     assert m["num_preemptions_total"] > 0 and m["prefix_cache_hits_total"] > 0
     assert m["spec_decode_num_accepted_tokens_total"] > 0
     assert small.engine.scheduler.pool.num_used == 0
+
+
+def test_warmup_compiles_the_verifying_steps_of_decode(model):
+    import jax
+
+    llm = make_llm(model, NGRAM, max_len=MAX_LEN, max_num_seqs=4, max_tokens=16)
+    assert not llm.engine.runner._executables               # (warm-up off in make_llm)
+    llm.engine.runner.warmup()
+    llm.engine.runner.wait_for_warmup()
+    compiles = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, secs, **kw: compiles.append(event)
+        if event == "/jax/core/compile/backend_compile_duration" else None)
+    llm.generate(prompts(3), SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False)
+    assert spec_counts(llm)["spec_decode_num_drafts_total"] > 0
+    assert compiles == []

@@ -81,3 +81,22 @@ def kept_rows(seq: int, starts: dict[int, tuple[int, int]], num_accepted: int) -
         return [seq]
     first, k = starts[seq]
     return list(range(first, first + num_accepted)) + [first + num_accepted if num_accepted < k else seq]
+
+
+def warmup_draft_rows(num_tokens: int, k: int) -> list[int]:
+    """Draft row counts warm-up compiles for a step of `num_tokens` (padded) tokens: the
+    fewest (a prefill with a few drafting requests beside it) and a pure decode step's
+    (every sequence with k drafts). Other counts compile on first use."""
+    if num_tokens < 2:
+        return []
+    return sorted({padded(1), padded(min(num_tokens - 1, num_tokens * k // (k + 1)))})
+
+
+def with_draft_rows(x, num_draft_rows: int, k: int, sampling):
+    """An empty step input `x` made a verifying one (for warm-up): its layout is that of a
+    built step with `num_draft_rows` draft rows and K = k. `sampling`: S + D rows."""
+    s = x.num_seqs
+    return dataclasses.replace(
+        x, logits_indices=np.zeros(s + num_draft_rows, np.int32), sampling=sampling,
+        draft_token_ids=np.full(s + num_draft_rows, -1, np.int32),
+        draft_rows=np.zeros((s, k), np.int32), num_drafts=np.zeros(s, np.int32))
