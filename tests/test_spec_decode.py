@@ -188,3 +188,27 @@ def test_warmup_compiles_the_verifying_steps_of_decode(model):
     llm.generate(prompts(3), SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False)
     assert spec_counts(llm)["spec_decode_num_drafts_total"] > 0
     assert compiles == []
+
+
+def test_metrics_count_accepted_drafts_per_position_on_the_server_too():
+    from prometheus_client import generate_latest
+
+    from jaxserve.metrics import EngineMetrics
+    from jaxserve.spec_decode import metrics as spec_metrics
+    from jaxserve.step_messages import RunnerOutput, ScheduledRequest, SchedulerOutput
+
+    m = EngineMetrics()
+    before = m.as_dict()
+    sched = [ScheduledRequest("a", 5, 4, [[]], True, [7, 8, 9]), ScheduledRequest("b", 3, 3, [[]], True, [1, 2]),
+             ScheduledRequest("c", 0, 5, [[]], True)]
+    out = SchedulerOutput([], sched, [], 12, [], 0)
+    spec_metrics.record(m, out, RunnerOutput(["a", "b", "c"], [[7, 8, 4], [5], [3]], [None] * 3))
+    d = m.as_dict()
+    assert (d["spec_decode_num_drafts_total"], d["spec_decode_num_draft_tokens_total"],
+            d["spec_decode_num_accepted_tokens_total"]) == (2, 5, 2)
+    assert d['spec_decode_num_accepted_tokens_per_pos_total{position="0"}'] == 1
+    assert d['spec_decode_num_accepted_tokens_per_pos_total{position="1"}'] == 1
+    assert spec_metrics.mean_acceptance_length(before, d) == 2.0
+    text = generate_latest(m.registry).decode()
+    assert 'jaxserve:spec_decode_num_accepted_tokens_per_pos_total{position="1"} 1.0' in text
+    assert "jaxserve:spec_decode_num_drafts_total 2.0" in text
