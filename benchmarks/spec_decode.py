@@ -52,6 +52,27 @@ class ReplayProposer:
         return out
 
 
+def ngram_cost_ms(batch: int, context: int, k: int, vocab: int, repeats: int = 20) -> float:
+    """Host ms of one n-gram proposal for `batch` requests of `context` tokens (vLLM's
+    default lookup of 5 tokens down to 1; random tokens: the worst case, every length tried)."""
+    from jaxserve.request import Request
+    from jaxserve.sampling_params import SamplingParams
+    from jaxserve.spec_decode.config import SpeculativeConfig
+    from jaxserve.spec_decode.ngram import NgramProposer
+
+    rng = np.random.default_rng(1)
+    reqs = [Request(str(i), rng.integers(0, vocab, size=context).tolist(), SamplingParams())
+            for i in range(batch)]
+    proposer = NgramProposer(SpeculativeConfig("ngram", k, 1, 5))
+    proposer.propose(reqs, [k] * batch)          # the first call copies the prompts
+    t = time.perf_counter()
+    for _ in range(repeats):
+        for r in reqs:                           # a step later: one new token each
+            r.output_token_ids.append(int(rng.integers(0, vocab)))
+        proposer.propose(reqs, [k] * batch)
+    return 1e3 * (time.perf_counter() - t) / repeats
+
+
 def build_engine(args):
     from jaxserve.config import CacheConfig, EngineConfig, SchedulerConfig
     from jaxserve.engine import LLMEngine
@@ -140,10 +161,14 @@ def main() -> None:
                       f"acceptance length {row['mean_acceptance_length']:.2f}  "
                       f"identical={row['identical']}", flush=True)
         core.proposer = None
+    ngram = {f"batch {b}, {n} tokens": ngram_cost_ms(b, n, 3, vocab)
+             for b in args.batch_sizes for n in (512, 4096)}
+    for name, ms in ngram.items():
+        print(f"n-gram proposal on the host, {name}: {ms:.2f} ms per step", flush=True)
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump({"tiny": args.tiny, "prompt_len": args.prompt_len, "output_len": args.output_len,
-                       "rows": rows}, f, indent=1)
+                       "rows": rows, "ngram_host_ms_per_step": ngram}, f, indent=1)
     if not all(r.get("identical", True) for r in rows):
         sys.exit("greedy output with drafts differs from the recording")
 

@@ -45,6 +45,40 @@ def prompts(n):
     return out
 
 
+def ngram_reference(tokens, min_n, max_n, k):
+    """The definition: for n from max_n down, the first earlier window equal to the last n
+    tokens proposes what followed it."""
+    tokens = list(tokens)
+    for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
+        for i in range(len(tokens) - n):
+            if tokens[i:i + n] == tokens[-n:]:
+                return tokens[i + n:i + n + k]
+    return []
+
+
+def test_ngram_matches_its_definition_on_random_sequences():
+    rng = np.random.default_rng(3)
+    for trial in range(300):
+        toks = rng.integers(0, 1 + trial % 6, size=rng.integers(1, 40))
+        lo = int(rng.integers(1, 4))
+        hi = lo + int(rng.integers(0, 3))
+        assert ngram.propose(toks, lo, hi, 3) == ngram_reference(toks, lo, hi, 3), (toks, lo, hi)
+
+
+def test_ngram_proposer_keeps_each_requests_ids_up_to_date():
+    from jaxserve.request import Request
+
+    prop = ngram.NgramProposer(SpeculativeConfig("ngram", 2, 1, 2))
+    req = Request("a", [1, 2, 3], SamplingParams())
+    req.output_token_ids += [1, 2]
+    assert prop.propose([req], [2]) == [[3, 1]]
+    req.output_token_ids += [3] + [4] * 40          # the buffer grows
+    assert prop.propose([req], [2]) == [[4, 4]]
+    assert prop._tokens(req).tolist() == req.all_token_ids
+    prop.retain(set())
+    assert not prop._ids
+
+
 def test_ngram_proposes_what_followed_the_longest_suffix():
     toks = np.array([5, 6, 7, 8, 1, 6, 7, 9, 5, 6, 7])
     assert ngram.propose(toks, 1, 3, 2) == [8, 1]        # "5 6 7" first came before "8 1"
