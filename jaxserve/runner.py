@@ -294,13 +294,18 @@ class ModelRunner:
         plan, variant = step.plan, step.variant
         # A verifying step's rows are its sequences' then its drafts' (spec_decode/verify_rows.py)
         rows_out = step.result.rows if plan.draft_starts else step.result
-        accepted = np.asarray(step.result.num_accepted).tolist() if plan.draft_starts else None
+        accepted = step.result.num_accepted if plan.draft_starts else None
         if variant.num_top or variant.prompt_logprobs:
-            result, prompt = jax.device_get((rows_out, step.prompt))
+            result, prompt, accepted = jax.device_get((rows_out, step.prompt, accepted))
             ids = result.token_ids.tolist()
+        elif accepted is not None:       # lean verifying step: ids and counts come back
+            result, prompt = None, None
+            ids, accepted = jax.device_get((rows_out.token_ids, accepted))
+            ids = ids.tolist()
         else:                            # lean step: only the sampled ids come back
             result, prompt = None, None
             ids = np.asarray(rows_out.token_ids).tolist()
+        accepted = accepted.tolist() if accepted is not None else None
         sampled, logprobs = [], []
         for i, (req, s) in enumerate(zip(plan.requests, plan.samples)):
             rows = verify_rows.kept_rows(i, plan.draft_starts, accepted[i] if accepted else 0)
