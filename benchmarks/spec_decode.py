@@ -37,7 +37,7 @@ class ReplayProposer:
         self.recorded, self.k, self.p, self.vocab = recorded, k, p, vocab
         self.rng = np.random.default_rng(seed)
 
-    def retain(self, alive_ids) -> None:
+    def retain(self, running_ids) -> None:
         pass
 
     def propose(self, requests, limits):

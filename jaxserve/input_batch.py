@@ -162,7 +162,9 @@ class InputBatch:
                 prompt_lp[sched.req_id] = (start, len(nxt))
             sampling_rows.append(SamplingRow(
                 params=params, prompt_token_ids=req.prompt_token_ids,
-                output_token_ids=req.output_token_ids + drafts if drafts else req.output_token_ids,
+                # (penalties alone read the history: no copy of it per step otherwise)
+                output_token_ids=req.output_token_ids + drafts if drafts and params.uses_penalties
+                else req.output_token_ids,
                 seed=req.seed, offset=start + n - n_prompt if sched.sample else 0,
                 eos_token_ids=req.eos_token_ids))
             if drafts:

@@ -55,3 +55,13 @@ def test_drafts_that_do_not_fit_are_refused(model, tmp_path):
     with pytest.raises(ValueError, match=r"'model'.*max_model_len \(40\).*allows 16"):
         make_llm(model, draft_config(write_tiny_llama(tmp_path / "p", 256, max_position_embeddings=16)),
                  max_len=MAX_LEN)
+
+
+def test_preempted_requests_draft_again_from_scratch(model, want):
+    llm = make_llm(model, draft_config(TINY), max_len=MAX_LEN, num_kv_blocks=14)
+    assert token_ids(llm.generate(prompts(4), GREEDY, use_tqdm=False)) == want
+    assert llm.get_metrics()["num_preemptions_total"] > 0
+    assert spec_counts(llm)["spec_decode_num_accepted_tokens_total"] > 0
+    llm.generate(prompts(1), SamplingParams(max_tokens=1), use_tqdm=False)
+    assert llm.engine.scheduler.pool.num_used == 0
+    assert llm.engine.core.proposer.kv.pool.num_used == 0

@@ -75,8 +75,8 @@ class EngineCore:
         result = self.runner.collect(step)
         updates = self.scheduler.update(out, result)
         if self.proposer is not None:
-            drafting.propose_drafts(self.proposer, self.scheduler.running, self.scheduler.requests,
-                                    self.proposer.k, self.scheduler.config.max_model_len)
+            drafting.propose_drafts(self.proposer, self.scheduler.running, self.proposer.k,
+                                    self.scheduler.config.max_model_len)
         return StepOutcome(out, result, updates, time.perf_counter() - t0)
 
     def _dispatch(self, out: SchedulerOutput):

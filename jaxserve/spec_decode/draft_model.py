@@ -72,9 +72,10 @@ class DraftModelProposer:
         if engine_config.warmup:
             self.runner.warmup()
 
-    def retain(self, alive_ids) -> None:
-        """Free the draft cache of requests that ended."""
-        for rid in [r for r in self.cached if r not in alive_ids]:
+    def retain(self, running_ids) -> None:
+        """Free the draft cache of requests that ended or were preempted (a preempted one
+        computes its draft cache again when it drafts next)."""
+        for rid in [r for r in self.cached if r not in running_ids]:
             self.kv.free(rid)
             del self.cached[rid]
             self._dropped.append(rid)

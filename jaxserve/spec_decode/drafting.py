@@ -1,7 +1,7 @@
 """Which running requests get drafts after a step, and how many at most.
 
 A proposer has `k` (num_speculative_tokens), `propose(requests, limits) -> drafts per
-request` (scheduler Requests, each at most its limit) and `retain(alive_ids)` (forget the
+request` (scheduler Requests, each at most its limit) and `retain(running_ids)` (forget the
 others: a proposer with per-request state frees it there).
 
 A request drafts only in decode (its last token sampled and read back, every other token
@@ -22,9 +22,11 @@ def draft_limit(req: Request, k: int, max_model_len: int) -> int:
     return max(0, limit)
 
 
-def propose_drafts(proposer, running: list[Request], alive_ids, k: int, max_model_len: int) -> None:
-    """Set `spec_token_ids` of each decoding request in `running` from the proposer."""
-    proposer.retain(alive_ids)
+def propose_drafts(proposer, running: list[Request], k: int, max_model_len: int) -> None:
+    """Set `spec_token_ids` of each decoding request in `running` from the proposer, which
+    forgets every other request first (ended or preempted: a draft model's rows and blocks
+    are bounded by max_num_seqs, like the running requests)."""
+    proposer.retain({r.request_id for r in running})
     reqs, limits = [], []
     for req in running:
         if (req.status == RequestStatus.RUNNING and not req.num_output_placeholders

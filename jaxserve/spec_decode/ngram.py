@@ -64,6 +64,6 @@ class NgramProposer:
         return [propose(self._tokens(r), self.min_n, self.max_n, min(self.k, lim))
                 for r, lim in zip(requests, limits)]
 
-    def retain(self, alive_ids) -> None:
-        for rid in [r for r in self._ids if r not in alive_ids]:
+    def retain(self, running_ids) -> None:
+        for rid in [r for r in self._ids if r not in running_ids]:
             del self._ids[rid]

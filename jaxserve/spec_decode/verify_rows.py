@@ -25,7 +25,8 @@ class DraftSeq:
     seq: int                        # its index in the step
     first_position_row: int         # step token index of the position predicting its draft 0
     drafts: list[int]
-    bonus_row: SamplingRow          # its sequence row (history with the drafts, offset after them)
+    bonus_row: SamplingRow          # its sequence row (offset after the drafts; with penalties,
+                                    # its history ends with them)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,7 +61,9 @@ def build(seqs: list[DraftSeq], num_seqs: int, max_drafts: int) -> DraftRows:
     starts, r = {}, 0
     for d in seqs:
         k, b = len(d.drafts), d.bonus_row
-        before = list(b.output_token_ids)[:len(b.output_token_ids) - k]
+        # Penalties alone read the history (its copies cost O(length) per draft row).
+        history = b.params.uses_penalties
+        before = list(b.output_token_ids)[:len(b.output_token_ids) - k] if history else ()
         starts[d.seq] = (num_seqs + r, k)
         num_S[d.seq] = k
         for j, token in enumerate(d.drafts):
@@ -68,8 +71,9 @@ def build(seqs: list[DraftSeq], num_seqs: int, max_drafts: int) -> DraftRows:
             draft_ids[num_seqs + r] = token
             rows_SK[d.seq, j] = num_seqs + r
             # Draft j is sampled as output token offset - k + j, after the drafts before it.
-            sampling[r] = dataclasses.replace(b, output_token_ids=before + d.drafts[:j],
-                                              offset=b.offset - k + j)
+            sampling[r] = dataclasses.replace(
+                b, output_token_ids=before + d.drafts[:j] if history else b.output_token_ids,
+                offset=b.offset - k + j)
             r += 1
     return DraftRows(logits_idx, sampling, draft_ids, rows_SK, num_S, starts)
 
