@@ -78,7 +78,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                    help="speculative decoding, with vLLM's keys: "
                         "'{\"method\": \"ngram\", \"num_speculative_tokens\": 3, "
                         "\"prompt_lookup_max\": 4}' or '{\"method\": \"draft_model\", "
-                        "\"model\": DIR, \"num_speculative_tokens\": 3}' (default: off)")
+                        "\"model\": DIR, \"num_speculative_tokens\": 3}' or '{\"method\": \"mtp\", "
+                        "\"num_speculative_tokens\": 1}' (DeepSeek V3's MTP layer; default: off)")
     g.add_argument("--no-program-cache", dest="program_cache", action="store_false",
                    help="do not keep compiled step programs across runs (by default they are "
                         "kept under $JAXSERVE_CACHE/steps, default ~/.cache/jaxserve/steps, "

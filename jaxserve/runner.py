@@ -53,6 +53,7 @@ class StepVariant:
     full: bool = False              # penalties, logit_bias, masks and truncation in the program
     prompt_logprobs: bool = False   # also log-softmax every position's logits
     attention: AttentionPlan = AttentionPlan()   # the attention backend's plan (opaque here)
+    hidden: bool = False            # also return the final hidden states (an MTP proposer's input)
 
 
 # A bucket of one token for batch-1 decode (one user, a notebook): padded to 16 tokens it ran
@@ -87,7 +88,7 @@ def _step(params, caches, packed_W, prev_ids_M, *, model, cfg, backend: Attentio
         prompt = sampler.prompt_logprobs(model.compute_logits(cfg, params, hidden_TD),
                                          x.next_token_ids, variant.num_top)
     ids_M = jnp.zeros_like(prev_ids_M).at[:last_ids_S.shape[0]].set(last_ids_S)
-    return caches, out, prompt, ids_M
+    return caches, out, prompt, ids_M, hidden_TD if variant.hidden else None
 
 
 def _sample(logits_RV, x: StepInput, variant: StepVariant, backend: AttentionBackend):
@@ -112,6 +113,7 @@ class InFlightStep:
     variant: StepVariant
     result: sampler.SamplerOutput | rejection_sampler.VerifyOutput
     prompt: tuple | None
+    hidden: jax.Array | None = None   # f[T, D] final hidden states (variant.hidden), on the device
 
 
 def allocate_caches(specs, num_blocks: int, num_slots: int, block_size: int, dtype,
@@ -173,7 +175,10 @@ class ModelRunner:
         self._step = jax.jit(functools.partial(_step, model=model, cfg=self.cfg, backend=self.backend,
                                                fused=fused),
                              donate_argnums=(1,), static_argnames=("variant", "layout"))
-        self.warmup_variants = (StepVariant(), StepVariant(config.max_logprobs, full=True))
+        # An MTP proposer reads every step's hidden states (only then are they returned).
+        self.keep_hidden = getattr(config.speculative, "method", None) == "mtp"
+        self.warmup_variants = (StepVariant(hidden=self.keep_hidden),
+                                StepVariant(config.max_logprobs, full=True, hidden=self.keep_hidden))
         self.batch = InputBatch(max_num_seqs=config.scheduler.max_num_seqs,
                                 max_blocks_per_seq=self.max_blocks_per_seq,
                                 block_size=self.block_size, vocab_size=self.cfg.vocab_size,
@@ -240,11 +245,12 @@ class ModelRunner:
         n = len(out.scheduled)
         attention = self.backend.plan(t_pad, s_pad, n, np.asarray(x.seq_lens[:n]))
         variant = StepVariant(self.config.max_logprobs if plan.full else 0, plan.full,
-                              plan.prompt_logprobs, attention)
+                              plan.prompt_logprobs, attention, self.keep_hidden)
         return x, plan, variant
 
     def run(self, x: StepInput, variant: StepVariant):
-        """Dispatch one step (asynchronously); the caches are donated and replaced."""
+        """Dispatch one step (asynchronously); the caches are donated and replaced. Returns
+        (sampler output, prompt logprobs or None, hidden states or None), on the device."""
         packed, layout = packing.pack(x)
         exe = self._executables.get((layout, variant))
         if exe is None and variant.attention.skewed:
@@ -261,9 +267,9 @@ class ModelRunner:
                 logger.warning("a warm-up compile failed; compiling again", exc_info=True)
         if exe is None:           # a shape warm-up did not cover (or warm-up was off)
             exe = self._compile(layout, variant, len(packed))
-        self.kv_cache, result, prompt, self._prev_ids = exe(
+        self.kv_cache, result, prompt, self._prev_ids, hidden = exe(
             self.params, self.kv_cache, jax.device_put(packed, self.input_sharding), self._prev_ids)
-        return result, prompt
+        return result, prompt, hidden
 
     def _compile(self, layout: packing.Layout, variant: StepVariant, num_words: int):
         """The step program for one input layout and variant, compiled ahead of time (and
@@ -273,9 +279,9 @@ class ModelRunner:
     def dispatch(self, out: SchedulerOutput) -> InFlightStep:
         """Build and launch the step without waiting for the device."""
         x, plan, variant = self.prepare(out)
-        result, prompt = self.run(x, variant)
+        result, prompt, hidden = self.run(x, variant)
         self.batch.prev_rows = {rid: i for i, (rid, s) in enumerate(zip(plan.req_ids, plan.samples)) if s}
-        return InFlightStep(plan, variant, result, prompt)
+        return InFlightStep(plan, variant, result, prompt, hidden)
 
     def failing_requests(self, out: SchedulerOutput) -> list[int]:
         """Indices of the scheduled requests whose step inputs cannot be built even alone

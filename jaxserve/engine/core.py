@@ -75,6 +75,8 @@ class EngineCore:
         result = self.runner.collect(step)
         updates = self.scheduler.update(out, result)
         if self.proposer is not None:
+            if hasattr(self.proposer, "observe"):    # a proposer reading the step's hidden states
+                self.proposer.observe(out, step, result)
             drafting.propose_drafts(self.proposer, self.scheduler.running, self.proposer.k,
                                     self.scheduler.config.max_model_len)
         return StepOutcome(out, result, updates, time.perf_counter() - t0)

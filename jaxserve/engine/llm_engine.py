@@ -66,8 +66,7 @@ class LLMEngine:
                                    cache_specs=self.runner.cache_specs,
                                    num_slots=self.runner.num_slots)
         self.core = EngineCore(self.scheduler, self.runner,
-                               drafting.make_proposer(config.speculative, config,
-                                                      num_blocks=self.runner.num_blocks))
+                               drafting.make_proposer(config.speculative, config, self.runner))
         self.metrics = EngineMetrics()
         eos = tokenizer.eos_token_ids if tokenizer else config.model.eos_token_ids
         self.inputs = InputProcessor(config, tuple(eos), self.runner.num_blocks)

@@ -7,8 +7,8 @@ import dataclasses
 import json
 from typing import Any
 
-METHODS = ("ngram", "draft_model")
-NOT_BUILT = ("eagle3", "eagle", "mtp")       # vLLM's methods this engine does not have yet
+METHODS = ("ngram", "draft_model", "mtp")
+NOT_BUILT = ("eagle3", "eagle")           # vLLM's methods this engine does not have yet
 MAX_SPEC_TOKENS = 8
 KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model")
 DEFAULT_LOOKUP = 5                              # vLLM's n-gram size when neither bound is given

@@ -40,14 +40,19 @@ def propose_drafts(proposer, running: list[Request], k: int, max_model_len: int)
             req.spec_token_ids = list(drafts)
 
 
-def make_proposer(spec_config, engine_config, num_blocks: int | None = None):
-    """The proposer of `spec_config.method` (None when speculation is off)."""
+def make_proposer(spec_config, engine_config, runner=None):
+    """The proposer of `spec_config.method` (None when speculation is off), for the target
+    `runner`."""
     if spec_config is None:
         return None
+    if spec_config.method == "mtp":
+        from jaxserve.spec_decode.mtp import MtpProposer
+        return MtpProposer(spec_config, runner)
     if spec_config.method == "ngram":
         from jaxserve.spec_decode.ngram import NgramProposer
         return NgramProposer(spec_config)
     if spec_config.method == "draft_model":
         from jaxserve.spec_decode.draft_model import DraftModelProposer
-        return DraftModelProposer(spec_config, engine_config, num_blocks=num_blocks)
+        return DraftModelProposer(spec_config, engine_config,
+                                  num_blocks=runner.num_blocks if runner else None)
     raise ValueError(f"speculative_config['method'] {spec_config.method!r} has no proposer")
