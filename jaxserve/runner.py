@@ -53,7 +53,9 @@ class StepVariant:
     full: bool = False              # penalties, logit_bias, masks and truncation in the program
     prompt_logprobs: bool = False   # also log-softmax every position's logits
     attention: AttentionPlan = AttentionPlan()   # the attention backend's plan (opaque here)
-    hidden: bool = False            # also return the final hidden states (an MTP proposer's input)
+    hidden: bool = False            # also return hidden states (a proposer's input): the final
+                                    # ones, or those after `aux_layers`, concatenated
+    aux_layers: tuple[int, ...] = ()
 
 
 # A bucket of one token for batch-1 decode (one user, a notebook): padded to 16 tokens it ran
@@ -80,7 +82,10 @@ def _step(params, caches, packed_W, prev_ids_M, *, model, cfg, backend: Attentio
     token_ids_T = jnp.where(from_prev_T, prev_ids_M[jnp.maximum(x.prev_token_rows, 0)], x.token_ids)
     x = dataclasses.replace(x, token_ids=token_ids_T)
     kernels = model.make_kernels(cfg, backend, variant.attention, fused)
-    caches, hidden_TD, _ = model.forward(cfg, params, caches, x, kernels)
+    if variant.aux_layers:
+        caches, hidden_TD, aux = model.forward(cfg, params, caches, x, kernels, variant.aux_layers)
+    else:
+        caches, hidden_TD, aux = model.forward(cfg, params, caches, x, kernels)
     logits_SV = model.compute_logits(cfg, params, hidden_TD[x.logits_indices])
     out, last_ids_S = _sample(logits_SV, x, variant, backend)
     prompt = None
@@ -88,7 +93,9 @@ def _step(params, caches, packed_W, prev_ids_M, *, model, cfg, backend: Attentio
         prompt = sampler.prompt_logprobs(model.compute_logits(cfg, params, hidden_TD),
                                          x.next_token_ids, variant.num_top)
     ids_M = jnp.zeros_like(prev_ids_M).at[:last_ids_S.shape[0]].set(last_ids_S)
-    return caches, out, prompt, ids_M, hidden_TD if variant.hidden else None
+    if not variant.hidden:
+        return caches, out, prompt, ids_M, None
+    return caches, out, prompt, ids_M, jnp.concatenate(aux, -1) if aux else hidden_TD
 
 
 def _sample(logits_RV, x: StepInput, variant: StepVariant, backend: AttentionBackend):
@@ -175,10 +182,7 @@ class ModelRunner:
         self._step = jax.jit(functools.partial(_step, model=model, cfg=self.cfg, backend=self.backend,
                                                fused=fused),
                              donate_argnums=(1,), static_argnames=("variant", "layout"))
-        # An MTP proposer reads every step's hidden states (only then are they returned).
-        self.keep_hidden = getattr(config.speculative, "method", None) == "mtp"
-        self.warmup_variants = (StepVariant(hidden=self.keep_hidden),
-                                StepVariant(config.max_logprobs, full=True, hidden=self.keep_hidden))
+        self.return_hidden_states(False)
         self.batch = InputBatch(max_num_seqs=config.scheduler.max_num_seqs,
                                 max_blocks_per_seq=self.max_blocks_per_seq,
                                 block_size=self.block_size, vocab_size=self.cfg.vocab_size,
@@ -201,6 +205,15 @@ class ModelRunner:
         # over programs.
         self.compile_seconds = self._compiler.seconds
         self._pending: dict[tuple, concurrent.futures.Future] = {}   # warm-up's compiles
+
+    def return_hidden_states(self, on: bool = True, aux_layers: tuple[int, ...] = ()) -> None:
+        """Every step also returns its hidden states (InFlightStep.hidden): the final ones, or
+        the residual stream after `aux_layers` concatenated. For proposers that read them
+        (spec_decode/mtp.py, eagle3.py); call before warm-up."""
+        self.keep_hidden, self.aux_layers = on, tuple(aux_layers) if on else ()
+        self.warmup_variants = tuple(
+            StepVariant(num_top, full=full, hidden=on, aux_layers=self.aux_layers)
+            for num_top, full in ((0, False), (self.config.max_logprobs, True)))
 
     # -- sizing --------------------------------------------------------------------------
     @property
@@ -245,7 +258,7 @@ class ModelRunner:
         n = len(out.scheduled)
         attention = self.backend.plan(t_pad, s_pad, n, np.asarray(x.seq_lens[:n]))
         variant = StepVariant(self.config.max_logprobs if plan.full else 0, plan.full,
-                              plan.prompt_logprobs, attention, self.keep_hidden)
+                              plan.prompt_logprobs, attention, self.keep_hidden, self.aux_layers)
         return x, plan, variant
 
     def run(self, x: StepInput, variant: StepVariant):
