@@ -95,7 +95,12 @@ def _step(params, caches, packed_W, prev_ids_M, *, model, cfg, backend: Attentio
     ids_M = jnp.zeros_like(prev_ids_M).at[:last_ids_S.shape[0]].set(last_ids_S)
     if not variant.hidden:
         return caches, out, prompt, ids_M, None
-    return caches, out, prompt, ids_M, jnp.concatenate(aux, -1) if aux else hidden_TD
+    if not aux:
+        return caches, out, prompt, ids_M, hidden_TD
+    # forward gives one stream per layer, in layer order; the proposer's order may repeat one
+    layer_ids = sorted(set(variant.aux_layers))
+    streams = [aux[layer_ids.index(i)] for i in variant.aux_layers]
+    return caches, out, prompt, ids_M, jnp.concatenate(streams, -1)
 
 
 def _sample(logits_RV, x: StepInput, variant: StepVariant, backend: AttentionBackend):

@@ -59,3 +59,38 @@ def write_tiny_llama(path, vocab_size: int, seed: int = 0, **config) -> str:
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(hf, f)
     return str(path)
+
+
+def write_eagle3_head(path, target_cfg, draft_vocab: int, aux_layers=None, seed: int = 0) -> str:
+    """A random-weight EAGLE3 head in HF format (LlamaForCausalLMEagle3: fc, midlayer, norm,
+    lm_head over `draft_vocab` tokens, d2t), on the target's embedding and width."""
+    import json
+    import os
+
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    rng = np.random.default_rng(seed)
+    d, n, kh, e, f = target_cfg.hidden_size, 2, 1, 16, 64
+    w = lambda *shape: (rng.standard_normal(shape) * 0.2).astype(np.float32)
+    ones = lambda k: (1 + 0.1 * rng.standard_normal(k)).astype(np.float32)
+    mid = {"input_layernorm.weight": ones(d), "hidden_norm.weight": ones(d),
+           "self_attn.q_proj.weight": w(n * e, 2 * d), "self_attn.k_proj.weight": w(kh * e, 2 * d),
+           "self_attn.v_proj.weight": w(kh * e, 2 * d), "self_attn.o_proj.weight": w(d, n * e),
+           "post_attention_layernorm.weight": ones(d), "mlp.gate_proj.weight": w(f, d),
+           "mlp.up_proj.weight": w(f, d), "mlp.down_proj.weight": w(d, f)}
+    targets = np.sort(rng.choice(target_cfg.vocab_size, draft_vocab, replace=False))
+    tensors = {"fc.weight": w(d, 3 * d), "norm.weight": ones(d), "lm_head.weight": w(draft_vocab, d),
+               "d2t": (targets - np.arange(draft_vocab)).astype(np.int64),
+               **{f"midlayer.{k}": v for k, v in mid.items()}}
+    hf = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": d,
+          "intermediate_size": f, "num_hidden_layers": 1, "num_attention_heads": n,
+          "num_key_value_heads": kh, "head_dim": e, "rms_norm_eps": 1e-5, "vocab_size": target_cfg.vocab_size,
+          "draft_vocab_size": draft_vocab, "max_position_embeddings": 2048, "tie_word_embeddings": False}
+    if aux_layers is not None:
+        hf["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(aux_layers)}
+    os.makedirs(path, exist_ok=True)
+    save_file(tensors, os.path.join(path, "model.safetensors"))
+    with open(os.path.join(path, "config.json"), "w") as fh:
+        json.dump(hf, fh)
+    return str(path)

@@ -7,8 +7,8 @@ import dataclasses
 import json
 from typing import Any
 
-METHODS = ("ngram", "draft_model", "mtp")
-NOT_BUILT = ("eagle3", "eagle")           # vLLM's methods this engine does not have yet
+METHODS = ("ngram", "draft_model", "mtp", "eagle3")
+NOT_BUILT = ("eagle", "medusa")           # vLLM's methods this engine does not have
 MAX_SPEC_TOKENS = 8
 KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model")
 DEFAULT_LOOKUP = 5                              # vLLM's n-gram size when neither bound is given
@@ -40,9 +40,9 @@ class SpeculativeConfig:
         _check(isinstance(self.prompt_lookup_max, int) and self.prompt_lookup_max >= self.prompt_lookup_min,
                "prompt_lookup_max", f"an integer >= prompt_lookup_min ({self.prompt_lookup_min})",
                self.prompt_lookup_max)
-        _check(self.method != "draft_model" or bool(self.model), "model",
-               "the draft model's checkpoint (a HF directory or .gguf) with method 'draft_model'",
-               self.model)
+        _check(self.method not in ("draft_model", "eagle3") or bool(self.model), "model",
+               "the draft model's checkpoint (a HF directory or .gguf; for eagle3 the HF head's "
+               "directory) with method 'draft_model' or 'eagle3'", self.model)
 
     @classmethod
     def from_dict(cls, d: dict | str | None) -> "SpeculativeConfig | None":

@@ -45,6 +45,9 @@ def make_proposer(spec_config, engine_config, runner=None):
     `runner`."""
     if spec_config is None:
         return None
+    if spec_config.method == "eagle3":
+        from jaxserve.spec_decode.eagle3 import Eagle3Proposer
+        return Eagle3Proposer(spec_config, engine_config, runner)
     if spec_config.method == "mtp":
         from jaxserve.spec_decode.mtp import MtpProposer
         return MtpProposer(spec_config, runner)
