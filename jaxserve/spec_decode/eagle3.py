@@ -93,7 +93,7 @@ def _eagle_step(hp, embed_VD, kv, x, aux_TH, rows_T, *, cfg, attention_impl):
     return kv, ids_T[x.logits_indices]
 
 
-class Eagle3Proposer:
+class Eagle3Proposer(hidden_steps.AfterStepProposer):
     def __init__(self, spec_config, engine_config, runner):
         from jaxserve.runner import allocate_caches
 
@@ -118,19 +118,6 @@ class Eagle3Proposer:
                              donate_argnums=(2,))
         self._drafts: dict[str, list[int]] = {}
 
-    def observe(self, out, step, result) -> None:
-        self._drafts = {}
-        built = hidden_steps.after_step_input(self.runner, out, step, result)
-        if built is None:
-            return
-        x, rows_T, sampled = built
-        self.kv, drafts = self._step(self.params, self.embed, self.kv, x, step.hidden, rows_T)
-        for rid, draft in zip(sampled, np.asarray(drafts).tolist()):
-            if rid is not None:
-                self._drafts[rid] = [draft]
-
-    def propose(self, requests, limits: list[int]) -> list[list[int]]:
-        return [self._drafts.get(r.request_id, [])[:lim] for r, lim in zip(requests, limits)]
-
-    def retain(self, running_ids) -> None:
-        """Nothing per request: the head's cache lives on the target's blocks."""
+    def _drafts_of(self, x, hidden, rows_T):
+        self.kv, drafts = self._step(self.params, self.embed, self.kv, x, hidden, rows_T)
+        return drafts

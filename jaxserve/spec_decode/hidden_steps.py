@@ -46,3 +46,28 @@ def after_step_input(runner, out: SchedulerOutput, step, result):
     rows_T[:total] = rows
     x = dataclasses.replace(x, token_ids=ids_T, prev_token_rows=None)
     return x, rows_T, [c.req_id if c.sample else None for c in chunks]
+
+
+class AfterStepProposer:
+    """A proposer that drafts one token per request after each target step (MTP, EAGLE3):
+    subclasses set `runner` and `k` and define `_drafts_of(x, hidden, rows_T)` -> i32[S]."""
+
+    _drafts: dict[str, list[int]]
+
+    def observe(self, out: SchedulerOutput, step, result) -> None:
+        """Run over the step's valid positions; keep each sampling chunk's draft."""
+        self._drafts = {}
+        built = after_step_input(self.runner, out, step, result)
+        if built is None:
+            return
+        x, rows_T, sampled = built
+        drafts = np.asarray(self._drafts_of(x, step.hidden, rows_T)).tolist()
+        for rid, draft in zip(sampled, drafts):
+            if rid is not None:
+                self._drafts[rid] = [draft]
+
+    def propose(self, requests, limits: list[int]) -> list[list[int]]:
+        return [self._drafts.get(r.request_id, [])[:lim] for r, lim in zip(requests, limits)]
+
+    def retain(self, running_ids) -> None:
+        """Nothing per request: the cache lives on the target's blocks."""

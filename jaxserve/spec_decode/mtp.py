@@ -15,7 +15,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jaxserve.spec_decode import hidden_steps
 
@@ -27,7 +26,7 @@ def _mtp_step(params, caches, x, hidden_TD, rows_T, *, model, cfg, attention_imp
     return caches, jnp.argmax(logits_TV[x.logits_indices], axis=-1).astype(jnp.int32)
 
 
-class MtpProposer:
+class MtpProposer(hidden_steps.AfterStepProposer):
     def __init__(self, spec_config, runner):
         from jaxserve.runner import allocate_caches
 
@@ -51,20 +50,6 @@ class MtpProposer:
                              donate_argnums=(1,))
         self._drafts: dict[str, list[int]] = {}
 
-    def observe(self, out, step, result) -> None:
-        """Run the MTP layer over the step's valid positions; keep each sampling chunk's draft."""
-        self._drafts = {}
-        built = hidden_steps.after_step_input(self.runner, out, step, result)
-        if built is None:
-            return
-        x, rows_T, sampled = built
-        self.caches, drafts = self._step(self.runner.params, self.caches, x, step.hidden, rows_T)
-        for rid, draft in zip(sampled, np.asarray(drafts).tolist()):
-            if rid is not None:
-                self._drafts[rid] = [draft]
-
-    def propose(self, requests, limits: list[int]) -> list[list[int]]:
-        return [self._drafts.get(r.request_id, [])[:lim] for r, lim in zip(requests, limits)]
-
-    def retain(self, running_ids) -> None:
-        """Nothing per request: the MTP cache lives on the target's blocks."""
+    def _drafts_of(self, x, hidden, rows_T):
+        self.caches, drafts = self._step(self.runner.params, self.caches, x, hidden, rows_T)
+        return drafts
