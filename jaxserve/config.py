@@ -167,6 +167,11 @@ class EngineConfig:
     program_cache_dir: str | None = None  # keep compiled step programs here across runs
                                          # (compiling.ProgramStore; None: not kept)
     fused_kernels: tuple[str, ...] = ()  # fused Pallas kernels to use (models/llama.py FUSABLE)
+    speculative: Any = None              # spec_decode.config.SpeculativeConfig, or None: off
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        return self.speculative.num_speculative_tokens if self.speculative else 0
 
     def __post_init__(self):
         _check(self.dtype in ("float32", "bfloat16", "float16"), "dtype",

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 
 from jaxserve.arg_types import fraction, human_int, int_at_least
 
@@ -73,11 +74,29 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                    help="at start-up wait for every step program, also those for logprobs, "
                         "top-k/top-p and penalties (by default they compile in the background "
                         "and the first request needing one waits for it)")
+    g.add_argument("--speculative-config", type=speculative_config, default=None, metavar="JSON",
+                   help="speculative decoding, with vLLM's keys: "
+                        "'{\"method\": \"ngram\", \"num_speculative_tokens\": 3, "
+                        "\"prompt_lookup_max\": 4}' or '{\"method\": \"draft_model\", "
+                        "\"model\": DIR, \"num_speculative_tokens\": 3}' or '{\"method\": \"mtp\", "
+                        "\"num_speculative_tokens\": 1}' (DeepSeek V3's MTP layer), or \"eagle3\" with "
+                        "\"model\": an HF EAGLE3 head (default: off)")
     g.add_argument("--no-program-cache", dest="program_cache", action="store_false",
                    help="do not keep compiled step programs across runs (by default they are "
                         "kept under $JAXSERVE_CACHE/steps, default ~/.cache/jaxserve/steps, "
                         "and a restart with the same code, model and settings loads them "
                         "instead of tracing the model again)")
+
+
+def speculative_config(text: str) -> dict:
+    """--speculative-config's JSON, checked now (a usage error names the key)."""
+    from jaxserve.spec_decode.config import SpeculativeConfig
+
+    try:
+        SpeculativeConfig.from_dict(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return json.loads(text)
 
 
 def model_argument(args: argparse.Namespace) -> str | None:
@@ -111,5 +130,6 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         long_prefill_token_threshold=args.long_prefill_token_threshold,
         attention_impl=args.attention_impl, warmup=args.warmup,
         warmup_all=args.warmup_all, program_cache=args.program_cache,
+        speculative_config=getattr(args, "speculative_config", None),
         # The engine carries one name; the server lists and accepts all of them.
         served_model_name=names[0] if names else None)

@@ -22,6 +22,7 @@ import numpy as np
 from jaxserve.kv_cache.manager import PAGED, STATE
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.sampling_tensors import SamplingRow, make_sampling_tensors, needs_extras
+from jaxserve.spec_decode import verify_rows
 from jaxserve.step_input import StepInput
 from jaxserve.step_messages import NewRequestData, SchedulerOutput
 from jaxserve.structured import masks as structured_masks
@@ -65,11 +66,15 @@ class StepPlan:
     query_start_loc: np.ndarray     # i32[S+1]
     full: bool                      # the step needs the full sampler (logprobs, penalties, masks)
     prompt_logprobs: bool
+    draft_starts: dict[int, tuple[int, int]] = dataclasses.field(default_factory=dict)
+    # seq -> (logits row of its first draft, drafts) in a verifying step (verify_rows.py)
 
 
 class InputBatch:
     def __init__(self, *, max_num_seqs: int, max_blocks_per_seq: int, block_size: int,
-                 vocab_size: int, max_model_len: int, group_kinds: list[str]):
+                 vocab_size: int, max_model_len: int, group_kinds: list[str],
+                 max_spec_tokens: int = 0):
+        self.max_spec_tokens = max_spec_tokens    # K of a verifying step (at least its most drafts)
         self.block_size = block_size
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
@@ -132,7 +137,7 @@ class InputBatch:
         seq_lens = np.zeros(num_seqs, np.int32)
         logits_idx = np.zeros(num_seqs, np.int32)
         slots_S = np.zeros(num_seqs, np.int32)
-        sampling_rows, samples, prompt_lp, reqs = [], [], {}, []
+        sampling_rows, samples, prompt_lp, reqs, draft_seqs = [], [], {}, [], []
         constrained = []            # (row, request, its row of the last step's ids or None)
         full = False
         t = 0
@@ -140,17 +145,19 @@ class InputBatch:
             req = self.requests[sched.req_id]
             reqs.append(req)
             start, n = sched.start_position, sched.num_tokens
-            if sched.spec_token_ids:
-                raise NotImplementedError("draft tokens were scheduled, but this runner has no "
-                                          "draft verification yet")
-            known = min(start + n, req.num_tokens)
+            drafts = list(sched.spec_token_ids)
+            real = start + n - len(drafts)         # the drafts are the chunk's last tokens
+            known = min(real, req.num_tokens)
             token_ids += req.tokens(start, known)
-            if known < start + n:      # the last token is still on the device
-                if known + 1 != start + n or sched.req_id not in self.prev_rows:
-                    raise RuntimeError(f"request {sched.req_id}: tokens {known}..{start + n - 1} "
+            if known < real:           # the last token is still on the device
+                # (a draft model's proposer runs several steps ahead of what it read back:
+                # only the chunk's own tokens must be known, so max(known, start))
+                if max(known, start) + 1 != real or sched.req_id not in self.prev_rows:
+                    raise RuntimeError(f"request {sched.req_id}: tokens {known}..{real - 1} "
                                        f"are neither known nor on their way from the last step")
-                prev_rows[t + n - 1] = self.prev_rows[sched.req_id]
+                prev_rows[t + real - start - 1] = self.prev_rows[sched.req_id]
                 token_ids.append(0)
+            token_ids += drafts
             positions += range(start, start + n)
             seq_ids += [s] * n
             rows[s] = req.row
@@ -167,16 +174,21 @@ class InputBatch:
                 prompt_lp[sched.req_id] = (start, len(nxt))
             sampling_rows.append(SamplingRow(
                 params=params, prompt_token_ids=req.prompt_token_ids,
-                output_token_ids=req.output_token_ids, seed=req.seed,
-                offset=start + n - n_prompt if sched.sample else 0,
+                # (penalties alone read the history: no copy of it per step otherwise)
+                output_token_ids=req.output_token_ids + drafts if drafts and params.uses_penalties
+                else req.output_token_ids,
+                seed=req.seed, offset=start + n - n_prompt if sched.sample else 0,
                 eos_token_ids=req.eos_token_ids))
+            if drafts:
+                draft_seqs.append(verify_rows.DraftSeq(s, t + n - len(drafts) - 1, drafts,
+                                                       sampling_rows[-1]))
             samples.append(sched.sample)
             if req.grammar is not None and sched.spec_token_ids:
                 # NOTE: a mask per draft position and matcher rollback are not built: the
                 # request fails alone (EngineCore._dispatch) rather than run unconstrained drafts
                 raise ValueError("structured_outputs cannot be combined with speculative decoding yet")
             if req.grammar is not None and sched.sample:
-                constrained.append((s, req, self.prev_rows[sched.req_id] if known < start + n else None))
+                constrained.append((s, req, self.prev_rows[sched.req_id] if known < real else None))
             full = full or params.logprobs is not None or params.uses_truncation
             t += n
         qsl[len(out.scheduled) + 1:] = t
@@ -188,8 +200,13 @@ class InputBatch:
         # Padding tokens write slot 0 of the null block (step_input.py's conventions).
         slots_T = tables_SB[seq_T, positions_T // p] * p + positions_T % p
         slots_T[t:] = 0
+        spec = None
+        if draft_seqs:       # verification: draft rows after the sequence rows
+            spec = verify_rows.build(draft_seqs, num_seqs, self.max_spec_tokens)
+            logits_idx = np.concatenate([logits_idx, spec.logits_indices])
+            sampling_rows += [verify_rows.PAD_ROW] * (num_seqs - len(sampling_rows)) + spec.sampling_rows
         full = full or bool(prompt_lp) or needs_extras(sampling_rows)
-        sampling = make_sampling_tensors(sampling_rows, num_seqs, self.vocab_size,
+        sampling = make_sampling_tensors(sampling_rows, len(logits_idx), self.vocab_size,
                                          self.max_model_len, with_extras=full,
                                          with_mask=full or bool(constrained))
         if constrained:   # last: it may wait for the last step's tokens (structured/masks.py)
@@ -200,6 +217,10 @@ class InputBatch:
                       query_start_loc=qsl, seq_lens=seq_lens, block_tables=tables_SB,
                       logits_indices=logits_idx, next_token_ids=next_ids,
                       prev_token_rows=prev_rows, sampling=sampling,
-                      state_slots=slots_S if STATE in self.group_kinds else None)
-        plan = StepPlan(out.req_ids, reqs, samples, prompt_lp, qsl, full, bool(prompt_lp))
+                      state_slots=slots_S if STATE in self.group_kinds else None,
+                      draft_token_ids=spec.draft_token_ids if spec else None,
+                      draft_rows=spec.draft_rows if spec else None,
+                      num_drafts=spec.num_drafts if spec else None)
+        plan = StepPlan(out.req_ids, reqs, samples, prompt_lp, qsl, full, bool(prompt_lp),
+                        spec.starts if spec else {})
         return x, plan

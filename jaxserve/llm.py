@@ -29,7 +29,11 @@ class LLM:
             warmup_all (also wait for the logprobs/top-k/penalty programs at start-up),
             program_cache (keep compiled step programs on disk for the next start, on a GPU;
             off by default here: a program is keyed on jaxserve's source files, so code
-            changed in memory, e.g. a notebook's patch, would not be seen).
+            changed in memory, e.g. a notebook's patch, would not be seen),
+            speculative_config (vLLM's dict: {"method": "ngram" | "draft_model" | "mtp" |
+            "eagle3", "num_speculative_tokens": 1-8 (mtp, eagle3: 1),
+            "prompt_lookup_min"/"prompt_lookup_max" (ngram), "model" (draft_model: a smaller
+            model on the same vocabulary; eagle3: the HF head's directory)}; off by default).
     """
 
     def __init__(self, model: str | None = None, *, dtype: str | None = None, **engine_args):

@@ -11,7 +11,10 @@ _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 
 GAUGES = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "num_used_blocks",
           "num_free_blocks")
 COUNTERS = ("prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "prompt_tokens",
-            "generation_tokens", "request_success", "request_failure", "request_abort")
+            "generation_tokens", "request_success", "request_failure", "request_abort",
+            "spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens")
+# Counters with one label; in as_dict as name_total{label="value"}.
+LABELED_COUNTERS = {"spec_decode_num_accepted_tokens_per_pos": "position"}
 HISTOGRAMS = ("time_to_first_token_seconds", "inter_token_latency_seconds",
               "e2e_request_latency_seconds")
 
@@ -24,6 +27,8 @@ class EngineMetrics:
         # prometheus_client appends `_total` to counter names itself.
         self.counters = {n: Counter(f"jaxserve:{n}", n.replace("_", " "), registry=self.registry)
                          for n in COUNTERS}
+        self.labeled = {n: Counter(f"jaxserve:{n}", n.replace("_", " "), labelnames=(label,),
+                                   registry=self.registry) for n, label in LABELED_COUNTERS.items()}
         self.histograms = {n: Histogram(f"jaxserve:{n}", n.replace("_", " "), registry=self.registry,
                                         buckets=_LATENCY_BUCKETS) for n in HISTOGRAMS}
 
@@ -34,12 +39,21 @@ class EngineMetrics:
         if amount:
             self.counters[name].inc(amount)
 
+    def inc_labeled(self, name: str, label_value, amount: float = 1) -> None:
+        if amount:
+            self.labeled[name].labels(str(label_value)).inc(amount)
+
     def observe(self, name: str, value: float) -> None:
         self.histograms[name].observe(value)
 
     def as_dict(self) -> dict[str, float]:
         out = {n: g._value.get() for n, g in self.gauges.items()}
         out.update({f"{n}_total": c._value.get() for n, c in self.counters.items()})
+        for n, c in self.labeled.items():
+            for sample in c.collect()[0].samples:
+                if sample.name.endswith("_total"):
+                    (label, value), = sample.labels.items()
+                    out[f'{n}_total{{{label}="{value}"}}'] = sample.value
         for n, h in self.histograms.items():
             samples = {s.name: s.value for s in h.collect()[0].samples}
             out[f"{n}_count"] = samples.get(f"jaxserve:{n}_count", 0.0)

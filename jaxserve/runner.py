@@ -33,6 +33,7 @@ from jaxserve.kv_cache import manager as cache_manager
 from jaxserve.kv_cache.specs import PagedSpec
 from jaxserve.models.attention import AttentionBackend, AttentionPlan
 from jaxserve.sampling_tensors import make_sampling_tensors
+from jaxserve.spec_decode import rejection_sampler, verify_rows
 from jaxserve.step_input import StepInput
 from jaxserve.step_messages import (PromptLogprobs, RunnerOutput, SchedulerOutput,
                                     TokenLogprobs)
@@ -54,6 +55,9 @@ class StepVariant:
     full: bool = False              # penalties, logit_bias, masks and truncation in the program
     prompt_logprobs: bool = False   # also log-softmax every position's logits
     attention: AttentionPlan = AttentionPlan()   # the attention backend's plan (opaque here)
+    hidden: bool = False            # also return hidden states (a proposer's input): the final
+                                    # ones, or those after `aux_layers`, concatenated
+    aux_layers: tuple[int, ...] = ()
 
 
 # A bucket of one token for batch-1 decode (one user, a notebook): padded to 16 tokens it ran
@@ -80,16 +84,40 @@ def _step(params, caches, packed_W, prev_ids_M, *, model, cfg, backend: Attentio
     token_ids_T = jnp.where(from_prev_T, prev_ids_M[jnp.maximum(x.prev_token_rows, 0)], x.token_ids)
     x = dataclasses.replace(x, token_ids=token_ids_T)
     kernels = model.make_kernels(cfg, backend, variant.attention, fused)
-    caches, hidden_TD, _ = model.forward(cfg, params, caches, x, kernels)
+    if variant.aux_layers:
+        caches, hidden_TD, aux = model.forward(cfg, params, caches, x, kernels, variant.aux_layers)
+    else:
+        caches, hidden_TD, aux = model.forward(cfg, params, caches, x, kernels)
     logits_SV = model.compute_logits(cfg, params, hidden_TD[x.logits_indices])
-    out = sampler.sample(logits_SV, x.sampling, variant.num_top, truncate=variant.full,
-                         kernels=backend.impl != "xla")
+    out, last_ids_S = _sample(logits_SV, x, variant, backend)
     prompt = None
     if variant.prompt_logprobs:
         prompt = sampler.prompt_logprobs(model.compute_logits(cfg, params, hidden_TD),
                                          x.next_token_ids, variant.num_top)
-    ids_M = jnp.zeros_like(prev_ids_M).at[:out.token_ids.shape[0]].set(out.token_ids)
-    return caches, out, prompt, ids_M
+    ids_M = jnp.zeros_like(prev_ids_M).at[:last_ids_S.shape[0]].set(last_ids_S)
+    if not variant.hidden:
+        return caches, out, prompt, ids_M, None
+    if not aux:
+        return caches, out, prompt, ids_M, hidden_TD
+    # forward gives one stream per layer, in layer order; the proposer's order may repeat one
+    layer_ids = sorted(set(variant.aux_layers))
+    streams = [aux[layer_ids.index(i)] for i in variant.aux_layers]
+    return caches, out, prompt, ids_M, jnp.concatenate(streams, -1)
+
+
+def _sample(logits_RV, x: StepInput, variant: StepVariant, backend: AttentionBackend):
+    """(the step's sampler output, each sequence's last new token). A step that carries
+    drafts (x.draft_rows: a static part of its layout, so a step without them compiles
+    exactly as before) verifies them instead: rejection_sampler.verify."""
+    kernels = backend.impl != "xla"
+    if x.draft_rows is None:
+        out = sampler.sample(logits_RV, x.sampling, variant.num_top, truncate=variant.full,
+                             kernels=kernels)
+        return out, out.token_ids
+    out = rejection_sampler.verify(logits_RV, x.sampling, x.draft_token_ids, x.draft_rows,
+                                   x.num_drafts, variant.num_top, truncate=variant.full,
+                                   kernels=kernels)
+    return out, out.last_ids
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,8 +125,9 @@ class InFlightStep:
     """A dispatched step whose results are still on the device."""
     plan: StepPlan
     variant: StepVariant
-    result: sampler.SamplerOutput
+    result: sampler.SamplerOutput | rejection_sampler.VerifyOutput
     prompt: tuple | None
+    hidden: jax.Array | None = None   # f[T, D] final hidden states (variant.hidden), on the device
 
 
 def allocate_caches(specs, num_blocks: int, num_slots: int, block_size: int, dtype,
@@ -160,12 +189,13 @@ class ModelRunner:
         self._step = jax.jit(functools.partial(_step, model=model, cfg=self.cfg, backend=self.backend,
                                                fused=fused),
                              donate_argnums=(1,), static_argnames=("variant", "layout"))
-        self.warmup_variants = (StepVariant(), StepVariant(config.max_logprobs, full=True))
+        self.return_hidden_states(False)
         self.batch = InputBatch(max_num_seqs=config.scheduler.max_num_seqs,
                                 max_blocks_per_seq=self.max_blocks_per_seq,
                                 block_size=self.block_size, vocab_size=self.cfg.vocab_size,
                                 max_model_len=config.scheduler.max_model_len,
-                                group_kinds=self.group_kinds)
+                                group_kinds=self.group_kinds,
+                                max_spec_tokens=config.num_speculative_tokens)
         # The previous step's sampled ids (padded to max_num_seqs).
         self._prev_ids = jax.device_put(jnp.zeros(config.scheduler.max_num_seqs, jnp.int32),
                                         self.input_sharding)
@@ -184,6 +214,15 @@ class ModelRunner:
         # over programs.
         self.compile_seconds = self._compiler.seconds
         self._pending: dict[tuple, concurrent.futures.Future] = {}   # warm-up's compiles
+
+    def return_hidden_states(self, on: bool = True, aux_layers: tuple[int, ...] = ()) -> None:
+        """Every step also returns its hidden states (InFlightStep.hidden): the final ones, or
+        the residual stream after `aux_layers` concatenated. For proposers that read them
+        (spec_decode/mtp.py, eagle3.py); call before warm-up."""
+        self.keep_hidden, self.aux_layers = on, tuple(aux_layers) if on else ()
+        self.warmup_variants = tuple(
+            StepVariant(num_top, full=full, hidden=on, aux_layers=self.aux_layers)
+            for num_top, full in ((0, False), (self.config.max_logprobs, True)))
 
     # -- sizing --------------------------------------------------------------------------
     @property
@@ -228,11 +267,12 @@ class ModelRunner:
         n = len(out.scheduled)
         attention = self.backend.plan(t_pad, s_pad, n, np.asarray(x.seq_lens[:n]))
         variant = StepVariant(self.config.max_logprobs if plan.full else 0, plan.full,
-                              plan.prompt_logprobs, attention)
+                              plan.prompt_logprobs, attention, self.keep_hidden, self.aux_layers)
         return x, plan, variant
 
     def run(self, x: StepInput, variant: StepVariant):
-        """Dispatch one step (asynchronously); the caches are donated and replaced."""
+        """Dispatch one step (asynchronously); the caches are donated and replaced. Returns
+        (sampler output, prompt logprobs or None, hidden states or None), on the device."""
         packed, layout = packing.pack(x)
         exe = self._executables.get((layout, variant))
         if exe is None and variant.attention.skewed:
@@ -249,9 +289,9 @@ class ModelRunner:
                 logger.warning("a warm-up compile failed; compiling again", exc_info=True)
         if exe is None:           # a shape warm-up did not cover (or warm-up was off)
             exe = self._compile(layout, variant, len(packed))
-        self.kv_cache, result, prompt, self._prev_ids = exe(
+        self.kv_cache, result, prompt, self._prev_ids, hidden = exe(
             self.params, self.kv_cache, jax.device_put(packed, self.input_sharding), self._prev_ids)
-        return result, prompt
+        return result, prompt, hidden
 
     def _compile(self, layout: packing.Layout, variant: StepVariant, num_words: int):
         """The step program for one input layout and variant, compiled ahead of time (and
@@ -261,9 +301,9 @@ class ModelRunner:
     def dispatch(self, out: SchedulerOutput) -> InFlightStep:
         """Build and launch the step without waiting for the device."""
         x, plan, variant = self.prepare(out)
-        result, prompt = self.run(x, variant)
+        result, prompt, hidden = self.run(x, variant)
         self.batch.prev_rows = {rid: i for i, (rid, s) in enumerate(zip(plan.req_ids, plan.samples)) if s}
-        return InFlightStep(plan, variant, result, prompt)
+        return InFlightStep(plan, variant, result, prompt, hidden)
 
     def failing_requests(self, out: SchedulerOutput) -> list[int]:
         """Indices of the scheduled requests whose step inputs cannot be built even alone
@@ -280,21 +320,36 @@ class ModelRunner:
         """Wait for a dispatched step, bring its sampled tokens (and logprobs) to the host and
         append them to the persistent batch."""
         plan, variant = step.plan, step.variant
+        # A verifying step's rows are its sequences' then its drafts' (spec_decode/verify_rows.py)
+        rows_out = step.result.rows if plan.draft_starts else step.result
+        accepted = step.result.num_accepted if plan.draft_starts else None
         if variant.num_top or variant.prompt_logprobs:
-            result, prompt = jax.device_get((step.result, step.prompt))
+            result, prompt, accepted = jax.device_get((rows_out, step.prompt, accepted))
             ids = result.token_ids.tolist()
+        elif accepted is not None:       # lean verifying step: ids and counts come back
+            result, prompt = None, None
+            ids, accepted = jax.device_get((rows_out.token_ids, accepted))
+            ids = ids.tolist()
         else:                            # lean step: only the sampled ids come back
             result, prompt = None, None
-            ids = np.asarray(step.result.token_ids).tolist()
-        sampled = [[t] if s else [] for t, s in zip(ids, plan.samples)]
+            ids = np.asarray(rows_out.token_ids).tolist()
+        if not plan.draft_starts:        # one token per sampling request (the common case)
+            sampled = [[t] if s else [] for t, s in zip(ids, plan.samples)]
+            kept_rows = [[i] for i in range(len(sampled))]
+        else:
+            accepted = accepted.tolist()
+            kept_rows = [verify_rows.kept_rows(i, plan.draft_starts, accepted[i])
+                         for i in range(len(plan.samples))]
+            sampled = [[ids[r] for r in rows] if s else [] for rows, s in zip(kept_rows, plan.samples)]
         for req, tokens in zip(plan.requests, sampled):
             self.batch.append_tokens(req, tokens)
         logprobs = [None] * len(sampled)
         if variant.num_top:
             for i, s in enumerate(plan.samples):
                 if s:
-                    logprobs[i] = TokenLogprobs(result.logprobs[i:i + 1], result.ranks[i:i + 1],
-                                                result.top_ids[i:i + 1], result.top_logprobs[i:i + 1])
+                    rows = kept_rows[i]
+                    logprobs[i] = TokenLogprobs(result.logprobs[rows], result.ranks[rows],
+                                                result.top_ids[rows], result.top_logprobs[rows])
         prompt_lps = {}
         if prompt is not None:
             qsl = plan.query_start_loc
@@ -321,23 +376,34 @@ class ModelRunner:
         skewed programs up front delayed the 8B engine's first token by 12 s."""
         empty = SchedulerOutput(new_requests=[], scheduled=[], finished_req_ids=[], num_tokens=0,
                                 preempted_ids=[], num_cached_tokens=0)
-        jobs, masked_layouts = [], set()
+        jobs, verifying, masked_layouts = [], [], set()
         for t in self.buckets:
             lean, _, _ = self._build(dataclasses.replace(empty, num_tokens=t))
-            full = dataclasses.replace(lean, sampling=make_sampling_tensors(
-                [], lean.num_seqs, self.cfg.vocab_size, self.config.scheduler.max_model_len))
+            inputs = [(lean, self._with_sampling(lean, lean.num_seqs, True))]
+            for d in verify_rows.warmup_draft_rows(t, self.config.num_speculative_tokens) \
+                    if self.config.num_speculative_tokens else ():
+                rows = lean.num_seqs + d
+                inputs.append(tuple(verify_rows.with_draft_rows(
+                    lean, d, self.config.num_speculative_tokens, self._with_sampling(lean, rows, extras).sampling)
+                    for extras in (False, True)))
             masked = self._masked_input(lean)
             for attention in self.backend.warmup_plans(t, lean.num_seqs):
-                for variant in self.warmup_variants:
-                    variant = dataclasses.replace(variant, attention=attention)
-                    packed, layout = packing.pack(full if variant.full else lean)
-                    jobs.append((layout, variant, len(packed)))
-                if masked is not None:
+                for i, (lean_x, full_x) in enumerate(inputs):
+                    for variant in self.warmup_variants:
+                        variant = dataclasses.replace(variant, attention=attention)
+                        packed, layout = packing.pack(full_x if variant.full else lean_x)
+                        (verifying if i else jobs).append((layout, variant, len(packed)))
+                if masked is not None:   # steps whose only extra is a grammar's mask
                     packed, layout = packing.pack(masked)
-                    jobs.append((layout, StepVariant(attention=attention), len(packed)))
+                    variant = dataclasses.replace(self.warmup_variants[0], attention=attention)
+                    jobs.append((layout, variant, len(packed)))
                     masked_layouts.add(layout)
 
-        later = [job for job in jobs if job[1].full or job[1].attention.skewed or job[0] in masked_layouts]
+        # Verifying programs (speculative decoding) and masked ones (structured output) compile
+        # in the background too: a plain step then starts exactly as soon as without them.
+        later = [job for job in jobs if job[1].full or job[1].attention.skewed
+                 or job[0] in masked_layouts] + verifying
+        jobs += verifying
         now = [job for job in jobs if job not in later]
         threads = os.cpu_count() or 1
         try:
@@ -364,6 +430,11 @@ class ModelRunner:
         return dataclasses.replace(lean, sampling=make_sampling_tensors(
             [], lean.num_seqs, self.cfg.vocab_size, self.config.scheduler.max_model_len,
             with_extras=False, with_mask=True))
+
+    def _with_sampling(self, x: StepInput, rows: int, extras: bool) -> StepInput:
+        """`x` with empty sampling tensors of `rows` rows (the full program's with extras)."""
+        return dataclasses.replace(x, sampling=make_sampling_tensors(
+            [], rows, self.cfg.vocab_size, self.config.scheduler.max_model_len, with_extras=extras))
 
     def wait_for_warmup(self, raise_errors: bool = True) -> None:
         """Wait until every program warm-up started is compiled."""

@@ -25,7 +25,8 @@ from jaxserve.sampling_params import GREEDY_TEMPERATURE
 from jaxserve.sampling_tensors import SamplingRow, SamplingTensors, make_sampling_tensors, needs_extras
 
 __all__ = ["SamplerOutput", "SamplingRow", "SamplingTensors", "make_sampling_tensors", "sample",
-           "prompt_logprobs", "processed_logits", "row_keys", "needs_extras"]
+           "prompt_logprobs", "processed_logits", "row_keys", "needs_extras", "target_logits",
+           "gumbel_draw", "token_logprobs"]
 
 
 @jax.tree_util.register_dataclass
@@ -47,18 +48,37 @@ def sample(logits_SV: jax.Array, t: SamplingTensors, num_top: int, truncate: boo
     `kernels=False` keeps the Pallas threshold kernels out (a full sort instead): the runner's
     XLA path, which a device mesh also takes (the kernels are not wrapped in shard_map)."""
     logits_SV = logits_SV.astype(jnp.float32)
-    x_SV = processed_logits(logits_SV, t)
+    x_SV, greedy_S, is_greedy_S = target_logits(logits_SV, t, truncate, kernels)
+    drawn_S = gumbel_draw(x_SV, row_keys(t.seeds, t.offsets))
+    ids_S = jnp.where(is_greedy_S, greedy_S, drawn_S)
+    return token_logprobs(logits_SV, ids_S, num_top)
+
+
+def target_logits(logits_SV: jax.Array, t: SamplingTensors, truncate: bool = True,
+                  kernels: bool = True) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(logits whose softmax is the distribution a random row samples from: processed, over
+    the temperature, truncated; each row's greedy token; which rows are greedy). The
+    rejection sampler (spec_decode/) verifies drafts against the same distribution."""
+    x_SV = processed_logits(logits_SV.astype(jnp.float32), t)
     greedy_S = jnp.argmax(x_SV, axis=-1).astype(jnp.int32)
     is_greedy_S = t.temperature < GREEDY_TEMPERATURE
     temp_S = jnp.where(is_greedy_S, 1.0, t.temperature)
     x_SV = x_SV / temp_S[:, None]
     if truncate:
         x_SV = _truncate(x_SV, t, kernels)
-    noise_SV = jax.vmap(lambda key: jax.random.gumbel(key, x_SV.shape[-1:], jnp.float32))(
-        row_keys(t.seeds, t.offsets))
-    drawn_S = jnp.argmax(x_SV + noise_SV, axis=-1).astype(jnp.int32)
-    ids_S = jnp.where(is_greedy_S, greedy_S, drawn_S)
-    logp_S, ranks_S, top_ids_SN, top_lp_SN = _logprobs(logits_SV, ids_S, num_top)
+    return x_SV, greedy_S, is_greedy_S
+
+
+def gumbel_draw(x_SV: jax.Array, keys_S: jax.Array) -> jax.Array:
+    """One token per row from softmax(x_SV), by the Gumbel-max trick with each row's key."""
+    noise_SV = jax.vmap(lambda key: jax.random.gumbel(key, x_SV.shape[-1:], jnp.float32))(keys_S)
+    return jnp.argmax(x_SV + noise_SV, axis=-1).astype(jnp.int32)
+
+
+def token_logprobs(logits_SV: jax.Array, ids_S: jax.Array, num_top: int) -> SamplerOutput:
+    """The chosen tokens with their logprobs, ranks and the top `num_top` under the raw model
+    distribution."""
+    logp_S, ranks_S, top_ids_SN, top_lp_SN = _logprobs(logits_SV.astype(jnp.float32), ids_S, num_top)
     return SamplerOutput(token_ids=ids_S, logprobs=logp_S, ranks=ranks_S, top_ids=top_ids_SN,
                          top_logprobs=top_lp_SN)
 

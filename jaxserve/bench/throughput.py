@@ -83,11 +83,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def run_throughput(llm, requests, use_tqdm: bool = True) -> dict:
     from jaxserve.sampling_params import SamplingParams
+    from jaxserve.spec_decode.metrics import mean_acceptance_length
 
     params = [SamplingParams(max_tokens=r.output_len, ignore_eos=True, temperature=1.0, top_p=1.0)
               for r in requests]
     prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
     timer = StepTimer(llm.engine, capture_decode_inputs=False)
+    before = llm.get_metrics()
     try:
         t0 = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=use_tqdm)
@@ -106,7 +108,9 @@ def run_throughput(llm, requests, use_tqdm: bool = True) -> dict:
             "median_step_host_ms": 1e3 * all_steps.get("host", float("nan")),
             "median_decode_step_ms": 1e3 * decode_steps.get("total", float("nan")),
             "median_decode_step_host_ms": 1e3 * decode_steps.get("host", float("nan")),
-            "preemptions": llm.engine.scheduler.num_preemptions}
+            "preemptions": llm.engine.scheduler.num_preemptions,
+            **({"spec_mean_acceptance_length": mean_acceptance_length(before, llm.get_metrics())}
+               if llm.engine.core.proposer is not None else {})}
 
 
 def main(argv: list[str]) -> int:

@@ -5,6 +5,10 @@ N's sampled tokens straight from the device; N's tokens are then read and applie
 late. Requests that finish at N waste one token of N+1. Requests whose next step needs the
 host's view of this step's tokens (penalties read the whole history; drafts are proposed
 from it) make the core wait for each step before scheduling the next.
+
+Speculative decoding (a proposer): the core always waits. The drafts of step N+1 are
+proposed from step N's kept tokens, and how many of N's drafts were kept decides where
+N+1 starts, so N+1 cannot be built before N's tokens are on the host.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from jaxserve.engine.input_processor import EngineRequest
 from jaxserve.request import Request, RequestStatus
 from jaxserve.runner import ModelRunner
 from jaxserve.scheduler import RequestUpdate, Scheduler
+from jaxserve.spec_decode import drafting
 from jaxserve.step_messages import RunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -32,9 +37,10 @@ class StepOutcome:
 
 
 class EngineCore:
-    def __init__(self, scheduler: Scheduler, runner: ModelRunner):
+    def __init__(self, scheduler: Scheduler, runner: ModelRunner, proposer=None):
         self.scheduler = scheduler
         self.runner = runner
+        self.proposer = proposer       # drafts for the next step (spec_decode/), or None
         self._inflight = None          # the dispatched step whose tokens are not read yet
         self.failed: list[tuple[str, str]] = []   # (request id, error) failed building a step
 
@@ -48,8 +54,8 @@ class EngineCore:
             self.scheduler.finish_request(rid, status)
 
     def _must_wait(self) -> bool:
-        return any(r.sampling_params.uses_penalties or r.spec_token_ids
-                   for r in self.scheduler.running)
+        return self.proposer is not None or any(r.sampling_params.uses_penalties or r.spec_token_ids
+                                                for r in self.scheduler.running)
 
     def step(self) -> StepOutcome | None:
         """Finish one step (None: nothing ran)."""
@@ -68,6 +74,11 @@ class EngineCore:
         out, step = current
         result = self.runner.collect(step)
         updates = self.scheduler.update(out, result)
+        if self.proposer is not None:
+            if hasattr(self.proposer, "observe"):    # a proposer reading the step's hidden states
+                self.proposer.observe(out, step, result)
+            drafting.propose_drafts(self.proposer, self.scheduler.running, self.proposer.k,
+                                    self.scheduler.config.max_model_len)
         return StepOutcome(out, result, updates, time.perf_counter() - t0)
 
     def _dispatch(self, out: SchedulerOutput):

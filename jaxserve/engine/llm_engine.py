@@ -20,6 +20,8 @@ from jaxserve.request import RequestStatus
 from jaxserve.runner import ModelRunner
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.scheduler import Scheduler
+from jaxserve.spec_decode import drafting
+from jaxserve.spec_decode import metrics as spec_metrics
 from jaxserve.structured.compiler import GrammarCompiler
 from jaxserve.tokenizer import Tokenizer
 
@@ -64,7 +66,8 @@ class LLMEngine:
                                    step_sizes=tuple(self.runner.buckets),
                                    cache_specs=self.runner.cache_specs,
                                    num_slots=self.runner.num_slots)
-        self.core = EngineCore(self.scheduler, self.runner)
+        self.core = EngineCore(self.scheduler, self.runner,
+                               drafting.make_proposer(config.speculative, config, self.runner))
         self.metrics = EngineMetrics()
         eos = tokenizer.eos_token_ids if tokenizer else config.model.eos_token_ids
         # Structured output needs the vocabulary as text: only a model with a tokenizer has it.
@@ -98,11 +101,15 @@ class LLMEngine:
                          tensor_parallel_size: int = 1,
                          expert_parallel_size: int = 1, seed: int = 0, max_logprobs: int = 20,
                          attention_impl: str = "auto", warmup: bool = True,
-                         warmup_all: bool = False, program_cache: bool = False) -> "LLMEngine":
+                         warmup_all: bool = False, program_cache: bool = False,
+                         speculative_config: dict | str | None = None) -> "LLMEngine":
         from jaxserve import default_model
         from jaxserve.models import loader, registry
 
+        from jaxserve.spec_decode.config import SpeculativeConfig
+
         enable_compilation_cache()
+        speculative = SpeculativeConfig.from_dict(speculative_config)   # fail before loading
         dtype = _default(dtype, "bfloat16", "float32")
         parallel = ParallelConfig(tensor_parallel_size=tensor_parallel_size,
                                   expert_parallel_size=expert_parallel_size)
@@ -133,7 +140,7 @@ class LLMEngine:
                                       long_prefill_token_threshold=long_prefill_token_threshold),
             parallel=parallel,
             dtype=dtype, seed=seed, max_logprobs=max_logprobs, attention_impl=attention_impl,
-            warmup=warmup, warmup_all=warmup_all,
+            warmup=warmup, warmup_all=warmup_all, speculative=speculative,
             # NOTE: off unless asked (the CLI does): a program is keyed on the package's
             # sources, so code changed in memory (a notebook's monkeypatch) would not be seen
             program_cache_dir=os.path.join(default_model.cache_dir(), "steps") if program_cache
@@ -186,6 +193,8 @@ class LLMEngine:
             self._update_gauges()
             return outputs
         self.num_steps += 1
+        if self.core.proposer is not None:
+            spec_metrics.record(self.metrics, outcome.scheduled, outcome.result)
         step_outputs = self.outputs.process(outcome.updates, outcome.result)
         self._finish_ended()
         for listener in self.step_listeners:

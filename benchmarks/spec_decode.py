@@ -1,0 +1,177 @@
+"""Speculative decoding's ceiling on the target's step: decode tokens/s with synthetic drafts.
+
+One engine (dummy weights of the Llama-3.1-8B shape; --tiny: the tests' tiny Llama on the
+CPU) decodes a batch of random prompts greedily, first without speculation (recording each
+continuation), then with a synthetic proposer that replays the recorded continuation: every
+draft right (acceptance 1.0), or each draft token right with probability 0.7 (else a wrong
+token). Greedy output with drafts must equal the recording; the script checks it.
+
+    # H200
+    python benchmarks/spec_decode.py --output-json benchmarks/results/spec_decode_h200.json
+    # CPU check
+    JAX_PLATFORMS=cpu python benchmarks/spec_decode.py --tiny
+
+Decode tokens/s = batch * (N - 1) / (time of N new tokens - time of 1), so the prefill and
+the first token drop out. Each configuration runs once to compile its verifying programs
+before it is timed (the median over --rounds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class ReplayProposer:
+    """Drafts from a recorded greedy continuation: each token right with probability `p`."""
+
+    def __init__(self, recorded: dict[tuple, list[int]], k: int, p: float, vocab: int, seed: int = 0):
+        self.recorded, self.k, self.p, self.vocab = recorded, k, p, vocab
+        self.rng = np.random.default_rng(seed)
+
+    def retain(self, running_ids) -> None:
+        pass
+
+    def propose(self, requests, limits):
+        out = []
+        for req, lim in zip(requests, limits):
+            cont = self.recorded[tuple(req.prompt_token_ids)]
+            m = len(req.output_token_ids)
+            drafts = np.array(cont[m:m + min(self.k, lim)], np.int64)
+            wrong = self.rng.random(len(drafts)) >= self.p
+            drafts[wrong] = (drafts[wrong] + 1) % self.vocab
+            out.append(drafts.tolist())
+        return out
+
+
+def ngram_cost_ms(batch: int, context: int, k: int, vocab: int, repeats: int = 20) -> float:
+    """Host ms of one n-gram proposal for `batch` requests of `context` tokens (vLLM's
+    default lookup of 5 tokens down to 1; random tokens: the worst case, every length tried)."""
+    from jaxserve.request import Request
+    from jaxserve.sampling_params import SamplingParams
+    from jaxserve.spec_decode.config import SpeculativeConfig
+    from jaxserve.spec_decode.ngram import NgramProposer
+
+    rng = np.random.default_rng(1)
+    reqs = [Request(str(i), rng.integers(0, vocab, size=context).tolist(), SamplingParams())
+            for i in range(batch)]
+    proposer = NgramProposer(SpeculativeConfig("ngram", k, 1, 5))
+    proposer.propose(reqs, [k] * batch)          # the first call copies the prompts
+    t = time.perf_counter()
+    for _ in range(repeats):
+        for r in reqs:                           # a step later: one new token each
+            r.output_token_ids.append(int(rng.integers(0, vocab)))
+        proposer.propose(reqs, [k] * batch)
+    return 1e3 * (time.perf_counter() - t) / repeats
+
+
+def build_engine(args):
+    from jaxserve.config import CacheConfig, EngineConfig, SchedulerConfig
+    from jaxserve.engine import LLMEngine
+    from jaxserve.llm import LLM
+    from jaxserve.models import loader, registry
+
+    if args.tiny:
+        cfg, params, _ = loader.load_model(os.path.join(ROOT, "tests/golden/ckpt/llama"), dtype="float32")
+        dtype = "float32"
+    else:
+        dtype = "bfloat16"
+        cfg, params, _ = loader.load_model("Llama-3.1-8B", load_format="dummy", dtype=dtype)
+    max_len = args.prompt_len + args.output_len + 16
+    blocks = max(args.batch_sizes) * -(-max_len // 16) + 8
+    config = EngineConfig(
+        model=cfg, cache=CacheConfig(block_size=16, num_kv_blocks=blocks, enable_prefix_caching=False),
+        scheduler=SchedulerConfig(max_num_seqs=max(args.batch_sizes),
+                                  max_num_batched_tokens=args.max_num_batched_tokens,
+                                  max_model_len=max_len),
+        dtype=dtype, warmup=not args.tiny)
+    return LLM.from_engine(LLMEngine(config, params, None, registry.get_model_module(cfg.architecture)))
+
+
+def timed(llm, prompts, n):
+    from jaxserve import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+    t = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return time.perf_counter() - t, [list(o.outputs[0].token_ids) for o in outs]
+
+
+def decode_rate(llm, prompts, n, rounds):
+    """(decode tokens/s, the outputs) over `rounds` timed runs after one untimed."""
+    timed(llm, prompts, n)
+    rates, outs = [], None
+    for _ in range(rounds):
+        one, _ = timed(llm, prompts, 1)
+        full, outs = timed(llm, prompts, n)
+        rates.append(len(prompts) * (n - 1) / (full - one))
+    return statistics.median(rates), outs
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tiny", action="store_true", help="the tests' tiny Llama (a CPU check)")
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=None)
+    p.add_argument("--spec-tokens", type=int, nargs="+", default=[1, 3, 5])
+    p.add_argument("--acceptance", type=float, nargs="+", default=[1.0, 0.7])
+    p.add_argument("--prompt-len", type=int, default=None)
+    p.add_argument("--output-len", type=int, default=None)
+    p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--output-json", default=None)
+    args = p.parse_args()
+    args.batch_sizes = args.batch_sizes or ([1, 4] if args.tiny else [1, 8, 32])
+    args.prompt_len = args.prompt_len or (8 if args.tiny else 128)
+    args.output_len = args.output_len or (32 if args.tiny else 128)
+    if args.tiny:
+        args.rounds = min(args.rounds, 2)
+
+    from jaxserve.spec_decode.metrics import mean_acceptance_length
+
+    llm = build_engine(args)
+    core, vocab = llm.engine.core, llm.engine.config.model.vocab_size
+    rng = np.random.default_rng(0)
+    rows = []
+    for b in args.batch_sizes:
+        prompts = [rng.integers(3, vocab, size=args.prompt_len).tolist() for _ in range(b)]
+        core.proposer = None
+        base, recorded_outs = decode_rate(llm, prompts, args.output_len, args.rounds)
+        recorded = {tuple(pr): out for pr, out in zip(prompts, recorded_outs)}
+        rows.append(dict(batch=b, k=0, acceptance=None, tokens_per_s=base, speedup=1.0))
+        print(f"batch {b:3d}  no speculation        {base:9.1f} tok/s", flush=True)
+        for k in args.spec_tokens:
+            for acc in args.acceptance:
+                core.proposer = ReplayProposer(recorded, k, acc, vocab)
+                llm.engine.runner.batch.max_spec_tokens = k     # one K per verifying program
+                before = llm.get_metrics()
+                rate, outs = decode_rate(llm, prompts, args.output_len, args.rounds)
+                row = dict(batch=b, k=k, acceptance=acc, tokens_per_s=rate, speedup=rate / base,
+                           mean_acceptance_length=mean_acceptance_length(before, llm.get_metrics()) or 1.0,
+                           identical=outs == recorded_outs)
+                rows.append(row)
+                print(f"batch {b:3d}  k={k} p={acc:.1f}  {rate:9.1f} tok/s  x{rate / base:4.2f}  "
+                      f"acceptance length {row['mean_acceptance_length']:.2f}  "
+                      f"identical={row['identical']}", flush=True)
+        core.proposer = None
+    ngram = {f"batch {b}, {n} tokens": ngram_cost_ms(b, n, 3, vocab)
+             for b in args.batch_sizes for n in (512, 4096)}
+    for name, ms in ngram.items():
+        print(f"n-gram proposal on the host, {name}: {ms:.2f} ms per step", flush=True)
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump({"tiny": args.tiny, "prompt_len": args.prompt_len, "output_len": args.output_len,
+                       "rows": rows, "ngram_host_ms_per_step": ngram}, f, indent=1)
+    if not all(r.get("identical", True) for r in rows):
+        sys.exit("greedy output with drafts differs from the recording")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,156 @@
+"""The draft-model proposer: a smaller model on the target's vocabulary proposes greedily.
+
+It runs on its own ModelRunner (its own paged cache, jitted bucketed steps) and its own
+block manager, speaking to that runner through the same step messages as the scheduler.
+Each time the engine asks for drafts:
+  1. catch-up: each request computes the tokens its draft cache lacks (those since the
+     longest prefix still valid: the draft's own rejected guesses are overwritten), the
+     last chunk sampling draft 0 (read back, so the next steps know it);
+  2. k - 1 one-token steps, dispatched back to back without reading anything back: each
+     takes the previous step's token on the device (prev_token_rows), so the k - 1 steps
+     queue on the device and the host waits once, for all of them.
+Drafts are greedy, so the verifier treats them as one-hot q (exact for random sampling too).
+Catch-up steps re-send the request (NewRequestData with its real tokens): the runner's copy
+then never keeps draft tokens the target rejected.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+
+import numpy as np
+
+from jaxserve.kv_cache.manager import PAGED, KVCacheManager
+from jaxserve.sampling_params import SamplingParams
+from jaxserve.step_messages import NewRequestData, ScheduledRequest, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+_GREEDY = SamplingParams(temperature=0, max_tokens=None)
+
+
+def _check_compatible(draft_cfg, target_cfg, max_model_len: int) -> None:
+    if draft_cfg.vocab_size != target_cfg.vocab_size:
+        raise ValueError(f"speculative_config['model'] must have the target's vocabulary "
+                         f"({target_cfg.vocab_size} tokens); the draft model has {draft_cfg.vocab_size}")
+    if draft_cfg.max_position_embeddings < max_model_len:
+        raise ValueError(f"speculative_config['model'] must allow max_model_len ({max_model_len}) "
+                         f"positions; the draft model allows {draft_cfg.max_position_embeddings}")
+
+
+class DraftModelProposer:
+    def __init__(self, spec_config, engine_config, *, draft=None, num_blocks: int | None = None):
+        """draft: (ModelConfig, params, model module) already loaded (else spec_config.model
+        is loaded); num_blocks: at most this many draft cache blocks (the target's count)."""
+        from jaxserve.models import loader, registry
+        from jaxserve.runner import ModelRunner
+
+        if draft is None:
+            cfg, params, _ = loader.load_model(spec_config.model, dtype=engine_config.dtype)
+            draft = (cfg, params, registry.get_model_module(cfg.architecture))
+        cfg, params, module = draft
+        sched = engine_config.scheduler
+        _check_compatible(cfg, engine_config.model, sched.max_model_len)
+        bs = engine_config.cache.block_size
+        useful = sched.max_num_seqs * math.ceil(sched.max_model_len / bs) + 1
+        blocks = min(useful, num_blocks) if num_blocks else useful
+        config = dataclasses.replace(engine_config, model=cfg, speculative=None,
+                                     cache=dataclasses.replace(engine_config.cache, num_kv_blocks=blocks,
+                                                               enable_prefix_caching=False))
+        self.runner = ModelRunner(config, params, module)
+        if any(kind != PAGED for kind in self.runner.group_kinds):
+            raise ValueError(f"speculative_config['model'] must be an attention-only model; "
+                             f"{cfg.architecture} keeps per-request state")
+        self.kv = KVCacheManager(self.runner.cache_specs, block_size=bs, num_blocks=blocks,
+                                 enable_prefix_caching=False)
+        self.k = spec_config.num_speculative_tokens
+        self.budget = sched.max_num_batched_tokens
+        self.cached: dict[str, np.ndarray] = {}    # request -> tokens whose KV the draft cache holds
+        self._dropped: list[str] = []               # to drop from the runner with the next step
+        if engine_config.warmup:
+            self.runner.warmup()
+
+    def retain(self, running_ids) -> None:
+        """Free the draft cache of requests that ended or were preempted (a preempted one
+        computes its draft cache again when it drafts next)."""
+        for rid in [r for r in self.cached if r not in running_ids]:
+            self.kv.free(rid)
+            del self.cached[rid]
+            self._dropped.append(rid)
+
+    def propose(self, requests, limits: list[int]) -> list[list[int]]:
+        reqs, lims, tokens = [], [], []
+        for req, lim in zip(requests, limits):
+            toks = np.asarray(req.all_token_ids, np.int64)
+            if self._reserve(req.request_id, len(toks) + lim - 1):
+                reqs.append(req)
+                lims.append(lim)
+                tokens.append(toks)
+        drafts = {r.request_id: [] for r in requests}
+        if reqs:
+            self._catch_up(reqs, tokens, drafts)
+            self._extend(reqs, lims, tokens, drafts)
+        return [drafts[r.request_id] for r in requests]
+
+    def _reserve(self, rid: str, num_tokens: int) -> bool:
+        """Blocks for `num_tokens` positions of `rid` (False: none free; it drafts nothing)."""
+        if self.kv.blocks_needed(rid, num_tokens) > self.kv.num_free_blocks:
+            return False
+        if rid in self.kv.blocks:
+            self.kv.grow(rid, num_tokens)
+        else:
+            self.kv.admit(rid, [], num_tokens)
+            self.cached[rid] = np.zeros(0, np.int64)
+        return True
+
+    def _message(self, chunks, resend: bool) -> SchedulerOutput:
+        """A step of (request, start, tokens, sample) chunks; `resend`: each request is sent
+        whole (its real tokens, its whole block table), else it goes on from the last step."""
+        new = [NewRequestData(r.request_id, list(r.prompt_token_ids), list(r.output_token_ids),
+                              _GREEDY, 0, ()) for r, *_ in chunks] if resend else []
+        scheduled = [ScheduledRequest(r.request_id, start, n,
+                                      self.kv.group_block_ids(r.request_id) if resend else [[]], sample)
+                     for r, start, n, sample in chunks]
+        dropped, self._dropped = self._dropped, []
+        return SchedulerOutput(new_requests=new, scheduled=scheduled, finished_req_ids=dropped,
+                               num_tokens=sum(c[2] for c in chunks), preempted_ids=[],
+                               num_cached_tokens=0)
+
+    def _catch_up(self, reqs, tokens, drafts) -> None:
+        """Compute what each draft cache lacks; the last chunk samples draft 0."""
+        todo = []
+        for req, toks in zip(reqs, tokens):
+            old = self.cached[req.request_id]
+            m = min(len(old), len(toks) - 1)       # at least one token left to compute
+            same = old[:m] == toks[:m]
+            valid = m if same.all() else int(np.argmin(same))
+            todo.append([req, valid, len(toks)])
+        while todo:
+            chunks, budget = [], self.budget
+            for item in todo:
+                req, start, end = item
+                n = min(end - start, budget)
+                if n <= 0:
+                    break
+                chunks.append((req, start, n, start + n == end))
+                item[1] += n
+                budget -= n
+            result = self.runner.execute(self._message(chunks, resend=True))
+            for (req, _, _, sample), ids in zip(chunks, result.sampled_token_ids):
+                if sample:
+                    drafts[req.request_id] = list(ids)
+            todo = [item for item in todo if item[1] < item[2]]
+
+    def _extend(self, reqs, lims, tokens, drafts) -> None:
+        """Drafts 1 .. limit - 1: one-token steps dispatched back to back, read once."""
+        steps = []
+        for j in range(1, max(lims)):
+            chunks = [(r, len(t) - 1 + j, 1, True) for r, t, lim in zip(reqs, tokens, lims) if lim > j]
+            steps.append((chunks, self.runner.dispatch(self._message(chunks, resend=False))))
+        for chunks, step in steps:
+            for (req, *_), ids in zip(chunks, self.runner.collect(step).sampled_token_ids):
+                drafts[req.request_id] += ids
+        for req, toks in zip(reqs, tokens):     # the last draft was sampled, not computed
+            self.cached[req.request_id] = np.concatenate([toks, drafts[req.request_id][:-1]])

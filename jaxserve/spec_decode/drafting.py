@@ -1,0 +1,61 @@
+"""Which running requests get drafts after a step, and how many at most.
+
+A proposer has `k` (num_speculative_tokens), `propose(requests, limits) -> drafts per
+request` (scheduler Requests, each at most its limit) and `retain(running_ids)` (forget the
+others: a proposer with per-request state frees it there).
+
+A request drafts only in decode (its last token sampled and read back, every other token
+computed), and never so many that the step could pass max_tokens or max_model_len: a step
+with k drafts keeps up to k + 1 tokens.
+"""
+
+from __future__ import annotations
+
+from jaxserve.request import Request, RequestStatus
+
+
+def draft_limit(req: Request, k: int, max_model_len: int) -> int:
+    p = req.sampling_params
+    limit = min(k, max_model_len - req.num_tokens - 1)
+    if p.max_tokens is not None:
+        limit = min(limit, p.max_tokens - len(req.output_token_ids) - 1)
+    return max(0, limit)
+
+
+def propose_drafts(proposer, running: list[Request], k: int, max_model_len: int) -> None:
+    """Set `spec_token_ids` of each decoding request in `running` from the proposer, which
+    forgets every other request first (ended or preempted: a draft model's rows and blocks
+    are bounded by max_num_seqs, like the running requests)."""
+    proposer.retain({r.request_id for r in running})
+    reqs, limits = [], []
+    for req in running:
+        if (req.status == RequestStatus.RUNNING and not req.num_output_placeholders
+                and req.num_computed_tokens == req.num_tokens - 1 and req.output_token_ids):
+            limit = draft_limit(req, k, max_model_len)
+            if limit:
+                reqs.append(req)
+                limits.append(limit)
+    if reqs:
+        for req, drafts in zip(reqs, proposer.propose(reqs, limits)):
+            req.spec_token_ids = list(drafts)
+
+
+def make_proposer(spec_config, engine_config, runner=None):
+    """The proposer of `spec_config.method` (None when speculation is off), for the target
+    `runner`."""
+    if spec_config is None:
+        return None
+    if spec_config.method == "eagle3":
+        from jaxserve.spec_decode.eagle3 import Eagle3Proposer
+        return Eagle3Proposer(spec_config, engine_config, runner)
+    if spec_config.method == "mtp":
+        from jaxserve.spec_decode.mtp import MtpProposer
+        return MtpProposer(spec_config, runner)
+    if spec_config.method == "ngram":
+        from jaxserve.spec_decode.ngram import NgramProposer
+        return NgramProposer(spec_config)
+    if spec_config.method == "draft_model":
+        from jaxserve.spec_decode.draft_model import DraftModelProposer
+        return DraftModelProposer(spec_config, engine_config,
+                                  num_blocks=runner.num_blocks if runner else None)
+    raise ValueError(f"speculative_config['method'] {spec_config.method!r} has no proposer")

@@ -1,0 +1,123 @@
+"""The EAGLE3 proposer: an HF-format `LlamaForCausalLMEagle3` head drafts one token per
+request from three of the target's hidden states.
+
+The head: `fc` maps the residual streams after the target's aux layers (the head config's
+`eagle_config.eagle_aux_hidden_state_layer_ids`, else (2, L/2, L-3)), concatenated, to its
+width; one decoder layer (`midlayer`) attends over [input_layernorm(embed(token)) |
+hidden_norm(h)] (q/k/v take twice the width) with h as the residual; then `norm` and an
+`lm_head` over `draft_vocab_size` tokens, mapped to the target's ids by `d2t` (target id =
+draft id + d2t[draft id]). The embedding is the target's unless the head has its own.
+
+Like MTP (hidden_steps.py), it runs after each target step over the positions whose KV
+stayed valid, its K/V paged on the target's block tables; the last position of a sampling
+chunk proposes the request's next draft.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxserve.models import layers, llama
+from jaxserve.spec_decode import hidden_steps
+
+# HF names of the head (after "midlayer.", the decoder layer's, as a Llama layer's).
+_HEAD_TENSORS = {"fc.weight": ("fc", True), "norm.weight": ("norm", False),
+                 "lm_head.weight": ("lm_head", True), "embed_tokens.weight": ("embed", False)}
+
+
+def default_aux_layers(num_layers: int) -> tuple[int, ...]:
+    return (2, num_layers // 2, num_layers - 3)
+
+
+def load_head(path: str, target_cfg, dtype: str):
+    """(head ModelConfig, params, aux layer ids) of an HF EAGLE3 head directory."""
+    from safetensors.numpy import load_file
+
+    from jaxserve.models.hf_loader import _LAYER_TENSORS, model_config_from_hf
+
+    with open(os.path.join(path, "config.json")) as f:
+        hf = json.load(f)
+    arch = (hf.get("architectures") or ["?"])[0]
+    if arch != "LlamaForCausalLMEagle3":
+        raise ValueError(f"speculative_config['model'] must be an EAGLE3 head "
+                         f"(LlamaForCausalLMEagle3) with method 'eagle3'; {path!r} is {arch}")
+    if hf["vocab_size"] != target_cfg.vocab_size:
+        raise ValueError(f"speculative_config['model'] must have the target's vocabulary "
+                         f"({target_cfg.vocab_size} tokens); the EAGLE3 head has {hf['vocab_size']}")
+    cfg = model_config_from_hf({**hf, "architectures": ["LlamaForCausalLM"], "num_hidden_layers": 1})
+    aux = tuple((hf.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+                or default_aux_layers(target_cfg.num_layers))
+    if len(aux) != 3 or not all(0 <= i < target_cfg.num_layers for i in aux):
+        raise ValueError(f"the EAGLE3 head's aux layer ids must be three layers of the target "
+                         f"(0 to {target_cfg.num_layers - 1}); got {list(aux)}")
+    raw = {}
+    for name in sorted(os.listdir(path)):
+        if name.endswith(".safetensors"):
+            raw.update(load_file(os.path.join(path, name)))
+    to = lambda a, t: jnp.asarray(a.T if t else a, dtype)
+    params = {ours: to(raw[n], t) for n, (ours, t) in _HEAD_TENSORS.items() if n in raw}
+    layer = {ours: to(raw["midlayer." + n], t) for n, (ours, t) in _LAYER_TENSORS.items()
+             if "midlayer." + n in raw}
+    layer["hidden_norm"] = to(raw["midlayer.hidden_norm.weight"], False)
+    params["layer"] = layer
+    draft_vocab = hf.get("draft_vocab_size") or hf["vocab_size"]
+    d2t = np.asarray(raw["d2t"], np.int64) if "d2t" in raw else np.zeros(draft_vocab, np.int64)
+    params["draft_to_target"] = jnp.asarray(np.arange(draft_vocab) + d2t, jnp.int32)
+    return cfg, params, aux
+
+
+def head_forward(cfg, hp, kv, x, embed_VD, aux_TH, kernels):
+    """(the head's {"k", "v"} cache, target ids of its greedy drafts i32[T], pre-norm hidden)."""
+    lp, eps = hp["layer"], cfg.rms_norm_eps
+    h_TD = layers.linear(aux_TH.astype(hp["fc"].dtype), hp["fc"])
+    e_TD = layers.rms_norm(embed_VD[x.token_ids], lp["attn_norm"], eps)
+    both = jnp.concatenate([e_TD, layers.rms_norm(h_TD, lp["hidden_norm"], eps)], -1)
+    inv_freq = layers.rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling_dict)
+    kv, attn_TD = llama.attention_block(cfg, lp, kv, both, x, inv_freq, kernels)
+    residual_TD = h_TD + attn_TD
+    out_TD = residual_TD + llama.dense_mlp(lp, layers.rms_norm(residual_TD, lp["mlp_norm"], eps))
+    logits = jnp.dot(layers.rms_norm(out_TD, hp["norm"], eps), hp["lm_head"],
+                     preferred_element_type=jnp.float32)
+    return kv, hp["draft_to_target"][jnp.argmax(logits, axis=-1)], out_TD
+
+
+def _eagle_step(hp, embed_VD, kv, x, aux_TH, rows_T, *, cfg, attention_impl):
+    kernels = llama.make_kernels(cfg, attention_impl)
+    kv, ids_T, _ = head_forward(cfg, hp, kv, x, embed_VD, aux_TH[rows_T], kernels)
+    return kv, ids_T[x.logits_indices]
+
+
+class Eagle3Proposer(hidden_steps.AfterStepProposer):
+    def __init__(self, spec_config, engine_config, runner):
+        from jaxserve.runner import allocate_caches
+
+        if spec_config.num_speculative_tokens != 1:
+            raise ValueError(f"speculative_config['num_speculative_tokens'] must be 1 with method "
+                             f"'eagle3' (the head is not chained yet); got "
+                             f"{spec_config.num_speculative_tokens}")
+        self.cfg, self.params, self.aux_layers = load_head(spec_config.model, runner.cfg, engine_config.dtype)
+        self.embed = self.params.pop("embed", None)
+        if self.embed is None:            # the usual head: the target's embedding, its width
+            if self.cfg.hidden_size != runner.cfg.hidden_size:
+                raise ValueError(f"speculative_config['model']: an EAGLE3 head without its own "
+                                 f"embed_tokens must have the target's hidden_size "
+                                 f"({runner.cfg.hidden_size}); got {self.cfg.hidden_size}")
+            self.embed = runner.params["embed"]
+        self.k, self.runner = 1, runner
+        runner.return_hidden_states(aux_layers=self.aux_layers)
+        self.kv = allocate_caches(llama.cache_specs(self.cfg), runner.num_blocks, 0,
+                                  runner.block_size, runner.dtype)[0]
+        self._step = jax.jit(functools.partial(_eagle_step, cfg=self.cfg,
+                                               attention_impl=runner.attention_impl),
+                             donate_argnums=(2,))
+        self._drafts: dict[str, list[int]] = {}
+
+    def _drafts_of(self, x, hidden, rows_T):
+        self.kv, drafts = self._step(self.params, self.embed, self.kv, x, hidden, rows_T)
+        return drafts

@@ -1,0 +1,96 @@
+"""Shared by the speculative decoding tests: engines with and without a proposer."""
+
+from jaxserve.config import CacheConfig, EngineConfig, SchedulerConfig
+from jaxserve.engine import LLMEngine
+from jaxserve.llm import LLM
+from jaxserve.models import registry
+from jaxserve.spec_decode.config import SpeculativeConfig
+
+
+def make_llm(model, spec: dict | None = None, *, max_num_seqs=8, max_tokens=32, max_len=128,
+             block_size=4, num_kv_blocks=None) -> LLM:
+    cfg, params, tok = model
+    config = EngineConfig(
+        model=cfg, cache=CacheConfig(block_size=block_size, num_kv_blocks=num_kv_blocks),
+        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_tokens,
+                                  max_model_len=max_len),
+        dtype="float32", warmup=False, speculative=SpeculativeConfig.from_dict(spec))
+    return LLM.from_engine(LLMEngine(config, params, tok, registry.get_model_module(cfg.architecture)))
+
+
+def token_ids(outs):
+    return [[list(c.token_ids) for c in o.outputs] for o in outs]
+
+
+def spec_counts(llm) -> dict:
+    return {k: v for k, v in llm.get_metrics().items() if k.startswith("spec_decode")}
+
+
+def write_tiny_llama(path, vocab_size: int, seed: int = 0, **config) -> str:
+    """A tiny random-weight Llama checkpoint in HF format (config.json + model.safetensors) on
+    a vocabulary of `vocab_size` tokens: a draft model for the target of that vocabulary."""
+    import json
+    import os
+
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    from jaxserve.models import dummy
+    from jaxserve.models.hf_loader import _LAYER_TENSORS, model_config_from_hf
+
+    hf = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 32,
+          "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
+          "num_key_value_heads": 1, "head_dim": 16, "rms_norm_eps": 1e-5,
+          "max_position_embeddings": 2048, "tie_word_embeddings": True, "vocab_size": vocab_size,
+          "bos_token_id": 1, "eos_token_id": 2, **config}
+    cfg = model_config_from_hf(hf)
+    params = dummy.dummy_params(cfg, "float32", seed=seed)
+    ours = {o: (n, t) for n, (o, t) in _LAYER_TENSORS.items()}
+    tensors = {"model.embed_tokens.weight": params["embed"], "model.norm.weight": params["final_norm"]}
+    if "lm_head" in params:
+        tensors["lm_head.weight"] = np.asarray(params["lm_head"]).T
+    for i, layer in enumerate(params["layers"]):
+        for name, value in layer.items():
+            hf_name, transpose = ours[name]
+            tensors[f"model.layers.{i}.{hf_name}"] = np.asarray(value).T if transpose else np.asarray(value)
+    os.makedirs(path, exist_ok=True)
+    save_file({k: np.ascontiguousarray(np.asarray(v, np.float32)) for k, v in tensors.items()},
+              os.path.join(path, "model.safetensors"))
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(hf, f)
+    return str(path)
+
+
+def write_eagle3_head(path, target_cfg, draft_vocab: int, aux_layers=None, seed: int = 0) -> str:
+    """A random-weight EAGLE3 head in HF format (LlamaForCausalLMEagle3: fc, midlayer, norm,
+    lm_head over `draft_vocab` tokens, d2t), on the target's embedding and width."""
+    import json
+    import os
+
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    rng = np.random.default_rng(seed)
+    d, n, kh, e, f = target_cfg.hidden_size, 2, 1, 16, 64
+    w = lambda *shape: (rng.standard_normal(shape) * 0.2).astype(np.float32)
+    ones = lambda k: (1 + 0.1 * rng.standard_normal(k)).astype(np.float32)
+    mid = {"input_layernorm.weight": ones(d), "hidden_norm.weight": ones(d),
+           "self_attn.q_proj.weight": w(n * e, 2 * d), "self_attn.k_proj.weight": w(kh * e, 2 * d),
+           "self_attn.v_proj.weight": w(kh * e, 2 * d), "self_attn.o_proj.weight": w(d, n * e),
+           "post_attention_layernorm.weight": ones(d), "mlp.gate_proj.weight": w(f, d),
+           "mlp.up_proj.weight": w(f, d), "mlp.down_proj.weight": w(d, f)}
+    targets = np.sort(rng.choice(target_cfg.vocab_size, draft_vocab, replace=False))
+    tensors = {"fc.weight": w(d, 3 * d), "norm.weight": ones(d), "lm_head.weight": w(draft_vocab, d),
+               "d2t": (targets - np.arange(draft_vocab)).astype(np.int64),
+               **{f"midlayer.{k}": v for k, v in mid.items()}}
+    hf = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": d,
+          "intermediate_size": f, "num_hidden_layers": 1, "num_attention_heads": n,
+          "num_key_value_heads": kh, "head_dim": e, "rms_norm_eps": 1e-5, "vocab_size": target_cfg.vocab_size,
+          "draft_vocab_size": draft_vocab, "max_position_embeddings": 2048, "tie_word_embeddings": False}
+    if aux_layers is not None:
+        hf["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(aux_layers)}
+    os.makedirs(path, exist_ok=True)
+    save_file(tensors, os.path.join(path, "model.safetensors"))
+    with open(os.path.join(path, "config.json"), "w") as fh:
+        json.dump(hf, fh)
+    return str(path)
