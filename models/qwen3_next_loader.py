@@ -178,28 +178,28 @@ def _mtp_plan(cfg: qn.Qwen3NextConfig, ckpt) -> dict:
 
 
 def load_hf(path: str, dtype: str = "float32", mesh=None):
-    """(config, params on the first device in `dtype`). NOTE: no mesh yet: sharding/rules.py
-    has no logical axes for these parameters."""
-    if mesh is not None:
-        raise NotImplementedError("Qwen3-Next / Qwen3.5 are not shardable yet (sharding/rules.py "
-                                  "has no logical axes for their parameters)")
+    """(config, params in `dtype`): on the first device, or placed by the sharding rules over
+    `mesh` (sharding/family_axes.py), each device reading only its slice of each tensor."""
+    from jaxserve.sharding import rules
+
     cfg = qn.config_from_hf(hf_loader.read_hf_config(path))
     jdtype = jnp.dtype(dtype)
-    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     with contextlib.ExitStack() as stack:
         ckpt = hf_loader._Checkpoint(path, stack)
         plan = _plan(cfg, ckpt)
         mtp = _mtp_plan(cfg, ckpt)
+        if mtp:
+            plan["mtp"] = mtp
+        is_leaf = lambda e: isinstance(e, tuple) and len(e) == 3 and callable(e[1])  # noqa: E731
+        shapes = jax.tree.map(lambda e: e[2], plan, is_leaf=is_leaf)
+        placements = rules.param_placements(cfg, mesh, shapes)
 
-        def build(entry):
+        def build(entry, sharding):
             _, read, shape = entry
             return jax.make_array_from_callback(
-                shape, device, lambda index: np.asarray(read(index)).astype(jdtype))
+                shape, sharding, lambda index: np.asarray(read(index)).astype(jdtype))
 
-        is_leaf = lambda e: isinstance(e, tuple) and len(e) == 3 and callable(e[1])  # noqa: E731
-        params = jax.tree.map(build, plan, is_leaf=is_leaf)
-        if mtp:
-            params["mtp"] = jax.tree.map(build, mtp, is_leaf=is_leaf)
+        params = jax.tree.map(build, plan, placements, is_leaf=is_leaf)
     return cfg, params
 
 
@@ -210,23 +210,15 @@ def dummy_params(cfg: qn.Qwen3NextConfig, dtype: str = "float32", mesh=None, see
     """Random weights (models/dummy.py's draws): zero-centred norms 0 (a scale of 1), the gated
     norm 1, a_log 0 and dt_bias 1 (decays exp(-softplus(a + 1)), about 0.27 per token)."""
     from jaxserve.models import dummy
+    from jaxserve.sharding import rules
 
-    if mesh is not None:
-        raise NotImplementedError("Qwen3-Next / Qwen3.5 dummy weights are not shardable yet")
-    shapes = qn.param_shapes(cfg)
-    dtype = jnp.dtype(dtype).name
-    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    placed = lambda tree: {k: device for k in tree}  # noqa: E731
-    root = jax.random.key(seed)
-    top = {k: v for k, v in shapes.items() if k != "layers"}
-    params = dummy._draw(root, top, placed(top), dtype)
-    params["layers"] = [dummy._draw(jax.random.fold_in(root, i + 1), ls, placed(ls), dtype)
-                        for i, ls in enumerate(shapes["layers"])]
+    params = dummy.draw_params(qn.param_shapes(cfg), rules.param_placements(cfg, mesh), dtype, seed)
+    like = lambda a, fill: jnp.full_like(a, fill, device=a.sharding)  # noqa: E731  (keeps the placement)
     for tree in [params] + params["layers"]:
         for name in ZERO_CENTRED:
             if name in tree:
-                tree[name] = jnp.zeros_like(tree[name])
+                tree[name] = like(tree[name], 0)
         if "a_log" in tree:
-            tree["a_log"] = jnp.zeros_like(tree["a_log"])
-            tree["dt_bias"] = jnp.ones_like(tree["dt_bias"])
+            tree["a_log"] = like(tree["a_log"], 0)
+            tree["dt_bias"] = like(tree["dt_bias"], 1)
     return params
