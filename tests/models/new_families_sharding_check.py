@@ -13,7 +13,9 @@ Usage: new_families_sharding_check.py deepseek | qwen3_next   (one family per pr
 
 from __future__ import annotations
 
+import collections
 import os
+import re
 import sys
 
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
@@ -33,6 +35,7 @@ from jaxserve.sharding import mesh as mesh_lib, rules  # noqa: E402
 GOLDEN = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "golden")
 ATOL = 1e-5
 BLOCK, NUM_BLOCKS, NUM_SLOTS = 8, 16, 5
+LAST_HLO = [""]           # the compiled step of the latest run()
 # TP 4 needs 4 kv heads, 4 linear key heads and 8 value heads (the tiny checkpoint has 2, 2, 4)
 QWEN_WIDE = {"architectures": ["Qwen3NextForCausalLM"], "vocab_size": 250, "hidden_size": 64,
              "intermediate_size": 64, "num_hidden_layers": 3, "num_attention_heads": 8,
@@ -79,14 +82,16 @@ def run(cfg, params, mesh):
         c, hidden, _ = model.forward(cfg, p, c, x)
         return c, model.compute_logits(cfg, p, hidden)
 
-    step_fn = jax.jit(step)
-    out = []
+    out, step_fn = [], None
     for chunks in steps:
         x = build_hybrid_step(chunks, tables, slots, BLOCK, 24, 4)
         if mesh is not None:
             x = jax.device_put(x, rules.replicated(mesh))
+        if step_fn is None:       # every step has the same shapes: one compile
+            step_fn = jax.jit(step).lower(params, caches, x).compile()
         caches, logits = step_fn(params, caches, x)
         out.append(np.asarray(logits)[: sum(len(c.token_ids) for c in chunks)])
+    LAST_HLO[0] = step_fn.as_text()
     if mesh is not None:      # the step kept each cache array where the runner put it
         for layer in caches:
             for name, a in layer.items():
@@ -96,10 +101,11 @@ def run(cfg, params, mesh):
 
 
 def check_matches(source, meshes, load_format="auto"):
-    """Each (tp, ep) mesh's logits equal one device's within ATOL; returns the last params."""
+    """Each (tp, ep) mesh's logits equal one device's within ATOL: (cfg, {(tp, ep): params})."""
     cfg, ref, _ = load_model(source, load_format)
     want = run(cfg, ref, None)
     label = os.path.basename(source) if isinstance(source, str) else "wide " + load_format
+    placed = {}
     for tp, ep in meshes:
         mesh = mesh_lib.make_mesh(tp, ep)
         cfg, params, _ = load_model(source, load_format, mesh=mesh)
@@ -109,7 +115,8 @@ def check_matches(source, meshes, load_format="auto"):
             if err > ATOL:
                 sys.exit(f"{label} TP={tp} EP={ep}: step {i} logits differ by {err} (> {ATOL})")
         print(f"ok {label} TP={tp} EP={ep}")
-    return cfg, params
+        placed[tp, ep] = params
+    return cfg, placed
 
 
 def check_random(cfg, meshes, seed=0):
@@ -141,6 +148,26 @@ def check_dummy(source, tp, ep):
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), ref, params)
     print(f"ok dummy TP={tp} EP={ep}")
     return cfg, params
+
+
+def collectives(hlo_text: str) -> dict:
+    """{op: Counter of result shapes} of a compiled step's HLO."""
+    return {op: collections.Counter(re.findall(rf"= ([a-z0-9]+\[[0-9,]*\])\S* {op}(?:-start)?\(", hlo_text))
+            for op in ("all-gather", "all-reduce", "all-to-all", "collective-permute")}
+
+
+def check_collectives(cfg, mesh, allowed_permutes=()):
+    """The latest run's compiled step (on `mesh`) never gathers a weight or a cache: its only
+    collectives are all-reduces of the f32[T, D] block outputs (attention's o_proj, the MLP /
+    MoE), plus `allowed_permutes`."""
+    found = collectives(LAST_HLO[0])
+    t_d = f"f32[24,{cfg.hidden_size}]"
+    bad = {op: dict(c) for op, c in found.items()
+           if (op == "all-reduce" and set(c) - {t_d}) or (op == "collective-permute" and set(c) - set(allowed_permutes))
+           or (op in ("all-gather", "all-to-all") and c)}
+    if bad or not found["all-reduce"]:
+        sys.exit(f"{cfg.architecture} on {dict(mesh.shape)}: unexpected collectives {bad} (all: {found})")
+    print(f"ok collectives {dict(found['all-reduce'])} permutes {dict(found['collective-permute'])}")
 
 
 def spec(a):
@@ -268,16 +295,20 @@ def main(family):
     assert len(jax.devices()) == 8, jax.devices()
     if family == "deepseek":
         check_matches(ckpt("deepseek_v3"), [(2, 1), (4, 1), (1, 2)])
-        cfg, params = check_matches(ckpt("deepseek_v32"), [(2, 2), (4, 1)])
-        check_deepseek_specs(cfg, params, tp=4, ep=1)
+        cfg, placed = check_matches(ckpt("deepseek_v32"), [(2, 2), (4, 1)])
+        check_deepseek_specs(cfg, placed[4, 1], tp=4, ep=1)
+        check_collectives(cfg, mesh_lib.make_mesh(4, 1))        # the last run: TP 4
         check_deepseek_mtp()
         check_dummy(ckpt("deepseek_v32"), tp=2, ep=2)
         check_engine("deepseek_v32", tp=2, ep=2)
     elif family == "qwen3_next":
-        check_matches(ckpt("qwen3_next"), [(2, 2)])
+        cfg, _ = check_matches(ckpt("qwen3_next"), [(1, 2), (2, 2), (2, 1)])
+        # the last run, TP 2: the conv's channel blocks are not whole heads (family_axes.py), so
+        # its output moves to the heads' split, f32[T, channels / TP] per linear layer in pieces
+        check_collectives(cfg, mesh_lib.make_mesh(2, 1), ("f32[24,16]", "f32[24,32]"))
         cfg, params = check_dummy(QWEN_WIDE, tp=4, ep=2)
         check_qwen_specs(cfg, params, tp=4)
-        check_random(cfg, [(4, 1), (1, 2)])
+        check_random(cfg, [(4, 1)])
         check_engine("qwen3_next", tp=2, ep=2)
     else:
         sys.exit(f"unknown family {family!r}: deepseek | qwen3_next")
