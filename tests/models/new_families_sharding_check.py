@@ -5,8 +5,9 @@ DeepSeek V3 / V3.2 and Qwen3-Next / Qwen3.5 under tensor and expert parallelism 
 device, in f32 within 1e-5: the logits of a chunked ragged prefill and two batched decode
 steps, with the caches placed as the runner places them (rules.cache_array_sharding). Then the
 partition specs that matter (heads split, the MLA latent and the indexer replicated, DeltaNet
-state by head), the error for an uneven split, and the engine on a TP 2 x EP 2 mesh against
-transformers' greedy tokens. Exits non-zero with a message on the first failure.
+state by head), the compiled step's collectives (no weight or cache gathered), the error for
+an uneven split, MTP layers and dummy weights on a mesh, and the engine on a TP 2 x EP 2 mesh
+against transformers' greedy tokens. Exits non-zero with a message on the first failure.
 
 Usage: new_families_sharding_check.py deepseek | qwen3_next   (one family per process)
 """
@@ -272,6 +273,27 @@ def check_qwen_specs(cfg, params, tp):
     print("ok qwen3_next specs")
 
 
+def check_qwen35_mtp_loads_sharded():
+    """Qwen3.5 as ForConditionalGeneration with fused 3-D experts and an MTP head (the loading
+    test's checkpoint) on TP 2 x EP 2: each device reads its slice, the values equal the
+    unsharded load's, and params["mtp"] is placed like the decoder."""
+    import tempfile
+
+    from test_qwen3_next_loading import _rewrite_as_vlm
+
+    path = tempfile.mkdtemp()
+    _rewrite_as_vlm(path)
+    _, ref, _ = load_model(path)
+    _, params, _ = load_model(path, mesh=mesh_lib.make_mesh(2, 2))
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), ref, params)
+    mtp = params["mtp"]
+    assert spec(mtp["fc"]) == P(None, None) and spec(mtp["norm"]) == P(None), spec(mtp["fc"])
+    layer = mtp["layers"][0]
+    assert spec(layer["wq"]) == P(None, "model") and spec(layer["w_up"]) == P("expert", None, "model")
+    assert spec(params["layers"][0]["w_down"]) == P("expert", "model", None)
+    print("ok qwen3.5 fused experts and mtp TP=2 EP=2")
+
+
 def check_engine(name, tp, ep, steps=6):
     """The whole engine on a mesh (sharded loading, caches by the rules, XLA kernels): greedy
     tokens equal transformers', the long prompt chunked beside the others' decodes."""
@@ -309,6 +331,7 @@ def main(family):
         cfg, params = check_dummy(QWEN_WIDE, tp=4, ep=2)
         check_qwen_specs(cfg, params, tp=4)
         check_random(cfg, [(4, 1)])
+        check_qwen35_mtp_loads_sharded()
         check_engine("qwen3_next", tp=2, ep=2)
     else:
         sys.exit(f"unknown family {family!r}: deepseek | qwen3_next")
