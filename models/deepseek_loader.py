@@ -10,10 +10,10 @@ Name mapping to models/deepseek.py's tree, with three reshapes done once here:
 Tensors are read from the files directly (header + memory map), because safetensors' numpy
 reader has no FP8 type; ml_dtypes gives numpy the float8 and bfloat16 types.
 With a mesh each parameter is placed by sharding/rules.py (sharding/family_axes.py: heads over
-`model`, experts over `expert`, the latent path replicated). NOTE: a layer's tensors are still
-assembled whole on the host (the kv_b_proj split and the rope permutation work on whole
-tensors) and then device_put, which sends each device only its slice: host memory peaks at one
-layer, but every byte of the checkpoint is read (MiniMax's loader reads slices only).
+`model`, experts over `expert`, the latent path replicated). The routed experts are read per
+device, only the experts of its slice (jax.make_array_from_callback); the attention and dense
+tensors are assembled whole on the host (the kv_b_proj split and the rope permutation work on
+whole tensors), then device_put, which sends each device only its slice.
 
 Legend: N heads, E qk_nope_head_dim, R qk_rope_head_dim, O v_head_dim, C kv_lora_rank,
 D model dim, X experts.
@@ -128,7 +128,8 @@ def _layer_tensors(cfg, ck: SafetensorsDir, prefix: str, shapes: dict, block) ->
         out["router"] = t("mlp.gate.weight")
         out["router_bias"] = w("mlp.gate.e_score_correction_bias")
         for ours, hf in (("w_gate", "gate_proj"), ("w_up", "up_proj"), ("w_down", "down_proj")):
-            out[ours] = np.stack([t(f"mlp.experts.{j}.{hf}.weight") for j in range(cfg.num_experts)])
+            out[ours] = _ExpertStack(ck, [prefix + f"mlp.experts.{j}.{hf}.weight"
+                                          for j in range(cfg.num_experts)], block)
         if "ws_gate" in shapes:
             for ours, hf in (("ws_gate", "gate_proj"), ("ws_up", "up_proj"), ("ws_down", "down_proj")):
                 out[ours] = t(f"mlp.shared_experts.{hf}.weight")
@@ -136,6 +137,27 @@ def _layer_tensors(cfg, ck: SafetensorsDir, prefix: str, shapes: dict, block) ->
         for ours, hf in (("w_gate", "gate_proj"), ("w_up", "up_proj"), ("w_down", "down_proj")):
             out[ours] = t(f"mlp.{hf}.weight")
     return out
+
+
+class _ExpertStack:
+    """The routed experts of one projection as [X, in, out], read lazily: a device asks for its
+    slice and only its experts' tensors are read (and dequantized), so host memory holds one
+    device's experts at a time, not the layer's (45 GB in f32 for a DeepSeek-V3 layer)."""
+
+    def __init__(self, ck: SafetensorsDir, names: list[str], block):
+        self.ck, self.names, self.block = ck, names, block
+        for name in names:
+            if name not in ck:
+                raise ValueError(f"checkpoint is missing tensor {name!r}")
+        per_expert = {tuple(ck.entries[n][2]["shape"]) for n in names}
+        if len(per_expert) != 1:
+            raise ValueError(f"experts {names[0]!r} ... have different shapes {sorted(per_expert)}")
+        out_dim, in_dim = per_expert.pop()
+        self.shape = (len(names), in_dim, out_dim)
+
+    def __getitem__(self, index: tuple) -> np.ndarray:
+        chosen = range(len(self.names))[index[0]]
+        return np.stack([self.ck.weight(self.names[j], self.block).T[index[1:]] for j in chosen])
 
 
 def _checked(tree: dict, shapes: dict, where: str, jdtype, placement: dict) -> dict:
@@ -147,8 +169,12 @@ def _checked(tree: dict, shapes: dict, where: str, jdtype, placement: dict) -> d
             raise ValueError(f"{where}{name}: checkpoint gives shape {arr.shape}; the config.json "
                              f"expects {tuple(shapes[name])}")
         # the router bias only ranks experts: keep it f32 whatever the load dtype (as HF does)
-        out[name] = jax.device_put(np.asarray(arr, jnp.float32 if name == "router_bias" else jdtype),
-                                   placement[name])
+        dt = jnp.float32 if name == "router_bias" else jdtype
+        if isinstance(arr, _ExpertStack):
+            out[name] = jax.make_array_from_callback(arr.shape, placement[name],
+                                                     lambda index, a=arr, dt=dt: a[index].astype(dt))
+        else:
+            out[name] = jax.device_put(np.asarray(arr, dt), placement[name])
     return out
 
 

@@ -254,6 +254,42 @@ def check_deepseek_mtp():
     print("ok deepseek mtp TP=2 EP=2")
 
 
+def check_deepseek_expert_reads():
+    """On EP 2 each device's slice reads only its own 4 of the 8 experts (per projection), so
+    the host never holds a layer's experts at once."""
+    from jaxserve.models.deepseek_loader import SafetensorsDir
+
+    groups, inside = [], [False]      # the tensors read by each device's slice callback
+    weight, make = SafetensorsDir.weight, jax.make_array_from_callback
+
+    def counting(self, name, *args):
+        if inside[0]:
+            groups[-1].append(name)
+        return weight(self, name, *args)
+
+    def tracing(shape, sharding, callback, *args, **kw):
+        def traced(index):
+            groups.append([])
+            inside[0] = True
+            try:
+                return callback(index)
+            finally:
+                inside[0] = False
+        return make(shape, sharding, traced, *args, **kw)
+
+    SafetensorsDir.weight, jax.make_array_from_callback = counting, tracing
+    try:
+        load_model(ckpt("deepseek_v3"), mesh=mesh_lib.make_mesh(1, 2))
+    finally:
+        SafetensorsDir.weight, jax.make_array_from_callback = weight, make
+    experts = [g for g in groups if any(".mlp.experts." in n for n in g)]
+    ids = [{int(n.split(".mlp.experts.")[1].split(".")[0]) for n in g} for g in experts]
+    # 2 MoE layers x 3 projections x 2 devices, each reading one half of the experts
+    if len(experts) != 12 or any(len(g) != 4 for g in experts) or any(i not in ({0, 1, 2, 3}, {4, 5, 6, 7}) for i in ids):
+        sys.exit(f"EP=2 expert reads per device slice: {experts}")
+    print("ok deepseek expert reads EP=2")
+
+
 def check_qwen_specs(cfg, params, tp):
     lin, full = params["layers"][0], params["layers"][1]
     assert spec(lin["w_qkv"]) == P(None, "model") and spec(lin["conv_w"]) == P("model", None)
@@ -322,6 +358,7 @@ def main(family):
         check_collectives(cfg, mesh_lib.make_mesh(4, 1))        # the last run: TP 4
         check_deepseek_mtp()
         check_dummy(ckpt("deepseek_v32"), tp=2, ep=2)
+        check_deepseek_expert_reads()
         check_engine("deepseek_v32", tp=2, ep=2)
     elif family == "qwen3_next":
         cfg, _ = check_matches(ckpt("qwen3_next"), [(1, 2), (2, 2), (2, 1)])
