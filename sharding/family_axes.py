@@ -56,13 +56,21 @@ _QWEN3_NEXT = {
     "norm": ("embed",),
 }
 
+# by the family's module (models/registry.py maps each architecture to one)
 FAMILY_AXES: dict[str, dict] = {
-    "MiniMaxM2ForCausalLM": {"q_norm": ("heads",), "k_norm": ("kv_heads",), "router_bias": ("router",)},
-    **{arch: _DEEPSEEK for arch in ("DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM")},
-    **{arch: _QWEN3_NEXT for arch in (
-        "Qwen3NextForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration",
-        "Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration")},
+    # MiniMax-M2 normalises q / k over the whole projection, so its norm weights span the heads
+    "minimax_m2": {"q_norm": ("heads",), "k_norm": ("kv_heads",), "router_bias": ("router",)},
+    "deepseek": _DEEPSEEK,
+    "qwen3_next": _QWEN3_NEXT,
 }
+
+
+def family(architecture: str) -> str:
+    """The family module's short name ("llama", "deepseek", ...) of an architecture."""
+    from jaxserve.models.registry import get_model_module
+
+    return get_model_module(architecture).__name__.rsplit(".", 1)[-1]
+
 
 # Cache array name -> logical axes of [num_blocks, P, ...] (paged) or [num_slots, ...] (state).
 CACHE_AXES = {
@@ -78,8 +86,8 @@ CACHE_AXES = {
 def divisible_dims(cfg) -> list[tuple[str, int, str]] | None:
     """(config field, size, logical axis) of each dimension this family splits, or None for
     llama's families (rules.check_divisible's own list)."""
-    arch = cfg.architecture
-    if arch.startswith("Deepseek"):
+    name = family(cfg.architecture)
+    if name == "deepseek":
         dims = [("num_attention_heads", cfg.num_heads, "heads")]
         if any(not cfg.is_moe_layer(i) for i in range(cfg.num_layers + cfg.num_mtp_layers)):
             dims.append(("intermediate_size", cfg.intermediate_size, "mlp"))
@@ -87,7 +95,7 @@ def divisible_dims(cfg) -> list[tuple[str, int, str]] | None:
             dims += [("moe_intermediate_size", cfg.moe_intermediate_size, "mlp"),
                      ("n_routed_experts", cfg.num_experts, "experts")]
         return dims
-    if arch in FAMILY_AXES and "w_qkv" in FAMILY_AXES[arch]:
+    if name == "qwen3_next":
         dims = []
         if "full_attention" in cfg.layer_types:
             dims += [("num_attention_heads", cfg.num_heads, "heads"),

@@ -13,7 +13,7 @@ import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxserve.config import ModelConfig
-from jaxserve.sharding.family_axes import CACHE_AXES, FAMILY_AXES, divisible_dims
+from jaxserve.sharding.family_axes import CACHE_AXES, FAMILY_AXES, divisible_dims, family
 from jaxserve.sharding.mesh import EXPERT_AXIS, MODEL_AXIS
 
 LOGICAL_AXIS_RULES: dict[str, str | None] = {
@@ -79,7 +79,7 @@ def param_logical_axes(cfg: ModelConfig, shapes: dict | None = None) -> dict:
     with a tuple of logical axis names at every leaf."""
     from jaxserve.models.registry import param_shapes
 
-    table = {**_DENSE_AXES, **FAMILY_AXES.get(cfg.architecture, {})}
+    table = {**_DENSE_AXES, **FAMILY_AXES.get(family(cfg.architecture), {})}
     return _axes_of(param_shapes(cfg) if shapes is None else shapes, table, "")
 
 
