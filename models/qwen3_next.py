@@ -236,18 +236,23 @@ def linear_block(cfg, lp, cache, h_TD, x: StepInput, impl: str = "xla"):
         qkv_TC, z, beta_in, a_in = jnp.split(layers.linear(h_TD, lp["w_in"]),
                                              [c, c + h * b, c + h * b + h], axis=-1)
     else:
-        qkv_TC, z, beta_in, a_in = (layers.linear(h_TD, lp[w]) for w in ("w_qkv", "w_z", "w_b", "w_a"))
+        # on a mesh the conv channels may be grouped per key head (qwen3_next_loader.group_conv_channels)
+        qkv = "w_qkv_grouped" if "w_qkv_grouped" in lp else "w_qkv"
+        qkv_TC, z, beta_in, a_in = (layers.linear(h_TD, lp[w]) for w in (qkv, "w_z", "w_b", "w_a"))
+    grouped = "w_qkv_grouped" in lp
     z_THB = z.reshape(t, h, b)
     slots_S, qsl = x.state_slots, x.query_start_loc
     fresh_S = (x.seq_lens - jnp.diff(qsl)) == 0
     zero_fresh = lambda s: jnp.where(fresh_S.reshape((-1,) + (1,) * (s.ndim - 1)), 0, s)  # noqa: E731
-    conv_TC, conv_state = gdn.causal_conv(qkv_TC, lp["conv_w"], zero_fresh(cache["conv"][slots_S]), qsl)
+    conv_w = lp["conv_w_grouped" if grouped else "conv_w"]
+    conv_TC, conv_state = gdn.causal_conv(qkv_TC, conv_w, zero_fresh(cache["conv"][slots_S]), qsl)
     conv_cache = cache["conv"].at[slots_S].set(conv_state.astype(cache["conv"].dtype))
-    if impl == "pallas" and pallas_fits(cfg):
+    if impl == "pallas" and pallas_fits(cfg) and not grouped:
         o_THB, ssm_cache = pallas_delta_rule(cfg, lp, conv_TC, a_in, beta_in, cache["ssm"], x)
     else:
         q, k, v, g, beta = gdn.post_conv(conv_TC, a_in, beta_in, lp["a_log"], lp["dt_bias"],
-                                         num_k_heads=cfg.linear_num_key_heads, k_dim=a, v_dim=b)
+                                         num_k_heads=cfg.linear_num_key_heads, k_dim=a, v_dim=b,
+                                         grouped=grouped)
         o_THB, ssm = gdn.gated_delta_rule(gdn.expand_heads(q, h), gdn.expand_heads(k, h), v, g, beta,
                                           zero_fresh(cache["ssm"][slots_S]), qsl)
         ssm_cache = cache["ssm"].at[slots_S].set(ssm.astype(cache["ssm"].dtype))

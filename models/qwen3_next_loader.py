@@ -200,7 +200,34 @@ def load_hf(path: str, dtype: str = "float32", mesh=None):
                 shape, sharding, lambda index: np.asarray(read(index)).astype(jdtype))
 
         params = jax.tree.map(build, plan, placements, is_leaf=is_leaf)
-    return cfg, params
+    return cfg, group_conv_channels(cfg, params, mesh)
+
+
+def grouped_channel_order(cfg: qn.Qwen3NextConfig) -> np.ndarray:
+    """Conv channel indices (of HF's q | k | v order) grouped per key head j: [q_j | k_j | v of
+    value heads j*r .. j*r+r-1] (gated_deltanet.post_conv's `grouped` layout)."""
+    g, a, b = cfg.linear_num_key_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    rb = cfg.linear_num_value_heads // g * b
+    j = np.arange(g)[:, None]
+    return np.concatenate([j * a + np.arange(a), g * a + j * a + np.arange(a),
+                           2 * g * a + j * rb + np.arange(rb)], axis=1).ravel()
+
+
+def group_conv_channels(cfg: qn.Qwen3NextConfig, params: dict, mesh) -> dict:
+    """On a mesh whose `model` axis the key heads divide: w_qkv / conv_w -> w_qkv_grouped /
+    conv_w_grouped (channels in grouped_channel_order, each array keeping its sharding), so
+    each rank's contiguous channel block holds whole heads (sharding/family_axes.py says why).
+    In place; unchanged without a mesh or when the heads do not divide."""
+    if mesh is None or cfg.linear_num_key_heads % mesh.shape["model"] or qn.LINEAR not in cfg.layer_types:
+        return params
+    order = jnp.asarray(grouped_channel_order(cfg))
+    for lp in params["layers"]:
+        for name, axis in (("w_qkv", 1), ("conv_w", 0)):
+            if name in lp:
+                w = lp.pop(name)
+                lp[name + "_grouped"] = jax.jit(lambda w, axis=axis: jnp.take(w, order, axis=axis),
+                                                out_shardings=w.sharding)(w)
+    return params
 
 
 ZERO_CENTRED = ("attn_norm", "mlp_norm", "final_norm", "q_norm", "k_norm")
@@ -221,4 +248,4 @@ def dummy_params(cfg: qn.Qwen3NextConfig, dtype: str = "float32", mesh=None, see
         if "a_log" in tree:
             tree["a_log"] = like(tree["a_log"], 0)
             tree["dt_bias"] = like(tree["dt_bias"], 1)
-    return params
+    return group_conv_channels(cfg, params, mesh)

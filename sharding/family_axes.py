@@ -16,10 +16,11 @@ Why each choice (TP = the `model` axis):
 - Gated DeltaNet: value heads split (w_z, w_b, w_a columns, dt_bias, a_log, w_out rows, the
   recurrent state's H axis). The conv channels (w_qkv columns, conv_w rows, the conv state)
   split in contiguous blocks, the same blocks in all three, so the depthwise conv and its
-  state update stay local; the channels are q | k | v, so those blocks are not whole heads
-  and XLA reshards the conv output to the heads' split before the delta rule.
-  NOTE: a head-aligned channel order (each rank's q, k, v heads contiguous) would remove that
-  reshard; it needs a TP-dependent permutation at load and in the forward's split: not done.
+  state update stay local. HF's channel order q | k | v would make those blocks parts of
+  heads (XLA then reshards the conv output before the delta rule), so on a mesh the loaders
+  reorder them per key head (w_qkv_grouped / conv_w_grouped: [q_j | k_j | v of its value
+  heads] for each key head j; qwen3_next_loader.group_conv_channels) whenever the key heads
+  divide the `model` axis: each rank's block is then its own heads, and nothing moves.
 - Router weights and DeepSeek's e_score_correction_bias: replicated (every rank scores every
   expert); experts over `expert`, their F over `model`; shared experts and dense MLPs like a
   dense MLP; Qwen's shared-expert gate [D, 1] replicated.
@@ -48,6 +49,7 @@ _QWEN3_NEXT = {
     "wq": ("embed", "heads"),
     # gated DeltaNet
     "w_qkv": ("embed", "conv_channels"), "conv_w": ("conv_channels", "conv_width"),
+    "w_qkv_grouped": ("embed", "conv_channels"), "conv_w_grouped": ("conv_channels", "conv_width"),
     "w_z": ("embed", "v_heads"), "w_b": ("embed", "v_heads"), "w_a": ("embed", "v_heads"),
     "dt_bias": ("v_heads",), "a_log": ("v_heads",), "gdn_norm": ("head_dim",),
     "w_out": ("v_heads", "embed"),
