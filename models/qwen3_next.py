@@ -17,7 +17,9 @@ Parameters (weights [in, out]; norms zero-centred, applied as (1 + w), except gd
     attn_norm f[D], mlp_norm f[D], and
     linear layers: w_qkv f[D, C] (conv channels q | k | v), w_z f[D, H*B], w_b f[D, H],
         w_a f[D, H], conv_w f[C, W], dt_bias f[H], a_log f[H], gdn_norm f[B], w_out f[H*B, D]
-        (Qwen3-Next's interleaved in_proj_qkvz / in_proj_ba are split at load time)
+        (Qwen3-Next's interleaved in_proj_qkvz / in_proj_ba are split at load time; on a mesh
+        w_qkv / conv_w are w_qkv_grouped / conv_w_grouped: channels per key head, see
+        qwen3_next_loader.group_conv_channels)
     full layers: wq f[D, N*2E] (per head: E query columns, then E output-gate columns, as HF
         lays out q_proj), wk f[D, K*E], wv f[D, K*E], wo f[N*E, D], q_norm f[E], k_norm f[E]
     MoE layers: router, w_gate, w_up, w_down (models/moe.py), ws_gate f[D, Fs], ws_up f[D, Fs],
