@@ -168,7 +168,8 @@ class ModelRunner:
         self.cache_specs = model.cache_specs(self.cfg)
         self.group_kinds = cache_manager.group_kinds(self.cache_specs)
         self.num_blocks, self.num_slots = self._size_caches(num_blocks)
-        # With a mesh (tensor / expert parallel) the cache is split by kv heads and step inputs
+        # With a mesh (tensor / expert parallel) each cache array is placed by its name's rule
+        # (k / v by kv heads, MLA latents replicated, DeltaNet states by head) and step inputs
         # are replicated; jit partitions the step from the parameters' shardings.
         self.mesh = mesh
         self.input_sharding = None
@@ -176,8 +177,7 @@ class ModelRunner:
         if mesh is not None:
             from jaxserve.sharding import rules
             self.input_sharding = rules.replicated(mesh)
-            kv_sharding = rules.kv_cache_sharding(self.cfg, mesh)
-            sharding_of = lambda name, shape: kv_sharding if len(shape) == 4 else self.input_sharding
+            sharding_of = functools.partial(rules.cache_array_sharding, self.cfg, mesh)
         self.kv_cache = allocate_caches(self.cache_specs, self.num_blocks, self.num_slots,
                                         self.block_size, self.dtype, sharding_of)
         # NOTE: the kernels are not wrapped in shard_map yet, so a mesh runs the XLA path.

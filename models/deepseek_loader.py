@@ -9,8 +9,11 @@ Name mapping to models/deepseek.py's tree, with three reshapes done once here:
   format) are dequantized to the load dtype (each block times its scale).
 Tensors are read from the files directly (header + memory map), because safetensors' numpy
 reader has no FP8 type; ml_dtypes gives numpy the float8 and bfloat16 types.
-NOTE: whole tensors, placed on the default device: no mesh yet (the sharding rules name
-llama's parameters; DeepSeek's need their own table, with the experts on the expert axis).
+With a mesh each parameter is placed by sharding/rules.py (sharding/family_axes.py: heads over
+`model`, experts over `expert`, the latent path replicated). The routed experts are read per
+device, only the experts of its slice (jax.make_array_from_callback); the attention and dense
+tensors are assembled whole on the host (the kv_b_proj split and the rope permutation work on
+whole tensors), then device_put, which sends each device only its slice.
 
 Legend: N heads, E qk_nope_head_dim, R qk_rope_head_dim, O v_head_dim, C kv_lora_rank,
 D model dim, X experts.
@@ -19,10 +22,12 @@ D model dim, X experts.
 from __future__ import annotations
 
 import glob
+import itertools
 import json
 import os
 import struct
 
+import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -123,7 +128,8 @@ def _layer_tensors(cfg, ck: SafetensorsDir, prefix: str, shapes: dict, block) ->
         out["router"] = t("mlp.gate.weight")
         out["router_bias"] = w("mlp.gate.e_score_correction_bias")
         for ours, hf in (("w_gate", "gate_proj"), ("w_up", "up_proj"), ("w_down", "down_proj")):
-            out[ours] = np.stack([t(f"mlp.experts.{j}.{hf}.weight") for j in range(cfg.num_experts)])
+            out[ours] = _ExpertStack(ck, [prefix + f"mlp.experts.{j}.{hf}.weight"
+                                          for j in range(cfg.num_experts)], block)
         if "ws_gate" in shapes:
             for ours, hf in (("ws_gate", "gate_proj"), ("ws_up", "up_proj"), ("ws_down", "down_proj")):
                 out[ours] = t(f"mlp.shared_experts.{hf}.weight")
@@ -133,7 +139,28 @@ def _layer_tensors(cfg, ck: SafetensorsDir, prefix: str, shapes: dict, block) ->
     return out
 
 
-def _checked(tree: dict, shapes: dict, where: str, jdtype) -> dict:
+class _ExpertStack:
+    """The routed experts of one projection as [X, in, out], read lazily: a device asks for its
+    slice and only its experts' tensors are read (and dequantized), so host memory holds one
+    device's experts at a time, not the layer's (45 GB in f32 for a DeepSeek-V3 layer)."""
+
+    def __init__(self, ck: SafetensorsDir, names: list[str], block):
+        self.ck, self.names, self.block = ck, names, block
+        for name in names:
+            if name not in ck:
+                raise ValueError(f"checkpoint is missing tensor {name!r}")
+        per_expert = {tuple(ck.entries[n][2]["shape"]) for n in names}
+        if len(per_expert) != 1:
+            raise ValueError(f"experts {names[0]!r} ... have different shapes {sorted(per_expert)}")
+        out_dim, in_dim = per_expert.pop()
+        self.shape = (len(names), in_dim, out_dim)
+
+    def __getitem__(self, index: tuple) -> np.ndarray:
+        chosen = range(len(self.names))[index[0]]
+        return np.stack([self.ck.weight(self.names[j], self.block).T[index[1:]] for j in chosen])
+
+
+def _checked(tree: dict, shapes: dict, where: str, jdtype, placement: dict) -> dict:
     if set(tree) != set(shapes):
         raise ValueError(f"{where}: parameters {sorted(set(tree) ^ set(shapes))} do not match the config")
     out = {}
@@ -142,14 +169,20 @@ def _checked(tree: dict, shapes: dict, where: str, jdtype) -> dict:
             raise ValueError(f"{where}{name}: checkpoint gives shape {arr.shape}; the config.json "
                              f"expects {tuple(shapes[name])}")
         # the router bias only ranks experts: keep it f32 whatever the load dtype (as HF does)
-        out[name] = jnp.asarray(arr, jnp.float32 if name == "router_bias" else jdtype)
+        dt = jnp.float32 if name == "router_bias" else jdtype
+        if isinstance(arr, _ExpertStack):
+            out[name] = jax.make_array_from_callback(arr.shape, placement[name],
+                                                     lambda index, a=arr, dt=dt: a[index].astype(dt))
+        else:
+            out[name] = jax.device_put(np.asarray(arr, dt), placement[name])
     return out
 
 
 def load_hf(path: str, cfg, dtype: str = "float32", mesh=None):
-    """(cfg, params): the decoder, and params["mtp"] when the checkpoint has the MTP layers."""
-    if mesh is not None:
-        raise NotImplementedError("DeepSeek loads on one device for now (no sharding rules yet)")
+    """(cfg, params): the decoder, and params["mtp"] when the checkpoint has the MTP layers;
+    placed by the sharding rules over `mesh` (or on the first device)."""
+    from jaxserve.sharding import rules
+
     with open(os.path.join(path, "config.json")) as f:
         hf = json.load(f)
     quant = hf.get("quantization_config") or {}
@@ -157,25 +190,31 @@ def load_hf(path: str, cfg, dtype: str = "float32", mesh=None):
     ck = SafetensorsDir(path)
     jdtype = jnp.dtype(dtype)
     shapes = deepseek.param_shapes(cfg)
-    params = {"embed": jnp.asarray(ck.weight("model.embed_tokens.weight"), jdtype),
-              "final_norm": jnp.asarray(ck.weight("model.norm.weight"), jdtype), "layers": []}
+    # the MTP layers up to the first one missing (an HF-saved checkpoint has none)
+    mtp_shapes = list(itertools.takewhile(
+        lambda m_ms: f"model.layers.{cfg.num_layers + m_ms[0]}.eh_proj.weight" in ck,
+        enumerate(deepseek.mtp_param_shapes(cfg))))
+    mtp_shapes = [ms for _, ms in mtp_shapes]
+    place = rules.param_placements(cfg, mesh, {**shapes, **({"mtp": mtp_shapes} if mtp_shapes else {})})
+    top = lambda name, w: jax.device_put(np.asarray(w, jdtype), place[name])  # noqa: E731
+    params = {"embed": top("embed", ck.weight("model.embed_tokens.weight")),
+              "final_norm": top("final_norm", ck.weight("model.norm.weight")), "layers": []}
     if "lm_head" in shapes:
-        params["lm_head"] = jnp.asarray(ck.weight("lm_head.weight", block).T, jdtype)
+        params["lm_head"] = top("lm_head", ck.weight("lm_head.weight", block).T)
     for i, ls in enumerate(shapes["layers"]):
         prefix = f"model.layers.{i}."
-        params["layers"].append(_checked(_layer_tensors(cfg, ck, prefix, ls, block), ls, prefix, jdtype))
+        params["layers"].append(_checked(_layer_tensors(cfg, ck, prefix, ls, block), ls, prefix, jdtype,
+                                         place["layers"][i]))
     mtp = []
-    for m, ms in enumerate(deepseek.mtp_param_shapes(cfg)):
+    for m, ms in enumerate(mtp_shapes):
         prefix = f"model.layers.{cfg.num_layers + m}."
-        if prefix + "eh_proj.weight" not in ck:
-            break                          # a checkpoint without its MTP layers (e.g. HF-saved)
         layer_shapes = {k: v for k, v in ms.items() if k not in ("enorm", "hnorm", "eh_proj", "head_norm", "head")}
         tree = _layer_tensors(cfg, ck, prefix, layer_shapes, block)
         tree.update(enorm=ck.weight(prefix + "enorm.weight"), hnorm=ck.weight(prefix + "hnorm.weight"),
                     eh_proj=ck.weight(prefix + "eh_proj.weight", block).T,
                     head_norm=ck.weight(prefix + "shared_head.norm.weight"),
                     head=ck.weight(prefix + "shared_head.head.weight", block).T)
-        mtp.append(_checked(tree, ms, prefix, jdtype))
+        mtp.append(_checked(tree, ms, prefix, jdtype, place["mtp"][m]))
     if mtp:
         params["mtp"] = mtp
     return cfg, params

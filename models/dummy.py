@@ -84,23 +84,13 @@ def _draw(key, shapes: dict, shardings: dict, dtype: str) -> dict:
 
 def dummy_params(cfg: ModelConfig, dtype: str = "float32", mesh=None, seed: int = 0) -> dict:
     """Random parameters for `cfg`; norm weights are ones, everything else N(0, INIT_STD^2)."""
-    from jaxserve.models import llama, registry
+    from jaxserve.models import registry
+    from jaxserve.sharding import rules
 
     module = registry.get_model_module(cfg.architecture)
     if hasattr(module, "dummy_params"):        # a family with its own parameter layout
         return module.dummy_params(cfg, dtype, mesh, seed)
-    from jaxserve.sharding import rules
-
-    shapes = module.param_shapes(cfg)
-    if module is llama:
-        shardings = rules.param_placements(cfg, mesh)
-    elif mesh is None:     # the sharding rules name llama's parameters only
-        one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-        shardings = jax.tree.map(lambda _: one, shapes, is_leaf=lambda x: isinstance(x, tuple))
-    else:
-        raise NotImplementedError(f"{cfg.architecture}: dummy weights on a mesh need sharding rules "
-                                  f"for its parameters, which do not exist yet; load without a mesh")
-    return draw_params(shapes, shardings, dtype, seed)
+    return draw_params(module.param_shapes(cfg), rules.param_placements(cfg, mesh), dtype, seed)
 
 
 def draw_params(shapes: dict, shardings: dict, dtype: str, seed: int = 0) -> dict:

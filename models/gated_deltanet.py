@@ -84,12 +84,19 @@ def l2norm(x, eps: float = 1e-6):
     return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
 
 
-def post_conv(conv_TC, a_TH, b_TH, a_log_H, dt_bias_H, *, num_k_heads: int, k_dim: int, v_dim: int):
+def post_conv(conv_TC, a_TH, b_TH, a_log_H, dt_bias_H, *, num_k_heads: int, k_dim: int, v_dim: int,
+              grouped: bool = False):
     """(q f32[T, G, K] L2-normalised and scaled by K^-1/2, k f32[T, G, K] L2-normalised,
-    v f32[T, H, V], g f32[T, H] = -exp(A_log) * softplus(a + dt_bias), beta f32[T, H] = sigmoid(b))."""
+    v f32[T, H, V], g f32[T, H] = -exp(A_log) * softplus(a + dt_bias), beta f32[T, H] = sigmoid(b)).
+    The conv channels are q | k | v, or with `grouped` one block per key head j: [q_j | k_j |
+    v of its value heads] (the layout on a mesh: each rank's channel block is whole heads)."""
     t = conv_TC.shape[0]
     gk = num_k_heads * k_dim
-    q, k, v = jnp.split(conv_TC.astype(jnp.float32), [gk, 2 * gk], axis=-1)
+    if grouped:
+        x = conv_TC.astype(jnp.float32).reshape(t, num_k_heads, -1)
+        q, k, v = (p.reshape(t, -1) for p in jnp.split(x, [k_dim, 2 * k_dim], axis=-1))
+    else:
+        q, k, v = jnp.split(conv_TC.astype(jnp.float32), [gk, 2 * gk], axis=-1)
     q_TGK = l2norm(q.reshape(t, num_k_heads, k_dim)) * (k_dim ** -0.5)
     k_TGK = l2norm(k.reshape(t, num_k_heads, k_dim))
     g_TH = -jnp.exp(a_log_H.astype(jnp.float32)) * jax.nn.softplus(

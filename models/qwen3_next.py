@@ -17,7 +17,9 @@ Parameters (weights [in, out]; norms zero-centred, applied as (1 + w), except gd
     attn_norm f[D], mlp_norm f[D], and
     linear layers: w_qkv f[D, C] (conv channels q | k | v), w_z f[D, H*B], w_b f[D, H],
         w_a f[D, H], conv_w f[C, W], dt_bias f[H], a_log f[H], gdn_norm f[B], w_out f[H*B, D]
-        (Qwen3-Next's interleaved in_proj_qkvz / in_proj_ba are split at load time)
+        (Qwen3-Next's interleaved in_proj_qkvz / in_proj_ba are split at load time; on a mesh
+        w_qkv / conv_w are w_qkv_grouped / conv_w_grouped: channels per key head, see
+        qwen3_next_loader.group_conv_channels)
     full layers: wq f[D, N*2E] (per head: E query columns, then E output-gate columns, as HF
         lays out q_proj), wk f[D, K*E], wv f[D, K*E], wo f[N*E, D], q_norm f[E], k_norm f[E]
     MoE layers: router, w_gate, w_up, w_down (models/moe.py), ws_gate f[D, Fs], ws_up f[D, Fs],
@@ -236,18 +238,23 @@ def linear_block(cfg, lp, cache, h_TD, x: StepInput, impl: str = "xla"):
         qkv_TC, z, beta_in, a_in = jnp.split(layers.linear(h_TD, lp["w_in"]),
                                              [c, c + h * b, c + h * b + h], axis=-1)
     else:
-        qkv_TC, z, beta_in, a_in = (layers.linear(h_TD, lp[w]) for w in ("w_qkv", "w_z", "w_b", "w_a"))
+        # on a mesh the conv channels may be grouped per key head (qwen3_next_loader.group_conv_channels)
+        qkv = "w_qkv_grouped" if "w_qkv_grouped" in lp else "w_qkv"
+        qkv_TC, z, beta_in, a_in = (layers.linear(h_TD, lp[w]) for w in (qkv, "w_z", "w_b", "w_a"))
+    grouped = "w_qkv_grouped" in lp
     z_THB = z.reshape(t, h, b)
     slots_S, qsl = x.state_slots, x.query_start_loc
     fresh_S = (x.seq_lens - jnp.diff(qsl)) == 0
     zero_fresh = lambda s: jnp.where(fresh_S.reshape((-1,) + (1,) * (s.ndim - 1)), 0, s)  # noqa: E731
-    conv_TC, conv_state = gdn.causal_conv(qkv_TC, lp["conv_w"], zero_fresh(cache["conv"][slots_S]), qsl)
+    conv_w = lp["conv_w_grouped" if grouped else "conv_w"]
+    conv_TC, conv_state = gdn.causal_conv(qkv_TC, conv_w, zero_fresh(cache["conv"][slots_S]), qsl)
     conv_cache = cache["conv"].at[slots_S].set(conv_state.astype(cache["conv"].dtype))
-    if impl == "pallas" and pallas_fits(cfg):
+    if impl == "pallas" and pallas_fits(cfg) and not grouped:
         o_THB, ssm_cache = pallas_delta_rule(cfg, lp, conv_TC, a_in, beta_in, cache["ssm"], x)
     else:
         q, k, v, g, beta = gdn.post_conv(conv_TC, a_in, beta_in, lp["a_log"], lp["dt_bias"],
-                                         num_k_heads=cfg.linear_num_key_heads, k_dim=a, v_dim=b)
+                                         num_k_heads=cfg.linear_num_key_heads, k_dim=a, v_dim=b,
+                                         grouped=grouped)
         o_THB, ssm = gdn.gated_delta_rule(gdn.expand_heads(q, h), gdn.expand_heads(k, h), v, g, beta,
                                           zero_fresh(cache["ssm"][slots_S]), qsl)
         ssm_cache = cache["ssm"].at[slots_S].set(ssm.astype(cache["ssm"].dtype))

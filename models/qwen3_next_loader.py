@@ -178,29 +178,56 @@ def _mtp_plan(cfg: qn.Qwen3NextConfig, ckpt) -> dict:
 
 
 def load_hf(path: str, dtype: str = "float32", mesh=None):
-    """(config, params on the first device in `dtype`). NOTE: no mesh yet: sharding/rules.py
-    has no logical axes for these parameters."""
-    if mesh is not None:
-        raise NotImplementedError("Qwen3-Next / Qwen3.5 are not shardable yet (sharding/rules.py "
-                                  "has no logical axes for their parameters)")
+    """(config, params in `dtype`): on the first device, or placed by the sharding rules over
+    `mesh` (sharding/family_axes.py), each device reading only its slice of each tensor."""
+    from jaxserve.sharding import rules
+
     cfg = qn.config_from_hf(hf_loader.read_hf_config(path))
     jdtype = jnp.dtype(dtype)
-    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     with contextlib.ExitStack() as stack:
         ckpt = hf_loader._Checkpoint(path, stack)
         plan = _plan(cfg, ckpt)
         mtp = _mtp_plan(cfg, ckpt)
+        if mtp:
+            plan["mtp"] = mtp
+        is_leaf = lambda e: isinstance(e, tuple) and len(e) == 3 and callable(e[1])  # noqa: E731
+        shapes = jax.tree.map(lambda e: e[2], plan, is_leaf=is_leaf)
+        placements = rules.param_placements(cfg, mesh, shapes)
 
-        def build(entry):
+        def build(entry, sharding):
             _, read, shape = entry
             return jax.make_array_from_callback(
-                shape, device, lambda index: np.asarray(read(index)).astype(jdtype))
+                shape, sharding, lambda index: np.asarray(read(index)).astype(jdtype))
 
-        is_leaf = lambda e: isinstance(e, tuple) and len(e) == 3 and callable(e[1])  # noqa: E731
-        params = jax.tree.map(build, plan, is_leaf=is_leaf)
-        if mtp:
-            params["mtp"] = jax.tree.map(build, mtp, is_leaf=is_leaf)
-    return cfg, params
+        params = jax.tree.map(build, plan, placements, is_leaf=is_leaf)
+    return cfg, group_conv_channels(cfg, params, mesh)
+
+
+def grouped_channel_order(cfg: qn.Qwen3NextConfig) -> np.ndarray:
+    """Conv channel indices (of HF's q | k | v order) grouped per key head j: [q_j | k_j | v of
+    value heads j*r .. j*r+r-1] (gated_deltanet.post_conv's `grouped` layout)."""
+    g, a, b = cfg.linear_num_key_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    rb = cfg.linear_num_value_heads // g * b
+    j = np.arange(g)[:, None]
+    return np.concatenate([j * a + np.arange(a), g * a + j * a + np.arange(a),
+                           2 * g * a + j * rb + np.arange(rb)], axis=1).ravel()
+
+
+def group_conv_channels(cfg: qn.Qwen3NextConfig, params: dict, mesh) -> dict:
+    """On a mesh whose `model` axis the key heads divide: w_qkv / conv_w -> w_qkv_grouped /
+    conv_w_grouped (channels in grouped_channel_order, each array keeping its sharding), so
+    each rank's contiguous channel block holds whole heads (sharding/family_axes.py says why).
+    In place; unchanged without a mesh or when the heads do not divide."""
+    if mesh is None or cfg.linear_num_key_heads % mesh.shape["model"] or qn.LINEAR not in cfg.layer_types:
+        return params
+    order = jnp.asarray(grouped_channel_order(cfg))
+    for lp in params["layers"]:
+        for name, axis in (("w_qkv", 1), ("conv_w", 0)):
+            if name in lp:
+                w = lp.pop(name)
+                lp[name + "_grouped"] = jax.jit(lambda w, axis=axis: jnp.take(w, order, axis=axis),
+                                                out_shardings=w.sharding)(w)
+    return params
 
 
 ZERO_CENTRED = ("attn_norm", "mlp_norm", "final_norm", "q_norm", "k_norm")
@@ -210,23 +237,15 @@ def dummy_params(cfg: qn.Qwen3NextConfig, dtype: str = "float32", mesh=None, see
     """Random weights (models/dummy.py's draws): zero-centred norms 0 (a scale of 1), the gated
     norm 1, a_log 0 and dt_bias 1 (decays exp(-softplus(a + 1)), about 0.27 per token)."""
     from jaxserve.models import dummy
+    from jaxserve.sharding import rules
 
-    if mesh is not None:
-        raise NotImplementedError("Qwen3-Next / Qwen3.5 dummy weights are not shardable yet")
-    shapes = qn.param_shapes(cfg)
-    dtype = jnp.dtype(dtype).name
-    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    placed = lambda tree: {k: device for k in tree}  # noqa: E731
-    root = jax.random.key(seed)
-    top = {k: v for k, v in shapes.items() if k != "layers"}
-    params = dummy._draw(root, top, placed(top), dtype)
-    params["layers"] = [dummy._draw(jax.random.fold_in(root, i + 1), ls, placed(ls), dtype)
-                        for i, ls in enumerate(shapes["layers"])]
+    params = dummy.draw_params(qn.param_shapes(cfg), rules.param_placements(cfg, mesh), dtype, seed)
+    like = lambda a, fill: jnp.full_like(a, fill, device=a.sharding)  # noqa: E731  (keeps the placement)
     for tree in [params] + params["layers"]:
         for name in ZERO_CENTRED:
             if name in tree:
-                tree[name] = jnp.zeros_like(tree[name])
+                tree[name] = like(tree[name], 0)
         if "a_log" in tree:
-            tree["a_log"] = jnp.zeros_like(tree["a_log"])
-            tree["dt_bias"] = jnp.ones_like(tree["dt_bias"])
-    return params
+            tree["a_log"] = like(tree["a_log"], 0)
+            tree["dt_bias"] = like(tree["dt_bias"], 1)
+    return group_conv_channels(cfg, params, mesh)
