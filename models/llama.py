@@ -175,14 +175,26 @@ def forward(cfg: ModelConfig, params: dict, caches: Caches, x: StepInput,
     if isinstance(kernels, str):
         kernels = make_kernels(cfg, kernels)
     inv_freq = layers.rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling_dict)
+    return decoder_stack(
+        params, caches, x, kernels,
+        attention=lambda lp, kv, h: attention_block(cfg, lp, kv, h, x, inv_freq, kernels),
+        mlp=lambda lp, h: moe.moe_mlp(cfg, lp, h, kernels.impl) if cfg.is_moe else dense_mlp(lp, h),
+        aux_layers=aux_layers)
+
+
+def decoder_stack(params: dict, caches: Caches, x: StepInput, kernels: Kernels, *, attention,
+                  mlp, aux_layers: tuple[int, ...] = ()):
+    """The residual stream over every layer (attention then MLP, each through `add_norm`):
+    `attention(lp, kv, normed) -> (kv, out)` and `mlp(lp, normed) -> out` are a family's
+    sub-blocks. Returns (updated caches, final-normed hidden, residuals after `aux_layers`)."""
     layers_p = params["layers"]
     residual_TD, normed_TD = kernels.add_norm(params["embed"][x.token_ids], None, layers_p[0]["attn_norm"])
     new_caches, aux = [], []
     for i, (lp, kv) in enumerate(zip(layers_p, caches)):
-        kv, attn_TD = attention_block(cfg, lp, kv, normed_TD, x, inv_freq, kernels)
+        kv, attn_TD = attention(lp, kv, normed_TD)
         new_caches.append(kv)
         residual_TD, normed_TD = kernels.add_norm(attn_TD, residual_TD, lp["mlp_norm"])
-        mlp_TD = moe.moe_mlp(cfg, lp, normed_TD, kernels.impl) if cfg.is_moe else dense_mlp(lp, normed_TD)
+        mlp_TD = mlp(lp, normed_TD)
         next_norm = layers_p[i + 1]["attn_norm"] if i + 1 < len(layers_p) else params["final_norm"]
         residual_TD, normed_TD = kernels.add_norm(mlp_TD, residual_TD, next_norm)
         if i in aux_layers:

@@ -193,19 +193,10 @@ def forward(cfg: MiniMaxM2Config, params: dict, caches: list[dict], x: StepInput
     if isinstance(kernels, str):
         kernels = make_kernels(cfg, kernels)
     inv_freq = layers.rope_inv_freq(cfg.rotary_dim, cfg.rope_theta, None)
-    layers_p = params["layers"]
-    residual_TD, normed_TD = kernels.add_norm(params["embed"][x.token_ids], None, layers_p[0]["attn_norm"])
-    new_caches, aux = [], []
-    for i, (lp, kv) in enumerate(zip(layers_p, caches)):
-        kv, attn_TD = attention_block(cfg, lp, kv, normed_TD, x, inv_freq, kernels)
-        new_caches.append(kv)
-        residual_TD, normed_TD = kernels.add_norm(attn_TD, residual_TD, lp["mlp_norm"])
-        mlp_TD = deepseek.moe_mlp(cfg, lp, normed_TD, kernels.impl)
-        next_norm = layers_p[i + 1]["attn_norm"] if i + 1 < len(layers_p) else params["final_norm"]
-        residual_TD, normed_TD = kernels.add_norm(mlp_TD, residual_TD, next_norm)
-        if i in aux_layers:
-            aux.append(residual_TD)
-    return new_caches, normed_TD, tuple(aux)
+    return llama.decoder_stack(
+        params, caches, x, kernels,
+        attention=lambda lp, kv, h: attention_block(cfg, lp, kv, h, x, inv_freq, kernels),
+        mlp=lambda lp, h: deepseek.moe_mlp(cfg, lp, h, kernels.impl), aux_layers=aux_layers)
 
 
 def load_hf(path: str, cfg: MiniMaxM2Config, dtype: str = "float32", mesh=None):

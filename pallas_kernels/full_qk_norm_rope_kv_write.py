@@ -32,6 +32,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from jaxserve.pallas_kernels import qk_norm_rope_kv_write as qrk
 from jaxserve.pallas_kernels.dispatch import resolve_impl, whole
 
 
@@ -45,15 +46,9 @@ def ref_full_qk_norm_rope_kv_write(q_TNE, k_TKE, v_TKE, positions_T, slot_mappin
 
 def _validate(q_TNE, k_TKE, v_TKE, positions_T, slot_mapping_T, k_cache, v_cache, inv_freq_R,
               q_norm, k_norm):
-    t, n, e = q_TNE.shape
-    if k_TKE.shape != v_TKE.shape or k_TKE.shape[0] != t or k_TKE.shape[2] != e:
-        raise ValueError(f"k_TKE and v_TKE must both be [T={t}, K, E={e}]; got {k_TKE.shape} and {v_TKE.shape}")
+    qrk.validate_tokens_and_caches(q_TNE, k_TKE, v_TKE, positions_T, slot_mapping_T, k_cache, v_cache)
+    _, n, e = q_TNE.shape
     kh = k_TKE.shape[1]
-    if positions_T.shape != (t,) or slot_mapping_T.shape != (t,):
-        raise ValueError(f"positions_T and slot_mapping_T must be i32[T={t}]; got "
-                         f"{positions_T.shape} and {slot_mapping_T.shape}")
-    if k_cache.shape != v_cache.shape or k_cache.shape[2:] != (kh, e):
-        raise ValueError(f"caches must be [NB, P, K={kh}, E={e}]; got {k_cache.shape} and {v_cache.shape}")
     r = 2 * inv_freq_R.shape[0]
     if inv_freq_R.ndim != 1 or not 0 < r <= e:
         raise ValueError(f"inv_freq must be f32[R/2] with 0 < R <= E={e}; got {inv_freq_R.shape}")

@@ -55,8 +55,8 @@ def ref_qk_norm_rope_kv_write(q_TNE, k_TKE, v_TKE, positions_T, slot_mapping_T, 
 # ---------------------------------------------------------------------------------------------
 
 
-def _validate(q_TNE, k_TKE, v_TKE, positions_T, slot_mapping_T, k_cache, v_cache, inv_freq_H,
-              q_norm_E, k_norm_E):
+def validate_tokens_and_caches(q_TNE, k_TKE, v_TKE, positions_T, slot_mapping_T, k_cache, v_cache):
+    """The shape checks every fused q/k + KV-write kernel shares (also full_qk_norm_rope_kv_write)."""
     t, n, e = q_TNE.shape
     if k_TKE.shape != v_TKE.shape or k_TKE.shape[0] != t or k_TKE.shape[2] != e:
         raise ValueError(f"k_TKE and v_TKE must both be [T={t}, K, E={e}]; got {k_TKE.shape} "
@@ -67,6 +67,12 @@ def _validate(q_TNE, k_TKE, v_TKE, positions_T, slot_mapping_T, k_cache, v_cache
     if k_cache.shape != v_cache.shape or k_cache.shape[2:] != k_TKE.shape[1:]:
         raise ValueError(f"caches must be [NB, P, K, E] with K, E = {k_TKE.shape[1:]}; got "
                          f"{k_cache.shape} and {v_cache.shape}")
+
+
+def _validate(q_TNE, k_TKE, v_TKE, positions_T, slot_mapping_T, k_cache, v_cache, inv_freq_H,
+              q_norm_E, k_norm_E):
+    validate_tokens_and_caches(q_TNE, k_TKE, v_TKE, positions_T, slot_mapping_T, k_cache, v_cache)
+    e = q_TNE.shape[2]
     if inv_freq_H.shape != (e // 2,) or e % 2:
         raise ValueError(f"inv_freq must be f32[E/2] = [{e // 2}] (even E); got {inv_freq_H.shape}")
     if (q_norm_E is None) != (k_norm_E is None):
