@@ -335,7 +335,7 @@ class ModelRunner:
             ids = np.asarray(rows_out.token_ids).tolist()
         if not plan.draft_starts:        # one token per sampling request (the common case)
             sampled = [[t] if s else [] for t, s in zip(ids, plan.samples)]
-            kept_rows = [[i] for i in range(len(sampled))]
+            kept_rows = None
         else:
             accepted = accepted.tolist()
             kept_rows = [verify_rows.kept_rows(i, plan.draft_starts, accepted[i])
@@ -347,7 +347,7 @@ class ModelRunner:
         if variant.num_top:
             for i, s in enumerate(plan.samples):
                 if s:
-                    rows = kept_rows[i]
+                    rows = kept_rows[i] if kept_rows else [i]
                     logprobs[i] = TokenLogprobs(result.logprobs[rows], result.ranks[rows],
                                                 result.top_ids[rows], result.top_logprobs[rows])
         prompt_lps = {}
