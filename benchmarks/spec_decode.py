@@ -4,7 +4,14 @@ One engine (dummy weights of the Llama-3.1-8B shape; --tiny: the tests' tiny Lla
 CPU) decodes a batch of random prompts greedily, first without speculation (recording each
 continuation), then with a synthetic proposer that replays the recorded continuation: every
 draft right (acceptance 1.0), or each draft token right with probability 0.7 (else a wrong
-token). Greedy output with drafts must equal the recording; the script checks it.
+token). Greedy output with drafts must equal the recording without them; the script checks it.
+
+In bf16 on random weights it does not at batch > 1: near-tied logits flip when the step's
+shape changes (a verifying step tiles attention differently; H200, session 20: batch 8 and 32
+diverged within a few tokens, batch 1 and f32 did not), and a replayed draft is wrong from the
+first flip on. So the drafts replay a fixed point: the output of a run with the drafts of the
+recording before it, until a run reproduces its drafts (`recording_passes`); `identical` says
+whether that equals the output without speculation (always true in f32, --dtype float32).
 
     # H200
     python benchmarks/spec_decode.py --output-json benchmarks/results/spec_decode_h200.json
@@ -83,7 +90,7 @@ def build_engine(args):
         cfg, params, _ = loader.load_model(os.path.join(ROOT, "tests/golden/ckpt/llama"), dtype="float32")
         dtype = "float32"
     else:
-        dtype = "bfloat16"
+        dtype = args.dtype
         cfg, params, _ = loader.load_model("Llama-3.1-8B", load_format="dummy", dtype=dtype)
     max_len = args.prompt_len + args.output_len + 16
     blocks = max(args.batch_sizes) * -(-max_len // 16) + 8
@@ -126,6 +133,8 @@ def main() -> None:
     p.add_argument("--output-len", type=int, default=None)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--dtype", default="bfloat16", help="the 8B shape's dtype (not --tiny)")
+    p.add_argument("--max-passes", type=int, default=4, help="recording passes per k (fixed point)")
     p.add_argument("--output-json", default=None)
     args = p.parse_args()
     args.batch_sizes = args.batch_sizes or ([1, 4] if args.tiny else [1, 8, 32])
@@ -148,18 +157,27 @@ def main() -> None:
         rows.append(dict(batch=b, k=0, acceptance=None, tokens_per_s=base, speedup=1.0))
         print(f"batch {b:3d}  no speculation        {base:9.1f} tok/s", flush=True)
         for k in args.spec_tokens:
+            llm.engine.runner.batch.max_spec_tokens = k         # one K per verifying program
+            fixed, passes = recorded, 0
+            while passes < args.max_passes:                     # the drafts' fixed point
+                passes += 1
+                core.proposer = ReplayProposer(fixed, k, 1.0, vocab)
+                _, outs = timed(llm, prompts, args.output_len)
+                again = {tuple(pr): out for pr, out in zip(prompts, outs)}
+                if again == fixed:
+                    break
+                fixed = again
             for acc in args.acceptance:
-                core.proposer = ReplayProposer(recorded, k, acc, vocab)
-                llm.engine.runner.batch.max_spec_tokens = k     # one K per verifying program
+                core.proposer = ReplayProposer(fixed, k, acc, vocab)
                 before = llm.get_metrics()
                 rate, outs = decode_rate(llm, prompts, args.output_len, args.rounds)
                 row = dict(batch=b, k=k, acceptance=acc, tokens_per_s=rate, speedup=rate / base,
                            mean_acceptance_length=mean_acceptance_length(before, llm.get_metrics()) or 1.0,
-                           identical=outs == recorded_outs)
+                           identical=outs == recorded_outs, recording_passes=passes)
                 rows.append(row)
                 print(f"batch {b:3d}  k={k} p={acc:.1f}  {rate:9.1f} tok/s  x{rate / base:4.2f}  "
                       f"acceptance length {row['mean_acceptance_length']:.2f}  "
-                      f"identical={row['identical']}", flush=True)
+                      f"identical={row['identical']} passes={passes}", flush=True)
         core.proposer = None
     ngram = {f"batch {b}, {n} tokens": ngram_cost_ms(b, n, 3, vocab)
              for b in args.batch_sizes for n in (512, 4096)}
@@ -169,8 +187,8 @@ def main() -> None:
         with open(args.output_json, "w") as f:
             json.dump({"tiny": args.tiny, "prompt_len": args.prompt_len, "output_len": args.output_len,
                        "rows": rows, "ngram_host_ms_per_step": ngram}, f, indent=1)
-    if not all(r.get("identical", True) for r in rows):
-        sys.exit("greedy output with drafts differs from the recording")
+    if (args.tiny or args.dtype == "float32") and not all(r.get("identical", True) for r in rows):
+        sys.exit("greedy output with drafts differs from the output without them")
 
 
 if __name__ == "__main__":
