@@ -111,6 +111,10 @@ def test_a_requests_output_saves_replace_each_other():
         slot = m.plan_state_save("a", end)
         m.commit_state_save("a", end, slot, in_output=True)
     assert list(m.states.saved) == [m.hashes["a"][3]]      # only the latest is kept
+    m.states.drop(m.hashes["a"][3])                         # evicted, then saved again (as
+    slot = m.plan_state_save("a", 16)                       # a preempted request recomputing)
+    m.commit_state_save("a", 16, slot, in_output=True)
+    assert list(m.states.saved) == [m.hashes["a"][3]]
     m.free("a")
     assert len(m.states.saved) == 1 and not m.output_saves
 

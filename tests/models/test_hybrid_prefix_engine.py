@@ -95,3 +95,24 @@ def test_a_preempted_request_resumes_from_its_saved_state(tiny_checkpoint):
         assert bool(resumed) == caching
     assert_same(results[True], results[False])
     assert [t for t, _ in results[True]] == [g[:STEPS] for g in greedy]
+
+
+def test_warmup_compiles_the_state_copies(tiny_checkpoint):
+    """After warm-up, steps with state loads and saves compile nothing (the copies have one
+    small program per pair-count bucket)."""
+    import jax
+
+    llm = LLM(tiny_checkpoint("qwen3_next"), dtype="float32", max_num_seqs=4,
+              max_num_batched_tokens=16, max_model_len=64, block_size=4, num_kv_blocks=64,
+              num_cached_states=16)
+    llm.engine.runner.wait_for_warmup()
+    compiles = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, secs, **kw: compiles.append(event)
+        if event == "/jax/core/compile/backend_compile_duration" else None)
+    prompts, _ = golden("qwen3_next")
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    for _ in range(2):            # the second time from the saved states
+        llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert llm.get_metrics()["prefix_cache_hits_total"] > 0
+    assert compiles == []
