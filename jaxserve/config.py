@@ -111,8 +111,13 @@ class CacheConfig:
     kv_cache_memory_fraction: float = 0.9  # of free device memory after weights (GPU)
     kv_cache_cpu_bytes: int = 1 << 30    # budget on CPU, where free memory is not reported
     enable_prefix_caching: bool = True
+    # Hybrid models (linear attention): states saved at block boundaries for prefix hits
+    # (kv_cache/state_cache.py); None: max_num_seqs, at most a quarter of the cache budget.
+    num_cached_states: int | None = None
 
     def __post_init__(self):
+        _check(self.num_cached_states is None or self.num_cached_states >= 0, "num_cached_states",
+               ">= 0", self.num_cached_states)
         _check(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128), "block_size",
                "a power of two from 1 to 128", self.block_size)
         _check(self.num_kv_blocks is None or self.num_kv_blocks >= 2, "num_kv_blocks", ">= 2",

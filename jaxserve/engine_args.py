@@ -52,6 +52,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         "of max_model_len tokens needs ceil(max_model_len / block_size) + 1 blocks")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse the KV blocks of prompts' shared prefixes (default: on)")
+    g.add_argument("--num-cached-states", type=int_at_least(0), default=None,
+                   help="hybrid models (Qwen3-Next, Qwen3.5): linear-attention states saved at "
+                        "block boundaries for prefix-cache hits (default: max-num-seqs, at most a "
+                        "quarter of the KV-cache memory; 0: no prefix hits for these models)")
     g.add_argument("--enable-chunked-prefill", "--no-enable-chunked-prefill", action=_ChunkedPrefill,
                    nargs=0, default=True,
                    help="accepted for vLLM's command lines: chunked prefill is always on here "
@@ -125,6 +129,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         block_size=args.block_size, kv_cache_memory_fraction=args.kv_cache_memory_fraction,
         num_kv_blocks=args.num_kv_blocks, enable_prefix_caching=args.enable_prefix_caching,
+        num_cached_states=args.num_cached_states,
         tensor_parallel_size=args.tensor_parallel_size, seed=args.seed,
         max_logprobs=args.max_logprobs, max_waiting_requests=args.max_waiting_requests,
         long_prefill_token_threshold=args.long_prefill_token_threshold,

@@ -34,6 +34,7 @@ from jaxserve.kv_cache.specs import PagedSpec
 from jaxserve.models.attention import AttentionBackend, AttentionPlan
 from jaxserve.sampling_tensors import make_sampling_tensors
 from jaxserve.spec_decode import rejection_sampler, verify_rows
+from jaxserve.state_copies import StateCopier
 from jaxserve.step_input import StepInput
 from jaxserve.step_messages import (PromptLogprobs, RunnerOutput, SchedulerOutput,
                                     TokenLogprobs)
@@ -180,7 +181,7 @@ class ModelRunner:
         self.dtype = jnp.dtype(config.dtype)
         self.cache_specs = model.cache_specs(self.cfg)
         self.group_kinds = cache_manager.group_kinds(self.cache_specs)
-        self.num_blocks, self.num_slots = self._size_caches(num_blocks)
+        self.num_blocks, self.num_slots, self.num_cached_states = self._size_caches(num_blocks)
         # With a mesh (tensor / expert parallel) each cache array is placed by its name's rule
         # (k / v by kv heads, MLA latents replicated, DeltaNet states by head) and step inputs
         # are replicated; jit partitions the step from the parameters' shardings.
@@ -193,6 +194,12 @@ class ModelRunner:
             sharding_of = functools.partial(rules.cache_array_sharding, self.cfg, mesh)
         self.kv_cache = allocate_caches(self.cache_specs, self.num_blocks, self.num_slots,
                                         self.block_size, self.dtype, sharding_of)
+        # Hybrid prefix caching: saved states in and out of the live slots (state_copies.py)
+        self.state_copier = None
+        if self.num_cached_states:
+            self.state_copier = StateCopier(
+                [i for i, spec in enumerate(self.cache_specs) if not isinstance(spec, PagedSpec)],
+                config.scheduler.max_num_seqs)
         # NOTE: the kernels are not wrapped in shard_map yet, so a mesh runs the XLA path.
         impl = "xla" if mesh is not None else config.attention_impl
         self.backend = AttentionBackend(self.cfg, impl, context=self.max_blocks_per_seq * self.block_size,
@@ -250,25 +257,41 @@ class ModelRunner:
         return cache_manager.bytes_per_block(self.cache_specs, self.block_size, self.dtype.itemsize) \
             // self.config.parallel.tensor_parallel_size
 
-    def _size_caches(self, num_blocks: int | None) -> tuple[int, int]:
-        """(blocks, state slots): given, configured, or from the memory budget."""
-        num_slots = self.config.scheduler.max_num_seqs + 1 if cache_manager.STATE in self.group_kinds else 0
+    def _size_caches(self, num_blocks: int | None) -> tuple[int, int, int]:
+        """(blocks, state slots, of those the saved states' for prefix hits): given,
+        configured, or from the memory budget."""
+        max_seqs = self.config.scheduler.max_num_seqs
         num_blocks = num_blocks or self.config.cache.num_kv_blocks
+        budget = None
+        if not num_blocks:
+            stats = jax.devices()[0].memory_stats() if jax.default_backend() != "cpu" else None
+            if stats and "bytes_limit" in stats:
+                free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+                budget = int(free * self.config.cache.kv_cache_memory_fraction)
+            else:
+                budget = self.config.cache.kv_cache_cpu_bytes
+            budget *= self.config.parallel.tensor_parallel_size
+        cached = self._num_cached_states(budget)
         if num_blocks:
-            return num_blocks, num_slots
-        stats = jax.devices()[0].memory_stats() if jax.default_backend() != "cpu" else None
-        if stats and "bytes_limit" in stats:
-            free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
-            budget = int(free * self.config.cache.kv_cache_memory_fraction)
-        else:
-            budget = self.config.cache.kv_cache_cpu_bytes
-        tp = self.config.parallel.tensor_parallel_size
+            num_slots = max_seqs + 1 + cached if cache_manager.STATE in self.group_kinds else 0
+            return num_blocks, num_slots, cached
         # No use holding more than every sequence at full length.
-        useful = self.config.scheduler.max_num_seqs * self.max_blocks_per_seq + 1
-        return cache_manager.size_caches(self.cache_specs, block_size=self.block_size,
-                                         itemsize=self.dtype.itemsize, budget_bytes=budget * tp,
-                                         max_num_seqs=self.config.scheduler.max_num_seqs,
-                                         useful_blocks=useful)
+        useful = max_seqs * self.max_blocks_per_seq + 1
+        return (*cache_manager.size_caches(self.cache_specs, block_size=self.block_size,
+                                           itemsize=self.dtype.itemsize, budget_bytes=budget,
+                                           max_num_seqs=max_seqs, useful_blocks=useful,
+                                           cached_states=cached), cached)
+
+    def _num_cached_states(self, budget: int | None) -> int:
+        """Saved states for hybrid prefix caching: configured, or cache_manager's default."""
+        cache = self.config.cache
+        if not cache.enable_prefix_caching or cache_manager.STATE not in self.group_kinds:
+            return 0
+        if cache.num_cached_states is not None:
+            return cache.num_cached_states
+        return cache_manager.auto_cached_states(self.cache_specs, itemsize=self.dtype.itemsize,
+                                                budget_bytes=budget,
+                                                max_num_seqs=self.config.scheduler.max_num_seqs)
 
     def bucket(self, num_tokens: int) -> tuple[int, int]:
         t = next(b for b in self.buckets if b >= num_tokens)
@@ -355,9 +378,14 @@ class ModelRunner:
         return self._compiler.compile(layout, variant, num_words)
 
     def dispatch(self, out: SchedulerOutput) -> InFlightStep:
-        """Build and launch the step without waiting for the device."""
+        """Build and launch the step without waiting for the device (with a hybrid model's
+        state copies before and after it: state_copies.py)."""
+        if out.state_loads:   # first: a step taken back after this keeps its requests' loads
+            self.kv_cache = self.state_copier(self.kv_cache, out.state_loads)
         x, plan, variant = self.prepare(out)
         result, prompt, hidden = self.run(x, variant, plan.constrained)
+        if out.state_saves:
+            self.kv_cache = self.state_copier(self.kv_cache, out.state_saves)
         self.batch.prev_rows = {rid: i for i, (rid, s) in enumerate(zip(plan.req_ids, plan.samples)) if s}
         return InFlightStep(plan, variant, result, prompt, hidden)
 
@@ -477,6 +505,8 @@ class ModelRunner:
             for layout, variant, num_words in jobs:
                 if (layout, variant) not in self._executables:
                     self._compile(layout, variant, num_words)
+        if self.state_copier is not None:     # a few small programs (hybrid prefix caching)
+            self.state_copier.warmup(self.kv_cache)
         logger.info("compiled %d lean step programs; %d full or skewed ones compile in the "
                     "background", len(now), len(later))
 

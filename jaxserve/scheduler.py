@@ -6,6 +6,10 @@ requests first (oldest first), then waiting ones, chunking long prompts. A prefi
 simply starts `num_computed_tokens` further on. When blocks run out the newest running
 request is preempted: its blocks are freed and it recomputes later.
 
+A hybrid model's prefix hit needs a state saved at a block boundary (kv_cache/manager.py), so
+with prefix caching its chunks are cut to end on one where they can (vLLM's "align" mode):
+a 100-token prompt with 16-token blocks runs as 96 tokens, whose state is saved, then 4.
+
 The scheduler alone advances and rolls back `num_computed_tokens`: a request that verified
 k draft tokens and kept a of the k + 1 sampled ones goes back by k + 1 - a. It speaks to the
 runner only through the data of jaxserve/step_messages.py.
@@ -42,18 +46,21 @@ class RequestUpdate:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, cache: CacheConfig, num_blocks: int,
-                 step_sizes: tuple[int, ...] = (), cache_specs=None, num_slots: int = 0):
+                 step_sizes: tuple[int, ...] = (), cache_specs=None, num_slots: int = 0,
+                 num_cached_states: int = 0):
         """step_sizes: the token counts the runner pads a step to (its buckets), if any; a
         step that would spill a little past one is cut to end there (see _fit). cache_specs:
-        the model's per-layer specs (default: plain paged K/V)."""
+        the model's per-layer specs (default: plain paged K/V). num_slots: state slots, of
+        which the last num_cached_states hold saved states (hybrid prefix caching)."""
         self.config = config
         self.step_sizes = sorted(step_sizes)
         self.block_size = cache.block_size
         self.kv = KVCacheManager(cache_specs or [PagedSpec((("k", (1,)),))],
                                  block_size=cache.block_size, num_blocks=num_blocks,
-                                 num_slots=num_slots,
+                                 num_slots=num_slots, num_cached_states=num_cached_states,
                                  enable_prefix_caching=cache.enable_prefix_caching)
         self.pool = self.kv.pool
+        self._align = self.kv.saves_states     # cut chunks to block boundaries (module doc)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -123,14 +130,24 @@ class Scheduler:
         for i in range(len(chunks) - 1, -1, -1):
             req, n = chunks[i]
             if n > spill and req.num_computed_tokens + n <= req.num_tokens:   # a prefill chunk
-                return chunks[:i] + [(req, n - spill)] + chunks[i + 1:]
+                cut = n - spill
+                if self._align:     # still on a block boundary where it can be
+                    cut = self._aligned(req, req.num_computed_tokens, cut)
+                return chunks[:i] + [(req, cut)] + chunks[i + 1:]
         return chunks
+
+    def _aligned(self, req: Request, start: int, n: int) -> int:
+        """n cut so the chunk from `start` ends on its last block boundary, when it crosses one
+        and has no drafts (a hybrid model's state is saved only there: module docstring)."""
+        end = (start + n) // self.block_size * self.block_size
+        return end - start if end > start and not req.spec_token_ids else n
 
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
         chunks: list[tuple[Request, int]] = []      # (request, tokens) in step order
         added: dict[str, list[list[int]]] = {}      # running requests' new ids per group
         preempted: list[str] = []
+        state_loads: list[tuple[int, int]] = []
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -139,6 +156,8 @@ class Scheduler:
             if n <= 0 or self._ends_with_placeholder(req):
                 i += 1
                 continue
+            if self._align and n > 1:
+                n = self._aligned(req, req.num_computed_tokens, n)
             need = self.kv.blocks_needed(req.request_id, req.num_computed_tokens + n)
             while self.kv.num_free_blocks < need and self.running[-1] is not req:
                 preempted.append(self._preempt(self.running.pop()).request_id)
@@ -166,11 +185,15 @@ class Scheduler:
                     if req.num_computed_tokens == 0 and not wants_prompt_lp else [])
             computed = len(hits) * self.block_size if hits else req.num_computed_tokens
             n = self._cap(min(req.num_tokens - computed, budget))
+            if self._align:
+                n = self._aligned(req, computed, n)
             need = -(-(computed + n) // self.block_size) - len(hits)
             if self.kv.free_blocks_after_hits(hits) - need < reserve:
                 break
             self.waiting.popleft()
-            self.kv.admit(req.request_id, hits, computed + n)
+            load = self.kv.admit(req.request_id, hits, computed + n)
+            if load is not None:          # a hybrid hit: its saved state into its slot first
+                state_loads.append(load)
             if req.status == RequestStatus.WAITING:       # first admission: count the lookup
                 self.prefix_queries += req.num_prompt_tokens
                 self.prefix_hits += min(computed, req.num_prompt_tokens)
@@ -184,7 +207,7 @@ class Scheduler:
             budget -= n
 
         chunks = self._fit(chunks, self.config.max_num_batched_tokens - budget)
-        new_requests, scheduled = [], []
+        new_requests, scheduled, state_saves = [], [], []
         for req, n in chunks:
             rid = req.request_id
             if rid in self._unsent:           # its whole table is new to the runner
@@ -193,7 +216,12 @@ class Scheduler:
                     rid, list(req.prompt_token_ids), list(req.output_token_ids),
                     req.sampling_params, req.seed, req.eos_token_ids))
             new_ids = added.get(rid) if rid in added else self.kv.group_block_ids(rid)
-            scheduled.append(self._advance(req, n, new_ids))
+            scheduled.append(sched := self._advance(req, n, new_ids))
+            if self._align and not sched.spec_token_ids:
+                slot = self.kv.plan_state_save(rid, sched.start_position + n)
+                if slot:
+                    sched.save_state_slot = slot
+                    state_saves.append((self.kv.slots[rid], slot))
         finished = []
         if chunks:          # an empty step is never run: it carries nothing, not even these
             finished, self._finished_ids = self._finished_ids, []
@@ -201,7 +229,8 @@ class Scheduler:
         return SchedulerOutput(new_requests=new_requests, scheduled=scheduled,
                                finished_req_ids=finished,
                                num_tokens=sum(r.num_tokens for r in scheduled),
-                               preempted_ids=preempted, num_cached_tokens=cached_tokens)
+                               preempted_ids=preempted, num_cached_tokens=cached_tokens,
+                               state_loads=state_loads, state_saves=state_saves)
 
     def _advance(self, req: Request, n: int, new_ids: list[list[int]]) -> ScheduledRequest:
         """Schedule n tokens of `req`: they count as computed from now on, and the token the
@@ -237,6 +266,8 @@ class Scheduler:
             if sched.sample:
                 req.num_output_placeholders -= 1
             if self.requests.get(req.request_id) is not req:   # finished or aborted meanwhile
+                if sched.save_state_slot:
+                    self.kv.release_state_save(sched.save_state_slot)
                 continue
             rejected = 0
             if sched.spec_token_ids and tokens:
@@ -255,6 +286,12 @@ class Scheduler:
                 end = sched.start_position + sched.num_tokens - rejected
                 self.kv.cache_full_blocks(req.request_id, req.token_slice,
                                           min(end, req.num_tokens))
+            if sched.save_state_slot:     # never with drafts: `end` is the chunk's end
+                if req.status == RequestStatus.RUNNING:
+                    self.kv.commit_state_save(req.request_id, end, sched.save_state_slot,
+                                              in_output=end > req.num_prompt_tokens)
+                else:                     # preempted meanwhile: its blocks were not registered
+                    self.kv.release_state_save(sched.save_state_slot)
             if kept and req.first_token_time is None:
                 req.first_token_time = time.monotonic()
             if status is not None:
@@ -269,6 +306,8 @@ class Scheduler:
         taken in the step's diffs (new requests, blocks), so only the counts go back."""
         reqs = self._in_flight.pop()
         for req, sched in zip(reqs, out.scheduled):
+            if sched.save_state_slot:    # the copy after the step never ran either
+                self.kv.release_state_save(sched.save_state_slot)
             req.num_computed_tokens = sched.start_position
             req.num_output_placeholders -= int(sched.sample)
             req.spec_token_ids = list(sched.spec_token_ids)

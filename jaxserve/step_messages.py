@@ -41,6 +41,8 @@ class ScheduledRequest:
     new_block_ids: list[list[int]]  # per cache group: appended to the request's table/slots
     sample: bool                    # the chunk reaches the request's last token: sample after it
     spec_token_ids: list[int] = field(default_factory=list)  # drafts to verify: the last tokens
+    save_state_slot: int = 0        # hybrid prefix caching: the saved-state slot this chunk's
+                                    # final state is copied to (0: none; also in state_saves)
 
 
 @dataclass(frozen=True)
@@ -51,6 +53,11 @@ class SchedulerOutput:
     num_tokens: int                      # tokens computed this step
     preempted_ids: list[str]             # requests preempted while building this step
     num_cached_tokens: int               # prompt tokens this step's new requests found cached
+    # Hybrid prefix caching (kv_cache/state_cache.py), state slot pairs (source, destination):
+    # saved states copied into new requests' slots before the step (their prefix hits), and
+    # live slots copied into saved-state slots after it (chunks ending on a block boundary).
+    state_loads: list[tuple[int, int]] = field(default_factory=list)
+    state_saves: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def req_ids(self) -> list[str]:

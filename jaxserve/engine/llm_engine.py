@@ -65,7 +65,8 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, config.cache, self.runner.num_blocks,
                                    step_sizes=tuple(self.runner.buckets),
                                    cache_specs=self.runner.cache_specs,
-                                   num_slots=self.runner.num_slots)
+                                   num_slots=self.runner.num_slots,
+                                   num_cached_states=self.runner.num_cached_states)
         self.core = EngineCore(self.scheduler, self.runner,
                                drafting.make_proposer(config.speculative, config, self.runner))
         self.metrics = EngineMetrics()
@@ -95,7 +96,8 @@ class LLMEngine:
                          block_size: int = 16, num_kv_blocks: int | None = None,
                          kv_cache_memory_fraction: float = 0.9,
                          kv_cache_cpu_bytes: int = cpu_defaults.KV_CACHE_BYTES,
-                         enable_prefix_caching: bool = True, max_num_seqs: int | None = None,
+                         enable_prefix_caching: bool = True, num_cached_states: int | None = None,
+                         max_num_seqs: int | None = None,
                          max_num_batched_tokens: int | None = None, max_model_len: int | None = None,
                          max_waiting_requests: int = 4096, long_prefill_token_threshold: int = 0,
                          tensor_parallel_size: int = 1,
@@ -132,7 +134,8 @@ class LLMEngine:
             cache=CacheConfig(block_size=block_size, num_kv_blocks=num_kv_blocks,
                               kv_cache_memory_fraction=kv_cache_memory_fraction,
                               kv_cache_cpu_bytes=kv_cache_cpu_bytes,
-                              enable_prefix_caching=enable_prefix_caching),
+                              enable_prefix_caching=enable_prefix_caching,
+                              num_cached_states=num_cached_states),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
                                       max_num_batched_tokens=max(max_num_batched_tokens, max_num_seqs),
                                       max_model_len=max_model_len,

@@ -12,7 +12,7 @@ Free-but-cached blocks count as free in usage figures.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 
 NULL_BLOCK = 0
 
@@ -28,6 +28,9 @@ class BlockPool:
         self.cached: dict[Hashable, int] = {}          # hash -> block holding that content
         # Insertion order = eviction order; values unused.
         self.free_queue: OrderedDict[int, None] = OrderedDict((b, None) for b in range(1, num_blocks))
+        # Called with the hash of each cached block as it is evicted (a hybrid model's saved
+        # states at that block's boundary go with it: kv_cache/state_cache.py).
+        self.on_evict: Callable[[Hashable], None] | None = None
 
     @property
     def num_free(self) -> int:
@@ -89,6 +92,8 @@ class BlockPool:
     def reset_prefix_cache(self) -> None:
         for h, b in list(self.cached.items()):
             self.block_hash[b] = None
+            if self.on_evict is not None:
+                self.on_evict(h)
         self.cached.clear()
 
     def _evict(self, block: int) -> None:
@@ -96,3 +101,5 @@ class BlockPool:
         if h is not None:
             self.block_hash[block] = None
             self.cached.pop(h, None)
+            if self.on_evict is not None:
+                self.on_evict(h)

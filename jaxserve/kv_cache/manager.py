@@ -7,12 +7,18 @@ recurrent state) form the state group: one slot per running request, slot 0 the 
 that padding sequences point at. All paged layers share the block table, sliding-window ones
 included (they keep every block: simple, and no model mixes the two kinds yet).
 
-Prefix caching is kept per group. A state group keeps no states at block boundaries yet, so a
-model with one gets no prefix hits (its paged layers still register their blocks): a hit must
-be a hit in every group, or the resumed state would be wrong.
+Prefix caching of a model with a state group (vLLM's "align" mode): a hit must be a hit in
+every group, and a state cannot be rebuilt from blocks, so a hit resumes only at a block
+boundary where some request's state was saved (kv_cache/state_cache.py: extra slots after the
+live ones, keyed by the block hash chain). The scheduler plans a save when a chunk ends on a
+block boundary (`plan_state_save`; it aligns chunk ends for this), the runner copies the live
+slot there after the step, and `commit_state_save` registers it once the block itself is
+registered. On a hit, `admit` returns the copy of the saved state into the request's slot. A
+saved state goes when its block is evicted, or least recently used first when a save needs
+its slot.
 
 Sizing: one memory budget pays for the state slots first (max_num_seqs + 1, so admission never
-waits for one), then for as many blocks as fit.
+waits for one, plus the saved states'), then for as many blocks as fit.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from collections.abc import Callable, Sequence
 from jaxserve.kv_cache.block_pool import BlockPool
 from jaxserve.kv_cache.prefix_cache import extend_block_hashes
 from jaxserve.kv_cache.specs import PagedSpec, StateSpec
+from jaxserve.kv_cache.state_cache import NO_SLOT, StateCache
 
 NULL_SLOT = 0
 PAGED, STATE = "paged", "state"
@@ -52,12 +59,33 @@ def bytes_per_slot(specs, itemsize: int) -> int:
                for s in specs if isinstance(s, StateSpec) for name, shape in s.arrays)
 
 
+# Saved states for prefix caching take at most this share of what the budget leaves after the
+# live state slots, when their number is not configured: one saved state of a large hybrid
+# model weighs as much as hundreds of blocks (Qwen3.5-397B: ~190 MB, 45 linear layers of
+# 64 value heads' 128 x 128 f32 recurrent state).
+CACHED_STATES_BUDGET_SHARE = 0.25
+
+
+def auto_cached_states(specs, *, itemsize: int, budget_bytes: int | None, max_num_seqs: int) -> int:
+    """Saved states kept for prefix hits when not configured: one per sequence of a step, but
+    no more than CACHED_STATES_BUDGET_SHARE of the budget left after the live slots (no budget
+    given: an explicit block count, so max_num_seqs)."""
+    if STATE not in group_kinds(specs) or PAGED not in group_kinds(specs):
+        return 0
+    if budget_bytes is None:
+        return max_num_seqs
+    per_slot = bytes_per_slot(specs, itemsize)
+    left = budget_bytes - (max_num_seqs + 1) * per_slot
+    return max(0, min(max_num_seqs, int(left * CACHED_STATES_BUDGET_SHARE) // per_slot))
+
+
 def size_caches(specs, *, block_size: int, itemsize: int, budget_bytes: int, max_num_seqs: int,
-                useful_blocks: int) -> tuple[int, int]:
-    """(num_blocks, num_slots) for one memory budget: the state slots first, then as many blocks
-    as fit, but no more than `useful_blocks` (every sequence at full length) and at least 2."""
+                useful_blocks: int, cached_states: int = 0) -> tuple[int, int]:
+    """(num_blocks, num_slots) for one memory budget: the state slots first (live ones and
+    `cached_states` saved ones), then as many blocks as fit, but no more than `useful_blocks`
+    (every sequence at full length) and at least 2."""
     kinds = group_kinds(specs)
-    num_slots = max_num_seqs + 1 if STATE in kinds else 0
+    num_slots = max_num_seqs + 1 + cached_states if STATE in kinds else 0
     left = budget_bytes - num_slots * bytes_per_slot(specs, itemsize)
     if PAGED not in kinds:
         return 2, num_slots          # a stub pool: nothing pages
@@ -67,19 +95,31 @@ def size_caches(specs, *, block_size: int, itemsize: int, budget_bytes: int, max
 
 class KVCacheManager:
     def __init__(self, specs, *, block_size: int, num_blocks: int, num_slots: int = 0,
-                 enable_prefix_caching: bool = True):
+                 enable_prefix_caching: bool = True, num_cached_states: int = 0):
+        """num_slots: every state slot, the null one and the last `num_cached_states` (saved
+        states for prefix hits) included."""
         self.kinds = group_kinds(specs)
         self.block_size = block_size
         self.has_state = STATE in self.kinds
-        if self.has_state and num_slots < 2:
-            raise ValueError(f"a model with per-request state needs >= 2 state slots; got {num_slots}")
+        live = num_slots - num_cached_states
+        if self.has_state and live < 2:
+            raise ValueError(f"a model with per-request state needs >= 2 state slots besides the "
+                             f"{num_cached_states} saved ones; got {num_slots}")
         self.pool = BlockPool(num_blocks, enable_prefix_caching)
         self.num_slots = num_slots
-        self.free_slots = list(range(num_slots - 1, NULL_SLOT, -1))   # pop() takes the lowest
+        self.num_live_slots = live             # the null slot and the requests' own
+        self.free_slots = list(range(live - 1, NULL_SLOT, -1))   # pop() takes the lowest
+        # Saved states (module docstring): only with prefix caching, a paged group and slots.
+        self.states: StateCache | None = None
+        if (self.has_state and PAGED in self.kinds and enable_prefix_caching
+                and num_cached_states > 0):
+            self.states = StateCache(range(live, num_slots))
+            self.pool.on_evict = self.states.drop
         self.blocks: dict[str, list[int]] = {}     # request -> its block table (paged group)
         self.slots: dict[str, int] = {}            # request -> its state slot
         self.hashes: dict[str, list[bytes]] = {}   # request -> hashes of its full blocks
         self.registered: dict[str, int] = {}       # request -> its leading blocks already cached
+        self.output_saves: dict[str, bytes] = {}   # request -> its latest state saved past its prompt
 
     # -- figures ---------------------------------------------------------------------------
     @property
@@ -101,14 +141,19 @@ class KVCacheManager:
         least one token is always left to compute, so the step still produces its logits."""
         hashes = self.hashes.setdefault(request_id, [])
         extend_block_hashes(hashes, token_ids, self.block_size)
-        if self.has_state:
-            return []                # no state kept at block boundaries (module docstring)
+        if self.has_state and self.states is None:
+            return []                # no saved states: no hit could resume the state
         hits = []
         for h in hashes[:(len(token_ids) - 1) // self.block_size]:
             block = self.pool.lookup(h)
             if block is None:
                 break
             hits.append(block)
+        if self.has_state:           # the longest run that ends where a state was saved
+            n = len(hits)
+            while n and not self.states.has(hashes[n - 1]):
+                n -= 1
+            del hits[n:]
         return hits
 
     def free_blocks_after_hits(self, hits: list[int]) -> int:
@@ -116,14 +161,60 @@ class KVCacheManager:
         return self.pool.num_free - self.pool.num_reclaimable(hits)
 
     # -- allocation ------------------------------------------------------------------------
-    def admit(self, request_id: str, hits: list[int], num_tokens: int) -> None:
+    def admit(self, request_id: str, hits: list[int], num_tokens: int) -> tuple[int, int] | None:
         """Start a request's tables: take its prefix hits, blocks for `num_tokens` tokens and a
-        state slot. The caller has checked that the blocks are free."""
+        state slot. The caller has checked that the blocks are free. Returns the state copy a
+        hit of a model with state needs before its first step, (saved slot, its live slot)."""
         self.pool.touch(hits)
         need = max(0, -(-num_tokens // self.block_size) - len(hits))
         self.blocks[request_id] = hits + self.pool.allocate(need)
-        if self.has_state:
-            self.slots[request_id] = self.free_slots.pop()
+        if not self.has_state:
+            return None
+        slot = self.slots[request_id] = self.free_slots.pop()
+        if not hits:
+            return None
+        return self.states.use(self.hashes[request_id][len(hits) - 1]), slot
+
+    # -- saved states (models with a state group) -----------------------------------------
+    @property
+    def saves_states(self) -> bool:
+        """Chunks ending on block boundaries save their state (the scheduler aligns them)."""
+        return self.states is not None
+
+    def plan_state_save(self, request_id: str, end: int) -> int:
+        """A slot to copy the request's state into after the step that computes its first `end`
+        tokens (a block boundary), or NO_SLOT: not a boundary, already saved, or no slot."""
+        if self.states is None or end % self.block_size:
+            return NO_SLOT
+        hashes = self.hashes.get(request_id, ())
+        j = end // self.block_size - 1
+        if j < len(hashes) and self.states.has(hashes[j]):
+            return NO_SLOT
+        return self.states.reserve()
+
+    def commit_state_save(self, request_id: str, end: int, slot: int, in_output: bool) -> None:
+        """The step saving the state after `end` tokens into `slot` ran: findable once the block
+        ending there is registered (call after cache_full_blocks), else the slot goes back.
+        `in_output`: `end` lies past the prompt. Such a save replaces the request's previous
+        one there: only the latest can serve a hit (a preempted request resuming, the next
+        turn of a chat), and saving every block of every decode would flush the prompts'."""
+        hashes = self.hashes.get(request_id, ())
+        j = end // self.block_size - 1
+        if j >= len(hashes) or self.pool.lookup(hashes[j]) is None:
+            self.states.release(slot)
+            return
+        if self.states.register(slot, hashes[j]) and in_output:
+            previous = self.output_saves.get(request_id)
+            if previous is not None and previous != hashes[j]:   # (equal: recomputed after
+                self.states.drop(previous)                        # a preemption, saved again)
+            self.output_saves[request_id] = hashes[j]
+
+    def release_state_save(self, slot: int) -> None:
+        """A planned save that will not be registered (its request ended, its step never ran)."""
+        self.states.release(slot)
+
+    def reset_prefix_cache(self) -> None:
+        self.pool.reset_prefix_cache()     # drops the saved states too (pool.on_evict)
 
     def grow(self, request_id: str, num_tokens: int, need: int | None = None) -> list[int]:
         """Blocks so the request holds `num_tokens` tokens (`need`: blocks_needed of that,
@@ -179,3 +270,4 @@ class KVCacheManager:
             self.free_slots.append(slot)
         if forget:
             self.hashes.pop(request_id, None)
+            self.output_saves.pop(request_id, None)     # its last save stays (a next turn's)

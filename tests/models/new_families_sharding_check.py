@@ -345,20 +345,24 @@ def check_qwen35_mtp_loads_sharded():
 
 def check_engine(name, tp, ep, steps=6):
     """The whole engine on a mesh (sharded loading, caches by the rules, XLA kernels): greedy
-    tokens equal transformers', the long prompt chunked beside the others' decodes."""
+    tokens equal transformers', the long prompt chunked beside the others' decodes; run twice,
+    the second time from prefix-cache hits (a hybrid model's saved states copied on the mesh)."""
     from jaxserve import LLM, SamplingParams
 
     g = np.load(os.path.join(GOLDEN, f"{name}.npz"))
     llm = LLM(ckpt(name), dtype="float32", tensor_parallel_size=tp, expert_parallel_size=ep,
               max_num_seqs=4, max_num_batched_tokens=8, max_model_len=128, block_size=4,
-              num_kv_blocks=64, warmup=False)
-    outs = llm.generate([{"prompt_token_ids": g[f"prompt_{i}"].tolist()} for i in range(3)],
-                        SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True), use_tqdm=False)
-    for i, o in enumerate(outs):
-        if o.outputs[0].token_ids != g[f"greedy_{i}"].tolist()[:steps]:
-            sys.exit(f"engine {name} TP={tp} EP={ep}: seq {i} greedy {o.outputs[0].token_ids} != golden")
-    s = llm.engine.scheduler
-    assert not s.requests and s.pool.num_used == 0 and not s.kv.slots, "blocks or slots leaked"
+              num_kv_blocks=64, num_cached_states=32, warmup=False)
+    for run in range(2):
+        outs = llm.generate([{"prompt_token_ids": g[f"prompt_{i}"].tolist()} for i in range(3)],
+                            SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True), use_tqdm=False)
+        for i, o in enumerate(outs):
+            if o.outputs[0].token_ids != g[f"greedy_{i}"].tolist()[:steps]:
+                sys.exit(f"engine {name} TP={tp} EP={ep} run {run}: seq {i} greedy "
+                         f"{o.outputs[0].token_ids} != golden")
+        s = llm.engine.scheduler
+        assert not s.requests and s.pool.num_used == 0 and not s.kv.slots, "blocks or slots leaked"
+    assert llm.get_metrics()["prefix_cache_hits_total"] > 0, "no prefix hits on the second run"
     print(f"ok engine {name} TP={tp} EP={ep}")
 
 
