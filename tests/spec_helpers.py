@@ -63,10 +63,12 @@ def write_tiny_llama(path, vocab_size: int, seed: int = 0, **config) -> str:
 
 
 def write_eagle3_head(path, target_cfg, draft_vocab: int, aux_layers=None, seed: int = 0,
-                      zero_norm: bool = False) -> str:
+                      zero_norm: bool = False, heads=(2, 1, 16), intermediate_size: int = 64) -> str:
     """A random-weight EAGLE3 head in HF format (LlamaForCausalLMEagle3: fc, midlayer, norm,
     lm_head over `draft_vocab` tokens, d2t), on the target's embedding and width. zero_norm:
-    its final norm's weight is 0, so every logit is 0 and it always drafts draft id 0."""
+    its final norm's weight is 0, so every logit is 0 and it always drafts draft id 0. heads:
+    (query heads, kv heads, head dim) of its decoder layer (benchmarks/spec_decode.py gives a
+    real head's shape)."""
     import json
     import os
 
@@ -74,7 +76,7 @@ def write_eagle3_head(path, target_cfg, draft_vocab: int, aux_layers=None, seed:
     from safetensors.numpy import save_file
 
     rng = np.random.default_rng(seed)
-    d, n, kh, e, f = target_cfg.hidden_size, 2, 1, 16, 64
+    d, (n, kh, e), f = target_cfg.hidden_size, heads, intermediate_size
     w = lambda *shape: (rng.standard_normal(shape) * 0.2).astype(np.float32)
     ones = lambda k: (1 + 0.1 * rng.standard_normal(k)).astype(np.float32)
     mid = {"input_layernorm.weight": ones(d), "hidden_norm.weight": ones(d),
