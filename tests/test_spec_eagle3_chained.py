@@ -43,7 +43,9 @@ def test_chained_drafts_change_no_greedy_output(model, tmp_path):
 def test_each_chain_is_the_heads_own_continuation_over_the_whole_sequence(model, tmp_path):
     """Draft j + 1 is what the head predicts over the whole sequence (fresh caches) with drafts
     1..j appended, each fed the head's own output at the position before: the chained steps'
-    positions, K/V slots, lookahead blocks and hidden feed match a pass that has none of them."""
+    positions, K/V slots, lookahead blocks and hidden feed match a pass that has none of them,
+    also after rejected drafts (their stale K/V must not be read) and after preemption (the
+    recompute rewrites the head's cache: few blocks here)."""
     import jax
     import jax.numpy as jnp
 
@@ -51,7 +53,7 @@ def test_each_chain_is_the_heads_own_continuation_over_the_whole_sequence(model,
 
     cfg, params, _ = model
     head = write_eagle3_head(tmp_path / "head", cfg, draft_vocab=64, aux_layers=(1, 0, 1), seed=3)
-    spec = make_llm(model, eagle(head, K), max_len=MAX_LEN)
+    spec = make_llm(model, eagle(head, K), max_len=MAX_LEN, num_kv_blocks=10)
     proposer, scheduler = spec.engine.core.proposer, spec.engine.scheduler
     seen, observe = [], proposer.observe
 
@@ -62,7 +64,9 @@ def test_each_chain_is_the_heads_own_continuation_over_the_whole_sequence(model,
 
     proposer.observe = recording
     spec.generate(prompts(3), SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
-    assert len(seen) >= 8
+    assert len(seen) >= 8 and scheduler.num_preemptions > 0
+    c = spec_counts(spec)
+    assert c["spec_decode_num_accepted_tokens_total"] < c["spec_decode_num_draft_tokens_total"]
     hcfg, hp, embed = proposer.cfg, proposer.params, proposer.embed
     tables = scattered_block_tables(1, 16, 32, seed=1)
     kernels = llama.make_kernels(hcfg)

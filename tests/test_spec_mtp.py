@@ -47,6 +47,16 @@ def test_mtp_needs_mtp_layers(model):
     llama = loader.load_model(os.path.join(GOLDEN_DIR, "ckpt", "llama"), dtype="float32")
     with pytest.raises(ValueError, match=r"'mtp' needs a model with MTP layers"):
         make_llm(llama, MTP, max_len=MAX_LEN)
+    # Qwen3.5's MTP weights load (params["mtp"]), but no forward runs them yet.
+    from types import SimpleNamespace
+
+    from jaxserve.spec_decode.config import SpeculativeConfig
+    from jaxserve.spec_decode.mtp import MtpProposer
+    from models import qwen3_next
+    runner = SimpleNamespace(model=qwen3_next, cfg=SimpleNamespace(architecture="Qwen3_5ForCausalLM"),
+                             params={"mtp": {"fc": None}})
+    with pytest.raises(ValueError, match=r"'mtp' is not built for Qwen3_5ForCausalLM yet"):
+        MtpProposer(SpeculativeConfig("mtp", 3), runner)
 
 
 def test_each_draft_is_the_mtp_layers_prediction_over_the_whole_sequence(model):

@@ -47,7 +47,11 @@ class MtpProposer(hidden_steps.AfterStepProposer):
 
         model, cfg = runner.model, runner.cfg
         layers = len(runner.params.get("mtp", ())) if isinstance(runner.params, dict) else 0
-        if not hasattr(model, "mtp_forward") or not layers:
+        if layers and not hasattr(model, "mtp_forward"):
+            raise ValueError(f"speculative_config['method'] 'mtp' is not built for {cfg.architecture} "
+                             f"yet: its MTP layers load, but jaxserve has no forward for them "
+                             f"(DeepSeek V3 / V3.2 have one)")
+        if not layers:
             raise ValueError(f"speculative_config['method'] 'mtp' needs a model with MTP layers "
                              f"(DeepSeek V3's num_nextn_predict_layers, loaded with the checkpoint); "
                              f"{cfg.architecture} here has none")
