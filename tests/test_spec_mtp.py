@@ -170,3 +170,22 @@ def test_the_mtp_cache_is_paid_from_the_kv_budget(model):
     spec = make_llm(model, MTP3, cache_bytes=budget)
     assert spec.engine.runner.num_blocks == 40
     assert all(a.shape[0] == 40 for c in spec.engine.core.proposer.caches for a in c.values())
+
+
+def test_an_mtp_layer_right_by_construction_has_every_chained_draft_accepted(model):
+    """Target and MTP logits all 0 (final norm and head_norm 0: greedy picks token 0, and the
+    layer drafts 0): every draft at every position is accepted."""
+    import jax.numpy as jnp
+
+    cfg, params, tok = model
+    zero = lambda a: jnp.zeros_like(a)
+    right = {**params, "final_norm": zero(params["final_norm"]),
+             "mtp": [{**mp, "head_norm": zero(mp["head_norm"])} for mp in params["mtp"]]}
+    spec = make_llm((cfg, right, tok), MTP3, max_len=MAX_LEN)
+    outs = spec.generate(prompts(1), SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
+                         use_tqdm=False)
+    assert token_ids(outs) == [[[0] * 10]]
+    c = spec_counts(spec)
+    assert (c["spec_decode_num_drafts_total"], c["spec_decode_num_draft_tokens_total"],
+            c["spec_decode_num_accepted_tokens_total"]) == (2, 6, 6)
+    assert [c[f'spec_decode_num_accepted_tokens_per_pos_total{{position="{p}"}}'] for p in range(3)] == [2, 2, 2]

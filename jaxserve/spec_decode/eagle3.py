@@ -93,16 +93,17 @@ def load_head(path: str, target_cfg, dtype: str):
     return cfg, params, aux
 
 
-def head_forward(cfg, hp, kv, x, embed_VD, aux_TH, kernels):
+def head_forward(cfg, hp, kv, x, embed_VD, aux_TH, kernels, rows=None):
     """(the head's {"k", "v"} cache, target ids of its greedy drafts i32[T], pre-norm hidden)
-    over the target's aux streams."""
+    over the target's aux streams (rows: only those tokens' drafts and hidden)."""
     return head_layer(cfg, hp, kv, x, embed_VD, layers.linear(aux_TH.astype(hp["fc"].dtype), hp["fc"]),
-                      kernels)
+                      kernels, rows)
 
 
-def head_layer(cfg, hp, kv, x, embed_VD, h_TD, kernels):
+def head_layer(cfg, hp, kv, x, embed_VD, h_TD, kernels, rows=None):
     """head_forward's decoder layer and lm_head over h_TD: fc(aux), or in a chained step the
-    head's own pre-norm output at the position before."""
+    head's own pre-norm output at the position before. The lm_head runs on `rows` only when
+    given (a pass over a prompt chunk wants one draft, not T)."""
     lp, eps = hp["layer"], cfg.rms_norm_eps
     e_TD = layers.rms_norm(embed_VD[x.token_ids], lp["attn_norm"], eps)
     both = jnp.concatenate([e_TD, layers.rms_norm(h_TD, lp["hidden_norm"], eps)], -1)
@@ -110,6 +111,8 @@ def head_layer(cfg, hp, kv, x, embed_VD, h_TD, kernels):
     kv, attn_TD = llama.attention_block(cfg, lp, kv, both, x, inv_freq, kernels)
     residual_TD = h_TD + attn_TD
     out_TD = residual_TD + llama.dense_mlp(lp, layers.rms_norm(residual_TD, lp["mlp_norm"], eps))
+    if rows is not None:
+        out_TD = out_TD[rows]
     logits = jnp.dot(layers.rms_norm(out_TD, hp["norm"], eps), hp["lm_head"],
                      preferred_element_type=jnp.float32)
     return kv, hp["draft_to_target"][jnp.argmax(logits, axis=-1)], out_TD
@@ -120,8 +123,7 @@ def _eagle_step(hp, embed_VD, kv, x, aux_TH, rows_T, sample_S, *, cfg, attention
     kernels = llama.make_kernels(cfg, attention_impl)
 
     def first(kv):
-        kv, ids_T, h_TD = head_forward(cfg, hp, kv, x, embed_VD, aux_TH[rows_T], kernels)
-        return kv, ids_T[x.logits_indices], h_TD[x.logits_indices]
+        return head_forward(cfg, hp, kv, x, embed_VD, aux_TH[rows_T], kernels, x.logits_indices)
 
     def chained(kv, x_j, ids_S, h_SD):
         return head_layer(cfg, hp, kv, dataclasses.replace(x_j, token_ids=ids_S), embed_VD, h_SD, kernels)
