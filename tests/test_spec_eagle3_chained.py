@@ -166,3 +166,27 @@ def test_the_heads_cache_is_paid_from_the_kv_budget(model, tmp_path):
     assert plain.engine.runner.num_blocks == budget // per_target > 30
     assert spec.engine.runner.bytes_per_block == per_target + per_head
     assert spec.engine.core.proposer.kv["k"].shape[0] == 30
+
+
+def test_a_chained_input_has_one_token_per_sampling_sequence_at_its_next_position():
+    """Sampling sequences first (x's order kept), the others padding; slots on each one's
+    table; a position past the table writes the null slot and reads as the table's last."""
+    import numpy as np
+
+    from jaxserve.spec_decode import hidden_steps
+    from tests.models.model_step_builder import Chunk, build_step, scattered_block_tables
+
+    tables = scattered_block_tables(3, 10, 32, seed=2)           # 40 positions each, P = 4
+    x = build_step([Chunk(0, [1, 2, 3], 0), Chunk(1, [4, 5], 6), Chunk(2, [7], 37)], tables, 4, 16, 4)
+    sample = np.array([True, False, True, False])
+    order, back = hidden_steps.chain_order(sample)
+    assert order.tolist() == [0, 2, 1, 3] and order[back].tolist() == [0, 1, 2, 3]
+    for step, (p0, p2) in enumerate([(3, 38), (4, 39), (5, 39)], start=1):
+        x_j = hidden_steps.chained_input(x, sample, order, step, 4)
+        assert x_j.positions.tolist() == [p0, p2, 0, 0]
+        assert x_j.seq_lens.tolist() == [p0 + 1, p2 + 1, 0, 0]
+        assert x_j.query_start_loc.tolist() == [0, 1, 2, 2, 2]
+        slot2 = tables[2][p2 // 4] * 4 + p2 % 4 if 37 + step < 40 else 0
+        assert x_j.slot_mapping.tolist() == [tables[0][p0 // 4] * 4 + p0 % 4, slot2, 0, 0]
+        assert (np.asarray(x_j.block_tables[:2]) == tables[[0, 2]]).all()
+        assert not np.asarray(x_j.block_tables[2:]).any()

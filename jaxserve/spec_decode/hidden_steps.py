@@ -71,14 +71,16 @@ def chain_order(sample_S):
 def chained_input(x: StepInput, sample_S, order_S, step, block_size: int) -> StepInput:
     """The input of chained step `step` (1..k-1) after the pass over x: one token per sampling
     sequence (in `order_S`, sampling ones first: the rest are padding), at its last position
-    in x + step. Positions past the block table write the null slot (their drafts are past
-    every request's limit, drafting.draft_limit). token_ids is left for the caller."""
+    in x + step. A position past the block table (its draft is past every request's limit,
+    drafting.draft_limit) writes the null slot and reads as the table's last position, so no
+    kernel reads past a table. token_ids is left for the caller."""
     s, b = x.block_tables.shape
     live_S = jnp.arange(s) < jnp.sum(sample_S)
-    pos_S = jnp.where(live_S, x.positions[x.logits_indices[order_S]] + step, 0)
+    want_S = jnp.where(live_S, x.positions[x.logits_indices[order_S]] + step, 0)
+    pos_S = jnp.minimum(want_S, b * block_size - 1)
     tables_SB = jnp.where(live_S[:, None], x.block_tables[order_S], 0)
-    block_S = tables_SB[jnp.arange(s), jnp.minimum(pos_S // block_size, b - 1)]
-    slots_S = jnp.where(live_S & (pos_S < b * block_size), block_S * block_size + pos_S % block_size, 0)
+    block_S = tables_SB[jnp.arange(s), pos_S // block_size]
+    slots_S = jnp.where(live_S & (want_S == pos_S), block_S * block_size + pos_S % block_size, 0)
     seq_S = jnp.where(live_S, jnp.arange(s, dtype=jnp.int32), 0)
     return StepInput(token_ids=jnp.zeros(s, jnp.int32), positions=pos_S.astype(jnp.int32),
                      slot_mapping=slots_S.astype(jnp.int32), token_seq_ids=seq_S,
