@@ -5,7 +5,6 @@ every draft at every position accepted; the scheduler allocates the chain's look
 and the head's cache is paid from the KV budget."""
 
 import jax.numpy as jnp
-import pytest
 
 from jaxserve import SamplingParams
 from jaxserve.kv_cache import manager as cache_manager
