@@ -32,6 +32,11 @@ def test_chained_drafts_change_no_greedy_output(model, tmp_path):
     assert c["spec_decode_num_draft_tokens_total"] > c["spec_decode_num_drafts_total"] > 0
     assert all(len(d) == K for d in spec.engine.core.proposer._drafts.values())
     assert spec.engine.scheduler.pool.num_used == 0
+    # Sampled (the rejection sampler, one-hot q): runs, max_tokens kept exactly.
+    sampled = spec.generate(prompts(4), SamplingParams(temperature=1.0, max_tokens=10, ignore_eos=True, seed=1),
+                            use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in sampled] == [10] * 4
+    assert spec.engine.scheduler.pool.num_used == 0
     # Few blocks: requests are preempted and recompute, the head's cache with them.
     tight = make_llm(model, eagle(head, K), max_len=MAX_LEN, num_kv_blocks=14)
     assert token_ids(tight.generate(prompts(4), GREEDY, use_tqdm=False)) == want
