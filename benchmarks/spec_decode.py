@@ -13,10 +13,16 @@ first flip on. So the drafts replay a fixed point: the output of a run with the 
 recording before it, until a run reproduces its drafts (`recording_passes`); `identical` says
 whether that equals the output without speculation (always true in f32, --dtype float32).
 
+--eagle3 adds rows at the cost of chained EAGLE3 drafting: a random-weight head of a real
+head's shape (Llama-3.1-8B's: one layer of 32 x 128 heads, 8 KV heads, 14336 MLP, 32000
+draft tokens; --tiny: the tests' tiny head) runs after every step with k tokens, as served,
+while the drafts verified are the replay's (a random head's own would all be rejected): the
+tokens/s a head of that acceptance would give.
+
     # H200
-    python benchmarks/spec_decode.py --output-json benchmarks/results/spec_decode_h200.json
+    python benchmarks/spec_decode.py --eagle3 --output-json benchmarks/results/spec_decode_h200.json
     # CPU check
-    JAX_PLATFORMS=cpu python benchmarks/spec_decode.py --tiny
+    JAX_PLATFORMS=cpu python benchmarks/spec_decode.py --tiny --eagle3
 
 Decode tokens/s = batch * (N - 1) / (time of N new tokens - time of 1), so the prefill and
 the first token drop out. Each configuration runs once to compile its verifying programs
@@ -57,6 +63,34 @@ class ReplayProposer:
             drafts[wrong] = (drafts[wrong] + 1) % self.vocab
             out.append(drafts.tolist())
         return out
+
+
+class HeadCostReplay(ReplayProposer):
+    """The replay's drafts, after `head` (an after-step proposer: eagle3.Eagle3Proposer) has run
+    over the step as it does when serving; its own drafts are dropped."""
+
+    def __init__(self, head, *args):
+        super().__init__(*args)
+        self.head = head
+        self.num_lookahead_tokens = head.num_lookahead_tokens
+
+    def observe(self, out, step, result) -> None:
+        self.head.observe(out, step, result)
+
+
+def eagle3_head(llm, k: int, tiny: bool, path: str):
+    """An Eagle3Proposer of k tokens on llm's runner, with a random head (written to `path`
+    once) of the tests' tiny shape or Llama-3.1-8B's EAGLE3 head's."""
+    sys.path.insert(0, ROOT)
+    from jaxserve.spec_decode.config import SpeculativeConfig
+    from jaxserve.spec_decode.eagle3 import Eagle3Proposer
+    from tests.spec_helpers import write_eagle3_head
+
+    cfg = llm.engine.config.model
+    if not os.path.exists(os.path.join(path, "config.json")):
+        shape = dict(aux_layers=(0, 1, 1)) if tiny else dict(heads=(32, 8, 128), intermediate_size=14336)
+        write_eagle3_head(path, cfg, draft_vocab=64 if tiny else 32000, **shape)
+    return Eagle3Proposer(SpeculativeConfig("eagle3", k, model=path), llm.engine.config, llm.engine.runner)
 
 
 def ngram_cost_ms(batch: int, context: int, k: int, vocab: int, repeats: int = 20) -> float:
@@ -136,6 +170,10 @@ def main() -> None:
     p.add_argument("--dtype", default="bfloat16", help="the 8B shape's dtype (not --tiny)")
     p.add_argument("--max-passes", type=int, default=4, help="recording passes per k (fixed point)")
     p.add_argument("--output-json", default=None)
+    p.add_argument("--eagle3", action="store_true",
+                   help="also rows at the cost of a chained EAGLE3 head (module doc)")
+    p.add_argument("--eagle3-dir", default="/tmp/jaxserve_bench_eagle3_head",
+                   help="where --eagle3's random head is written (kept for the next run)")
     args = p.parse_args()
     args.batch_sizes = args.batch_sizes or ([1, 4] if args.tiny else [1, 8, 32])
     args.prompt_len = args.prompt_len or (8 if args.tiny else 128)
@@ -147,8 +185,10 @@ def main() -> None:
 
     llm = build_engine(args)
     core, vocab = llm.engine.core, llm.engine.config.model.vocab_size
+    runner, scheduler = llm.engine.runner, llm.engine.scheduler
     rng = np.random.default_rng(0)
     rows = []
+    heads = {}                # k -> its Eagle3Proposer (the head's jitted chain is per k)
     for b in args.batch_sizes:
         prompts = [rng.integers(3, vocab, size=args.prompt_len).tolist() for _ in range(b)]
         core.proposer = None
@@ -157,7 +197,9 @@ def main() -> None:
         rows.append(dict(batch=b, k=0, acceptance=None, tokens_per_s=base, speedup=1.0))
         print(f"batch {b:3d}  no speculation        {base:9.1f} tok/s", flush=True)
         for k in args.spec_tokens:
-            llm.engine.runner.batch.max_spec_tokens = k         # one K per verifying program
+            runner.return_hidden_states(False)
+            scheduler.num_lookahead_tokens = 0
+            runner.batch.max_spec_tokens = k                    # one K per verifying program
             fixed, passes = recorded, 0
             while passes < args.max_passes:                     # the drafts' fixed point
                 passes += 1
@@ -167,18 +209,31 @@ def main() -> None:
                 if again == fixed:
                     break
                 fixed = again
-            for acc in args.acceptance:
-                core.proposer = ReplayProposer(fixed, k, acc, vocab)
-                before = llm.get_metrics()
-                rate, outs = decode_rate(llm, prompts, args.output_len, args.rounds)
-                row = dict(batch=b, k=k, acceptance=acc, tokens_per_s=rate, speedup=rate / base,
-                           mean_acceptance_length=mean_acceptance_length(before, llm.get_metrics()) or 1.0,
-                           identical=outs == recorded_outs, recording_passes=passes)
-                rows.append(row)
-                print(f"batch {b:3d}  k={k} p={acc:.1f}  {rate:9.1f} tok/s  x{rate / base:4.2f}  "
-                      f"acceptance length {row['mean_acceptance_length']:.2f}  "
-                      f"identical={row['identical']} passes={passes}", flush=True)
+            for proposer in ("replay", "eagle3") if args.eagle3 else ("replay",):
+                for acc in args.acceptance:
+                    if proposer == "eagle3":
+                        if k not in heads:
+                            heads[k] = eagle3_head(llm, k, args.tiny, args.eagle3_dir)
+                        heads[k].runner.return_hidden_states(aux_layers=heads[k].aux_layers)
+                        core.proposer = HeadCostReplay(heads[k], fixed, k, acc, vocab)
+                    else:
+                        runner.return_hidden_states(False)
+                        core.proposer = ReplayProposer(fixed, k, acc, vocab)
+                    scheduler.num_lookahead_tokens = getattr(core.proposer, "num_lookahead_tokens", 0)
+                    runner.batch.max_spec_tokens = k     # one K per verifying program
+                    before = llm.get_metrics()
+                    rate, outs = decode_rate(llm, prompts, args.output_len, args.rounds)
+                    row = dict(batch=b, k=k, acceptance=acc, proposer=proposer, tokens_per_s=rate,
+                               speedup=rate / base,
+                               mean_acceptance_length=mean_acceptance_length(before, llm.get_metrics()) or 1.0,
+                               identical=outs == recorded_outs, recording_passes=passes)
+                    rows.append(row)
+                    print(f"batch {b:3d}  k={k} p={acc:.1f} {proposer:6s} {rate:9.1f} tok/s  "
+                          f"x{rate / base:4.2f}  acceptance length {row['mean_acceptance_length']:.2f}  "
+                          f"identical={row['identical']} passes={passes}", flush=True)
         core.proposer = None
+        runner.return_hidden_states(False)
+        scheduler.num_lookahead_tokens = 0
     ngram = {f"batch {b}, {n} tokens": ngram_cost_ms(b, n, 3, vocab)
              for b in args.batch_sizes for n in (512, 4096)}
     for name, ms in ngram.items():

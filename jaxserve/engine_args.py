@@ -83,7 +83,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         "'{\"method\": \"ngram\", \"num_speculative_tokens\": 3, "
                         "\"prompt_lookup_max\": 4}' or '{\"method\": \"draft_model\", "
                         "\"model\": DIR, \"num_speculative_tokens\": 3}' or '{\"method\": \"mtp\", "
-                        "\"num_speculative_tokens\": 1}' (DeepSeek V3's MTP layer), or \"eagle3\" with "
+                        "\"num_speculative_tokens\": 3}' (DeepSeek V3's MTP layer, chained), or \"eagle3\" with "
                         "\"model\": an HF EAGLE3 head (default: off)")
     g.add_argument("--no-program-cache", dest="program_cache", action="store_false",
                    help="do not keep compiled step programs across runs (by default they are "

@@ -33,7 +33,7 @@ from jaxserve.kv_cache import manager as cache_manager
 from jaxserve.kv_cache.specs import PagedSpec
 from jaxserve.models.attention import AttentionBackend, AttentionPlan
 from jaxserve.sampling_tensors import make_sampling_tensors
-from jaxserve.spec_decode import rejection_sampler, verify_rows
+from jaxserve.spec_decode import drafting, rejection_sampler, verify_rows
 from jaxserve.state_copies import StateCopier
 from jaxserve.step_input import StepInput
 from jaxserve.step_messages import (PromptLogprobs, RunnerOutput, SchedulerOutput,
@@ -180,6 +180,9 @@ class ModelRunner:
         self.buckets = token_buckets(config.scheduler.max_num_batched_tokens)
         self.dtype = jnp.dtype(config.dtype)
         self.cache_specs = model.cache_specs(self.cfg)
+        # A proposer's cache on the target's block tables (MTP, EAGLE3) is sized with it.
+        self.proposer_cache_specs, self.proposer_weight_bytes = drafting.cache_on_target_blocks(
+            config.speculative, model, self.cfg)
         self.group_kinds = cache_manager.group_kinds(self.cache_specs)
         self.num_blocks, self.num_slots, self.num_cached_states = self._size_caches(num_blocks)
         # With a mesh (tensor / expert parallel) each cache array is placed by its name's rule
@@ -254,7 +257,8 @@ class ModelRunner:
     @property
     def bytes_per_block(self) -> int:
         """Bytes one block takes on each device (the cache is split over the tensor-parallel ones)."""
-        return cache_manager.bytes_per_block(self.cache_specs, self.block_size, self.dtype.itemsize) \
+        return cache_manager.bytes_per_block(self.cache_specs + self.proposer_cache_specs,
+                                             self.block_size, self.dtype.itemsize) \
             // self.config.parallel.tensor_parallel_size
 
     def _size_caches(self, num_blocks: int | None) -> tuple[int, int, int]:
@@ -270,14 +274,16 @@ class ModelRunner:
                 budget = int(free * self.config.cache.kv_cache_memory_fraction)
             else:
                 budget = self.config.cache.kv_cache_cpu_bytes
-            budget *= self.config.parallel.tensor_parallel_size
+            # a proposer's weights (an EAGLE3 head) load after the sizing: their bytes first
+            budget = (budget - self.proposer_weight_bytes) * self.config.parallel.tensor_parallel_size
         cached = self._num_cached_states(budget)
         if num_blocks:
             num_slots = max_seqs + 1 + cached if cache_manager.STATE in self.group_kinds else 0
             return num_blocks, num_slots, cached
         # No use holding more than every sequence at full length.
         useful = max_seqs * self.max_blocks_per_seq + 1
-        return (*cache_manager.size_caches(self.cache_specs, block_size=self.block_size,
+        return (*cache_manager.size_caches(self.cache_specs + self.proposer_cache_specs,
+                                           block_size=self.block_size,
                                            itemsize=self.dtype.itemsize, budget_bytes=budget,
                                            max_num_seqs=max_seqs, useful_blocks=useful,
                                            cached_states=cached), cached)

@@ -47,12 +47,17 @@ class RequestUpdate:
 class Scheduler:
     def __init__(self, config: SchedulerConfig, cache: CacheConfig, num_blocks: int,
                  step_sizes: tuple[int, ...] = (), cache_specs=None, num_slots: int = 0,
-                 num_cached_states: int = 0):
+                 num_cached_states: int = 0, num_lookahead_tokens: int = 0):
         """step_sizes: the token counts the runner pads a step to (its buckets), if any; a
         step that would spill a little past one is cut to end there (see _fit). cache_specs:
         the model's per-layer specs (default: plain paged K/V). num_slots: state slots, of
-        which the last num_cached_states hold saved states (hybrid prefix caching)."""
+        which the last num_cached_states hold saved states (hybrid prefix caching).
+        num_lookahead_tokens: blocks are allocated for this many positions past each
+        scheduled chunk (a proposer that chains drafts on the target's block tables writes
+        there after the step: spec_decode/hidden_steps.py), never past what the request can
+        reach."""
         self.config = config
+        self.num_lookahead_tokens = num_lookahead_tokens
         self.step_sizes = sorted(step_sizes)
         self.block_size = cache.block_size
         self.kv = KVCacheManager(cache_specs or [PagedSpec((("k", (1,)),))],
@@ -158,14 +163,14 @@ class Scheduler:
                 continue
             if self._align and n > 1:
                 n = self._aligned(req, req.num_computed_tokens, n)
-            need = self.kv.blocks_needed(req.request_id, req.num_computed_tokens + n)
+            end = self._with_lookahead(req, req.num_computed_tokens + n)
+            need = self.kv.blocks_needed(req.request_id, end)
             while self.kv.num_free_blocks < need and self.running[-1] is not req:
                 preempted.append(self._preempt(self.running.pop()).request_id)
             if self.kv.num_free_blocks < need:   # even alone it does not fit: preempt itself
                 preempted.append(self._preempt(self.running.pop()).request_id)
                 break
-            added[req.request_id] = self.kv.new_group_ids(
-                self.kv.grow(req.request_id, req.num_computed_tokens + n, need))
+            added[req.request_id] = self.kv.new_group_ids(self.kv.grow(req.request_id, end, need))
             chunks.append((req, n))
             budget -= n
             i += 1
@@ -187,11 +192,12 @@ class Scheduler:
             n = self._cap(min(req.num_tokens - computed, budget))
             if self._align:
                 n = self._aligned(req, computed, n)
-            need = -(-(computed + n) // self.block_size) - len(hits)
+            end = self._with_lookahead(req, computed + n)
+            need = -(-end // self.block_size) - len(hits)
             if self.kv.free_blocks_after_hits(hits) - need < reserve:
                 break
             self.waiting.popleft()
-            load = self.kv.admit(req.request_id, hits, computed + n)
+            load = self.kv.admit(req.request_id, hits, end)
             if load is not None:          # a hybrid hit: its saved state into its slot first
                 state_loads.append(load)
             if req.status == RequestStatus.WAITING:       # first admission: count the lookup
@@ -313,6 +319,17 @@ class Scheduler:
             req.spec_token_ids = list(sched.spec_token_ids)
 
     # -- helpers ---------------------------------------------------------------------------
+    def _with_lookahead(self, req: Request, end: int) -> int:
+        """Tokens the request's blocks must hold once `end` are computed: num_lookahead_tokens
+        more, but no more than its longest possible sequence (the input processor checked
+        that this fits the cache)."""
+        if not self.num_lookahead_tokens:
+            return end
+        cap = self.config.max_model_len
+        if req.sampling_params.max_tokens is not None:
+            cap = min(cap, req.num_prompt_tokens + req.sampling_params.max_tokens)
+        return max(end, min(end + self.num_lookahead_tokens, cap))
+
     def _ends_with_placeholder(self, req: Request) -> bool:
         """The token on its way back will end the request (max_tokens / max_model_len): don't
         compute past it."""

@@ -344,7 +344,8 @@ def mtp_forward(cfg: DeepseekConfig, params: dict, caches: list[dict], x: StepIn
     is relative, so every position shifted alike is the same attention). h = eh_proj(
     [enorm(embed(token)) | hnorm(prev_hidden)]), then a decoder layer over this layer's own
     latent cache, then head_norm and head: (caches, logits f32[T, V] of the token after
-    `token`, hidden f[T, D] for a next depth)."""
+    `token`, the layer's output f[T, D] before head_norm: what a chained draft step reads as
+    its prev_hidden, as vLLM's DeepSeek MTP feeds it back)."""
     impl, _ = resolve_impl(attention_impl)
     mp = params["mtp"][depth]
     eps = cfg.rms_norm_eps
@@ -352,9 +353,9 @@ def mtp_forward(cfg: DeepseekConfig, params: dict, caches: list[dict], x: StepIn
     h_TD = layers.linear(jnp.concatenate([e_TD, layers.rms_norm(prev_hidden_TD, mp["hnorm"], eps)], -1),
                          mp["eh_proj"])
     cache, h_TD = decoder_layer(cfg, cfg.num_layers + depth, mp, caches[depth], h_TD, x, make_rope(cfg), impl)
-    hidden_TD = layers.rms_norm(h_TD, mp["head_norm"], eps)
-    logits = jnp.dot(hidden_TD, mp["head"], preferred_element_type=jnp.float32)
-    return caches[:depth] + [cache] + caches[depth + 1:], logits, hidden_TD
+    logits = jnp.dot(layers.rms_norm(h_TD, mp["head_norm"], eps), mp["head"],
+                     preferred_element_type=jnp.float32)
+    return caches[:depth] + [cache] + caches[depth + 1:], logits, h_TD
 
 
 def load_hf(path: str, cfg: DeepseekConfig, dtype: str = "float32", mesh=None):

@@ -8,10 +8,11 @@ from jaxserve.spec_decode.config import SpeculativeConfig
 
 
 def make_llm(model, spec: dict | None = None, *, max_num_seqs=8, max_tokens=32, max_len=128,
-             block_size=4, num_kv_blocks=None) -> LLM:
+             block_size=4, num_kv_blocks=None, cache_bytes=CacheConfig.kv_cache_cpu_bytes) -> LLM:
     cfg, params, tok = model
     config = EngineConfig(
-        model=cfg, cache=CacheConfig(block_size=block_size, num_kv_blocks=num_kv_blocks),
+        model=cfg, cache=CacheConfig(block_size=block_size, num_kv_blocks=num_kv_blocks,
+                                     kv_cache_cpu_bytes=cache_bytes),
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_tokens,
                                   max_model_len=max_len),
         dtype="float32", warmup=False, speculative=SpeculativeConfig.from_dict(spec))
@@ -61,9 +62,13 @@ def write_tiny_llama(path, vocab_size: int, seed: int = 0, **config) -> str:
     return str(path)
 
 
-def write_eagle3_head(path, target_cfg, draft_vocab: int, aux_layers=None, seed: int = 0) -> str:
+def write_eagle3_head(path, target_cfg, draft_vocab: int, aux_layers=None, seed: int = 0,
+                      zero_norm: bool = False, heads=(2, 1, 16), intermediate_size: int = 64) -> str:
     """A random-weight EAGLE3 head in HF format (LlamaForCausalLMEagle3: fc, midlayer, norm,
-    lm_head over `draft_vocab` tokens, d2t), on the target's embedding and width."""
+    lm_head over `draft_vocab` tokens, d2t), on the target's embedding and width. zero_norm:
+    its final norm's weight is 0, so every logit is 0 and it always drafts draft id 0. heads:
+    (query heads, kv heads, head dim) of its decoder layer (benchmarks/spec_decode.py gives a
+    real head's shape)."""
     import json
     import os
 
@@ -71,7 +76,7 @@ def write_eagle3_head(path, target_cfg, draft_vocab: int, aux_layers=None, seed:
     from safetensors.numpy import save_file
 
     rng = np.random.default_rng(seed)
-    d, n, kh, e, f = target_cfg.hidden_size, 2, 1, 16, 64
+    d, (n, kh, e), f = target_cfg.hidden_size, heads, intermediate_size
     w = lambda *shape: (rng.standard_normal(shape) * 0.2).astype(np.float32)
     ones = lambda k: (1 + 0.1 * rng.standard_normal(k)).astype(np.float32)
     mid = {"input_layernorm.weight": ones(d), "hidden_norm.weight": ones(d),
@@ -83,6 +88,8 @@ def write_eagle3_head(path, target_cfg, draft_vocab: int, aux_layers=None, seed:
     tensors = {"fc.weight": w(d, 3 * d), "norm.weight": ones(d), "lm_head.weight": w(draft_vocab, d),
                "d2t": (targets - np.arange(draft_vocab)).astype(np.int64),
                **{f"midlayer.{k}": v for k, v in mid.items()}}
+    if zero_norm:
+        tensors["norm.weight"] = np.zeros(d, np.float32)
     hf = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": d,
           "intermediate_size": f, "num_hidden_layers": 1, "num_attention_heads": n,
           "num_key_value_heads": kh, "head_dim": e, "rms_norm_eps": 1e-5, "vocab_size": target_cfg.vocab_size,

@@ -1,6 +1,8 @@
 """The EAGLE3 proposer with a random-weight HF-format head (tests/spec_helpers.py) on the
-tiny Llama: greedy outputs equal those without speculation, batched and alone; its drafts
-are target ids through d2t; bad heads are refused."""
+tiny Llama: greedy outputs equal those without speculation, batched and alone, with one
+draft and chained (k = 3); its drafts are target ids through d2t and what the head predicts
+over the whole sequence; a head right by construction has every chained draft accepted;
+bad heads are refused; the head's cache is sized in the KV budget."""
 
 import os
 
@@ -22,8 +24,8 @@ def model():
     return loader.load_model(os.path.join(GOLDEN_DIR, "ckpt", "llama"), dtype="float32")
 
 
-def eagle(path):
-    return {"method": "eagle3", "model": path, "num_speculative_tokens": 1}
+def eagle(path, k=1):
+    return {"method": "eagle3", "model": path, "num_speculative_tokens": k}
 
 
 def test_eagle3_drafts_change_no_greedy_output(model, tmp_path):
@@ -47,8 +49,8 @@ def test_bad_heads_are_refused(model, tmp_path):
         make_llm(model, eagle(write_eagle3_head(tmp_path / "a", model[0], 64)), max_len=MAX_LEN)
     with pytest.raises(ValueError, match=r"must be an EAGLE3 head"):
         make_llm(model, eagle(os.path.join(GOLDEN_DIR, "ckpt", "llama")), max_len=MAX_LEN)
-    with pytest.raises(ValueError, match=r"'num_speculative_tokens'\] must be 1 with method 'eagle3'"):
-        make_llm(model, {**eagle(str(tmp_path / "a")), "num_speculative_tokens": 2}, max_len=MAX_LEN)
+    with pytest.raises(ValueError, match=r"'num_speculative_tokens'\] must be an integer from 1 to 8"):
+        make_llm(model, eagle(str(tmp_path / "a"), k=9), max_len=MAX_LEN)
 
 
 def test_each_draft_is_the_heads_prediction_over_the_whole_sequence(model, tmp_path):

@@ -62,13 +62,14 @@ class LLMEngine:
         self.runner = ModelRunner(config, params, model_module, mesh=mesh)
         # Where start-up went, in seconds (from_engine_args adds "load"): a bench reports it.
         self.startup_seconds = {"runner_init": time.perf_counter() - t0}
+        proposer = drafting.make_proposer(config.speculative, config, self.runner)
         self.scheduler = Scheduler(config.scheduler, config.cache, self.runner.num_blocks,
                                    step_sizes=tuple(self.runner.buckets),
                                    cache_specs=self.runner.cache_specs,
                                    num_slots=self.runner.num_slots,
-                                   num_cached_states=self.runner.num_cached_states)
-        self.core = EngineCore(self.scheduler, self.runner,
-                               drafting.make_proposer(config.speculative, config, self.runner))
+                                   num_cached_states=self.runner.num_cached_states,
+                                   num_lookahead_tokens=getattr(proposer, "num_lookahead_tokens", 0))
+        self.core = EngineCore(self.scheduler, self.runner, proposer)
         self.metrics = EngineMetrics()
         eos = tokenizer.eos_token_ids if tokenizer else config.model.eos_token_ids
         # Structured output needs the vocabulary as text: only a model with a tokenizer has it.

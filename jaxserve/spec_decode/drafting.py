@@ -40,6 +40,21 @@ def propose_drafts(proposer, running: list[Request], k: int, max_model_len: int)
             req.spec_token_ids = list(drafts)
 
 
+def cache_on_target_blocks(spec_config, model, cfg) -> tuple[list, int]:
+    """(paged cache specs, weight bytes) of a proposer whose cache lives on the target's
+    block tables (mtp, eagle3), for the runner's sizing: one budget pays for the target's
+    blocks and the proposer's, and the head's weights come out of it first (they load after
+    the caches are sized). ([], 0) for the others (a draft model sizes its own)."""
+    if spec_config is None:
+        return [], 0
+    if spec_config.method == "eagle3":
+        from jaxserve.spec_decode import eagle3
+        return eagle3.cache_specs(spec_config.model, cfg), eagle3.weight_bytes(spec_config.model)
+    if spec_config.method == "mtp" and hasattr(model, "mtp_cache_specs"):
+        return model.mtp_cache_specs(cfg), 0       # its weights are the target's, loaded already
+    return [], 0
+
+
 def make_proposer(spec_config, engine_config, runner=None):
     """The proposer of `spec_config.method` (None when speculation is off), for the target
     `runner`."""

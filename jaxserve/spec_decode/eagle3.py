@@ -1,4 +1,4 @@
-"""The EAGLE3 proposer: an HF-format `LlamaForCausalLMEagle3` head drafts one token per
+"""The EAGLE3 proposer: an HF-format `LlamaForCausalLMEagle3` head drafts k tokens per
 request from three of the target's hidden states.
 
 The head: `fc` maps the residual streams after the target's aux layers (the head config's
@@ -10,11 +10,13 @@ draft id + d2t[draft id]). The embedding is the target's unless the head has its
 
 Like MTP (hidden_steps.py), it runs after each target step over the positions whose KV
 stayed valid, its K/V paged on the target's block tables; the last position of a sampling
-chunk proposes the request's next draft.
+chunk proposes the request's first draft. Drafts 2..k chain, as EAGLE3 does at inference:
+the head runs again on the draft before, with its own pre-norm output in place of fc(aux).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
@@ -35,11 +37,10 @@ def default_aux_layers(num_layers: int) -> tuple[int, ...]:
     return (2, num_layers // 2, num_layers - 3)
 
 
-def load_head(path: str, target_cfg, dtype: str):
-    """(head ModelConfig, params, aux layer ids) of an HF EAGLE3 head directory."""
-    from safetensors.numpy import load_file
-
-    from jaxserve.models.hf_loader import _LAYER_TENSORS, model_config_from_hf
+def head_config(path: str, target_cfg):
+    """(head ModelConfig, its HF config dict) of an HF EAGLE3 head directory, checked against
+    the target (the runner sizes the cache with it before the head's weights load)."""
+    from jaxserve.models.hf_loader import model_config_from_hf
 
     with open(os.path.join(path, "config.json")) as f:
         hf = json.load(f)
@@ -50,7 +51,27 @@ def load_head(path: str, target_cfg, dtype: str):
     if hf["vocab_size"] != target_cfg.vocab_size:
         raise ValueError(f"speculative_config['model'] must have the target's vocabulary "
                          f"({target_cfg.vocab_size} tokens); the EAGLE3 head has {hf['vocab_size']}")
-    cfg = model_config_from_hf({**hf, "architectures": ["LlamaForCausalLM"], "num_hidden_layers": 1})
+    return model_config_from_hf({**hf, "architectures": ["LlamaForCausalLM"], "num_hidden_layers": 1}), hf
+
+
+def cache_specs(path: str, target_cfg):
+    """The head's cache specs (one layer's K/V, on the target's block tables)."""
+    return llama.cache_specs(head_config(path, target_cfg)[0])
+
+
+def weight_bytes(path: str) -> int:
+    """The head's safetensors bytes on disk: an upper bound of its weights in the engine's
+    dtype when that is no wider than the files'."""
+    return sum(os.path.getsize(os.path.join(path, n)) for n in os.listdir(path) if n.endswith(".safetensors"))
+
+
+def load_head(path: str, target_cfg, dtype: str):
+    """(head ModelConfig, params, aux layer ids) of an HF EAGLE3 head directory."""
+    from safetensors.numpy import load_file
+
+    from jaxserve.models.hf_loader import _LAYER_TENSORS
+
+    cfg, hf = head_config(path, target_cfg)
     aux = tuple((hf.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
                 or default_aux_layers(target_cfg.num_layers))
     if len(aux) != 3 or not all(0 <= i < target_cfg.num_layers for i in aux):
@@ -72,35 +93,48 @@ def load_head(path: str, target_cfg, dtype: str):
     return cfg, params, aux
 
 
-def head_forward(cfg, hp, kv, x, embed_VD, aux_TH, kernels):
-    """(the head's {"k", "v"} cache, target ids of its greedy drafts i32[T], pre-norm hidden)."""
+def head_forward(cfg, hp, kv, x, embed_VD, aux_TH, kernels, rows=None):
+    """(the head's {"k", "v"} cache, target ids of its greedy drafts i32[T], pre-norm hidden)
+    over the target's aux streams (rows: only those tokens' drafts and hidden)."""
+    return head_layer(cfg, hp, kv, x, embed_VD, layers.linear(aux_TH.astype(hp["fc"].dtype), hp["fc"]),
+                      kernels, rows)
+
+
+def head_layer(cfg, hp, kv, x, embed_VD, h_TD, kernels, rows=None):
+    """head_forward's decoder layer and lm_head over h_TD: fc(aux), or in a chained step the
+    head's own pre-norm output at the position before. The lm_head runs on `rows` only when
+    given (a pass over a prompt chunk wants one draft, not T)."""
     lp, eps = hp["layer"], cfg.rms_norm_eps
-    h_TD = layers.linear(aux_TH.astype(hp["fc"].dtype), hp["fc"])
     e_TD = layers.rms_norm(embed_VD[x.token_ids], lp["attn_norm"], eps)
     both = jnp.concatenate([e_TD, layers.rms_norm(h_TD, lp["hidden_norm"], eps)], -1)
     inv_freq = layers.rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling_dict)
     kv, attn_TD = llama.attention_block(cfg, lp, kv, both, x, inv_freq, kernels)
     residual_TD = h_TD + attn_TD
     out_TD = residual_TD + llama.dense_mlp(lp, layers.rms_norm(residual_TD, lp["mlp_norm"], eps))
+    if rows is not None:
+        out_TD = out_TD[rows]
     logits = jnp.dot(layers.rms_norm(out_TD, hp["norm"], eps), hp["lm_head"],
                      preferred_element_type=jnp.float32)
     return kv, hp["draft_to_target"][jnp.argmax(logits, axis=-1)], out_TD
 
 
-def _eagle_step(hp, embed_VD, kv, x, aux_TH, rows_T, *, cfg, attention_impl):
+def _eagle_step(hp, embed_VD, kv, x, aux_TH, rows_T, sample_S, *, cfg, attention_impl, k, block_size):
+    """(the head's cache, drafts i32[S, k]): the pass over x, then k - 1 chained steps."""
     kernels = llama.make_kernels(cfg, attention_impl)
-    kv, ids_T, _ = head_forward(cfg, hp, kv, x, embed_VD, aux_TH[rows_T], kernels)
-    return kv, ids_T[x.logits_indices]
+
+    def first(kv):
+        return head_forward(cfg, hp, kv, x, embed_VD, aux_TH[rows_T], kernels, x.logits_indices)
+
+    def chained(kv, x_j, ids_S, h_SD):
+        return head_layer(cfg, hp, kv, dataclasses.replace(x_j, token_ids=ids_S), embed_VD, h_SD, kernels)
+
+    return hidden_steps.chain_drafts(first, chained, kv, x, sample_S, k, block_size)
 
 
 class Eagle3Proposer(hidden_steps.AfterStepProposer):
     def __init__(self, spec_config, engine_config, runner):
         from jaxserve.runner import allocate_caches
 
-        if spec_config.num_speculative_tokens != 1:
-            raise ValueError(f"speculative_config['num_speculative_tokens'] must be 1 with method "
-                             f"'eagle3' (the head is not chained yet); got "
-                             f"{spec_config.num_speculative_tokens}")
         self.cfg, self.params, self.aux_layers = load_head(spec_config.model, runner.cfg, engine_config.dtype)
         self.embed = self.params.pop("embed", None)
         if self.embed is None:            # the usual head: the target's embedding, its width
@@ -109,15 +143,15 @@ class Eagle3Proposer(hidden_steps.AfterStepProposer):
                                  f"embed_tokens must have the target's hidden_size "
                                  f"({runner.cfg.hidden_size}); got {self.cfg.hidden_size}")
             self.embed = runner.params["embed"]
-        self.k, self.runner = 1, runner
+        self.k, self.runner = spec_config.num_speculative_tokens, runner
         runner.return_hidden_states(aux_layers=self.aux_layers)
         self.kv = allocate_caches(llama.cache_specs(self.cfg), runner.num_blocks, 0,
                                   runner.block_size, runner.dtype)[0]
-        self._step = jax.jit(functools.partial(_eagle_step, cfg=self.cfg,
-                                               attention_impl=runner.attention_impl),
+        self._step = jax.jit(functools.partial(_eagle_step, cfg=self.cfg, attention_impl=runner.attention_impl,
+                                               k=self.k, block_size=runner.block_size),
                              donate_argnums=(2,))
         self._drafts: dict[str, list[int]] = {}
 
-    def _drafts_of(self, x, hidden, rows_T):
-        self.kv, drafts = self._step(self.params, self.embed, self.kv, x, hidden, rows_T)
+    def _drafts_of(self, x, hidden, rows_T, sample_S):
+        self.kv, drafts = self._step(self.params, self.embed, self.kv, x, hidden, rows_T, sample_S)
         return drafts

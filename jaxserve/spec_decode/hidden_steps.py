@@ -6,21 +6,32 @@ Such a proposer keeps its cache paged on the target's block tables (one slot per
 the same as the target's), so it needs no blocks of its own: a position p it computes is
 one the target has computed, and the rejected drafts' positions (beyond the last kept
 token) are left out, to be written again when they are computed again.
+
+Chained drafts (k > 1): after that pass the proposer runs k - 1 more one-token steps per
+sampling sequence (`chained_input`), each on the draft before it, writing its K/V at the
+next position: up to k - 2 positions past the request's last token, in blocks the scheduler
+allocated ahead for them (Scheduler num_lookahead_tokens). Those positions hold drafts, not
+verified tokens; nothing reads them before the next step's pass rewrites them (it covers
+every position up to the last kept token, and attention reads no position past its own).
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
+from jaxserve.step_input import StepInput
 from jaxserve.step_messages import ScheduledRequest, SchedulerOutput
 
 
 def after_step_input(runner, out: SchedulerOutput, step, result):
     """(StepInput over the valid positions with token p + 1 at each position p, rows i32[T]
-    of step.hidden for each, the request ids of the sequences whose last position predicts
-    their next draft) or None when there is nothing to compute."""
+    of step.hidden for each, bool[S] whether each sequence's last position predicts its
+    request's next drafts, the request ids of those (else None)) or None when there is
+    nothing to compute."""
     plan, batch = step.plan, runner.batch
     chunks, rows, tokens = [], [], []
     for i, (sched, kept) in enumerate(zip(out.scheduled, result.sampled_token_ids)):
@@ -45,14 +56,72 @@ def after_step_input(runner, out: SchedulerOutput, step, result):
     rows_T = np.zeros(t_pad, np.int32)
     rows_T[:total] = rows
     x = dataclasses.replace(x, token_ids=ids_T, prev_token_rows=None)
-    return x, rows_T, [c.req_id if c.sample else None for c in chunks]
+    sample_S = np.zeros(s_pad, bool)
+    sample_S[:len(chunks)] = [c.sample for c in chunks]
+    return x, rows_T, sample_S, [c.req_id if c.sample else None for c in chunks]
+
+
+def chain_order(sample_S):
+    """(order i32[S], back i32[S]): the sampling sequences first (the chained steps' sequence
+    s is x's sequence order[s]); back undoes it."""
+    order = jnp.argsort(~sample_S, stable=True).astype(jnp.int32)
+    return order, jnp.argsort(order).astype(jnp.int32)
+
+
+def chained_input(x: StepInput, sample_S, order_S, step, block_size: int) -> StepInput:
+    """The input of chained step `step` (1..k-1) after the pass over x: one token per sampling
+    sequence (in `order_S`, sampling ones first: the rest are padding), at its last position
+    in x + step. A position past the block table (its draft is past every request's limit,
+    drafting.draft_limit) writes the null slot and reads as the table's last position, so no
+    kernel reads past a table. token_ids is left for the caller."""
+    s, b = x.block_tables.shape
+    live_S = jnp.arange(s) < jnp.sum(sample_S)
+    want_S = jnp.where(live_S, x.positions[x.logits_indices[order_S]] + step, 0)
+    pos_S = jnp.minimum(want_S, b * block_size - 1)
+    tables_SB = jnp.where(live_S[:, None], x.block_tables[order_S], 0)
+    block_S = tables_SB[jnp.arange(s), pos_S // block_size]
+    slots_S = jnp.where(live_S & (want_S == pos_S), block_S * block_size + pos_S % block_size, 0)
+    seq_S = jnp.where(live_S, jnp.arange(s, dtype=jnp.int32), 0)
+    return StepInput(token_ids=jnp.zeros(s, jnp.int32), positions=pos_S.astype(jnp.int32),
+                     slot_mapping=slots_S.astype(jnp.int32), token_seq_ids=seq_S,
+                     query_start_loc=jnp.concatenate([jnp.zeros(1, jnp.int32),
+                                                      jnp.cumsum(live_S, dtype=jnp.int32)]),
+                     seq_lens=jnp.where(live_S, pos_S + 1, 0).astype(jnp.int32),
+                     block_tables=tables_SB, logits_indices=seq_S, sampling=x.sampling)
+
+
+def chain_drafts(first, next_step, cache, x, sample_S, k: int, block_size: int):
+    """Drafts i32[S, k] of x's sequences (rows of non-sampling ones are garbage) and the cache.
+    first(cache) -> (cache, draft i32[S], hidden f[S, D]) at each sequence's last position
+    of x; next_step(cache, x_j, ids_S, hidden_SD) -> the same for a chained input x_j (its
+    sequence s is order[s], its token ids_S[s]). Inside jit: the k - 1 steps are one loop."""
+    cache, ids_S, h_SD = first(cache)
+    if k == 1:
+        return cache, ids_S[:, None]
+    order, back = chain_order(sample_S)
+
+    def body(j, carry):
+        cache, drafts_SK, h_SD = carry
+        x_j = chained_input(x, sample_S, order, j, block_size)
+        cache, ids_S, h_SD = next_step(cache, x_j, drafts_SK[:, j - 1], h_SD)
+        return cache, drafts_SK.at[:, j].set(ids_S), h_SD
+
+    drafts_SK = jnp.zeros((ids_S.shape[0], k), jnp.int32).at[:, 0].set(ids_S[order])
+    cache, drafts_SK, _ = jax.lax.fori_loop(1, k, body, (cache, drafts_SK, h_SD[order]))
+    return cache, drafts_SK[back]
 
 
 class AfterStepProposer:
-    """A proposer that drafts one token per request after each target step (MTP, EAGLE3):
-    subclasses set `runner` and `k` and define `_drafts_of(x, hidden, rows_T)` -> i32[S]."""
+    """A proposer that drafts k tokens per request after each target step (MTP, EAGLE3):
+    subclasses set `runner` and `k` and define `_drafts_of(x, hidden, rows_T, sample_S)` ->
+    i32[S, k]."""
 
     _drafts: dict[str, list[int]]
+
+    @property
+    def num_lookahead_tokens(self) -> int:
+        """Positions past a scheduled chunk whose blocks the chained steps write (module doc)."""
+        return self.k - 1
 
     def observe(self, out: SchedulerOutput, step, result) -> None:
         """Run over the step's valid positions; keep each sampling chunk's draft."""
@@ -60,11 +129,11 @@ class AfterStepProposer:
         built = after_step_input(self.runner, out, step, result)
         if built is None:
             return
-        x, rows_T, sampled = built
-        drafts = np.asarray(self._drafts_of(x, step.hidden, rows_T)).tolist()
+        x, rows_T, sample_S, sampled = built
+        drafts = np.asarray(self._drafts_of(x, step.hidden, rows_T, sample_S)).tolist()
         for rid, draft in zip(sampled, drafts):
             if rid is not None:
-                self._drafts[rid] = [draft]
+                self._drafts[rid] = draft
 
     def propose(self, requests, limits: list[int]) -> list[list[int]]:
         return [self._drafts.get(r.request_id, [])[:lim] for r, lim in zip(requests, limits)]

@@ -1,5 +1,6 @@
 """The MTP proposer: the target's own multi-token-prediction layer (DeepSeek V3's
-`params["mtp"]`, models/deepseek.py `mtp_forward`) proposes one draft per request.
+`params["mtp"]`, models/deepseek.py `mtp_forward`) proposes k drafts per request: the first
+MTP layer, chained k times as vLLM does (hidden_steps.chain_drafts).
 
 After each target step (the core waits for it while speculating) the MTP layer runs over
 that step's valid positions (hidden_steps.py): at position p it reads embed(token p + 1)
@@ -11,6 +12,7 @@ draft of the request's next step.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -19,11 +21,24 @@ import jax.numpy as jnp
 from jaxserve.spec_decode import hidden_steps
 
 
-def _mtp_step(params, caches, x, hidden_TD, rows_T, *, model, cfg, attention_impl):
-    """(MTP caches, the greedy draft after each sequence's last position i32[S])."""
-    caches, logits_TV, _ = model.mtp_forward(cfg, params, caches, x, hidden_TD[rows_T],
-                                             attention_impl=attention_impl)
-    return caches, jnp.argmax(logits_TV[x.logits_indices], axis=-1).astype(jnp.int32)
+def _mtp_step(params, caches, x, hidden_TD, rows_T, sample_S, *, model, cfg, attention_impl, k,
+              block_size):
+    """(MTP caches, greedy drafts i32[S, k]): the pass over x, then the same MTP layer k - 1
+    more times, each on the draft before and the layer's own output hidden state (vLLM's
+    chaining of DeepSeek's one MTP layer)."""
+    def run(caches, x, prev_hidden):
+        caches, logits, hidden = model.mtp_forward(cfg, params, caches, x, prev_hidden,
+                                                   attention_impl=attention_impl)
+        return caches, jnp.argmax(logits, axis=-1).astype(jnp.int32), hidden
+
+    def first(caches):
+        caches, ids_T, h_TD = run(caches, x, hidden_TD[rows_T])
+        return caches, ids_T[x.logits_indices], h_TD[x.logits_indices]
+
+    def chained(caches, x_j, ids_S, h_SD):
+        return run(caches, dataclasses.replace(x_j, token_ids=ids_S), h_SD)
+
+    return hidden_steps.chain_drafts(first, chained, caches, x, sample_S, k, block_size)
 
 
 class MtpProposer(hidden_steps.AfterStepProposer):
@@ -32,24 +47,25 @@ class MtpProposer(hidden_steps.AfterStepProposer):
 
         model, cfg = runner.model, runner.cfg
         layers = len(runner.params.get("mtp", ())) if isinstance(runner.params, dict) else 0
-        if not hasattr(model, "mtp_forward") or not layers:
+        if layers and not hasattr(model, "mtp_forward"):
+            raise ValueError(f"speculative_config['method'] 'mtp' is not built for {cfg.architecture} "
+                             f"yet: its MTP layers load, but jaxserve has no forward for them "
+                             f"(DeepSeek V3 / V3.2 have one)")
+        if not layers:
             raise ValueError(f"speculative_config['method'] 'mtp' needs a model with MTP layers "
                              f"(DeepSeek V3's num_nextn_predict_layers, loaded with the checkpoint); "
                              f"{cfg.architecture} here has none")
-        if spec_config.num_speculative_tokens != 1:
-            raise ValueError(f"speculative_config['num_speculative_tokens'] must be 1 with method "
-                             f"'mtp' (one MTP layer, not chained yet); got "
-                             f"{spec_config.num_speculative_tokens}")
-        self.k = 1
+        self.k = spec_config.num_speculative_tokens
         self.runner = runner
         runner.return_hidden_states()
         self.caches = allocate_caches(model.mtp_cache_specs(cfg), runner.num_blocks, 0,
                                       runner.block_size, runner.dtype)
         self._step = jax.jit(functools.partial(_mtp_step, model=model, cfg=cfg,
-                                               attention_impl=runner.attention_impl),
+                                               attention_impl=runner.attention_impl, k=self.k,
+                                               block_size=runner.block_size),
                              donate_argnums=(1,))
         self._drafts: dict[str, list[int]] = {}
 
-    def _drafts_of(self, x, hidden, rows_T):
-        self.caches, drafts = self._step(self.runner.params, self.caches, x, hidden, rows_T)
+    def _drafts_of(self, x, hidden, rows_T, sample_S):
+        self.caches, drafts = self._step(self.runner.params, self.caches, x, hidden, rows_T, sample_S)
         return drafts
