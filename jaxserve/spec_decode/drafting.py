@@ -60,6 +60,12 @@ def make_proposer(spec_config, engine_config, runner=None):
     `runner`."""
     if spec_config is None:
         return None
+    from jaxserve.kv_cache.manager import STATE
+    if runner is not None and STATE in runner.group_kinds:
+        # NOTE: a verifying step advances a linear-attention layer's recurrent state over every
+        # draft, rejected ones too, and nothing rolls it back: the output would be wrong
+        raise ValueError("speculative_config is not supported for models with recurrent state "
+                         f"(linear-attention layers: {engine_config.model.architecture}) yet")
     if spec_config.method == "eagle3":
         from jaxserve.spec_decode.eagle3 import Eagle3Proposer
         return Eagle3Proposer(spec_config, engine_config, runner)

@@ -116,3 +116,10 @@ def test_warmup_compiles_the_state_copies(tiny_checkpoint):
         llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     assert llm.get_metrics()["prefix_cache_hits_total"] > 0
     assert compiles == []
+
+
+def test_speculation_on_a_hybrid_model_is_refused(tiny_checkpoint):
+    """Rejected drafts would stay in the recurrent state (no rollback): refused, not wrong."""
+    with pytest.raises(ValueError, match="recurrent state"):
+        make_llm(tiny_checkpoint, "qwen3_next", False,
+                 speculative_config={"method": "ngram", "num_speculative_tokens": 2})
