@@ -68,9 +68,6 @@ class StepPlan:
     prompt_logprobs: bool
     draft_starts: dict[int, tuple[int, int]] = dataclasses.field(default_factory=dict)
     # seq -> (logits row of its first draft, drafts) in a verifying step (verify_rows.py)
-    constrained: list = dataclasses.field(default_factory=list)
-    # (row, request, its row of the last step's ids or None) whose grammar mask is still to
-    # fill: the runner fills them while the step's forward runs (fill_masks)
 
 
 class InputBatch:
@@ -127,12 +124,6 @@ class InputBatch:
         dropped, also when its id now names a new request)."""
         if self.requests.get(req.req_id) is req:
             req.output_token_ids.extend(tokens)
-
-    def fill_masks(self, sampling, constrained: list) -> None:
-        """AND the grammar masks of a built step's constrained rows into its sampling tensors;
-        waits for the last step's sampled ids where a matcher needs one (structured/masks.py)."""
-        structured_masks.fill_step_masks(self.grammars, sampling.allowed_mask, constrained,
-                                         self.last_sampled)
 
     # -- one step's input --------------------------------------------------------------------
     def build(self, out: SchedulerOutput, num_tokens: int, num_seqs: int) -> tuple[StepInput, StepPlan]:
@@ -218,6 +209,9 @@ class InputBatch:
         sampling = make_sampling_tensors(sampling_rows, len(logits_idx), self.vocab_size,
                                          self.max_model_len, with_extras=full,
                                          with_mask=full or bool(constrained))
+        if constrained:   # last: it may wait for the last step's tokens (structured/masks.py)
+            structured_masks.fill_step_masks(self.grammars, sampling.allowed_mask, constrained,
+                                             self.last_sampled)
         x = StepInput(token_ids=np.array(token_ids + [0] * pad, np.int32), positions=positions_T,
                       slot_mapping=slots_T.astype(np.int32), token_seq_ids=seq_T,
                       query_start_loc=qsl, seq_lens=seq_lens, block_tables=tables_SB,
@@ -228,5 +222,5 @@ class InputBatch:
                       draft_rows=spec.draft_rows if spec else None,
                       num_drafts=spec.num_drafts if spec else None)
         plan = StepPlan(out.req_ids, reqs, samples, prompt_lp, qsl, full, bool(prompt_lp),
-                        spec.starts if spec else {}, constrained)
+                        spec.starts if spec else {})
         return x, plan

@@ -59,7 +59,6 @@ class StepVariant:
     hidden: bool = False            # also return hidden states (a proposer's input): the final
                                     # ones, or those after `aux_layers`, concatenated
     aux_layers: tuple[int, ...] = ()
-    logits_only: bool = False       # stop at the logits: a masked step's forward (ModelRunner.run)
 
 
 # A bucket of one token for batch-1 decode (one user, a notebook): padded to 16 tokens it ran
@@ -91,8 +90,6 @@ def _step(params, caches, packed_W, prev_ids_M, *, model, cfg, backend: Attentio
     else:
         caches, hidden_TD, aux = model.forward(cfg, params, caches, x, kernels)
     logits_SV = model.compute_logits(cfg, params, hidden_TD[x.logits_indices])
-    if variant.logits_only:
-        return caches, logits_SV, None, None, None
     out, last_ids_S = _sample(logits_SV, x, variant, backend)
     prompt = None
     if variant.prompt_logprobs:
@@ -107,16 +104,6 @@ def _step(params, caches, packed_W, prev_ids_M, *, model, cfg, backend: Attentio
     layer_ids = sorted(set(variant.aux_layers))
     streams = [aux[layer_ids.index(i)] for i in variant.aux_layers]
     return caches, out, prompt, ids_M, jnp.concatenate(streams, -1)
-
-
-def _sample_logits(logits_SV, packed_W, *, num_ids: int, backend: AttentionBackend,
-                   variant: StepVariant, layout: packing.Layout):
-    """A masked step's second program: its sampling tensors (grammar masks filled while the
-    forward ran) and the forward's logits -> (sampler output, ids padded to num_ids)."""
-    t = packing.unpack(packed_W, layout)
-    out = sampler.sample(logits_SV, t, variant.num_top, truncate=variant.full,
-                         kernels=backend.impl != "xla")
-    return out, jnp.zeros(num_ids, jnp.int32).at[:out.token_ids.shape[0]].set(out.token_ids)
 
 
 def _sample(logits_RV, x: StepInput, variant: StepVariant, backend: AttentionBackend):
@@ -212,12 +199,6 @@ class ModelRunner:
         self._step = jax.jit(functools.partial(_step, model=model, cfg=self.cfg, backend=self.backend,
                                                fused=fused),
                              donate_argnums=(1,), static_argnames=("variant", "layout"))
-        # A masked step's sampling half (_sample_logits), compiled by (layout, variant, rows)
-        self._sample_jit = jax.jit(functools.partial(_sample_logits, backend=self.backend,
-                                                     num_ids=config.scheduler.max_num_seqs),
-                                   static_argnames=("variant", "layout"))
-        self._samplers: dict[tuple, concurrent.futures.Future] = {}
-        self._sampler_pool = concurrent.futures.ThreadPoolExecutor(1, "jaxserve-sampler-compile")
         self.return_hidden_states(False)
         self.batch = InputBatch(max_num_seqs=config.scheduler.max_num_seqs,
                                 max_blocks_per_seq=self.max_blocks_per_seq,
@@ -318,48 +299,9 @@ class ModelRunner:
                               plan.prompt_logprobs, attention, self.keep_hidden, self.aux_layers)
         return x, plan, variant
 
-    def run(self, x: StepInput, variant: StepVariant, constrained: list | None = None):
+    def run(self, x: StepInput, variant: StepVariant):
         """Dispatch one step (asynchronously); the caches are donated and replaced. Returns
-        (sampler output, prompt logprobs or None, hidden states or None), on the device.
-        `constrained`: the rows whose grammar masks are still to fill (InputBatch.build)."""
-        if constrained and not (variant.prompt_logprobs or variant.hidden):
-            return self._run_masked(x, variant, constrained), None, None
-        if constrained:       # a masked step with prompt logprobs (rare): fill, then launch
-            self.batch.fill_masks(x.sampling, constrained)
-        self.kv_cache, result, prompt, self._prev_ids, hidden = self._launch(x, variant)
-        return result, prompt, hidden
-
-    def _run_masked(self, x: StepInput, variant: StepVariant, constrained: list):
-        """A step with grammar masks, as two programs, so that the device runs the forward
-        while the host fills the masks: the forward up to the logits launches first (its
-        tokens come from the last step's output on the device, as always), then the masks
-        wait for the last step's ids and are filled (structured/masks.py), then the sampling
-        launches over the logits. (One program could start only once its masks were sent: the
-        device idled for the fill and the whole step's launch, 0.69x unconstrained on the
-        H200 at 64 requests, session 20.)"""
-        forward = StepVariant(attention=variant.attention, logits_only=True)
-        self.kv_cache, logits, _, _, _ = self._launch(dataclasses.replace(x, sampling=None), forward)
-        self.batch.fill_masks(x.sampling, constrained)
-        packed, layout = packing.pack(x.sampling)
-        exe = self._sampler(layout, StepVariant(variant.num_top, variant.full), logits.shape[0]).result()
-        result, self._prev_ids = exe(logits, jax.device_put(packed, self.input_sharding))
-        return result
-
-    def _sampler(self, layout: packing.Layout, variant: StepVariant, rows: int) -> concurrent.futures.Future:
-        """The compiled sampling half of masked steps of this layout (compiling, on a thread)."""
-        key = (layout, variant, rows)
-        if key not in self._samplers:
-            logits = jax.ShapeDtypeStruct((rows, self.cfg.vocab_size), jnp.float32,
-                                          sharding=self.input_sharding)
-            words = sum(count for _, count, _, _ in layout[1])
-            packed = jax.ShapeDtypeStruct((words,), jnp.uint32, sharding=self.input_sharding)
-            self._samplers[key] = self._sampler_pool.submit(
-                lambda: self._sample_jit.lower(logits, packed, variant=variant, layout=layout).compile())
-        return self._samplers[key]
-
-    def _launch(self, x: StepInput, variant: StepVariant):
-        """Launch the step program of (x's layout, variant): (caches, result, prompt logprobs,
-        sampled ids, hidden)."""
+        (sampler output, prompt logprobs or None, hidden states or None), on the device."""
         packed, layout = packing.pack(x)
         exe = self._executables.get((layout, variant))
         if exe is None and variant.attention.skewed:
@@ -376,7 +318,9 @@ class ModelRunner:
                 logger.warning("a warm-up compile failed; compiling again", exc_info=True)
         if exe is None:           # a shape warm-up did not cover (or warm-up was off)
             exe = self._compile(layout, variant, len(packed))
-        return exe(self.params, self.kv_cache, jax.device_put(packed, self.input_sharding), self._prev_ids)
+        self.kv_cache, result, prompt, self._prev_ids, hidden = exe(
+            self.params, self.kv_cache, jax.device_put(packed, self.input_sharding), self._prev_ids)
+        return result, prompt, hidden
 
     def _compile(self, layout: packing.Layout, variant: StepVariant, num_words: int):
         """The step program for one input layout and variant, compiled ahead of time (and
@@ -389,7 +333,7 @@ class ModelRunner:
         if out.state_loads:   # first: a step taken back after this keeps its requests' loads
             self.kv_cache = self.state_copier(self.kv_cache, out.state_loads)
         x, plan, variant = self.prepare(out)
-        result, prompt, hidden = self.run(x, variant, plan.constrained)
+        result, prompt, hidden = self.run(x, variant)
         if out.state_saves:
             self.kv_cache = self.state_copier(self.kv_cache, out.state_saves)
         self.batch.prev_rows = {rid: i for i, (rid, s) in enumerate(zip(plan.req_ids, plan.samples)) if s}
@@ -477,18 +421,16 @@ class ModelRunner:
                     lean, d, self.config.num_speculative_tokens, self._with_sampling(lean, rows, extras).sampling)
                     for extras in (False, True)))
             masked = self._masked_input(lean)
-            if masked is not None:
-                packed, layout = packing.pack(masked.sampling)
-                self._sampler(layout, StepVariant(), len(lean.logits_indices))
             for attention in self.backend.warmup_plans(t, lean.num_seqs):
                 for i, (lean_x, full_x) in enumerate(inputs):
                     for variant in self.warmup_variants:
                         variant = dataclasses.replace(variant, attention=attention)
                         packed, layout = packing.pack(full_x if variant.full else lean_x)
                         (verifying if i else jobs).append((layout, variant, len(packed)))
-                if masked is not None:   # masked steps' forward (the sampling: _sampler)
-                    packed, layout = packing.pack(dataclasses.replace(lean, sampling=None))
-                    jobs.append((layout, StepVariant(attention=attention, logits_only=True), len(packed)))
+                if masked is not None:   # steps whose only extra is a grammar's mask
+                    packed, layout = packing.pack(masked)
+                    variant = dataclasses.replace(self.warmup_variants[0], attention=attention)
+                    jobs.append((layout, variant, len(packed)))
                     masked_layouts.add(layout)
 
         # Verifying programs (speculative decoding) and masked ones (structured output) compile

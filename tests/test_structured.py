@@ -222,21 +222,6 @@ def test_constrained_and_plain_requests_share_a_batch_and_free_their_matchers(ll
     assert not ended & set(llm.engine.runner.batch.requests)
 
 
-def test_a_masked_step_launches_its_forward_before_filling_the_masks(llm, monkeypatch):
-    """The device runs a masked step's forward while the host fills its masks: the forward
-    (a program that stops at the logits) launches first, the sampling over its logits after."""
-    runner, events = llm.engine.runner, []
-    launch, fill = runner._launch, runner.batch.fill_masks
-    monkeypatch.setattr(runner, "_launch", lambda x, v: events.append(
-        "forward" if v.logits_only else "step") or launch(x, v))
-    monkeypatch.setattr(runner.batch, "fill_masks", lambda *a: events.append("masks") or fill(*a))
-    out = llm.generate(["q"], SamplingParams(temperature=0, max_tokens=8, structured_outputs=CASES[1]),
-                       use_tqdm=False)[0].outputs[0]
-    assert out.text in CASES[1].choice
-    masked = [i for i, e in enumerate(events) if e == "masks"]
-    assert masked and all(events[i - 1] == "forward" for i in masked)
-
-
 def test_a_resumed_request_replays_its_tokens_into_a_new_matcher():
     from jaxserve.step_messages import NewRequestData
 

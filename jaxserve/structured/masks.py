@@ -2,11 +2,10 @@
 ANDed into the sampling tensors' packed allowed-token mask (applied on the device).
 
 Pipelining: the engine dispatches step N+1 before it has read step N's tokens, and a
-matcher must consume N's token before it can give N+1's mask. So the runner launches N+1's
-forward first (a program that stops at the logits; its tokens come from N's output on the
-device), and only then `fill_step_masks` waits for N's sampled ids (that small array alone),
-feeds each matcher its token and fills the masks while the forward runs; a second, small
-program samples from the logits with the masks (runner.ModelRunner._run_masked).
+matcher must consume N's token before it can give N+1's mask. So the runner builds all of
+N+1 first (while the device still runs N), and only then `fill_step_masks` waits for N's
+sampled ids (that small array alone), feeds each matcher its token and fills the masks: the
+device idles for the fill and the launch, not for the host's whole step.
 
 Layout: llguidance writes int32 words, token t at bit t % 32 of word t // 32; read as bytes
 on a little-endian host that is bit t % 8 of byte t // 8, the layout of `allowed_mask`
