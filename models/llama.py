@@ -32,6 +32,7 @@ from jaxserve.config import ModelConfig
 from jaxserve.kv_cache.specs import PagedSpec
 from jaxserve.models import layers
 from jaxserve.models.attention import AttentionBackend, AttentionPlan
+from jaxserve.pallas_kernels.grouped_matmul import MAX_WEIGHT_ELEMENTS
 from jaxserve.step_input import StepInput
 
 Caches = list[dict[str, jax.Array]]   # one {"k", "v"} per layer, each f[num_blocks, P, K, E]
@@ -89,8 +90,10 @@ def fuse_projections(cfg: ModelConfig, params: dict) -> dict:
             lp["wqkv"] = jnp.concatenate([lp.pop("wq"), lp.pop("wk"), lp.pop("wv")], axis=-1)
             if "bq" in lp:
                 lp["bqkv"] = jnp.concatenate([lp.pop("bq"), lp.pop("bk"), lp.pop("bv")], axis=-1)
-        if "w_gate" in lp:
+        if "w_gate" in lp and (lp["w_gate"].ndim < 3 or 2 * lp["w_gate"].size <= MAX_WEIGHT_ELEMENTS):
             lp["w_gate_up"] = jnp.concatenate([lp.pop("w_gate"), lp.pop("w_up")], axis=-1)
+        # (experts whose fused gate|up would be over the grouped-matmul kernel's reach stay two
+        # arrays: fused, each decode step would read every expert through lax.ragged_dot)
         params["layers"][i] = lp
     return params
 

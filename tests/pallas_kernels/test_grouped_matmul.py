@@ -117,3 +117,26 @@ def test_pallas_lowers_for_cuda(k, n):
         lambda x, w, s: gm.grouped_matmul(x, w, s, impl="pallas", interpret=False),
         sds((8, k), jnp.bfloat16), sds((128, k, n), jnp.bfloat16), sds((128,), jnp.int32))
     assert triton_kernel_names(exported) == ["grouped_matmul_sparse_bk128_bn128"]
+
+
+def test_pallas_takes_weights_up_to_its_int32_reach(monkeypatch):
+    """The kernel's last weight offset is G*K*N - 1: a weight of exactly the limit is taken,
+    one element a row more is refused (then "auto" falls back to lax.ragged_dot)."""
+    monkeypatch.setattr(gm, "MAX_WEIGHT_ELEMENTS", 4 * 16 * 32)
+    x = jnp.ones((8, 16), jnp.float32)
+    assert gm._sparse_problem(x, jnp.ones((4, 16, 32), jnp.float32)) is None
+    assert "int32 offsets" in gm._sparse_problem(x, jnp.ones((4, 16, 48), jnp.float32))
+
+
+def test_fuse_projections_keeps_experts_past_the_kernels_reach_apart(monkeypatch):
+    """Fused gate|up experts over the kernel's reach would send every decode step through
+    lax.ragged_dot, reading all experts: those stay two arrays; dense MLPs still fuse."""
+    from jaxserve.models import llama
+
+    monkeypatch.setattr(llama, "MAX_WEIGHT_ELEMENTS", 2 * 4 * 8 * 16 - 1)
+    experts = {"w_gate": jnp.ones((4, 8, 16)), "w_up": jnp.ones((4, 8, 16))}
+    small = {"w_gate": jnp.ones((2, 8, 16)), "w_up": jnp.ones((2, 8, 16))}
+    dense = {"w_gate": jnp.ones((8, 16)), "w_up": jnp.ones((8, 16))}
+    fused = llama.fuse_projections(None, {"layers": [experts, small, dense]})["layers"]
+    assert set(fused[0]) == {"w_gate", "w_up"}
+    assert fused[1]["w_gate_up"].shape == (2, 8, 32) and fused[2]["w_gate_up"].shape == (8, 32)
