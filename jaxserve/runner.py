@@ -32,6 +32,7 @@ from jaxserve.input_batch import InputBatch, StepPlan
 from jaxserve.kv_cache import manager as cache_manager
 from jaxserve.kv_cache.specs import PagedSpec
 from jaxserve.models.attention import AttentionBackend, AttentionPlan
+from jaxserve.models.moe import split_expert_weights
 from jaxserve.sampling_tensors import make_sampling_tensors
 from jaxserve.spec_decode import drafting, rejection_sampler, verify_rows
 from jaxserve.state_copies import StateCopier
@@ -160,6 +161,8 @@ class ModelRunner:
         # models/llama.py fuse_projections). In place, so no second copy of the weights.
         if mesh is None and hasattr(model, "fuse_projections"):
             params = model.fuse_projections(config.model, params)
+        if mesh is None:     # expert arrays past the grouped-matmul kernel's reach, as chunks
+            params = split_expert_weights(params)
         self.params = params
         self.model = model
         self.block_size = config.cache.block_size

@@ -74,6 +74,43 @@ def _validate(x_MK, w_GKN, group_sizes_G):
                          f"{group_sizes_G.shape}")
 
 
+def split_experts(w_GKN, limit: int | None = None) -> jax.Array | tuple[jax.Array, ...]:
+    """w_GKN as the fewest equal chunks of experts within the kernel's reach (itself if it
+    fits): separate arrays, so that each chunk's offsets start from its own base."""
+    limit = MAX_WEIGHT_ELEMENTS if limit is None else limit
+    g = w_GKN.shape[0]
+    if w_GKN.size <= limit:
+        return w_GKN
+    parts = next((c for c in range(2, g + 1) if g % c == 0 and w_GKN.size // c <= limit), None)
+    if parts is None:
+        raise ValueError(f"one expert of shape {w_GKN.shape[1:]} is past the kernel's reach "
+                         f"({limit} elements)")
+    return tuple(jnp.split(w_GKN, parts))
+
+
+def _over_chunks(x_MK, chunks, group_sizes_G, tuning):
+    """grouped_matmul over expert chunks: each chunk's rows (consecutive: rows are sorted by
+    expert) are rotated to the front for its call, whose other rows come out as 0, and rotated
+    back; the chunks' results add up. The rotations move M rows, not weights."""
+    m = x_MK.shape[0]
+    rows_M = jnp.arange(m, dtype=jnp.int32)
+    ends_G = jnp.cumsum(group_sizes_G.astype(jnp.int32))
+    out, g0 = None, 0
+    for w in chunks:
+        g1 = g0 + w.shape[0]
+        first = ends_G[g0 - 1] if g0 else jnp.int32(0)
+        y = grouped_matmul(x_MK[(rows_M + first) % m], w, group_sizes_G[g0:g1], **tuning)
+        own_M = (rows_M - first) % m                   # each row's place in the rotated call
+        # (rows past a call's groups are 0 from "pallas" and "xla"; masked for any kernel)
+        y = jnp.where((own_M < ends_G[g1 - 1] - first)[:, None], y[own_M], 0)
+        out = y if out is None else out + y
+        g0 = g1
+    if g0 != group_sizes_G.shape[0]:
+        raise ValueError(f"group_sizes_G must be i32[G = {g0}] (the chunks' experts); got "
+                         f"{group_sizes_G.shape}")
+    return out
+
+
 def _mosaic_fits(x_MK, w_GKN) -> bool:
     m, k = x_MK.shape
     n = w_GKN.shape[2]
@@ -226,10 +263,16 @@ def grouped_matmul(x_MK, w_GKN, group_sizes_G, *, impl: str = "auto", block_k: i
                    interpret: bool | None = None):
     """x_MK @ w_GKN[group of each row] -> f[M, N]; impl "auto" | "pallas" | "mosaic" | "xla".
 
+    w_GKN may also be a tuple of consecutive expert chunks (split_experts: arrays past the
+    "pallas" kernel's int32 reach, each chunk within it).
     Tuning options of the "pallas" kernel: block_k / block_n (powers of two >= 16 dividing K /
     N; default the largest dividing one up to 128), num_warps, num_stages, interpret
     (default: on CPU only).
     """
+    tuning = dict(impl=impl, block_k=block_k, block_n=block_n, num_warps=num_warps,
+                  num_stages=num_stages, interpret=interpret)
+    if isinstance(w_GKN, (tuple, list)):
+        return _over_chunks(x_MK, tuple(w_GKN), group_sizes_G, tuning)
     _validate(x_MK, w_GKN, group_sizes_G)
     auto = impl == "auto"
     impl, on_gpu = resolve_impl(impl, ("pallas", "mosaic", "xla"))

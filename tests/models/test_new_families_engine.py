@@ -64,3 +64,27 @@ def test_engine_matches_transformers_under_preemption(name, tiny_checkpoint):
     assert run(llm, prompts) == [w[:STEPS] for w in want]
     assert llm.engine.scheduler.num_preemptions > 0
     assert_all_free(llm)
+
+
+@pytest.mark.parametrize("name", ["deepseek_v3", "qwen3_5_moe"])
+def test_expert_weights_past_the_kernels_reach_run_as_chunks(name, tiny_checkpoint, monkeypatch):
+    """With the grouped-matmul kernel's reach shrunk below one MoE layer's experts, the engine
+    keeps them as expert chunks (models/moe.py split_expert_weights) and its greedy tokens are
+    still transformers'."""
+    from jaxserve.models import llama
+    from jaxserve.pallas_kernels import grouped_matmul as gm
+
+    prompts, want = golden(name)
+    llm = LLM(tiny_checkpoint(name), dtype="float32", max_num_seqs=4, max_num_batched_tokens=8,
+              max_model_len=128, block_size=4, num_kv_blocks=64, warmup=False)
+    layer = next(lp for lp in llm.engine.runner.params["layers"] if "w_down" in lp and lp["w_down"].ndim == 3)
+    limit = layer["w_down"].size // 2
+    monkeypatch.setattr(gm, "MAX_WEIGHT_ELEMENTS", limit)
+    monkeypatch.setattr(llama, "MAX_WEIGHT_ELEMENTS", limit)
+    llm = LLM(tiny_checkpoint(name), dtype="float32", max_num_seqs=4, max_num_batched_tokens=8,
+              max_model_len=128, block_size=4, num_kv_blocks=64, warmup=False, attention_impl="pallas")
+    split = [lp for lp in llm.engine.runner.params["layers"] if isinstance(lp.get("w_down"), tuple)]
+    # (gate|up stay apart, or come split too where the checkpoint has them fused)
+    assert split and all(len(lp["w_down"]) == 2 and isinstance(lp.get("w_gate_up", ()), tuple)
+                         for lp in split)
+    assert run(llm, prompts) == [w[:STEPS] for w in want]

@@ -140,3 +140,21 @@ def test_fuse_projections_keeps_experts_past_the_kernels_reach_apart(monkeypatch
     fused = llama.fuse_projections(None, {"layers": [experts, small, dense]})["layers"]
     assert set(fused[0]) == {"w_gate", "w_up"}
     assert fused[1]["w_gate_up"].shape == (2, 8, 32) and fused[2]["w_gate_up"].shape == (8, 32)
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_expert_chunks_give_the_whole_weights_result(impl):
+    """Weights past the kernel's reach run as chunks of experts (split_experts): the same
+    result as the whole array, empty groups, rows past the groups and one-chunk rows too."""
+    x, w, sizes = operands([3, 0, 5, 1, 0, 0, 7, 2], m=20, k=32, n=48)
+    chunks = gm.split_experts(w, limit=w.size // 4)
+    assert len(chunks) == 4 and all(c.shape == (2, 32, 48) for c in chunks)
+    want = gm.ref_grouped_matmul(x, w, sizes)
+    got = gm.grouped_matmul(x, chunks, sizes, impl=impl)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+    one = jnp.asarray([0, 0, 0, 0, 0, 0, 9, 2], jnp.int32)      # every row in the last chunk
+    np.testing.assert_allclose(np.asarray(gm.grouped_matmul(x, chunks, one, impl=impl)),
+                               np.asarray(gm.ref_grouped_matmul(x, w, one)), rtol=1e-5, atol=1e-5)
+    assert gm.split_experts(w, limit=w.size) is w
+    with pytest.raises(ValueError, match="one expert"):
+        gm.split_experts(w, limit=w.size // 16)
