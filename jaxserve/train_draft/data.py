@@ -73,6 +73,9 @@ def tokenize_record(record: dict, tokenizer, max_len: int) -> Example | None:
         ids = [int(t) for t in record["input_ids"]]
         prompt_len = len(ids) // 2
     else:
+        if not any(k in record for k in ("conversations", "messages", "text")):
+            raise ValueError(f"each dataset record needs 'conversations', 'messages', 'text' or "
+                             f"'input_ids'; got keys {sorted(record)}")
         if tokenizer is None:
             raise ValueError("this dataset holds text, but the model has no tokenizer: give "
                              "records of 'input_ids' (token ids) instead")
@@ -88,8 +91,7 @@ def tokenize_record(record: dict, tokenizer, max_len: int) -> Example | None:
             ids = tokenizer.encode(record["text"])
             prompt_len = len(ids) // 2
         else:
-            raise ValueError(f"each dataset record needs 'conversations', 'messages', 'text' or "
-                             f"'input_ids'; got keys {sorted(record)}")
+            return None
     ids = ids[:max_len]
     if len(ids) < MIN_TOKENS:
         return None
