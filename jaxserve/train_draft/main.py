@@ -43,6 +43,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--load-format", default="auto", choices=["auto", "gguf", "safetensors", "dummy"])
     p.add_argument("--attention-impl", default="xla", choices=["xla", "pallas", "auto"],
                    help="the target's attention while collecting its hidden states")
+    p.add_argument("--max-train-minutes", type=float, default=None,
+                   help="stop training after this long (then checkpoint, write the head and report)")
     p.add_argument("--save-every", type=positive_int, default=200, help="checkpoint every N steps")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --output")
     p.add_argument("--log-every", type=positive_int, default=10)
@@ -120,7 +122,7 @@ def run(args) -> dict:
 
     os.makedirs(args.output, exist_ok=True)
     log_path = os.path.join(args.output, "train_log.jsonl")
-    t0 = time.perf_counter()
+    t0, done = time.perf_counter(), start
     with open(log_path, "a") as log, tqdm(total=args.num_steps, initial=start, desc="train-draft",
                                           unit="step", disable=None) as bar:
         for step in range(start, args.num_steps):
@@ -128,19 +130,23 @@ def run(args) -> dict:
             hp, opt_state, loss, per_step, acc = train_step(hp, opt_state, embed, device_batch(b), draft_dev)
             bar.update(1)
             done = step + 1
-            if done % args.log_every == 0 or done == args.num_steps:
+            out_of_time = args.max_train_minutes is not None and \
+                time.perf_counter() - t0 > 60 * args.max_train_minutes
+            if done % args.log_every == 0 or done == args.num_steps or out_of_time:
                 rec = {"step": done, "loss": float(loss), "loss_per_position": np.asarray(per_step).tolist(),
                        "acceptance_per_position": np.asarray(acc).tolist(),
                        "seconds": round(time.perf_counter() - t0, 2)}
                 log.write(json.dumps(rec) + "\n")
                 log.flush()
                 bar.set_postfix(loss=f"{rec['loss']:.3f}", acc0=f"{rec['acceptance_per_position'][0]:.2f}")
-            if done % args.save_every == 0 or done == args.num_steps:
+            if done % args.save_every == 0 or done == args.num_steps or out_of_time:
                 checkpoint.save(mgr, done, {"head": hp, "opt_state": opt_state, "draft_ids": draft_dev},
                                 settings)
+            if out_of_time:
+                break
     head.export_head(args.output, hp, cfg, draft_ids, aux_layers)
 
-    report = {"steps": args.num_steps, "train_examples": len(train_ex), "held_out_examples": len(held_out),
+    report = {"steps": done, "train_examples": len(train_ex), "held_out_examples": len(held_out),
               "draft_vocab_size": vocab, "aux_layers": list(aux_layers), "ttt_steps": args.ttt_steps,
               "train_seconds": round(time.perf_counter() - t0, 1)}
     if held_out:
