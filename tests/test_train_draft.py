@@ -169,6 +169,9 @@ def test_bad_input_is_refused(target, tmp_path, capsys):
     assert cli.main(["train-draft", target, "--dataset", str(ids), "--output", str(tmp_path / "o"),
                      "--aux-layers", "0,1,2"]) == 1
     assert "--aux-layers must be three layers of the target (0 to 1)" in capsys.readouterr().err
+    assert cli.main(["train-draft", target, "--dataset", str(ids), "--output", str(tmp_path / "o"),
+                     *aux, "--max-len", "40"]) == 1
+    assert "--max-len must be a multiple of 16; got 40" in capsys.readouterr().err
 
 
 def test_sharegpt_records_render_with_the_chat_template():
@@ -184,3 +187,22 @@ def test_sharegpt_records_render_with_the_chat_template():
     assert "".join(map(chr, ex.token_ids)) == "<user>hi<assistant>hello"
     assert ex.prompt_len == len("<user>hi<assistant>")
     assert data.tokenize_record({"conversations": [{"from": "gpt", "value": "x" * 9}]}, Tok(), 64) is None
+
+
+def test_regenerate_replaces_replies_by_the_targets_greedy_ones(target):
+    from jaxserve.models import llama
+    from jaxserve.train_draft.evaluate import make_llm
+    from jaxserve.train_draft.regenerate import regenerate
+
+    cfg, params, _ = loader.load_model(target, dtype="float32")
+    llm = make_llm(cfg, params, None, llama, "float32", None, 32, 4)
+    ex = [data.Example(np.arange(10, 30, dtype=np.int32), 6), data.Example(np.arange(40, 52, dtype=np.int32), 11)]
+    new = regenerate(llm, ex, 32, use_tqdm=False)
+    from jaxserve import SamplingParams
+
+    for e, n in zip(ex, new):
+        want = llm.generate({"prompt_token_ids": e.token_ids[:e.prompt_len].tolist()},
+                            SamplingParams(temperature=0, max_tokens=32 - e.prompt_len), use_tqdm=False)
+        assert n.prompt_len == e.prompt_len and len(n.token_ids) <= 32
+        assert n.token_ids[:e.prompt_len].tolist() == e.token_ids[:e.prompt_len].tolist()
+        assert n.token_ids[e.prompt_len:].tolist() == list(want[0].outputs[0].token_ids)

@@ -14,7 +14,7 @@ import jax
 import orbax.checkpoint as ocp
 
 # Settings a resumed run must share with the saved one.
-MUST_MATCH = ("draft_vocab_size", "aux_layers", "ttt_steps", "model")
+MUST_MATCH = ("draft_vocab_size", "aux_layers", "ttt_steps", "model", "regenerate")
 
 
 def manager(output_dir: str, keep: int = 2) -> ocp.CheckpointManager:

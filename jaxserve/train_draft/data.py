@@ -7,7 +7,7 @@ one of:
     {"conversations": [{"from": "human" | "gpt" | "system", "value": ...}, ...]}  (ShareGPT)
     {"messages": [{"role": ..., "content": ...}, ...]}                           (chat)
     {"text": "..."}                                                              (plain text)
-    {"input_ids": [int, ...]}                                                    (tokenized)
+    {"input_ids": [int, ...], "prompt_len": int (optional)}                      (tokenized)
 Conversations are rendered with the target's chat template. Every position is trained on
 (the prompt's as well as the replies'): the head learns the target's next-token
 distribution wherever the target has one.
@@ -71,7 +71,7 @@ def tokenize_record(record: dict, tokenizer, max_len: int) -> Example | None:
         return None
     if "input_ids" in record:
         ids = [int(t) for t in record["input_ids"]]
-        prompt_len = len(ids) // 2
+        prompt_len = int(record.get("prompt_len", len(ids) // 2))
     else:
         if not any(k in record for k in ("conversations", "messages", "text")):
             raise ValueError(f"each dataset record needs 'conversations', 'messages', 'text' or "

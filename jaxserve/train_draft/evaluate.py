@@ -14,9 +14,13 @@ from jaxserve.spec_decode.config import SpeculativeConfig
 from jaxserve.spec_decode.metrics import mean_acceptance_length
 
 
-def _engine(cfg, params, tokenizer, module, dtype, spec, max_len, max_num_seqs):
+def make_llm(cfg, params, tokenizer, module, dtype, spec, max_len, max_num_seqs) -> LLM:
+    """An offline engine on the already loaded target (no warm-up: it compiles on first use),
+    its cache just big enough for max_num_seqs sequences of max_len (not most of the GPU's
+    memory: the training runs beside it)."""
+    blocks = max_num_seqs * -(-max_len // 16) + 2
     config = EngineConfig(
-        model=cfg, cache=CacheConfig(block_size=16),
+        model=cfg, cache=CacheConfig(block_size=16, num_kv_blocks=blocks),
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max(256, max_num_seqs),
                                   max_model_len=max_len),
         dtype=dtype, warmup=False, speculative=SpeculativeConfig.from_dict(spec))
@@ -32,11 +36,11 @@ def engine_acceptance(cfg, params, tokenizer, module, dtype: str, head_dir: str,
     greedy = SamplingParams(temperature=0, max_tokens=max_tokens)
     inputs = [{"prompt_token_ids": p} for p in prompts]
     run = lambda llm: [list(o.outputs[0].token_ids) for o in llm.generate(inputs, greedy, use_tqdm=False)]
-    plain = run(_engine(cfg, params, tokenizer, module, dtype, None, max_len, max_num_seqs))
+    plain = run(make_llm(cfg, params, tokenizer, module, dtype, None, max_len, max_num_seqs))
     report = {"num_prompts": len(prompts), "max_tokens": max_tokens}
     for k in dict.fromkeys((num_spec, 1)):       # the asked k, else the most the head takes
         try:
-            eagle = _engine(cfg, params, tokenizer, module, dtype,
+            eagle = make_llm(cfg, params, tokenizer, module, dtype,
                             {"method": "eagle3", "model": head_dir, "num_speculative_tokens": k},
                             max_len, max_num_seqs)
         except ValueError as e:
@@ -48,7 +52,7 @@ def engine_acceptance(cfg, params, tokenizer, module, dtype: str, head_dir: str,
         out = run(eagle)
         report.update(num_speculative_tokens=k, greedy_equal=out == plain,
                       eagle3=mean_acceptance_length(before, eagle.get_metrics()))
-        ngram = _engine(cfg, params, tokenizer, module, dtype,
+        ngram = make_llm(cfg, params, tokenizer, module, dtype,
                         {"method": "ngram", "num_speculative_tokens": k}, max_len, max_num_seqs)
         before = ngram.get_metrics()
         run(ngram)

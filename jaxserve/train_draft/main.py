@@ -36,6 +36,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="unrolled steps of the training-time test (drafts chained per position)")
     p.add_argument("--max-len", type=positive_int, default=512, help="tokens per sequence (longer ones are cut)")
     p.add_argument("--max-examples", type=positive_int, default=100_000, help="records read from the dataset")
+    p.add_argument("--regenerate", action="store_true",
+                   help="train on the target's own greedy replies to the prompts (generated first, by the engine)")
+    p.add_argument("--regenerate-seqs", type=positive_int, default=32,
+                   help="sequences the engine decodes together while regenerating (256 suits a GPU)")
     p.add_argument("--num-eval", type=non_negative_int, default=32, help="records held out for the report (the last ones)")
     p.add_argument("--aux-layers", default=None,
                    help="three target layers, e.g. 2,15,27 (default: 2, L/2, L-3, as spec_decode/eagle3.py)")
@@ -82,16 +86,22 @@ def run(args) -> dict:
                                                seed=args.seed)
     module = registry.get_model_module(cfg.architecture)
     aux_layers = _aux_layers(args.aux_layers, cfg.num_layers)
-    max_len = data.bucket_len(args.max_len, args.max_len)
-    if max_len % target.BLOCK_SIZE:
-        raise ValueError(f"--max-len must be a multiple of {target.BLOCK_SIZE} or a power of two; "
-                         f"got {args.max_len}")
+    max_len = args.max_len
+    if max_len % target.BLOCK_SIZE:       # every padded length is then one too (data.bucket_len)
+        raise ValueError(f"--max-len must be a multiple of {target.BLOCK_SIZE}; got {max_len}")
     examples = data.load_examples(args.dataset, tokenizer, max_len, args.max_examples, cfg.vocab_size)
     train_ex, held_out = data.split_held_out(examples, args.num_eval)
+    if args.regenerate:
+        from jaxserve.train_draft.evaluate import make_llm
+        from jaxserve.train_draft.regenerate import regenerate
+
+        llm = make_llm(cfg, params, tokenizer, module, dtype, None, max_len, args.regenerate_seqs)
+        train_ex, held_out = regenerate(llm, train_ex, max_len), regenerate(llm, held_out, max_len)
+        del llm
     vocab = args.draft_vocab_size or min(32000, cfg.vocab_size)
     draft_ids = data.draft_vocab(train_ex, cfg.vocab_size, vocab)
-    settings = {"model": args.model, "draft_vocab_size": vocab, "aux_layers": list(aux_layers),
-                "ttt_steps": args.ttt_steps, "num_steps": args.num_steps, "lr": args.lr,
+    settings = {"model": args.model, "regenerate": args.regenerate, "draft_vocab_size": vocab,
+                "aux_layers": list(aux_layers), "ttt_steps": args.ttt_steps, "num_steps": args.num_steps, "lr": args.lr,
                 "batch_size": args.batch_size, "max_len": max_len, "dataset": args.dataset}
 
     hp = head.init_head(cfg, params, module, draft_ids, args.seed)
