@@ -8,5 +8,6 @@
     train.py       the loss, the optax optimizer, the jitted step, held-out metrics
     checkpoint.py  orbax checkpoints (resume)
     evaluate.py    acceptance measured by the engine's own spec-decode metrics
+    regenerate.py  --regenerate: the target's own greedy replies as the training text
     main.py        the command: argument parsing and the training loop
 """
