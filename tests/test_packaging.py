@@ -18,14 +18,14 @@ def test_wheel_holds_only_jaxserve(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     top = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
     assert top == {"jaxserve"}
-    for sub in ("models", "pallas_kernels", "sharding", "server", "kv_cache", "bench", "structured"):
+    for sub in ("models", "pallas_kernels", "sharding", "server", "kv_cache", "bench", "structured", "spec_decode", "train_draft"):
         assert f"jaxserve/{sub}/__init__.py" in names
     assert "jaxserve/models/configs/Llama-3.1-8B.json" in names
 
 
 def test_cli_help_for_every_command():
     for cmd in ([], ["serve"], ["generate"], ["run-batch"], ["chat"], ["download"], ["bench"],
-                ["bench", "serve"], ["bench", "latency"], ["bench", "throughput"]):
+                ["bench", "serve"], ["bench", "latency"], ["bench", "throughput"], ["train-draft"]):
         res = subprocess.run([sys.executable, "-m", "jaxserve.cli", *cmd, "--help"],
                              capture_output=True, text=True, timeout=120)
         assert res.returncode == 0 and "usage: jaxserve" in res.stdout, (cmd, res.stderr[-2000:])

@@ -1,0 +1,103 @@
+"""The loss, the optimizer and the jitted training step, and the held-out metrics.
+
+Loss of TTT step i at position t (valid while token t + 1 + i, its input, exists): the
+forward KL from the target's distribution at position t + 1 + i, restricted to the draft
+vocabulary and renormalised, to the head's (the cross-entropy less the target's entropy:
+the same gradient, and 0 when the head matches). Positions whose target top-1 lies outside
+the draft vocabulary are left out of the loss (no draft there can be accepted) but count as
+misses in the acceptance figures.
+Steps are weighted 0.8^i (EAGLE3's weights: later steps matter less, they are reached less).
+
+Acceptance estimate of step i: the share of positions where the head's top-1 (as a target
+id) equals the target's top-1 at steps 0..i all together: a greedy chain of i + 1 drafts
+from that position would keep them all (with the dataset's tokens standing in for the
+target's along the chain).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from jaxserve.train_draft.head import shift_left, ttt_forward
+
+STEP_WEIGHT = 0.8
+CLIP_NORM = 0.5
+
+
+def make_optimizer(lr: float, num_steps: int, warmup_steps: int, weight_decay: float):
+    """AdamW on a warmup-then-cosine schedule (to 10 % of lr), gradients clipped."""
+    schedule = optax.warmup_cosine_decay_schedule(
+        0.0, lr, max(1, min(warmup_steps, num_steps - 1)), max(2, num_steps), lr * 0.1)
+    return optax.chain(optax.clip_by_global_norm(CLIP_NORM),
+                       optax.adamw(schedule, weight_decay=weight_decay))
+
+
+def _step_terms(cfg, hp, embed, aux, token_ids, lengths, tgt_logits, tgt_top1, in_draft, draft_ids,
+                num_steps):
+    """Per TTT step: (loss sum, loss positions, agreements chained, valid positions)."""
+    logits = ttt_forward(cfg, hp, embed, aux, token_ids, num_steps)
+    t = token_ids.shape[1]
+    chained = jnp.ones(token_ids.shape, bool)
+    out = []
+    for i, lg in enumerate(logits):
+        # step i at t predicts the token after t + 1 + i: the target's logits at t + 1 + i
+        valid = jnp.arange(t)[None, :] + 1 + i < lengths[:, None]
+        log_p = jax.nn.log_softmax(shift_left(tgt_logits, 1 + i).astype(jnp.float32), -1)
+        p = jnp.exp(log_p)
+        kl = jnp.sum(p * (log_p - jax.nn.log_softmax(lg, -1)), -1)
+        mask = valid & shift_left(in_draft, 1 + i)
+        chained &= draft_ids[jnp.argmax(lg, -1)] == shift_left(tgt_top1, 1 + i)
+        out.append((jnp.sum(jnp.where(mask, kl, 0.0)), jnp.sum(mask),
+                    jnp.sum(chained & valid), jnp.sum(valid)))
+    return out
+
+
+def loss_fn(hp, cfg, embed, batch, draft_ids, num_steps):
+    terms = _step_terms(cfg, hp, embed, *batch, draft_ids, num_steps)
+    losses = [s / jnp.maximum(n, 1) for s, n, _, _ in terms]
+    total = sum(STEP_WEIGHT ** i * l for i, l in enumerate(losses))
+    return total, (jnp.stack(losses), jnp.stack([a / jnp.maximum(v, 1) for _, _, a, v in terms]))
+
+
+def make_train_step(cfg, optimizer, num_steps: int):
+    """jit(hp, opt_state, embed, batch, draft_ids) -> (hp, opt_state, loss, per-step losses,
+    per-step chained agreement); batch = (aux, token_ids, lengths, target logits, target top-1, its
+    being in the draft vocabulary): target.make_target_fn's outputs and the data's."""
+
+    @functools.partial(jax.jit, donate_argnums=(0, 1))
+    def step(hp, opt_state, embed, batch, draft_ids):
+        (loss, (per_step, acc)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+            hp, cfg, embed, batch, draft_ids, num_steps)
+        updates, opt_state = optimizer.update(grads, opt_state, hp)
+        return optax.apply_updates(hp, updates), opt_state, loss, per_step, acc
+
+    return step
+
+
+def make_eval_step(cfg, num_steps: int):
+    """jit(hp, embed, batch, draft_ids) -> f32[num_steps, 4]: per step the loss sum, loss
+    positions, chained agreements and valid positions (summed over batches by the caller)."""
+
+    @jax.jit
+    def evaluate(hp, embed, batch, draft_ids):
+        terms = _step_terms(cfg, hp, embed, *batch, draft_ids, num_steps)
+        return jnp.stack([jnp.stack([jnp.asarray(x, jnp.float32) for x in term]) for term in terms])
+
+    return evaluate
+
+
+def summarize(sums) -> dict:
+    """Held-out figures from summed eval_step outputs: loss and acceptance per position, and
+    the mean acceptance length a greedy chain of that many drafts would give."""
+    import numpy as np
+
+    sums = np.asarray(sums, np.float64)
+    loss = (sums[:, 0] / np.maximum(sums[:, 1], 1)).tolist()
+    accept = (sums[:, 2] / np.maximum(sums[:, 3], 1)).tolist()
+    return {"loss_per_position": loss, "acceptance_per_position": accept,
+            "mean_acceptance_length_estimate": 1.0 + float(sum(accept)),
+            "positions": int(sums[0, 3])}

@@ -1,0 +1,208 @@
+"""`jaxserve train-draft` on the tiny Llama (its lm_head scaled up so that its next-token
+distributions have a clear top-1): the loss goes down on a repetitive dataset, a
+resumed run ends where an uninterrupted one does, the written head loads with
+eagle3.load_head and keeps the engine's greedy output; the TTT attention matches a
+per-position reference; the draft vocabulary and bad input."""
+
+import json
+import os
+import random
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxserve import cli
+from jaxserve.models import loader
+from jaxserve.spec_decode import eagle3
+from jaxserve.train_draft import data, head
+from tests.conftest import GOLDEN_DIR
+
+TINY = os.path.join(GOLDEN_DIR, "ckpt", "llama")
+COMMON = ["--aux-layers", "0,1,1", "--max-len", "64", "--batch-size", "4", "--draft-vocab-size", "96",
+          "--lr", "3e-3", "--warmup-steps", "2"]
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    """The tiny Llama with lm_head x 10: peaked distributions, a clear top-1."""
+    from safetensors.numpy import load_file, save_file
+
+    path = tmp_path_factory.mktemp("target")
+    shutil.copy(os.path.join(TINY, "config.json"), path / "config.json")
+    tensors = load_file(os.path.join(TINY, "model.safetensors"))
+    tensors["lm_head.weight"] = tensors["lm_head.weight"] * 10
+    save_file(tensors, str(path / "model.safetensors"))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    """Token-id records, each one of three 5-token patterns (from a random place in it)
+    repeated: the held-out records' contexts are ones training saw, so what the head
+    learned shows there too. (A random target's top-1 depends on its whole context: records
+    of patterns it never saw would need far more data than a test can take.)"""
+    rng = random.Random(0)
+    patterns = [[rng.randrange(3, 256) for _ in range(5)] for _ in range(3)]
+    path = tmp_path_factory.mktemp("data") / "rep.jsonl"
+    with open(path, "w") as f:
+        for i in range(40):
+            p, o = patterns[i % 3], rng.randrange(5)
+            f.write(json.dumps({"input_ids": ((p[o:] + p[:o]) * 16)[:rng.randrange(32, 64)]}) + "\n")
+    return str(path)
+
+
+def train_draft(target, dataset, out, *extra) -> int:
+    return cli.main(["train-draft", target, "--dataset", dataset, "--output", str(out), *COMMON, *extra])
+
+
+def log_of(out) -> list[dict]:
+    with open(os.path.join(out, "train_log.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def test_loss_goes_down_and_the_head_runs_in_the_engine(target, dataset, tmp_path):
+    out = tmp_path / "head"
+    assert train_draft(target, dataset, out, "--num-steps", "60", "--log-every", "5", "--num-eval", "6",
+                       "--eval-prompts", "4", "--eval-max-tokens", "12") == 0
+    losses = [r["loss"] for r in log_of(out)]
+    assert len(losses) == 12 and losses[-1] < 0.5 * losses[0], losses
+    report = json.load(open(out / "report.json"))
+    held = report["held_out"]
+    assert len(held["acceptance_per_position"]) == 3 and held["positions"] > 0
+    assert held["acceptance_per_position"][0] > 0.25, held
+    assert held["mean_acceptance_length_estimate"] == pytest.approx(1 + sum(held["acceptance_per_position"]))
+    engine = report["engine"]
+    assert engine["greedy_equal"] is True and engine["eagle3"] >= 1.0 and engine["ngram"] is not None
+    # The written head is the HF EAGLE3 format the engine loads, its d2t the draft vocabulary.
+    cfg = loader.load_model(target, dtype="float32")[0]
+    head_cfg, params, aux = eagle3.load_head(str(out), cfg, "float32")
+    assert aux == (0, 1, 1) and head_cfg.hidden_size == cfg.hidden_size
+    ids = np.asarray(params["draft_to_target"])
+    assert len(ids) == 96 and (np.diff(ids) > 0).all()
+
+
+def test_resume_ends_where_an_uninterrupted_run_does(target, dataset, tmp_path):
+    args = ["--num-steps", "10", "--save-every", "5", "--log-every", "5", "--num-eval", "0"]
+    assert train_draft(target, dataset, tmp_path / "a", *args) == 0
+    # Out of time after its first step: that step is checkpointed and a head written anyway.
+    assert train_draft(target, dataset, tmp_path / "b", *args, "--max-train-minutes", "0") == 0
+    assert json.load(open(tmp_path / "b" / "report.json"))["steps"] == 1
+    assert os.listdir(tmp_path / "b" / "checkpoints") == ["1"]
+    assert train_draft(target, dataset, tmp_path / "b", *args, "--resume") == 0
+    assert [r["step"] for r in log_of(tmp_path / "b")] == [1, 5, 10]
+    from safetensors.numpy import load_file
+
+    a, b = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("a", "b"))
+    for name in a:
+        np.testing.assert_allclose(a[name], b[name], rtol=1e-5, atol=1e-6, err_msg=name)
+    # Without --resume, a directory with checkpoints is refused rather than overwritten.
+    assert train_draft(target, dataset, tmp_path / "a", *args) == 1
+
+
+def test_ttt_step_zero_is_the_engines_head(target, tmp_path):
+    """Step 0 of the training forward predicts what eagle3.head_forward (the engine's,
+    paged) predicts from the exported head, at every position."""
+    from jaxserve.models import llama
+    from jaxserve.train_draft import target as target_mod
+    from tests.models.model_step_builder import Chunk, build_step, scattered_block_tables
+
+    cfg, params, _ = loader.load_model(target, dtype="float32")
+    draft_ids = np.arange(0, 256, 2, dtype=np.int32)
+    hp = head.init_head(cfg, params, llama, draft_ids, seed=1)
+    hp = jax.tree.map(lambda a: a + 0.05 * jax.random.normal(jax.random.PRNGKey(2), a.shape), hp)
+    tokens = np.asarray([[5, 9, 33, 7, 100, 42, 8, 8, 19, 3, 77, 61, 12, 200, 4, 90]], np.int32)
+    aux, _, _, _ = target_mod.make_target_fn(llama, cfg, (1, 0, 1))(params, jnp.asarray(tokens), jnp.asarray(draft_ids))
+    logits = head.ttt_forward(cfg, hp, params["embed"], aux, jnp.asarray(tokens), 2)
+    ours = draft_ids[np.asarray(jnp.argmax(logits[0][0], -1))]
+    head.export_head(str(tmp_path), hp, cfg, draft_ids, (1, 0, 1))
+    head_cfg, hparams, _ = eagle3.load_head(str(tmp_path), cfg, "float32")
+    tables = scattered_block_tables(1, 8, 16, seed=0)
+    x = build_step([Chunk(0, tokens[0, 1:].tolist(), 0)], tables, 4, 16, 1)
+    kv = {n: jnp.zeros((16, 4, *s)) for n, s in llama.cache_specs(head_cfg)[0].arrays}
+    _, ids, _ = eagle3.head_forward(head_cfg, hparams, kv, x, params["embed"], aux[0],
+                                    llama.make_kernels(head_cfg))
+    np.testing.assert_array_equal(ours[:15], np.asarray(ids)[:15])
+
+
+def test_ttt_attention_matches_a_per_position_reference():
+    """Step i's query at t attends to step 0's keys at <= t and to steps 1..i's keys at t."""
+    rng = np.random.default_rng(0)
+    b, t, n, kh, e, steps = 2, 5, 4, 2, 8, 3
+    q = rng.standard_normal((b, t, n, e)).astype(np.float32)
+    keys = [rng.standard_normal((b, t, kh, e)).astype(np.float32) for _ in range(steps)]
+    values = [rng.standard_normal((b, t, kh, e)).astype(np.float32) for _ in range(steps)]
+    got = np.asarray(head.ttt_attention(jnp.asarray(q), keys, values, 0.3)).reshape(b, t, n, e)
+    for bi in range(b):
+        for ti in range(t):
+            for hi in range(n):
+                g = hi // (n // kh)
+                ks = np.concatenate([keys[0][bi, :ti + 1, g]] + [k[bi, ti:ti + 1, g] for k in keys[1:]])
+                vs = np.concatenate([values[0][bi, :ti + 1, g]] + [v[bi, ti:ti + 1, g] for v in values[1:]])
+                s = ks @ q[bi, ti, hi] * 0.3
+                p = np.exp(s - s.max())
+                np.testing.assert_allclose(got[bi, ti, hi], (p / p.sum()) @ vs, rtol=1e-5, atol=1e-5)
+
+
+def test_draft_vocab_is_the_most_frequent_tokens():
+    ex = [data.Example(np.asarray([7, 7, 7, 3, 3, 9, 1], np.int32), 3)]
+    np.testing.assert_array_equal(data.draft_vocab(ex, 12, 3), [1, 3, 7])    # 1 and 9 tie: the lower id
+    np.testing.assert_array_equal(data.draft_vocab(ex, 12, 6), [0, 1, 2, 3, 7, 9])
+    with pytest.raises(ValueError, match=r"draft_vocab_size must be in \[1, 12\]"):
+        data.draft_vocab(ex, 12, 13)
+
+
+def test_bad_input_is_refused(target, tmp_path, capsys):
+    text = tmp_path / "text.jsonl"
+    text.write_text(json.dumps({"text": "no tokenizer for this"}) + "\n")
+    aux = ["--aux-layers", "0,1,1"]
+    assert cli.main(["train-draft", target, "--dataset", str(text), "--output", str(tmp_path / "o"), *aux]) == 1
+    assert "has no tokenizer" in capsys.readouterr().err
+    odd = tmp_path / "odd.jsonl"
+    odd.write_text(json.dumps({"prompt": [1, 2, 3, 4]}) + "\n")
+    assert cli.main(["train-draft", target, "--dataset", str(odd), "--output", str(tmp_path / "o"), *aux]) == 1
+    assert "needs 'conversations', 'messages', 'text' or 'input_ids'" in capsys.readouterr().err
+    ids = tmp_path / "ids.jsonl"
+    ids.write_text(json.dumps({"input_ids": [1, 2, 3, 4, 5]}) + "\n")
+    assert cli.main(["train-draft", target, "--dataset", str(ids), "--output", str(tmp_path / "o"),
+                     "--aux-layers", "0,1,2"]) == 1
+    assert "--aux-layers must be three layers of the target (0 to 1)" in capsys.readouterr().err
+    assert cli.main(["train-draft", target, "--dataset", str(ids), "--output", str(tmp_path / "o"),
+                     *aux, "--max-len", "40"]) == 1
+    assert "--max-len must be a multiple of 16; got 40" in capsys.readouterr().err
+
+
+def test_sharegpt_records_render_with_the_chat_template():
+    class Tok:
+        def apply_chat_template(self, msgs, add_generation_prompt):
+            return "".join(f"<{m['role']}>{m['content']}" for m in msgs) + ("<assistant>" if add_generation_prompt else "")
+
+        def encode(self, text):
+            return [ord(c) for c in text]
+
+    rec = {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}]}
+    ex = data.tokenize_record(rec, Tok(), 64)
+    assert "".join(map(chr, ex.token_ids)) == "<user>hi<assistant>hello"
+    assert ex.prompt_len == len("<user>hi<assistant>")
+    assert data.tokenize_record({"conversations": [{"from": "gpt", "value": "x" * 9}]}, Tok(), 64) is None
+
+
+def test_regenerate_replaces_replies_by_the_targets_greedy_ones(target):
+    from jaxserve.models import llama
+    from jaxserve.train_draft.evaluate import make_llm
+    from jaxserve.train_draft.regenerate import regenerate
+
+    cfg, params, _ = loader.load_model(target, dtype="float32")
+    llm = make_llm(cfg, params, None, llama, "float32", None, 32, 4)
+    ex = [data.Example(np.arange(10, 30, dtype=np.int32), 6), data.Example(np.arange(40, 52, dtype=np.int32), 11)]
+    new = regenerate(llm, ex, 32, use_tqdm=False)
+    from jaxserve import SamplingParams
+
+    for e, n in zip(ex, new):
+        want = llm.generate({"prompt_token_ids": e.token_ids[:e.prompt_len].tolist()},
+                            SamplingParams(temperature=0, max_tokens=32 - e.prompt_len), use_tqdm=False)
+        assert n.prompt_len == e.prompt_len and len(n.token_ids) <= 32
+        assert n.token_ids[:e.prompt_len].tolist() == e.token_ids[:e.prompt_len].tolist()
+        assert n.token_ids[e.prompt_len:].tolist() == list(want[0].outputs[0].token_ids)
