@@ -187,3 +187,21 @@ def test_serve_bench_against_the_real_http_app(llm):
     assert row["goodput_req_per_s"] == pytest.approx(row["requests_per_s"])
     assert row["ttft_p50_ms"] > 0 and row["tpot_p50_ms"] > 0
     assert not bad[0].success and "404" in bad[0].error
+
+
+def test_profile_summary_counts_a_windows_device_kernels():
+    """summarize_events: device kernels inside each marked window (not the host's, not those
+    outside), their busy time as a union, averaged over the windows."""
+    from jaxserve.bench.profile import summarize_events
+
+    meta = [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/host:CPU"}},
+            {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/device:GPU:0"}}]
+    span = lambda pid, name, ts, dur: {"ph": "X", "pid": pid, "name": name, "ts": ts, "dur": dur}  # noqa: E731
+    events = meta + [span(1, "step", 0, 100), span(1, "step", 200, 100),
+                     span(2, "gemm_fusion_dot", 10, 20), span(2, "fusion", 20, 20),   # overlap: 30 busy
+                     span(2, "ragged_paged_attention", 210, 10), span(2, "fusion", 150, 10),
+                     span(1, "host_thing", 20, 50)]
+    s = summarize_events(events, "step")
+    assert s["windows"] == 2 and s["kernels_per_window"] == 1.5
+    assert s["wall_ms"] == pytest.approx(0.1) and s["device_busy_ms"] == pytest.approx(0.02)
+    assert s["device_ms_by_kind"]["attention"] == pytest.approx(0.005)

@@ -123,6 +123,9 @@ def profile_decode_steps(engine, batch: int, args, params: dict, num_tokens: int
         result["summary"] = {"engine_step_wall_ms": steps.get("wall_ms"),
                              "engine_step_device_busy_ms": steps.get("device_busy_ms"),
                              "engine_step_kernels": steps.get("kernels_per_window"),
+                             # (the embedding, LM head and sampler's kernels spread over the layers)
+                             "kernels_per_layer": (steps["kernels_per_window"] / engine.config.model.num_layers
+                                                   if steps.get("kernels_per_window") else None),
                              "replay_step_wall_ms": replay.get("wall_ms"),
                              "replay_step_device_busy_ms": replay.get("device_busy_ms")}
     except Exception as e:  # the trace is still on disk for a closer look
