@@ -101,3 +101,22 @@ def write_eagle3_head(path, target_cfg, draft_vocab: int, aux_layers=None, seed:
     with open(os.path.join(path, "config.json"), "w") as fh:
         json.dump(hf, fh)
     return str(path)
+
+
+def record_drafts(llm, prompts, max_tokens: int = 8) -> list[tuple[list[int], list[int]]]:
+    """Greedy generation of `prompts` on a speculating engine; after every step, each running
+    request's (token ids so far, the drafts its proposer just made)."""
+    from jaxserve.sampling_params import SamplingParams
+
+    proposer, scheduler = llm.engine.core.proposer, llm.engine.scheduler
+    seen, observe = [], proposer.observe
+
+    def recording(out, step, result):
+        observe(out, step, result)
+        seen.extend((list(scheduler.requests[rid].all_token_ids), d)
+                    for rid, d in proposer._drafts.items() if rid in scheduler.requests)
+
+    proposer.observe = recording
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
+                 use_tqdm=False)
+    return seen

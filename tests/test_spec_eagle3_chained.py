@@ -10,7 +10,7 @@ from jaxserve import SamplingParams
 from jaxserve.kv_cache import manager as cache_manager
 from jaxserve.models import llama
 from jaxserve.spec_decode import eagle3
-from tests.spec_helpers import make_llm, spec_counts, token_ids, write_eagle3_head
+from tests.spec_helpers import make_llm, record_drafts, spec_counts, token_ids, write_eagle3_head
 from tests.test_spec_decode import MAX_LEN, prompts
 from tests.test_spec_eagle3 import GREEDY, eagle, model  # noqa: F401 (the fixture)
 
@@ -59,15 +59,7 @@ def test_each_chain_is_the_heads_own_continuation_over_the_whole_sequence(model,
     head = write_eagle3_head(tmp_path / "head", cfg, draft_vocab=64, aux_layers=(1, 0, 1), seed=3)
     spec = make_llm(model, eagle(head, K), max_len=MAX_LEN, num_kv_blocks=10)
     proposer, scheduler = spec.engine.core.proposer, spec.engine.scheduler
-    seen, observe = [], proposer.observe
-
-    def recording(out, step, result):
-        observe(out, step, result)
-        seen.extend((list(scheduler.requests[rid].all_token_ids), d)
-                    for rid, d in proposer._drafts.items() if rid in scheduler.requests)
-
-    proposer.observe = recording
-    spec.generate(prompts(3), SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    seen = record_drafts(spec, prompts(3))
     assert len(seen) >= 8 and scheduler.num_preemptions > 0
     c = spec_counts(spec)
     assert c["spec_decode_num_accepted_tokens_total"] < c["spec_decode_num_draft_tokens_total"]

@@ -13,7 +13,7 @@ import pytest
 from jaxserve import SamplingParams
 from jaxserve.models import loader
 from tests.conftest import GOLDEN_DIR
-from tests.spec_helpers import make_llm, spec_counts, token_ids
+from tests.spec_helpers import make_llm, record_drafts, spec_counts, token_ids
 from tests.test_spec_decode import MAX_LEN, prompts
 
 MTP = {"method": "mtp", "num_speculative_tokens": 1}
@@ -69,18 +69,7 @@ def test_each_draft_is_the_mtp_layers_prediction_over_the_whole_sequence(model):
 
     cfg, params, _ = model
     spec = make_llm(model, MTP, max_len=MAX_LEN)
-    proposer, scheduler = spec.engine.core.proposer, spec.engine.scheduler
-    seen = []
-    observe = proposer.observe
-
-    def recording(out, step, result):
-        observe(out, step, result)
-        for rid, drafts in proposer._drafts.items():
-            if rid in scheduler.requests:
-                seen.append((list(scheduler.requests[rid].all_token_ids), drafts[0]))
-
-    proposer.observe = recording
-    spec.generate(prompts(2), SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    seen = [(tokens, drafts[0]) for tokens, drafts in record_drafts(spec, prompts(2))]
     assert len(seen) >= 8
     tables = scattered_block_tables(1, 16, 32, seed=1)
     forward = jax.jit(deepseek.forward, static_argnums=0)
@@ -123,16 +112,8 @@ def test_each_mtp_chain_is_the_layers_own_continuation_over_the_whole_sequence(m
 
     cfg, params, _ = model
     spec = make_llm(model, MTP3, max_len=MAX_LEN)
-    proposer, scheduler = spec.engine.core.proposer, spec.engine.scheduler
-    seen, observe = [], proposer.observe
-
-    def recording(out, step, result):
-        observe(out, step, result)
-        seen.extend((list(scheduler.requests[rid].all_token_ids), d)
-                    for rid, d in proposer._drafts.items() if rid in scheduler.requests)
-
-    proposer.observe = recording
-    spec.generate(prompts(2), SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    proposer = spec.engine.core.proposer
+    seen = record_drafts(spec, prompts(2))
     assert len(seen) >= 6
     tables = scattered_block_tables(1, 16, 32, seed=1)
     forward = jax.jit(deepseek.forward, static_argnums=0)
