@@ -322,9 +322,12 @@ class ModelRunner:
         """Dispatch one step (asynchronously); the caches are donated and replaced. Returns
         (sampler output, prompt logprobs or None, hidden states or None), on the device.
         `constrained`: the rows whose grammar masks are still to fill (InputBatch.build)."""
-        if constrained and not (variant.prompt_logprobs or variant.hidden):
+        if constrained and not (variant.prompt_logprobs or variant.hidden or x.draft_rows is not None):
             return self._run_masked(x, variant, constrained), None, None
-        if constrained:       # a masked step with prompt logprobs (rare): fill, then launch
+        if constrained:
+            # One program, its masks filled before it launches: a masked step with prompt
+            # logprobs or hidden states (rare), or a verifying one (speculative decoding: the
+            # core waits for every step then anyway, so the fill overlaps nothing either way)
             self.batch.fill_masks(x.sampling, constrained)
         self.kv_cache, result, prompt, self._prev_ids, hidden = self._launch(x, variant)
         return result, prompt, hidden
