@@ -4,7 +4,7 @@ the drafts before it, and the matcher commits only the kept tokens.
 
 On the tiny random-weight Llama with the byte-level tokenizer of tests/test_structured.py:
 constrained greedy output equals constrained output without speculation (n-gram drafts and
-a draft model, batched with unconstrained requests), random sampling always conforms, no
+a draft model and EAGLE3, batched with unconstrained requests), random sampling always conforms, no
 verified draft breaks its grammar, and after every step each matcher is the one a fresh
 matcher fed only the kept tokens would be.
 """
@@ -22,6 +22,7 @@ from jaxserve import LLM, SamplingParams
 from jaxserve.structured import StructuredOutputsParams as SO
 from jaxserve.structured import masks
 from jaxserve.structured.compiler import GrammarCompiler
+from tests.spec_helpers import spec_counts
 from tests.test_structured import CASES, CKPT, _matches, ckpt_dir, llm, tiny_tokenizer  # noqa: F401
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
@@ -178,6 +179,21 @@ def test_an_invalid_draft_is_rejected_by_its_own_row_and_leaves_the_matcher_clea
     assert req.grammar.matcher.compute_bitmask() == before and not req.grammar.matcher.is_error()
 
 
+def test_rows_past_the_grammars_end_allow_only_eos_as_without_drafts(grammars):
+    """A draft that ends the grammar: the rows after it allow only EOS (a stopped matcher
+    consumes nothing, as on the committed path), and the rollback undoes only what was consumed."""
+    tok = tiny_tokenizer()
+    a, b = (tok.encode(s)[0] for s in "ab")
+    so = SO(choice=["ab"])
+    req = _request(grammars, so, [a])
+    assert req.grammar.valid_drafts([a], [b, 2, 2]) == 2
+    allowed = np.full((3, 32), 0xFF, np.uint8)
+    masks.fill_step_masks(grammars, allowed, [masks.ConstrainedRows(0, req, None, (b, 2), (1, 2))], None)
+    assert np.flatnonzero(_allowed(allowed, 1)).tolist() == [b]
+    assert np.flatnonzero(_allowed(allowed, 2)).tolist() == [2] == np.flatnonzero(_allowed(allowed, 0)).tolist()
+    assert not req.grammar.matcher.is_stopped() and req.grammar.matcher.validate_tokens([b]) == 1
+
+
 def test_drafts_are_cut_at_the_first_token_the_grammar_rejects(grammars):
     tok = tiny_tokenizer()
     a, b, z = (tok.encode(s)[0] for s in "abz")
@@ -234,3 +250,38 @@ def test_preempted_constrained_requests_with_drafts_replay_their_tokens(ckpt_dir
     for prompt, p, out in zip(prompts, params, outs):
         assert out.outputs[0].token_ids == llm.generate([prompt], p, use_tqdm=False)[0].outputs[0].token_ids
     assert small.engine.scheduler.pool.num_used == 0
+
+
+def write_b_head(path, target_cfg) -> str:
+    """A random EAGLE3 head that always drafts "b": its final norm is 0 (every logit 0: it
+    drafts draft id 0) and its d2t maps draft id 0 to "b" (swapped with the id that had it)."""
+    from safetensors.numpy import load_file, save_file
+
+    from tests.spec_helpers import write_eagle3_head
+
+    head = write_eagle3_head(path, target_cfg, draft_vocab=64, aux_layers=(0, 1, 1), zero_norm=True)
+    tensors = load_file(os.path.join(head, "model.safetensors"))
+    targets = np.arange(64) + tensors["d2t"]
+    b = tiny_tokenizer().encode("b")[0]
+    holder = np.flatnonzero(targets == b)
+    if len(holder):
+        targets[holder[0]] = targets[0]
+    targets[0] = b
+    tensors["d2t"] = (targets - np.arange(64)).astype(np.int64)
+    save_file(tensors, os.path.join(head, "model.safetensors"))
+    return head
+
+
+def test_eagle3_drafts_keep_constrained_greedy_output(ckpt_dir, llm, tmp_path, monkeypatch):
+    """A proposer reading the target's hidden states: its verifying masked steps run as one
+    program that also returns them."""
+    head = write_b_head(tmp_path / "head", llm.engine.config.model)
+    spec = LLM(ckpt_dir, speculative_config={"method": "eagle3", "model": head, "num_speculative_tokens": 2},
+               **ENGINE)
+    spy = Spy(spec.engine, monkeypatch)
+    want = llm.generate(PROMPTS, _params(0.0), use_tqdm=False)
+    got = spec.generate(PROMPTS, _params(0.0), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert spy.verified > 0 and spy.cut > 0 and spy.checked > 0
+    assert spec_counts(spec)["spec_decode_num_accepted_tokens_total"] > 0
+    assert spec.engine.scheduler.pool.num_used == 0

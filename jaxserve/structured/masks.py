@@ -45,8 +45,9 @@ class RequestGrammar:
         the tokens it generated before a preemption."""
         if grammars is None:
             raise ValueError("structured_outputs needs the model's tokenizer; this model has none")
-        tokens = list(new.output_token_ids)
-        return cls(grammars.matcher(new.sampling_params.structured_outputs, tokens), len(tokens))
+        grammar = cls(grammars.matcher(new.sampling_params.structured_outputs))
+        grammar.catch_up(list(new.output_token_ids))    # as the live path consumed them
+        return grammar
 
     def catch_up(self, output_token_ids, pending: int | None = None) -> None:
         """Consume the output tokens not consumed yet, then `pending` (the token still on its
