@@ -14,7 +14,13 @@ The model folder must hold a tokenizer (the grammars need the vocabulary as text
 .benchdata/llama8b-dummy has Llama-3's (benchmarks/prepare_benchdata.sh).
 
 Prints one JSON line: tokens/s of each run, their ratio, compile seconds p50 / p99 (cold, one
-distinct schema each), and the host milliseconds per step spent filling masks.
+distinct schema each), and the host milliseconds per step spent filling masks (llguidance's
+fills alone, and the whole of a step's masks: catching up, with drafts advancing the matchers
+over them and rolling back; without drafts this includes the wait for the in-flight step's ids).
+
+With speculation (issue 35: a mask per draft row), both runs draft, e.g.
+    --speculative-config '{"method": "ngram", "num_speculative_tokens": 3}'
+and the line adds each run's mean acceptance length.
 """
 
 from __future__ import annotations
@@ -52,14 +58,17 @@ def main() -> None:
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--attention-impl", default="auto")
+    p.add_argument("--speculative-config", default=None, help="vLLM's speculative_config as JSON")
     args = p.parse_args()
 
     from jaxserve import LLM, SamplingParams
+    from jaxserve.spec_decode import metrics as spec_metrics
     from jaxserve.structured import StructuredOutputsParams, masks
 
     llm = LLM(args.model, load_format=args.load_format, dtype=args.dtype, max_num_seqs=args.num_requests,
               max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len, max_logprobs=0,
-              attention_impl=args.attention_impl)
+              attention_impl=args.attention_impl,
+              speculative_config=json.loads(args.speculative_config) if args.speculative_config else None)
     llm.engine.runner.wait_for_warmup()      # the masked programs compile in the background
     grammars = llm.engine.grammars
     if grammars is None:
@@ -74,16 +83,24 @@ def main() -> None:
         grammars.check(StructuredOutputsParams(json=schema(base + i)))
         compile_s.append(time.perf_counter() - t)
 
-    fill = {"seconds": 0.0, "calls": 0}
+    fill = {"seconds": 0.0, "step_seconds": 0.0, "steps": 0}
     real_fill = masks.fill_masks
 
     def timed_fill(*a, **k):
         t = time.perf_counter()
         real_fill(*a, **k)
         fill["seconds"] += time.perf_counter() - t
-        fill["calls"] += 1
 
     masks.fill_masks = timed_fill
+    real_step_masks = masks.fill_step_masks
+
+    def timed_step_masks(*a, **k):
+        t = time.perf_counter()
+        real_step_masks(*a, **k)
+        fill["step_seconds"] += time.perf_counter() - t
+        fill["steps"] += 1
+
+    masks.fill_step_masks = timed_step_masks
 
     vocab = llm.engine.config.model.vocab_size
     prompts = [{"prompt_token_ids": [(7 * i + 13 * j) % (vocab // 2) + 3 for j in range(args.input_len)]}
@@ -95,16 +112,24 @@ def main() -> None:
                                structured_outputs=StructuredOutputsParams(json=schema(i)) if constrained else None)
                 for i in range(args.num_requests)]
 
+    acceptance = {"unconstrained": [], "constrained": []}
+
     def run(constrained: bool) -> float:
+        before = llm.get_metrics()
         t = time.perf_counter()
         outs = llm.generate(prompts, params(constrained), use_tqdm=False)
         seconds = time.perf_counter() - t
         tokens = sum(len(o.outputs[0].token_ids) for o in outs)
         assert tokens == args.num_requests * args.output_len, tokens
+        if args.speculative_config:
+            acceptance["constrained" if constrained else "unconstrained"].append(
+                spec_metrics.mean_acceptance_length(before, llm.get_metrics()))
         return tokens / seconds
 
     run(False), run(True)                      # warm: the schemas compile here, once
-    fill.update(seconds=0.0, calls=0)
+    fill.update(seconds=0.0, step_seconds=0.0, steps=0)
+    for v in acceptance.values():
+        v.clear()
     tps = {"unconstrained": [], "constrained": []}
     for _ in range(args.rounds):
         tps["unconstrained"].append(run(False))
@@ -118,8 +143,13 @@ def main() -> None:
         "compile_ms": {"p50": round(1e3 * percentile(compile_s, 50), 2),
                        "p99": round(1e3 * percentile(compile_s, 99), 2),
                        "max": round(1e3 * max(compile_s), 2), "schemas": len(compile_s)},
-        "mask_fill_ms_per_step": round(1e3 * fill["seconds"] / max(fill["calls"], 1), 3),
-        "mask_fill_steps": fill["calls"],
+        "mask_fill_ms_per_step": round(1e3 * fill["seconds"] / max(fill["steps"], 1), 3),
+        "step_masks_ms_per_step": round(1e3 * fill["step_seconds"] / max(fill["steps"], 1), 3),
+        "mask_fill_steps": fill["steps"],
+        **({"speculative_config": json.loads(args.speculative_config),
+            "mean_acceptance_length": {k: [None if x is None else round(x, 3) for x in v]
+                                       for k, v in acceptance.items()}}
+           if args.speculative_config else {}),
     }))
 
 

@@ -125,6 +125,14 @@ class InputBatch:
         if self.requests.get(req.req_id) is req:
             req.output_token_ids.extend(tokens)
 
+    def grammar_drafts(self, req_id: str, drafts: list[int]) -> list[int]:
+        """`drafts` cut at the first token the request's grammar rejects (all of them for a
+        request without one, or one this runner does not hold)."""
+        req = self.requests.get(req_id)
+        if req is None or req.grammar is None:
+            return drafts
+        return drafts[:req.grammar.valid_drafts(req.output_token_ids, drafts)]
+
     # -- one step's input --------------------------------------------------------------------
     def build(self, out: SchedulerOutput, num_tokens: int, num_seqs: int) -> tuple[StepInput, StepPlan]:
         """Host-side numpy StepInput of the step, padded to (num_tokens, num_seqs)."""
@@ -138,7 +146,7 @@ class InputBatch:
         logits_idx = np.zeros(num_seqs, np.int32)
         slots_S = np.zeros(num_seqs, np.int32)
         sampling_rows, samples, prompt_lp, reqs, draft_seqs = [], [], {}, [], []
-        constrained = []            # (row, request, its row of the last step's ids or None)
+        constrained = []            # structured.masks.ConstrainedRows
         full = False
         t = 0
         for s, sched in enumerate(out.scheduled):
@@ -183,12 +191,9 @@ class InputBatch:
                 draft_seqs.append(verify_rows.DraftSeq(s, t + n - len(drafts) - 1, drafts,
                                                        sampling_rows[-1]))
             samples.append(sched.sample)
-            if req.grammar is not None and sched.spec_token_ids:
-                # NOTE: a mask per draft position and matcher rollback are not built: the
-                # request fails alone (EngineCore._dispatch) rather than run unconstrained drafts
-                raise ValueError("structured_outputs cannot be combined with speculative decoding yet")
             if req.grammar is not None and sched.sample:
-                constrained.append((s, req, self.prev_rows[sched.req_id] if known < real else None))
+                constrained.append(structured_masks.ConstrainedRows(
+                    s, req, self.prev_rows[sched.req_id] if known < real else None, tuple(drafts)))
             full = full or params.logprobs is not None or params.uses_truncation
             t += n
         qsl[len(out.scheduled) + 1:] = t
@@ -205,6 +210,8 @@ class InputBatch:
             spec = verify_rows.build(draft_seqs, num_seqs, self.max_spec_tokens)
             logits_idx = np.concatenate([logits_idx, spec.logits_indices])
             sampling_rows += [verify_rows.PAD_ROW] * (num_seqs - len(sampling_rows)) + spec.sampling_rows
+            constrained = [dataclasses.replace(c, draft_rows=verify_rows.rows_of(c.row, spec.starts))
+                           for c in constrained]
         full = full or bool(prompt_lp) or needs_extras(sampling_rows)
         sampling = make_sampling_tensors(sampling_rows, len(logits_idx), self.vocab_size,
                                          self.max_model_len, with_extras=full,

@@ -148,14 +148,6 @@ def test_n_samples_and_random_sampling_with_drafts(plain, spec):
     assert spec.engine.scheduler.pool.num_used == 0
 
 
-def test_structured_output_is_refused_at_admission_while_speculating(spec):
-    from jaxserve.structured.params import StructuredOutputsParams
-    params = SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(choice=["a", "b"]))
-    with pytest.raises(ValueError, match="structured_outputs cannot be combined with speculative"):
-        spec.generate([{"prompt_token_ids": [5, 6, 7]}], params, use_tqdm=False)
-    assert spec.engine.scheduler.num_unfinished == 0
-
-
 def test_bad_speculative_configs_name_the_key():
     with pytest.raises(ValueError, match=r"'method'.*ngram, draft_model"):
         SpeculativeConfig.from_dict({"method": "medusa", "num_speculative_tokens": 2})

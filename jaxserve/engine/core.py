@@ -78,7 +78,8 @@ class EngineCore:
             if hasattr(self.proposer, "observe"):    # a proposer reading the step's hidden states
                 self.proposer.observe(out, step, result)
             drafting.propose_drafts(self.proposer, self.scheduler.running, self.proposer.k,
-                                    self.scheduler.config.max_model_len)
+                                    self.scheduler.config.max_model_len,
+                                    valid=self.runner.batch.grammar_drafts)
         return StepOutcome(out, result, updates, time.perf_counter() - t0)
 
     def _dispatch(self, out: SchedulerOutput):

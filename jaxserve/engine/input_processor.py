@@ -57,11 +57,6 @@ class InputProcessor:
             raise ValueError(f"the request needs up to {blocks} KV blocks but the cache holds "
                              f"{self.num_blocks - 1}; lower max_tokens or raise num_kv_blocks")
         if params.structured_outputs is not None:
-            if self.config.speculative is not None:
-                # NOTE: the drafts would need a mask each and the matcher a rollback (not built)
-                raise ValueError("structured_outputs cannot be combined with speculative decoding "
-                                 "yet: this engine runs with a speculative_config; serve without "
-                                 "--speculative-config for constrained output")
             if self.grammars is None:
                 raise ValueError("structured_outputs needs the model's tokenizer; this model has none")
             self.grammars.check(params.structured_outputs)   # ValueError: invalid or too slow

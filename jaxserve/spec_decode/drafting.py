@@ -22,10 +22,13 @@ def draft_limit(req: Request, k: int, max_model_len: int) -> int:
     return max(0, limit)
 
 
-def propose_drafts(proposer, running: list[Request], k: int, max_model_len: int) -> None:
+def propose_drafts(proposer, running: list[Request], k: int, max_model_len: int,
+                   valid=None) -> None:
     """Set `spec_token_ids` of each decoding request in `running` from the proposer, which
     forgets every other request first (ended or preempted: a draft model's rows and blocks
-    are bounded by max_num_seqs, like the running requests)."""
+    are bounded by max_num_seqs, like the running requests). `valid(request id, drafts)`
+    cuts a request's drafts (structured output: at the first token its grammar rejects, so
+    the step neither computes nor verifies the rest; InputBatch.grammar_drafts)."""
     proposer.retain({r.request_id for r in running})
     reqs, limits = [], []
     for req in running:
@@ -37,7 +40,8 @@ def propose_drafts(proposer, running: list[Request], k: int, max_model_len: int)
                 limits.append(limit)
     if reqs:
         for req, drafts in zip(reqs, proposer.propose(reqs, limits)):
-            req.spec_token_ids = list(drafts)
+            drafts = list(drafts)
+            req.spec_token_ids = valid(req.request_id, drafts) if valid and drafts else drafts
 
 
 def cache_on_target_blocks(spec_config, model, cfg) -> tuple[list, int]:

@@ -78,6 +78,12 @@ def build(seqs: list[DraftSeq], num_seqs: int, max_drafts: int) -> DraftRows:
     return DraftRows(logits_idx, sampling, draft_ids, rows_SK, num_S, starts)
 
 
+def rows_of(seq: int, starts: dict[int, tuple[int, int]]) -> tuple[int, ...]:
+    """The draft rows of sequence `seq`, in draft order (none: it has no drafts)."""
+    first, k = starts.get(seq, (0, 0))
+    return tuple(range(first, first + k))
+
+
 def kept_rows(seq: int, starts: dict[int, tuple[int, int]], num_accepted: int) -> list[int]:
     """Logits rows whose emitted tokens sequence `seq` keeps: its accepted drafts, then the
     recovered token of the first rejected one or, when all were accepted, its bonus row."""

@@ -11,10 +11,19 @@ Layout: llguidance writes int32 words, token t at bit t % 32 of word t // 32; re
 on a little-endian host that is bit t % 8 of byte t // 8, the layout of `allowed_mask`
 (np.packbits(..., bitorder="little")), so the words are viewed as bytes, not converted.
 A matcher at the end of its grammar allows only EOS.
+
+Speculative decoding: a constrained request's drafts are first cut at the first token its
+grammar rejects (`RequestGrammar.valid_drafts`, before the step is scheduled), so no invalid
+draft is verified. A verifying step then needs a mask for each of the request's logits rows:
+the row predicting draft j gets the mask after drafts[:j], its bonus row the mask after all
+of them. `fill_step_masks` advances each matcher over its drafts, filling one row per
+depth (all requests' rows of a depth in one parallel call), then rolls it back: the matcher
+commits only the tokens the step keeps, when they come back (`catch_up`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 import numpy as np
@@ -35,8 +44,9 @@ class RequestGrammar:
         the tokens it generated before a preemption."""
         if grammars is None:
             raise ValueError("structured_outputs needs the model's tokenizer; this model has none")
-        tokens = list(new.output_token_ids)
-        return cls(grammars.matcher(new.sampling_params.structured_outputs, tokens), len(tokens))
+        grammar = cls(grammars.matcher(new.sampling_params.structured_outputs))
+        grammar.catch_up(list(new.output_token_ids))    # as the live path consumed them
+        return grammar
 
     def catch_up(self, output_token_ids, pending: int | None = None) -> None:
         """Consume the output tokens not consumed yet, then `pending` (the token still on its
@@ -50,8 +60,32 @@ class RequestGrammar:
             self.consumed += 1
 
     def _consume(self, tokens: list[int]) -> None:
-        if not self.matcher.is_stopped():       # past the end (ignore_eos): nothing to follow
-            self.matcher.consume_tokens(tokens)
+        for token in tokens:        # one by one: several come back at once from a verifying step
+            if self.matcher.is_stopped():      # past the end (ignore_eos): nothing to follow
+                return
+            self.matcher.consume_token(token)
+
+    def valid_drafts(self, output_token_ids, drafts: list[int]) -> int:
+        """How many leading `drafts` the grammar accepts after the request's output tokens
+        (all read back: a request drafts only then). A stopped matcher allows only EOS, which
+        it does not consume: no draft is worth verifying there."""
+        self.catch_up(output_token_ids)
+        if not drafts or self.matcher.is_stopped():
+            return 0
+        return self.matcher.validate_tokens(list(drafts))
+
+
+@dataclasses.dataclass(frozen=True)
+class ConstrainedRows:
+    """One constrained request's mask rows in a step: `row` (its sequence row, which samples
+    after the drafts) and, in a verifying step, `draft_rows[j]` (the row predicting
+    drafts[j]); `prev`: its row of the last step's ids if its last token is still on the
+    device, else None."""
+    row: int
+    request: object                 # input_batch.CachedRequest (its .grammar, .output_token_ids)
+    prev: int | None = None
+    drafts: tuple[int, ...] = ()
+    draft_rows: tuple[int, ...] = ()
 
 
 def fill_masks(executor, allowed_SW: np.ndarray, rows: list[tuple[int, object]],
@@ -69,17 +103,46 @@ def fill_masks(executor, allowed_SW: np.ndarray, rows: list[tuple[int, object]],
     allowed_SW[idx] &= words.view(np.uint8)[:, :W]
 
 
-def fill_step_masks(grammars, allowed_SW: np.ndarray, constrained: list[tuple], last_sampled) -> None:
-    """The masks of a step's constrained rows: `constrained` holds (row, CachedRequest, its
-    row of the last step's ids if its last token is still on the device, else None);
-    `last_sampled()` waits for that step and gives its ids on the host."""
+def fill_step_masks(grammars, allowed_SW: np.ndarray, constrained: list[ConstrainedRows],
+                    last_sampled) -> None:
+    """The masks of a step's constrained rows (`ConstrainedRows`); `last_sampled()` waits for
+    the last step and gives its ids on the host. A request with drafts gets one mask per
+    depth: depth j fills the row predicting draft j (or, at j = k, the bonus row) with the
+    matcher advanced over drafts[:j]; every matcher is rolled back to its committed state."""
     ids = None
-    if any(prev is not None for _, _, prev in constrained):
+    if any(c.prev is not None for c in constrained):
         if last_sampled is None:
             raise RuntimeError("a grammar needs the last step's token, but no runner gives it")
         ids = last_sampled()
-    rows = []
-    for row, req, prev in constrained:
-        req.grammar.catch_up(req.output_token_ids, None if prev is None else int(ids[prev]))
-        rows.append((row, req.grammar.matcher))
-    fill_masks(grammars.executor, allowed_SW, rows, grammars.mask_words)
+    for c in constrained:
+        c.request.grammar.catch_up(c.request.output_token_ids, None if c.prev is None else int(ids[c.prev]))
+    advanced = [0] * len(constrained)       # draft tokens each matcher consumed (to roll back)
+    alive = [True] * len(constrained)       # its drafts so far were valid
+    try:
+        for depth in range(1 + max((len(c.drafts) for c in constrained), default=0)):
+            rows = []
+            for i, c in enumerate(constrained):
+                k = len(c.drafts)
+                if depth <= k and alive[i]:
+                    rows.append((c.draft_rows[depth] if depth < k else c.row, c.request.grammar.matcher))
+            fill_masks(grammars.executor, allowed_SW, rows, grammars.mask_words)
+            for i, c in enumerate(constrained):
+                if depth < len(c.drafts) and alive[i]:
+                    advanced[i], alive[i] = _advance(c.request.grammar.matcher, c.drafts[depth], advanced[i])
+    finally:
+        for c, n in zip(constrained, advanced):
+            if n and not c.request.grammar.matcher.rollback(n):
+                raise RuntimeError(f"request {c.request.req_id}: its matcher could not roll back "
+                                   f"{n} draft tokens")
+
+
+def _advance(matcher, token: int, advanced: int) -> tuple[int, bool]:
+    """Feed one draft to a matcher as the committed path would (a stopped matcher consumes
+    nothing): (tokens consumed so far, whether the draft was valid). An invalid draft (drafts
+    are cut before scheduling, so only if a caller skipped that) is left unconsumed: its own
+    row's mask rejects it, so the rows after it are never kept and keep no mask."""
+    if matcher.is_stopped():
+        return advanced, True
+    if matcher.try_consume_tokens([token]) == 1:
+        return advanced + 1, True
+    return advanced, False
