@@ -89,8 +89,9 @@ class Spy:
         self.runner, self.grammars = engine.runner, engine.grammars
         self.verified = self.cut = self.checked = 0
         batch = self.runner.batch
-        build, collect, cut = batch.build, self.runner.collect, batch.grammar_drafts
-        monkeypatch.setattr(batch, "build", lambda *a: self._built(build(*a)))
+        fill, collect, cut = masks.fill_step_masks, self.runner.collect, batch.grammar_drafts
+        monkeypatch.setattr(masks, "fill_step_masks",
+                            lambda g, allowed, rows, last: self._filling(rows) or fill(g, allowed, rows, last))
         monkeypatch.setattr(self.runner, "collect", lambda step: self._collected(step, collect(step)))
         monkeypatch.setattr(batch, "grammar_drafts", lambda rid, d: self._cut(d, cut(rid, d)))
 
@@ -98,15 +99,14 @@ class Spy:
         self.cut += len(drafts) - len(kept)
         return kept
 
-    def _built(self, built):
-        for c in built[1].constrained:
+    def _filling(self, constrained):
+        for c in constrained:
             if c.drafts:
                 so = c.request.sampling_params.structured_outputs
                 fresh = _fresh(self.grammars, so, c.request.output_token_ids)
                 assert not fresh.is_stopped() and fresh.validate_tokens(list(c.drafts)) == len(c.drafts)
                 assert len(c.draft_rows) == len(c.drafts)
                 self.verified += len(c.drafts)
-        return built
 
     def _collected(self, step, result):
         for req in step.plan.requests:
