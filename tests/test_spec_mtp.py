@@ -169,7 +169,7 @@ def test_the_mtp_cache_is_paid_from_the_kv_budget(model):
     assert make_llm(model, cache_bytes=budget).engine.runner.num_blocks == budget // per_target > 40
     spec = make_llm(model, MTP3, cache_bytes=budget)
     assert spec.engine.runner.num_blocks == 40
-    assert all(a.shape[0] == 40 for c in spec.engine.core.proposer.caches for a in c.values())
+    assert all(a.shape[0] == 40 for c in spec.engine.core.proposer.cache for a in c.values())
 
 
 def test_an_mtp_layer_right_by_construction_has_every_chained_draft_accepted(model):
