@@ -123,3 +123,30 @@ def test_warmup_draft_rows_are_every_count_a_step_can_have(k, max_num_seqs):
     for t_prev, t in zip([0] + buckets, buckets):
         want = reachable_draft_rows(t_prev, t, k, max_num_seqs)
         assert set(verify_rows.warmup_draft_rows(t_prev, t, k, max_num_seqs)) == want, (t, want)
+
+
+def test_a_pass_waits_for_its_program_still_compiling(model, tmp_path, monkeypatch):
+    """The EAGLE3 head's programs compile after warm-up returns; a pass that needs one waits
+    for it instead of compiling its own (the jitted step never compiles), and outputs are
+    those of an engine whose programs were all ready."""
+    import time
+
+    from jaxserve.spec_decode import hidden_steps
+
+    calls, original = [], hidden_steps._compile
+
+    def slow(step, args):
+        calls.append(args[3].shape)
+        time.sleep(0.5)
+        return original(step, args)
+
+    monkeypatch.setattr(hidden_steps, "_compile", slow)
+    llm = speculating_engine("eagle3", model, tmp_path)
+    proposer = llm.engine.core.proposer
+    assert not all(f.done() for f in proposer._pending.values())
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    outs = llm.generate(prompts(3), greedy, use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outs] == [[0] * 8] * 3
+    llm.engine.wait_for_warmup()
+    assert sorted(calls) == sorted((t, 3 * model[0].hidden_size) for t in llm.engine.runner.buckets)
+    assert proposer._step._cache_size() == 0
