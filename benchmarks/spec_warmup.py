@@ -26,40 +26,27 @@ import time
 
 import numpy as np
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def speculative_config(args, cfg) -> dict:
-    if args.method == "ngram":
-        return {"method": "ngram", "num_speculative_tokens": args.k}
-    sys.path.insert(0, ROOT)
-    from tests.spec_helpers import write_eagle3_head
-
-    path = args.eagle3_dir + ("_tiny" if args.tiny else "")
-    if not os.path.exists(os.path.join(path, "config.json")):
-        shape = dict(aux_layers=(0, 1, 1)) if args.tiny else dict(heads=(32, 8, 128), intermediate_size=14336)
-        write_eagle3_head(path, cfg, draft_vocab=64 if args.tiny else 32000, **shape)
-    return {"method": "eagle3", "model": path, "num_speculative_tokens": args.k}
-
 
 def build(args):
+    """(LLM, seconds to a ready engine, seconds until every program is compiled)."""
     from jaxserve.config import EngineConfig, SchedulerConfig
     from jaxserve.engine import LLMEngine
     from jaxserve.llm import LLM
-    from jaxserve.models import loader, registry
+    from jaxserve.models import registry
     from jaxserve.spec_decode.config import SpeculativeConfig
 
-    if args.tiny:
-        cfg, params, _ = loader.load_model(os.path.join(ROOT, "tests/golden/ckpt/llama"), dtype="float32")
-        dtype = "float32"
-    else:
-        dtype = args.dtype
-        cfg, params, _ = loader.load_model("Llama-3.1-8B", load_format="dummy", dtype=dtype)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from spec_decode import load_target, write_head
+
+    cfg, params, dtype = load_target(args.tiny, args.dtype)
+    spec = {"method": args.method, "num_speculative_tokens": args.k}
+    if args.method == "eagle3":
+        spec["model"] = write_head(args.eagle3_dir + ("_tiny" if args.tiny else ""), cfg, args.tiny)
     config = EngineConfig(
         model=cfg, scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
                                              max_num_batched_tokens=args.max_num_batched_tokens,
                                              max_model_len=args.max_model_len),
-        dtype=dtype, speculative=SpeculativeConfig.from_dict(speculative_config(args, cfg)))
+        dtype=dtype, speculative=SpeculativeConfig.from_dict(spec))
     t = time.perf_counter()
     engine = LLMEngine(config, params, None, registry.get_model_module(cfg.architecture))
     ready = time.perf_counter() - t
