@@ -163,7 +163,11 @@ class AfterStepProposer:
                     jax.ShapeDtypeStruct((t,), jnp.int32), jax.ShapeDtypeStruct((x.num_seqs,), jnp.bool_))
             self._hidden[t] = hidden
             jobs.append((t, functools.partial(_compile, self._step, args)))
-        self._pending = self._compiler.start(jobs, os.cpu_count() or 1)
+        try:
+            self._pending = self._compiler.start(jobs, os.cpu_count() or 1)
+        except Exception:  # noqa: BLE001 - no threads: each program compiles on first use
+            logger.warning("could not compile the proposer's programs in the background", exc_info=True)
+            self._hidden = {}
 
     def wait_for_warmup(self, raise_errors: bool = True) -> None:
         for future in self._pending.values():
