@@ -81,16 +81,23 @@ class HeadCostReplay(ReplayProposer):
 def eagle3_head(llm, k: int, tiny: bool, path: str):
     """An Eagle3Proposer of k tokens on llm's runner, with a random head (written to `path`
     once) of the tests' tiny shape or Llama-3.1-8B's EAGLE3 head's."""
-    sys.path.insert(0, ROOT)
     from jaxserve.spec_decode.config import SpeculativeConfig
     from jaxserve.spec_decode.eagle3 import Eagle3Proposer
+
+    write_head(path, llm.engine.config.model, tiny)
+    return Eagle3Proposer(SpeculativeConfig("eagle3", k, model=path), llm.engine.config, llm.engine.runner)
+
+
+def write_head(path: str, cfg, tiny: bool) -> str:
+    """A random EAGLE3 head for the target `cfg` at `path` (written once: kept for the next
+    run), of the tests' tiny shape or Llama-3.1-8B's EAGLE3 head's."""
+    sys.path.insert(0, ROOT)
     from tests.spec_helpers import write_eagle3_head
 
-    cfg = llm.engine.config.model
     if not os.path.exists(os.path.join(path, "config.json")):
         shape = dict(aux_layers=(0, 1, 1)) if tiny else dict(heads=(32, 8, 128), intermediate_size=14336)
         write_eagle3_head(path, cfg, draft_vocab=64 if tiny else 32000, **shape)
-    return Eagle3Proposer(SpeculativeConfig("eagle3", k, model=path), llm.engine.config, llm.engine.runner)
+    return path
 
 
 def ngram_cost_ms(batch: int, context: int, k: int, vocab: int, repeats: int = 20) -> float:
@@ -114,18 +121,25 @@ def ngram_cost_ms(batch: int, context: int, k: int, vocab: int, repeats: int = 2
     return 1e3 * (time.perf_counter() - t) / repeats
 
 
+def load_target(tiny: bool, dtype: str):
+    """(config, params, dtype) of the target: the tests' tiny Llama in f32, or dummy weights of
+    the Llama-3.1-8B shape in `dtype`."""
+    from jaxserve.models import loader
+
+    if tiny:
+        cfg, params, _ = loader.load_model(os.path.join(ROOT, "tests/golden/ckpt/llama"), dtype="float32")
+        return cfg, params, "float32"
+    cfg, params, _ = loader.load_model("Llama-3.1-8B", load_format="dummy", dtype=dtype)
+    return cfg, params, dtype
+
+
 def build_engine(args):
     from jaxserve.config import CacheConfig, EngineConfig, SchedulerConfig
     from jaxserve.engine import LLMEngine
     from jaxserve.llm import LLM
-    from jaxserve.models import loader, registry
+    from jaxserve.models import registry
 
-    if args.tiny:
-        cfg, params, _ = loader.load_model(os.path.join(ROOT, "tests/golden/ckpt/llama"), dtype="float32")
-        dtype = "float32"
-    else:
-        dtype = args.dtype
-        cfg, params, _ = loader.load_model("Llama-3.1-8B", load_format="dummy", dtype=dtype)
+    cfg, params, dtype = load_target(args.tiny, args.dtype)
     max_len = args.prompt_len + args.output_len + 16
     blocks = max(args.batch_sizes) * -(-max_len // 16) + 8
     config = EngineConfig(

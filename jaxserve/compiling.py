@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import atexit
 import concurrent.futures
+import functools
 import hashlib
 import logging
 import os
@@ -30,6 +31,7 @@ import queue
 import threading
 import time
 import weakref
+from collections.abc import Callable, Hashable
 
 import jax
 
@@ -37,8 +39,10 @@ logger = logging.getLogger(__name__)
 
 
 def abstract(tree):
-    """ShapeDtypeStructs (with shardings) of a tree of arrays: what lowering needs of them."""
-    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), tree)
+    """ShapeDtypeStructs (with shardings; none for numpy arrays) of a tree of arrays: what
+    lowering needs of them."""
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=getattr(a, "sharding", None)),
+                        tree)
 
 
 # The packages whose code a step program can run (not the server's, the bench's or the tests')
@@ -171,9 +175,7 @@ class StepCompiler:
                 self.store = ProgramStore(store, identity, self._args)
             except Exception:  # noqa: BLE001 - the store only saves start-up time
                 logger.warning("not keeping step programs in %s", store, exc_info=True)
-        self._stopping = threading.Event()
-        self._threads: list[threading.Thread] = []
-        _COMPILERS.add(self)
+        self._background = BackgroundCompiler()
 
     def compile(self, layout, variant, num_words: int):
         store = self.store
@@ -214,7 +216,30 @@ class StepCompiler:
     def start(self, jobs: list[tuple], num_threads: int) -> dict[tuple, concurrent.futures.Future]:
         """Compile `jobs` ((layout, variant, num_words) each) on `num_threads` daemon threads;
         returns a future per (layout, variant). Raises if no thread can be started."""
-        futures = {(layout, variant): concurrent.futures.Future() for layout, variant, _ in jobs}
+        return self._background.start(
+            [((layout, variant), functools.partial(self.compile, layout, variant, num_words))
+             for layout, variant, num_words in jobs], num_threads)
+
+    def stop(self, timeout: float = 60.0) -> None:
+        self._background.stop(timeout)
+
+
+class BackgroundCompiler:
+    """Compile jobs on daemon threads that stop at exit after the job in hand (module doc).
+    A job's callable must hold no device arrays (abstract arguments only), so that an engine
+    dropped while its programs compile is freed at once."""
+
+    def __init__(self):
+        self._stopping = threading.Event()
+        self._threads: list[threading.Thread] = []
+        _COMPILERS.add(self)
+
+    def start(self, jobs: list[tuple[Hashable, Callable[[], object]]],
+              num_threads: int) -> dict[Hashable, concurrent.futures.Future]:
+        """Run `jobs` ((key, compile callable) each, in order) on `num_threads` daemon
+        threads; returns a future per key, of what its callable returns. Raises if no thread
+        can be started."""
+        futures = {key: concurrent.futures.Future() for key, _ in jobs}
         work: queue.SimpleQueue = queue.SimpleQueue()
         for job in jobs:
             work.put(job)
@@ -222,15 +247,14 @@ class StepCompiler:
         def worker():
             while not self._stopping.is_set():
                 try:
-                    layout, variant, num_words = work.get_nowait()
+                    key, job = work.get_nowait()
                 except queue.Empty:
                     return
-                future = futures[(layout, variant)]
+                future = futures[key]
                 if not future.set_running_or_notify_cancel():
                     continue
                 try:
-                    self.compile(layout, variant, num_words)
-                    future.set_result(None)
+                    future.set_result(job())
                 except BaseException as e:  # noqa: BLE001 - handed to whoever waits for it
                     future.set_exception(e)
 

@@ -227,6 +227,7 @@ class ModelRunner:
         # over programs.
         self.compile_seconds = self._compiler.seconds
         self._pending: dict[tuple, concurrent.futures.Future] = {}   # warm-up's compiles
+        self._lean_keys: dict[int, tuple] = {}   # bucket -> (layout, variant) of its lean program
 
     def return_hidden_states(self, on: bool = True, aux_layers: tuple[int, ...] = ()) -> None:
         """Every step also returns its hidden states (InFlightStep.hidden): the final ones, or
@@ -401,7 +402,7 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         return self.collect(self.dispatch(out))
 
-    def warmup(self) -> None:
+    def warmup(self, background: bool = False, lean_only: bool = False) -> None:
         """Compile the lean and full program of every bucket, on a thread each: XLA compiles
         outside the GIL, so start-up takes about as long as the slowest program, not the sum.
 
@@ -410,26 +411,33 @@ class ModelRunner:
         (`wait_for_warmup` waits for all). So do the attention backend's other plans (a full
         bucket's, a skewed step's), except that a skewed step runs as an even one until its
         program is ready. NOTE: measured on the H200 (BENCHMARKS.md, Start-up): compiling the
-        skewed programs up front delayed the 8B engine's first token by 12 s."""
+        skewed programs up front delayed the 8B engine's first token by 12 s.
+
+        background: return at once, all of them compiling (a draft model's runner: the
+        target's plain programs are the ones start-up waits for). lean_only: no full programs
+        (a draft model samples greedily: its steps never run one)."""
         empty = SchedulerOutput(new_requests=[], scheduled=[], finished_req_ids=[], num_tokens=0,
                                 preempted_ids=[], num_cached_tokens=0)
         jobs, verifying, masked_layouts = [], [], set()
-        for t in self.buckets:
+        k = self.config.num_speculative_tokens
+        variants = self.warmup_variants[:1] if lean_only else self.warmup_variants
+        for t_prev, t in zip([0] + self.buckets, self.buckets):
             lean, _, _ = self._build(dataclasses.replace(empty, num_tokens=t))
             inputs = [(lean, self._with_sampling(lean, lean.num_seqs, True))]
-            for d in verify_rows.warmup_draft_rows(t, self.config.num_speculative_tokens) \
-                    if self.config.num_speculative_tokens else ():
+            # every draft-row count a verifying step of this bucket can have
+            for d in verify_rows.warmup_draft_rows(t_prev, t, k, self.config.scheduler.max_num_seqs) if k else ():
                 rows = lean.num_seqs + d
                 inputs.append(tuple(verify_rows.with_draft_rows(
-                    lean, d, self.config.num_speculative_tokens, self._with_sampling(lean, rows, extras).sampling)
+                    lean, d, k, self._with_sampling(lean, rows, extras).sampling)
                     for extras in (False, True)))
             masked = self._masked_input(lean)
             for attention in self.backend.warmup_plans(t, lean.num_seqs):
                 for i, (lean_x, full_x) in enumerate(inputs):
-                    for variant in self.warmup_variants:
+                    for variant in variants:
                         variant = dataclasses.replace(variant, attention=attention)
                         packed, layout = packing.pack(full_x if variant.full else lean_x)
                         (verifying if i else jobs).append((layout, variant, len(packed)))
+                        self._lean_keys.setdefault(t, (layout, variant))   # (hidden_spec)
                 if masked is not None:   # steps whose only extra is a grammar's mask
                     packed, layout = packing.pack(masked)
                     variant = dataclasses.replace(self.warmup_variants[0], attention=attention)
@@ -437,19 +445,26 @@ class ModelRunner:
                     masked_layouts.add(layout)
 
         # Verifying programs (speculative decoding) and masked ones (structured output) compile
-        # in the background too: a plain step then starts exactly as soon as without them.
+        # in the background too: a plain step then starts exactly as soon as without them. The
+        # lean ones first (a speculating engine's decode steps are lean verifying ones), the
+        # skewed ones last (a skewed step does not wait for its program).
         later = [job for job in jobs if job[1].full or job[1].attention.skewed
                  or job[0] in masked_layouts] + verifying
+        later.sort(key=lambda job: (job[1].attention.skewed, job[1].full))
         jobs += verifying
         now = [job for job in jobs if job not in later]
         threads = os.cpu_count() or 1
         try:
-            self._pending = self._compiler.start(now, threads)
-            for future in list(self._pending.values()):
-                future.result()
-            # Only now the full and skewed ones: tracing and lowering hold the GIL, so lowering
-            # them beside the lean ones slowed those (a warm start spent 12 s in warm-up).
-            self._pending.update(self._compiler.start(later, threads))
+            if background:
+                self._pending = self._compiler.start(now + later, threads)
+            else:
+                self._pending = self._compiler.start(now, threads)
+                for future in list(self._pending.values()):
+                    future.result()
+                # Only now the full and skewed ones: tracing and lowering hold the GIL, so
+                # lowering them beside the lean ones slowed those (a warm start spent 12 s in
+                # warm-up).
+                self._pending.update(self._compiler.start(later, threads))
         except Exception:  # NOTE: threads only save time; compile what is missing one by one
             logger.warning("parallel compilation failed; compiling one by one", exc_info=True)
             self.wait_for_warmup(raise_errors=False)
@@ -458,8 +473,18 @@ class ModelRunner:
                     self._compile(layout, variant, num_words)
         if self.state_copier is not None:     # a few small programs (hybrid prefix caching)
             self.state_copier.warmup(self.kv_cache)
-        logger.info("compiled %d lean step programs; %d full or skewed ones compile in the "
-                    "background", len(now), len(later))
+        logger.info("compiled %d step programs; %d more compile in the background",
+                    0 if background else len(now), len(later) + (len(now) if background else 0))
+
+    def hidden_spec(self, num_tokens: int) -> jax.ShapeDtypeStruct | None:
+        """The hidden states (InFlightStep.hidden) that a step of this bucket returns, as an
+        abstract array read off its compiled lean program (None: no hidden states, or not
+        compiled yet): what a proposer reading them compiles its own programs for."""
+        exe = self._executables.get(self._lean_keys.get(num_tokens)) if self.keep_hidden else None
+        if exe is None:
+            return None
+        out = exe.out_info[4]
+        return jax.ShapeDtypeStruct(out.shape, out.dtype, sharding=out.sharding)
 
     def _masked_input(self, lean: StepInput) -> StepInput | None:
         """`lean` with a full-width allowed-token mask and no other extras: the program of

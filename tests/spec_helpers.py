@@ -8,14 +8,15 @@ from jaxserve.spec_decode.config import SpeculativeConfig
 
 
 def make_llm(model, spec: dict | None = None, *, max_num_seqs=8, max_tokens=32, max_len=128,
-             block_size=4, num_kv_blocks=None, cache_bytes=CacheConfig.kv_cache_cpu_bytes) -> LLM:
+             block_size=4, num_kv_blocks=None, cache_bytes=CacheConfig.kv_cache_cpu_bytes,
+             warmup=False) -> LLM:
     cfg, params, tok = model
     config = EngineConfig(
         model=cfg, cache=CacheConfig(block_size=block_size, num_kv_blocks=num_kv_blocks,
                                      kv_cache_cpu_bytes=cache_bytes),
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_tokens,
                                   max_model_len=max_len),
-        dtype="float32", warmup=False, speculative=SpeculativeConfig.from_dict(spec))
+        dtype="float32", warmup=warmup, speculative=SpeculativeConfig.from_dict(spec))
     return LLM.from_engine(LLMEngine(config, params, tok, registry.get_model_module(cfg.architecture)))
 
 

@@ -161,7 +161,7 @@ def test_the_heads_cache_is_paid_from_the_kv_budget(model, tmp_path):
     assert spec.engine.runner.num_blocks == 30
     assert plain.engine.runner.num_blocks == budget // per_target > 30
     assert spec.engine.runner.bytes_per_block == per_target + per_head
-    assert spec.engine.core.proposer.kv["k"].shape[0] == 30
+    assert spec.engine.core.proposer.cache["k"].shape[0] == 30
 
 
 def test_a_chained_input_has_one_token_per_sampling_sequence_at_its_next_position():

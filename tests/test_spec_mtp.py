@@ -150,7 +150,7 @@ def test_the_mtp_cache_is_paid_from_the_kv_budget(model):
     assert make_llm(model, cache_bytes=budget).engine.runner.num_blocks == budget // per_target > 40
     spec = make_llm(model, MTP3, cache_bytes=budget)
     assert spec.engine.runner.num_blocks == 40
-    assert all(a.shape[0] == 40 for c in spec.engine.core.proposer.caches for a in c.values())
+    assert all(a.shape[0] == 40 for c in spec.engine.core.proposer.cache for a in c.values())
 
 
 def test_an_mtp_layer_right_by_construction_has_every_chained_draft_accepted(model):
@@ -170,3 +170,19 @@ def test_an_mtp_layer_right_by_construction_has_every_chained_draft_accepted(mod
     assert (c["spec_decode_num_drafts_total"], c["spec_decode_num_draft_tokens_total"],
             c["spec_decode_num_accepted_tokens_total"]) == (2, 6, 6)
     assert [c[f'spec_decode_num_accepted_tokens_per_pos_total{{position="{p}"}}'] for p in range(3)] == [2, 2, 2]
+
+
+def test_after_warmup_mtp_compiles_nothing(model):
+    """The MTP pass and its chain have one program per target bucket, compiled by warm-up
+    (tests/test_spec_warmup.py has the other proposers)."""
+    from tests.test_spec_warmup import compiles
+
+    spec = make_llm(model, {"method": "mtp", "num_speculative_tokens": 2}, max_len=MAX_LEN,
+                    max_num_seqs=4, max_tokens=16, warmup=True)
+    spec.engine.wait_for_warmup()
+    random = SamplingParams(temperature=1.0, seed=2, max_tokens=8, ignore_eos=True)
+    with compiles() as seen:
+        spec.generate(prompts(4), [GREEDY, random, GREEDY, random], use_tqdm=False)
+        spec.generate(prompts(1), GREEDY, use_tqdm=False)
+    assert spec_counts(spec)["spec_decode_num_drafts_total"] > 0
+    assert seen == []

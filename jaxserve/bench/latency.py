@@ -171,7 +171,7 @@ def main(argv: list[str]) -> int:
                                dict(temperature=1.0, ignore_eos=True))
     # Time nothing while step programs still compile in the background (warm-up returns with
     # the lean ones ready): their lowering takes host time from the steps.
-    llm.engine.runner.wait_for_warmup()
+    llm.engine.wait_for_warmup()
     all_ready = seconds_since_process_start()
     startup = startup_row(build_s, before_build, first_s, after_build, llm.engine)
     startup["process_to_all_programs_ready_s"] = all_ready

@@ -116,7 +116,7 @@ def run_throughput(llm, requests, use_tqdm: bool = True) -> dict:
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     llm, build_s = build_llm(args)
-    llm.engine.runner.wait_for_warmup()     # time nothing while programs compile in the background
+    llm.engine.wait_for_warmup()     # time nothing while programs compile in the background
     requests = make_requests(args, llm.engine.config.model.vocab_size, llm.get_tokenizer())
     row = run_throughput(llm, requests, use_tqdm=not args.disable_tqdm)
     result = {"benchmark": "throughput", "environment": report.environment(),

@@ -85,11 +85,20 @@ class LLMEngine:
             t0 = time.perf_counter()
             logger.info("compiling the step programs of %d step sizes", len(self.runner.buckets))
             self.runner.warmup()
+            if hasattr(proposer, "warmup"):   # its programs compile in the background
+                proposer.warmup()
             if config.warmup_all:   # a failed compile is retried on first use (runner.run)
-                self.runner.wait_for_warmup(raise_errors=False)
+                self.wait_for_warmup(raise_errors=False)
             self.startup_seconds["warmup"] = time.perf_counter() - t0
             logger.info("warm-up took %.1f s", self.startup_seconds["warmup"])
         self._update_gauges()
+
+    def wait_for_warmup(self, raise_errors: bool = True) -> None:
+        """Wait until every program warm-up started (the runner's and the proposer's) is
+        compiled."""
+        self.runner.wait_for_warmup(raise_errors)
+        if hasattr(self.core.proposer, "wait_for_warmup"):
+            self.core.proposer.wait_for_warmup(raise_errors)
 
     @classmethod
     def from_engine_args(cls, model: str | None = None, *, dtype: str | None = None,

@@ -69,8 +69,15 @@ class DraftModelProposer:
         self.budget = sched.max_num_batched_tokens
         self.cached: dict[str, np.ndarray] = {}    # request -> tokens whose KV the draft cache holds
         self._dropped: list[str] = []               # to drop from the runner with the next step
-        if engine_config.warmup:
-            self.runner.warmup()
+
+    def warmup(self) -> None:
+        """Start compiling the draft's step programs (lean: its drafts are greedy) in the
+        background; returns at once (the engine's warm-up waits for the target's plain
+        programs only). A draft step whose program is still compiling waits for it."""
+        self.runner.warmup(background=True, lean_only=True)
+
+    def wait_for_warmup(self, raise_errors: bool = True) -> None:
+        self.runner.wait_for_warmup(raise_errors)
 
     def retain(self, running_ids) -> None:
         """Free the draft cache of requests that ended or were preempted (a preempted one

@@ -118,8 +118,10 @@ def head_layer(cfg, hp, kv, x, embed_VD, h_TD, kernels, rows=None):
     return kv, hp["draft_to_target"][jnp.argmax(logits, axis=-1)], out_TD
 
 
-def _eagle_step(hp, embed_VD, kv, x, aux_TH, rows_T, sample_S, *, cfg, attention_impl, k, block_size):
-    """(the head's cache, drafts i32[S, k]): the pass over x, then k - 1 chained steps."""
+def _eagle_step(weights, kv, x, aux_TH, rows_T, sample_S, *, cfg, attention_impl, k, block_size):
+    """(the head's cache, drafts i32[S, k]): the pass over x, then k - 1 chained steps.
+    weights: (the head's params, the embedding)."""
+    hp, embed_VD = weights
     kernels = llama.make_kernels(cfg, attention_impl)
 
     def first(kv):
@@ -135,6 +137,7 @@ class Eagle3Proposer(hidden_steps.AfterStepProposer):
     def __init__(self, spec_config, engine_config, runner):
         from jaxserve.runner import allocate_caches
 
+        super().__init__(runner, spec_config.num_speculative_tokens)
         self.cfg, self.params, self.aux_layers = load_head(spec_config.model, runner.cfg, engine_config.dtype)
         self.embed = self.params.pop("embed", None)
         if self.embed is None:            # the usual head: the target's embedding, its width
@@ -143,15 +146,10 @@ class Eagle3Proposer(hidden_steps.AfterStepProposer):
                                  f"embed_tokens must have the target's hidden_size "
                                  f"({runner.cfg.hidden_size}); got {self.cfg.hidden_size}")
             self.embed = runner.params["embed"]
-        self.k, self.runner = spec_config.num_speculative_tokens, runner
+        self.weights = (self.params, self.embed)
         runner.return_hidden_states(aux_layers=self.aux_layers)
-        self.kv = allocate_caches(llama.cache_specs(self.cfg), runner.num_blocks, 0,
-                                  runner.block_size, runner.dtype)[0]
+        self.cache = allocate_caches(llama.cache_specs(self.cfg), runner.num_blocks, 0,
+                                     runner.block_size, runner.dtype)[0]
         self._step = jax.jit(functools.partial(_eagle_step, cfg=self.cfg, attention_impl=runner.attention_impl,
                                                k=self.k, block_size=runner.block_size),
-                             donate_argnums=(2,))
-        self._drafts: dict[str, list[int]] = {}
-
-    def _drafts_of(self, x, hidden, rows_T, sample_S):
-        self.kv, drafts = self._step(self.params, self.embed, self.kv, x, hidden, rows_T, sample_S)
-        return drafts
+                             donate_argnums=(1,))

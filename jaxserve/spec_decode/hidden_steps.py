@@ -17,21 +17,29 @@ every position up to the last kept token, and attention reads no position past i
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
+import functools
+import logging
+import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxserve.compiling import BackgroundCompiler, abstract
 from jaxserve.step_input import StepInput
 from jaxserve.step_messages import ScheduledRequest, SchedulerOutput
+
+logger = logging.getLogger(__name__)
 
 
 def after_step_input(runner, out: SchedulerOutput, step, result):
     """(StepInput over the valid positions with token p + 1 at each position p, rows i32[T]
     of step.hidden for each, bool[S] whether each sequence's last position predicts its
     request's next drafts, the request ids of those (else None)) or None when there is
-    nothing to compute."""
+    nothing to compute. Padded to the target step's bucket (T of step.hidden), so that the
+    proposer has one program per bucket (not one per pair of the step's and its own)."""
     plan, batch = step.plan, runner.batch
     chunks, rows, tokens = [], [], []
     for i, (sched, kept) in enumerate(zip(out.scheduled, result.sampled_token_ids)):
@@ -48,17 +56,24 @@ def after_step_input(runner, out: SchedulerOutput, step, result):
         tokens += req.tokens(sched.start_position + 1, sched.start_position + n + 1)
     if not chunks:
         return None
-    total = len(tokens)
-    t_pad, s_pad = runner.bucket(total)
-    x, _ = batch.build(SchedulerOutput([], chunks, [], total, [], 0), t_pad, s_pad)
-    ids_T = np.zeros(t_pad, np.int32)
-    ids_T[:total] = tokens
-    rows_T = np.zeros(t_pad, np.int32)
-    rows_T[:total] = rows
-    x = dataclasses.replace(x, token_ids=ids_T, prev_token_rows=None)
-    sample_S = np.zeros(s_pad, bool)
+    x, ids_T = _input(runner, chunks, len(tokens), step.hidden.shape[0])
+    ids_T[:len(tokens)] = tokens
+    rows_T = np.zeros(len(ids_T), np.int32)
+    rows_T[:len(tokens)] = rows
+    sample_S = np.zeros(x.num_seqs, bool)
     sample_S[:len(chunks)] = [c.sample for c in chunks]
     return x, rows_T, sample_S, [c.req_id if c.sample else None for c in chunks]
+
+
+def _input(runner, chunks, num_tokens: int, bucket: int) -> tuple[StepInput, np.ndarray]:
+    """(the proposer's StepInput of `chunks` padded to `bucket`, its token ids to fill in):
+    the target's positions, slots and block tables, without what only the target's step
+    reads (sampling, prompt logprobs, tokens on their way), so that every pass of a bucket
+    has the same input structure."""
+    x, _ = runner.batch.build(SchedulerOutput([], chunks, [], num_tokens, [], 0), *runner.bucket(bucket))
+    ids_T = np.zeros(bucket, np.int32)
+    return dataclasses.replace(x, token_ids=ids_T, prev_token_rows=None, next_token_ids=None,
+                               sampling=None), ids_T
 
 
 def chain_order(sample_S):
@@ -112,16 +127,68 @@ def chain_drafts(first, next_step, cache, x, sample_S, k: int, block_size: int):
 
 
 class AfterStepProposer:
-    """A proposer that drafts k tokens per request after each target step (MTP, EAGLE3):
-    subclasses set `runner` and `k` and define `_drafts_of(x, hidden, rows_T, sample_S)` ->
-    i32[S, k]."""
+    """A proposer that drafts k tokens per request after each target step (MTP, EAGLE3).
+    Subclasses call __init__, set `weights` (a pytree of arrays), `cache` (its paged cache)
+    and `_step`: jax.jit of fn(weights, cache, x, hidden_TH, rows_T, sample_S) -> (cache,
+    drafts i32[S, k]), donating the cache. The pass after a target step of bucket T runs the
+    program of T; warmup() compiles every bucket's in the background."""
 
-    _drafts: dict[str, list[int]]
+    weights: object
+    cache: object
+    _step: object
+
+    def __init__(self, runner, k: int):
+        self.runner, self.k = runner, k
+        self._drafts: dict[str, list[int]] = {}
+        self._compiler = BackgroundCompiler()
+        self._pending: dict[int, concurrent.futures.Future] = {}   # bucket -> its compile
+        self._hidden: dict[int, jax.ShapeDtypeStruct] = {}          # ... the hidden it takes
 
     @property
     def num_lookahead_tokens(self) -> int:
         """Positions past a scheduled chunk whose blocks the chained steps write (module doc)."""
         return self.k - 1
+
+    def warmup(self) -> None:
+        """Start compiling every target bucket's program on daemon threads; returns at once.
+        Call after the target's warm-up: its compiled programs give the hidden states' shape.
+        A pass whose program is still compiling waits for it."""
+        jobs = []
+        for t in self.runner.buckets:
+            hidden = self.runner.hidden_spec(t)
+            if hidden is None:          # the target's program did not compile: first use will
+                continue
+            x, _ = _input(self.runner, [], 0, t)
+            args = (abstract(self.weights), abstract(self.cache), abstract(x), hidden,
+                    jax.ShapeDtypeStruct((t,), jnp.int32), jax.ShapeDtypeStruct((x.num_seqs,), jnp.bool_))
+            self._hidden[t] = hidden
+            jobs.append((t, functools.partial(_compile, self._step, args)))
+        try:
+            self._pending = self._compiler.start(jobs, os.cpu_count() or 1)
+        except Exception:  # noqa: BLE001 - no threads: each program compiles on first use
+            logger.warning("could not compile the proposer's programs in the background", exc_info=True)
+            self._hidden = {}
+
+    def wait_for_warmup(self, raise_errors: bool = True) -> None:
+        for future in self._pending.values():
+            try:
+                future.result()
+            except Exception:
+                if raise_errors:
+                    raise
+
+    def _program(self, x, hidden):
+        """Warm-up's program for this pass (waiting for it), or the jitted step when there is
+        none for these arguments (it compiles on first use)."""
+        t, want = x.num_tokens, self._hidden.get(x.num_tokens)
+        if want is None or (hidden.shape, hidden.dtype, hidden.sharding) != (want.shape, want.dtype, want.sharding):
+            return self._step
+        try:
+            return self._pending[t].result()
+        except Exception:  # noqa: BLE001 - warm-up only saves time
+            logger.warning("a proposer program failed to compile in warm-up; compiling again", exc_info=True)
+            del self._hidden[t]
+            return self._step
 
     def observe(self, out: SchedulerOutput, step, result) -> None:
         """Run over the step's valid positions; keep each sampling chunk's draft."""
@@ -130,8 +197,9 @@ class AfterStepProposer:
         if built is None:
             return
         x, rows_T, sample_S, sampled = built
-        drafts = np.asarray(self._drafts_of(x, step.hidden, rows_T, sample_S)).tolist()
-        for rid, draft in zip(sampled, drafts):
+        self.cache, drafts = self._program(x, step.hidden)(self.weights, self.cache, x, step.hidden,
+                                                           rows_T, sample_S)
+        for rid, draft in zip(sampled, np.asarray(drafts).tolist()):
             if rid is not None:
                 self._drafts[rid] = draft
 
@@ -140,3 +208,8 @@ class AfterStepProposer:
 
     def retain(self, running_ids) -> None:
         """Nothing per request: the cache lives on the target's blocks."""
+
+
+def _compile(step, args):
+    """step lowered for and compiled on abstract `args` (on a warm-up thread)."""
+    return step.lower(*args).compile()

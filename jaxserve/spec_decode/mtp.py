@@ -55,17 +55,12 @@ class MtpProposer(hidden_steps.AfterStepProposer):
             raise ValueError(f"speculative_config['method'] 'mtp' needs a model with MTP layers "
                              f"(DeepSeek V3's num_nextn_predict_layers, loaded with the checkpoint); "
                              f"{cfg.architecture} here has none")
-        self.k = spec_config.num_speculative_tokens
-        self.runner = runner
+        super().__init__(runner, spec_config.num_speculative_tokens)
+        self.weights = runner.params
         runner.return_hidden_states()
-        self.caches = allocate_caches(model.mtp_cache_specs(cfg), runner.num_blocks, 0,
-                                      runner.block_size, runner.dtype)
+        self.cache = allocate_caches(model.mtp_cache_specs(cfg), runner.num_blocks, 0,
+                                     runner.block_size, runner.dtype)
         self._step = jax.jit(functools.partial(_mtp_step, model=model, cfg=cfg,
                                                attention_impl=runner.attention_impl, k=self.k,
                                                block_size=runner.block_size),
                              donate_argnums=(1,))
-        self._drafts: dict[str, list[int]] = {}
-
-    def _drafts_of(self, x, hidden, rows_T, sample_S):
-        self.caches, drafts = self._step(self.runner.params, self.caches, x, hidden, rows_T, sample_S)
-        return drafts

@@ -93,13 +93,25 @@ def kept_rows(seq: int, starts: dict[int, tuple[int, int]], num_accepted: int) -
     return list(range(first, first + num_accepted)) + [first + num_accepted if num_accepted < k else seq]
 
 
-def warmup_draft_rows(num_tokens: int, k: int) -> list[int]:
-    """Draft row counts warm-up compiles for a step of `num_tokens` (padded) tokens: the
-    fewest (a prefill with a few drafting requests beside it) and a pure decode step's
-    (every sequence with k drafts). Other counts compile on first use."""
-    if num_tokens < 2:
-        return []
-    return sorted({padded(1), padded(min(num_tokens - 1, num_tokens * k // (k + 1)))})
+def warmup_draft_rows(prev_bucket: int, bucket: int, k: int, max_num_seqs: int) -> list[int]:
+    """Every padded draft-row count a verifying step of the token bucket (prev_bucket, bucket]
+    can have, for warm-up to compile: m sequences with drafts (at most S = min(bucket,
+    max_num_seqs)) carry m..m * k drafts and compute one token each besides, within the
+    bucket; when all S sequences draft, nothing else fills the step, so it must also pass
+    prev_bucket. Every padding from 16 to the most drafts is reachable (a long prefill beside
+    one draft), so a bucket of 2048 tokens with k = 3 and 256 sequences gets 7 counts."""
+    s = min(bucket, max_num_seqs)
+    counts = set()
+    for m in range(1, s + 1):
+        least, most = m, min(m * k, bucket - m)
+        if m == s:
+            least = max(least, prev_bucket + 1 - m)
+        if least <= most:
+            row = padded(least)
+            while row <= padded(most):
+                counts.add(row)
+                row *= 2
+    return sorted(counts)
 
 
 def with_draft_rows(x, num_draft_rows: int, k: int, sampling):
