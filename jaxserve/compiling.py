@@ -149,6 +149,16 @@ def prepare_mosaic_gpu_runtime() -> None:
     import jax.experimental.mosaic.gpu  # noqa: F401 - imported for its side effect
 
 
+def wait_all(futures, raise_errors: bool = True) -> None:
+    """Wait for every compile future (a warm-up's); raise the first failure if asked."""
+    for future in futures:
+        try:
+            future.result()
+        except Exception:
+            if raise_errors:
+                raise
+
+
 def abstract_repr(tree) -> str:
     """The abstract arguments' tree, shapes, dtypes and shardings, as text."""
     leaves, treedef = jax.tree.flatten(tree)

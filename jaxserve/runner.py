@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve import packing, sampler
-from jaxserve.compiling import StepCompiler
+from jaxserve.compiling import StepCompiler, wait_all
 from jaxserve.config import EngineConfig
 from jaxserve.input_batch import InputBatch, StepPlan
 from jaxserve.kv_cache import manager as cache_manager
@@ -502,9 +502,4 @@ class ModelRunner:
 
     def wait_for_warmup(self, raise_errors: bool = True) -> None:
         """Wait until every program warm-up started is compiled."""
-        for future in self._pending.values():
-            try:
-                future.result()
-            except Exception:
-                if raise_errors:
-                    raise
+        wait_all(self._pending.values(), raise_errors)

@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.compiling import BackgroundCompiler, abstract
+from jaxserve.compiling import BackgroundCompiler, abstract, wait_all
 from jaxserve.step_input import StepInput
 from jaxserve.step_messages import ScheduledRequest, SchedulerOutput
 
@@ -170,12 +170,7 @@ class AfterStepProposer:
             self._hidden = {}
 
     def wait_for_warmup(self, raise_errors: bool = True) -> None:
-        for future in self._pending.values():
-            try:
-                future.result()
-            except Exception:
-                if raise_errors:
-                    raise
+        wait_all(self._pending.values(), raise_errors)
 
     def _program(self, x, hidden):
         """Warm-up's program for this pass (waiting for it), or the jitted step when there is
