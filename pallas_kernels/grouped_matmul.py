@@ -94,7 +94,7 @@ def _over_chunks(x_MK, chunks, group_sizes_G, tuning):
     back; the chunks' results add up. The rotations move M rows, not weights."""
     m = x_MK.shape[0]
     rows_M = jnp.arange(m, dtype=jnp.int32)
-    ends_G = jnp.cumsum(group_sizes_G.astype(jnp.int32))
+    ends_G = _inclusive_sums(group_sizes_G.astype(jnp.int32))   # (not jnp.cumsum: see there)
     out, g0 = None, 0
     for w in chunks:
         g1 = g0 + w.shape[0]
