@@ -15,7 +15,8 @@ Figures:
 - decode_tok_s_off / _on: decode tokens/s of --batch requests with caching off and on (on:
   each request saves its state every block_size tokens: a copy program after those steps).
 - copy_ms_{n}: one state-copy program moving n slots (wall clock, median).
-The engine is warmed up (warmup=True) and each figure is the median of --rounds runs.
+The engine is warmed up (warmup=True, the default buckets) and each figure is the median of
+--rounds runs (a first round that compiles a shape drops out of the median).
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ def engine(args, caching: bool) -> LLM:
     return LLM(os.path.join(ROOT, "models", "configs", "Qwen3.5-397B-A17B-4L.json"),
                load_format="dummy", dtype="bfloat16", max_num_seqs=args.batch,
                max_num_batched_tokens=args.budget, max_model_len=args.prompt_len + 1024,
-               enable_prefix_caching=caching, warmup=True, warmup_all=True)
+               enable_prefix_caching=caching, warmup=True)   # all buckets: past 300 s on the H200
 
 
 def prompts(rng, vocab: int, n: int, length: int) -> list[list[int]]:

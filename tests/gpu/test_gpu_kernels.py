@@ -154,6 +154,20 @@ def test_grouped_matmul_rows_past_the_groups_are_zero():
     assert (got[64:] == 0).all()
 
 
+@pytest.mark.parametrize("rows", [8, 4096])
+def test_grouped_matmul_over_expert_chunks(rows):
+    """Expert arrays past the kernel's int32 reach run as chunks (split_experts, as DeepSeek-V3's
+    and MiniMax-M2's do in the engine): the same result as the whole array, sparse and dense."""
+    rng = np.random.default_rng(rows + 7)
+    sizes = routed(rows, seed=rows + 7)
+    x, w = rand(rng, (rows, 2048)), rand(rng, (128, 2048, 1536), scale=1 / 45)
+    chunks = gm.split_experts(w, limit=w.size // 4)
+    want = group_reference(x, w, sizes)
+    for impl in (("pallas", "auto") if rows <= gm.SPARSE_MAX_ROWS else ("auto",)):
+        got = np.asarray(gm.grouped_matmul(x, chunks, sizes, impl=impl), np.float32)
+        np.testing.assert_allclose(got, want, rtol=5e-2, atol=5e-2, err_msg=impl)
+
+
 # -- merge of key-range splits ------------------------------------------------------------------
 @pytest.mark.parametrize("x,t", [(4, 1), (32, 1), (8, 64), (32, 256)])
 def test_merge_splits(x, t):
