@@ -47,9 +47,11 @@ REPLICATED = P()
 
 def paged_attention(kernel, q_TNE, k_cache, v_cache, *metadata):
     """kernel(q, k_cache, v_cache, *metadata) -> o [T, N, E], per head shard under TP."""
-    n, k = q_TNE.shape[1], k_cache.shape[2]
     tp = model_axis_size()
-    if tp > 1 and (n % tp or k % tp):
+    if tp == 1:
+        return kernel(q_TNE, k_cache, v_cache, *metadata)
+    n, k = q_TNE.shape[1], k_cache.shape[2]
+    if n % tp or k % tp:
         raise ValueError(f"tensor_parallel_size {tp} must divide the query heads ({n}) and "
                          f"kv heads ({k}) to run the attention kernel per head shard")
     wrapped = per_model_shard(
