@@ -55,7 +55,7 @@ def _run(cfg, params, mesh, impl="xla"):
     return out
 
 
-def _forward_logits(cfg, params, kv, x, mesh, impl):
+def _forward_logits(cfg, params, kv, x, mesh=None, impl="xla"):
     model = registry.get_model_module(cfg.architecture)    # llama's families, MiniMax-M2, ...
     if impl == "xla":
         kv, hidden, _ = model.forward(cfg, params, kv, x)
