@@ -77,6 +77,16 @@ def token_buckets(max_tokens: int, smallest: int = 16) -> list[int]:
     return buckets + [max_tokens]
 
 
+def _step_on_mesh(*args, mesh, **kwargs):
+    """_step traced with `mesh` as the ambient (abstract) mesh, so kernel call sites can wrap
+    their kernels per shard (sharding/kernels.py). Set here, inside the traced function, not
+    around the runner's calls: warm-up lowers on threads, and a mesh context is per thread."""
+    if mesh is None:
+        return _step(*args, **kwargs)
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+        return _step(*args, **kwargs)
+
+
 def _step(params, caches, packed_W, prev_ids_M, *, model, cfg, backend: AttentionBackend,
           fused: frozenset, variant: StepVariant, layout: packing.Layout):
     x: StepInput = packing.unpack(packed_W, layout)
@@ -193,14 +203,16 @@ class ModelRunner:
             self.state_copier = StateCopier(
                 [i for i, spec in enumerate(self.cache_specs) if not isinstance(spec, PagedSpec)],
                 config.scheduler.max_num_seqs)
-        # NOTE: the kernels are not wrapped in shard_map yet, so a mesh runs the XLA path.
+        # NOTE: under a mesh only the paged-attention kernel runs per head shard so far
+        # (sharding/kernels.py); the MLA, DeltaNet, fused-norm and sampler kernels are not
+        # wrapped yet, so a mesh still runs the XLA path.
         impl = "xla" if mesh is not None else config.attention_impl
         self.backend = AttentionBackend(self.cfg, impl, context=self.max_blocks_per_seq * self.block_size,
                                         itemsize=self.dtype.itemsize)
         self.attention_impl = self.backend.impl
         fused = frozenset(config.fused_kernels)
-        self._step = jax.jit(functools.partial(_step, model=model, cfg=self.cfg, backend=self.backend,
-                                               fused=fused),
+        self._step = jax.jit(functools.partial(_step_on_mesh, mesh=mesh, model=model, cfg=self.cfg,
+                                               backend=self.backend, fused=fused),
                              donate_argnums=(1,), static_argnames=("variant", "layout"))
         self.return_hidden_states(False)
         self.batch = InputBatch(max_num_seqs=config.scheduler.max_num_seqs,

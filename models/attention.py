@@ -108,8 +108,14 @@ class AttentionBackend:
             return layers.paged_attention_xla(
                 q_TNE, k_cache, v_cache, x.block_tables, x.token_seq_ids, x.positions,
                 sm_scale=self.scale, sliding_window=self.cfg.sliding_window)
+        import functools
+
         from jaxserve.pallas_kernels import ragged_paged_attention as rpa
-        return rpa.ragged_paged_attention(
-            q_TNE, k_cache, v_cache, x.query_start_loc, x.seq_lens, x.block_tables,
-            sm_scale=self.scale, sliding_window=self.cfg.sliding_window, impl="pallas",
+        from jaxserve.sharding import kernels as sharded
+        kernel = functools.partial(
+            rpa.ragged_paged_attention, sm_scale=self.scale,
+            sliding_window=self.cfg.sliding_window, impl="pallas",
             busy_seqs=plan.busy_seqs, skewed=plan.skewed)
+        # Under a mesh with a `model` axis the kernel runs per head shard (sharding/kernels.py).
+        return sharded.paged_attention(kernel, q_TNE, k_cache, v_cache,
+                                       x.query_start_loc, x.seq_lens, x.block_tables)

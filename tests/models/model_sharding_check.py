@@ -8,6 +8,7 @@ Exits non-zero with a message on the first mismatch.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 
@@ -29,8 +30,9 @@ DENSE_KV4 = {"architectures": ["Qwen3ForCausalLM"], "vocab_size": 250, "hidden_s
 BLOCK, NUM_BLOCKS = 8, 16
 
 
-def _run(cfg, params, mesh):
-    """Logits of every step: prefill in two chunks, then two batched decode steps."""
+def _run(cfg, params, mesh, impl="xla"):
+    """Logits of every step: prefill in two chunks, then two batched decode steps. impl
+    "pallas": the attention kernel, run per head shard under the mesh (sharding/kernels.py)."""
     sharding = rules.kv_cache_sharding(cfg, mesh) if mesh is not None else None
     kv = empty_kv_cache(cfg, NUM_BLOCKS, BLOCK, sharding=sharding)
     tables = scattered_block_tables(3, 4, NUM_BLOCKS, seed=1)
@@ -39,7 +41,7 @@ def _run(cfg, params, mesh):
              [Chunk(2, prompts[2][8:], 8)],
              [Chunk(i, [7 + i], len(p)) for i, p in enumerate(prompts)],
              [Chunk(i, [11 + i], len(p) + 1) for i, p in enumerate(prompts)]]
-    step_fn = jax.jit(lambda p, kv, x: _forward_logits(cfg, p, kv, x))
+    step_fn = jax.jit(lambda p, kv, x: _forward_logits(cfg, p, kv, x, mesh, impl))
     out = []
     for chunks in steps:
         x = build_step(chunks, tables, BLOCK, 24, 4)
@@ -53,15 +55,20 @@ def _run(cfg, params, mesh):
     return out
 
 
-def _forward_logits(cfg, params, kv, x):
+def _forward_logits(cfg, params, kv, x, mesh=None, impl="xla"):
     model = registry.get_model_module(cfg.architecture)    # llama's families, MiniMax-M2, ...
-    kv, hidden, _ = model.forward(cfg, params, kv, x)
+    if impl == "xla":
+        kv, hidden, _ = model.forward(cfg, params, kv, x)
+    else:   # traced with the mesh as the ambient one, as the runner's step is
+        with (jax.sharding.use_abstract_mesh(mesh.abstract_mesh) if mesh is not None
+              else contextlib.nullcontext()):
+            kv, hidden, _ = model.forward(cfg, params, kv, x, model.make_kernels(cfg, impl))
     return kv, model.compute_logits(cfg, params, hidden)
 
 
-def check_matches(source, tp, ep, load_format="auto", atol=2e-5):
+def check_matches(source, tp, ep, load_format="auto", atol=2e-5, impl="xla"):
     cfg, ref_params, _ = load_model(source, load_format)
-    want = _run(cfg, ref_params, None)
+    want = _run(cfg, ref_params, None, impl)
     mesh = mesh_lib.make_mesh(tp, ep)
     cfg, params, _ = load_model(source, load_format, mesh=mesh)
     wq = params["layers"][0]["wq"]
@@ -71,12 +78,12 @@ def check_matches(source, tp, ep, load_format="auto", atol=2e-5):
         w_up = params["layers"][0]["w_up"]
         assert w_up.addressable_shards[0].data.shape == (cfg.num_experts // ep, cfg.hidden_size,
                                                         cfg.moe_intermediate_size // tp)
-    got = _run(cfg, params, mesh)
+    got = _run(cfg, params, mesh, impl)
     for i, (g, w) in enumerate(zip(got, want)):
         err = float(np.max(np.abs(g - w)))
         if err > atol:
             sys.exit(f"{source} TP={tp} EP={ep}: step {i} logits differ by {err} (> {atol})")
-    print(f"ok {os.path.basename(str(source)) if isinstance(source, str) else 'dict'} TP={tp} EP={ep}")
+    print(f"ok {os.path.basename(str(source)) if isinstance(source, str) else 'dict'} TP={tp} EP={ep} {impl}")
 
 
 def check_errors():
@@ -131,6 +138,8 @@ def main():
     check_matches(ckpt("qwen3_moe"), tp=1, ep=4)
     check_matches(ckpt("mixtral"), tp=2, ep=2)
     check_matches(ckpt("llama_tied"), tp=2, ep=1)                 # tied embedding, vocab split
+    for tp in (2, 4):                                             # the attention kernel per shard
+        check_matches(DENSE_KV4, tp=tp, ep=1, load_format="dummy", atol=1e-5, impl="pallas")
 
 
 if __name__ == "__main__":
