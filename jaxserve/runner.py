@@ -142,23 +142,6 @@ class InFlightStep:
     hidden: jax.Array | None = None   # f[T, D] final hidden states (variant.hidden), on the device
 
 
-def _rows_and_counts(step: InFlightStep):
-    """(the sampled rows' output, the accepted counts or None) of a step. A verifying step's
-    rows are its sequences' then its drafts' (spec_decode/verify_rows.py)."""
-    if step.plan.draft_starts:
-        return step.result.rows, step.result.num_accepted
-    return step.result, None
-
-
-def _host_bound(step: InFlightStep):
-    """The device arrays collect() brings to the host: all of them for a step with logprobs,
-    else only the sampled ids (and a verifying step's accepted counts)."""
-    rows_out, accepted = _rows_and_counts(step)
-    if step.variant.num_top or step.variant.prompt_logprobs:
-        return rows_out, step.prompt, accepted
-    return rows_out.token_ids, accepted
-
-
 def allocate_caches(specs, num_blocks: int, num_slots: int, block_size: int, dtype,
                     sharding_of=None) -> list[dict[str, jax.Array]]:
     """Zeroed device arrays of every layer's cache spec: paged arrays [num_blocks, P, *shape],
@@ -370,14 +353,7 @@ class ModelRunner:
         if out.state_saves:
             self.kv_cache = self.state_copier(self.kv_cache, out.state_saves)
         self.batch.prev_rows = {rid: i for i, (rid, s) in enumerate(zip(plan.req_ids, plan.samples)) if s}
-        step = InFlightStep(plan, variant, result, prompt, hidden)
-        # Queue the copies collect() reads now: they start when the step ends, so collect finds
-        # the ids on the host instead of paying a transfer after its wait (H200, 8B batch 1:
-        # reading the results took 0.67 ms of a step's host work).
-        for a in jax.tree.leaves(_host_bound(step)):
-            if isinstance(a, jax.Array):
-                a.copy_to_host_async()
-        return step
+        return InFlightStep(plan, variant, result, prompt, hidden)
 
     def failing_requests(self, out: SchedulerOutput) -> list[int]:
         """Indices of the scheduled requests whose step inputs cannot be built even alone
@@ -394,7 +370,9 @@ class ModelRunner:
         """Wait for a dispatched step, bring its sampled tokens (and logprobs) to the host and
         append them to the persistent batch."""
         plan, variant = step.plan, step.variant
-        rows_out, accepted = _rows_and_counts(step)
+        # A verifying step's rows are its sequences' then its drafts' (spec_decode/verify_rows.py)
+        rows_out = step.result.rows if plan.draft_starts else step.result
+        accepted = step.result.num_accepted if plan.draft_starts else None
         if variant.num_top or variant.prompt_logprobs:
             result, prompt, accepted = jax.device_get((rows_out, step.prompt, accepted))
             ids = result.token_ids.tolist()
