@@ -17,6 +17,7 @@ Legend: T tokens, N query heads, K kv heads, E head dim, S sequences.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import numpy as np
@@ -108,8 +109,6 @@ class AttentionBackend:
             return layers.paged_attention_xla(
                 q_TNE, k_cache, v_cache, x.block_tables, x.token_seq_ids, x.positions,
                 sm_scale=self.scale, sliding_window=self.cfg.sliding_window)
-        import functools
-
         from jaxserve.pallas_kernels import ragged_paged_attention as rpa
         from jaxserve.sharding import kernels as sharded
         kernel = functools.partial(
