@@ -185,5 +185,6 @@ class AsyncEngine:
                 for rid in list(self._streams):
                     self._deliver(rid, EngineDeadError(f"engine step failed: {type(e).__name__}: {e}"))
                 return
+        self.engine.core.drain()
         for rid in list(self._streams):
             self._deliver(rid, EngineDeadError("the engine is shutting down"))

@@ -17,6 +17,8 @@ import logging
 import time
 from dataclasses import dataclass
 
+import jax
+
 from jaxserve.engine.input_processor import EngineRequest
 from jaxserve.request import Request, RequestStatus
 from jaxserve.runner import ModelRunner
@@ -81,6 +83,16 @@ class EngineCore:
                                     self.scheduler.config.max_model_len,
                                     valid=self.runner.batch.grammar_drafts)
         return StepOutcome(out, result, updates, time.perf_counter() - t0)
+
+    def drain(self) -> None:
+        """Read the dispatched step, if any, and drop it (the engine is stopping). Why: its
+        queued host copies must land before the process exits; the runtime's copy threads
+        torn down mid-copy abort the process ("terminate called without an active
+        exception", seen on SIGTERM with open streams)."""
+        if self._inflight is not None:
+            _, step = self._inflight
+            self._inflight = None
+            jax.device_get((step.result, step.prompt))
 
     def _dispatch(self, out: SchedulerOutput):
         """Launch a step. If its inputs cannot be built, the requests at fault fail alone
