@@ -203,11 +203,10 @@ class ModelRunner:
             self.state_copier = StateCopier(
                 [i for i, spec in enumerate(self.cache_specs) if not isinstance(spec, PagedSpec)],
                 config.scheduler.max_num_seqs)
-        # NOTE: under a mesh only the paged-attention kernel runs per head shard so far
-        # (sharding/kernels.py); the MLA, DeltaNet, fused-norm and sampler kernels are not
-        # wrapped yet, so a mesh still runs the XLA path.
-        impl = "xla" if mesh is not None else config.attention_impl
-        self.backend = AttentionBackend(self.cfg, impl, context=self.max_blocks_per_seq * self.block_size,
+        # Under a mesh the kernels run per `model` shard, or on replicated inputs
+        # (sharding/kernels.py), so the impl is the configured one with or without a mesh.
+        self.backend = AttentionBackend(self.cfg, config.attention_impl,
+                                        context=self.max_blocks_per_seq * self.block_size,
                                         itemsize=self.dtype.itemsize)
         self.attention_impl = self.backend.impl
         fused = frozenset(config.fused_kernels)
