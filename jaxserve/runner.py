@@ -169,6 +169,9 @@ class ModelRunner:
         self.cfg = config.model
         # One matmul per group of projections that share an input (unsharded only; see
         # models/llama.py fuse_projections). In place, so no second copy of the weights.
+        # NOTE: off under a mesh: the sharding rules name the unfused weights, and wq|wk|wv
+        # concatenated then split by columns would give rank 0 all of q and none of k, v
+        # (a per-shard interleaved concatenation would need every family's split to know TP).
         if mesh is None and hasattr(model, "fuse_projections"):
             params = model.fuse_projections(config.model, params)
         if mesh is None:     # expert arrays past the grouped-matmul kernel's reach, as chunks
