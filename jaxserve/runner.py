@@ -186,6 +186,9 @@ class ModelRunner:
         self.cfg = config.model
         # One matmul per group of projections that share an input (unsharded only; see
         # models/llama.py fuse_projections). In place, so no second copy of the weights.
+        # NOTE: off under a mesh: the sharding rules name the unfused weights, and wq|wk|wv
+        # concatenated then split by columns would give rank 0 all of q and none of k, v
+        # (a per-shard interleaved concatenation would need every family's split to know TP).
         if mesh is None and hasattr(model, "fuse_projections"):
             params = model.fuse_projections(config.model, params)
         if mesh is None:     # expert arrays past the grouped-matmul kernel's reach, as chunks
@@ -221,11 +224,10 @@ class ModelRunner:
             self.state_copier = StateCopier(
                 [i for i, spec in enumerate(self.cache_specs) if not isinstance(spec, PagedSpec)],
                 config.scheduler.max_num_seqs)
-        # NOTE: under a mesh only the paged-attention kernel runs per head shard so far
-        # (sharding/kernels.py); the MLA, DeltaNet, fused-norm and sampler kernels are not
-        # wrapped yet, so a mesh still runs the XLA path.
-        impl = "xla" if mesh is not None else config.attention_impl
-        self.backend = AttentionBackend(self.cfg, impl, context=self.max_blocks_per_seq * self.block_size,
+        # Under a mesh the kernels run per `model` shard, or on replicated inputs
+        # (sharding/kernels.py), so the impl is the configured one with or without a mesh.
+        self.backend = AttentionBackend(self.cfg, config.attention_impl,
+                                        context=self.max_blocks_per_seq * self.block_size,
                                         itemsize=self.dtype.itemsize)
         self.attention_impl = self.backend.impl
         fused = frozenset(config.fused_kernels)

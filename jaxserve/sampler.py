@@ -16,6 +16,7 @@ a `lax.cond` on a data-dependent predicate would make the GPU wait for the host 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -46,7 +47,7 @@ def sample(logits_SV: jax.Array, t: SamplingTensors, num_top: int, truncate: boo
     `truncate=False` leaves min_p / top_k / top_p out of the program (no passes over the
     vocabulary for their thresholds): the runner passes it when no row of the step uses them.
     `kernels=False` keeps the Pallas threshold kernels out (a full sort instead): the runner's
-    XLA path, which a device mesh also takes (the kernels are not wrapped in shard_map)."""
+    XLA path. Under a mesh the kernels run on gathered (replicated) logits (_truncate)."""
     logits_SV = logits_SV.astype(jnp.float32)
     x_SV, greedy_S, is_greedy_S = target_logits(logits_SV, t, truncate, kernels)
     drawn_S = gumbel_draw(x_SV, row_keys(t.seeds, t.offsets))
@@ -149,8 +150,13 @@ def _truncate(x_SV: jax.Array, t: SamplingTensors, kernels: bool = True) -> jax.
     max_S1 = jnp.max(x_SV, axis=-1, keepdims=True)
     x_SV = jnp.where(x_SV >= max_S1 + jnp.log(t.min_p)[:, None], x_SV, -jnp.inf)
     if threshold_kernels_apply(x_SV.shape[0], kernels):
-        kth_S = topk_threshold(x_SV, t.top_k, impl="pallas")       # -inf where top_k is off
-        cut_S = topp_threshold(x_SV, t.top_p, kth_S, impl="pallas")  # -inf where top_p is 1
+        # Under a mesh the (maybe vocab-split) logits are gathered and every rank finds the
+        # same thresholds (sharding/kernels.replicated): a radix select needs whole rows.
+        from jaxserve.sharding import kernels as sharded
+        kth_S = sharded.replicated(functools.partial(topk_threshold, impl="pallas"), 2)(
+            x_SV, t.top_k)                                            # -inf where top_k is off
+        cut_S = sharded.replicated(functools.partial(topp_threshold, impl="pallas"), 3)(
+            x_SV, t.top_p, kth_S)                                     # -inf where top_p is 1
         keep_SV = (x_SV >= kth_S[:, None]) & (x_SV >= cut_S[:, None])
         return jnp.where(keep_SV, x_SV, -jnp.inf)
     sorted_SV = -jnp.sort(-x_SV, axis=-1)   # descending

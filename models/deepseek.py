@@ -45,6 +45,7 @@ from jaxserve.pallas_kernels.dispatch import resolve_impl
 from jaxserve.pallas_kernels.grouped_matmul import grouped_matmul
 from jaxserve.pallas_kernels.mla_attention import mla_attention
 from jaxserve.pallas_kernels.topk import topk
+from jaxserve.sharding import kernels as sharded
 from jaxserve.step_input import StepInput
 
 LORA_NORM_EPS = 1e-6     # q_a / kv_a norms: DeepSeek builds them with the default eps
@@ -258,7 +259,9 @@ def indexer(cfg: DeepseekConfig, lp: dict, cache: dict, h_TD, q_resid_TQ, x: Ste
     w_TI = layers.linear(h_TD, lp["w_idx"]).astype(jnp.float32) * i ** -0.5
     scores_TL = mla.index_scores_xla(q_TIJ, w_TI, index_k, x.block_tables, x.token_seq_ids,
                                      x.positions, scale=j ** -0.5)
-    topk_fn = None if impl == "xla" else functools.partial(topk, impl=impl)
+    # the scores are replicated (so is the indexer): every rank selects the same positions
+    topk_fn = None if impl == "xla" else (
+        lambda s, k: sharded.replicated(functools.partial(topk, k=k, impl=impl), 1, 2)(s))
     return dict(cache, index_k=index_k), mla.select_topk(scores_TL, cfg.index_topk, topk_fn)
 
 
@@ -286,8 +289,10 @@ def attention_block(cfg: DeepseekConfig, lp: dict, cache: dict, h_TD: jax.Array,
     # absorbed: q_nope . (W_UK c) = (q_nope W_UK) . c, so scores need only the latent
     q_lat_TNC = jnp.einsum("tne,nec->tnc", q_nope_TNE, lp["w_uk"].astype(q_nope_TNE.dtype))
     q_TNW = jnp.concatenate([q_lat_TNC, q_rope_TNR], axis=-1)
-    o_TNC = mla_attention(q_TNW, latent, x.block_tables, x.token_seq_ids, x.positions, selected_Tk,
-                          sm_scale=rope.sm_scale, value_dim=c, impl=impl)
+    attend = functools.partial(mla_attention, sm_scale=rope.sm_scale, value_dim=c, impl=impl)
+    if impl != "xla":   # the kernel per head shard under a mesh (sharding/kernels.py)
+        attend = functools.partial(sharded.mla_attention, attend)
+    o_TNC = attend(q_TNW, latent, x.block_tables, x.token_seq_ids, x.positions, selected_Tk)
     o_TNO = jnp.einsum("tnc,nco->tno", o_TNC, lp["w_uv"].astype(o_TNC.dtype))
     return cache, layers.linear(o_TNO.reshape(t, -1), lp["wo"])
 

@@ -142,15 +142,21 @@ def make_kernels(cfg: ModelConfig, backend: "AttentionBackend | str" = "xla",
 
     from jaxserve.pallas_kernels.fused_add_rms_norm import fused_add_rms_norm
     from jaxserve.pallas_kernels.qk_norm_rope_kv_write import qk_norm_rope_kv_write
+    from jaxserve.sharding import kernels as sharded
 
+    # Under a mesh (sharding/kernels.py): the norm runs on the replicated activations, the
+    # rope/KV-write kernel per head shard.
     def fused_add_norm(x_TD, res_TD, w_D):
         if res_TD is None:
-            return x_TD, fused_add_rms_norm(x_TD, None, w_D, eps=eps, impl="pallas")
-        return fused_add_rms_norm(x_TD, res_TD, w_D, eps=eps, impl="pallas")
+            norm = sharded.replicated(lambda x, w: fused_add_rms_norm(x, None, w, eps=eps, impl="pallas"), 2)
+            return x_TD, norm(x_TD, w_D)
+        add_norm = sharded.replicated(
+            lambda x, r, w: fused_add_rms_norm(x, r, w, eps=eps, impl="pallas"), 3, num_outs=2)
+        return add_norm(x_TD, res_TD, w_D)
 
-    def fused_rope_write(q_TNE, k_TKE, v_TKE, positions, slots, k_cache, v_cache, inv_freq, q_norm, k_norm):
-        return qk_norm_rope_kv_write(q_TNE, k_TKE, v_TKE, positions, slots, k_cache, v_cache, inv_freq,
-                                     q_norm, k_norm, eps=eps, impl="pallas")
+    def fused_rope_write(*args):
+        return sharded.qk_norm_rope_kv_write(
+            functools.partial(qk_norm_rope_kv_write, eps=eps, impl="pallas"), *args)
 
     # The fused rope/KV-write kernel tiles the head dim: it needs a power of two >= 32.
     e = cfg.head_dim

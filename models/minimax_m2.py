@@ -125,7 +125,10 @@ def make_kernels(cfg: MiniMaxM2Config, backend="xla", plan=None, fused=frozenset
     rope_write = functools.partial(rope_write_xla, eps=eps)
     if "rope" in fused and kernels.impl == "pallas" and e >= 32 and e & (e - 1) == 0:
         from jaxserve.pallas_kernels.full_qk_norm_rope_kv_write import full_qk_norm_rope_kv_write
-        rope_write = functools.partial(full_qk_norm_rope_kv_write, eps=eps, impl="pallas")
+        from jaxserve.sharding import kernels as sharded
+        # under a mesh per head shard, the row norms' sums of squares psum'd across ranks
+        rope_write = functools.partial(sharded.full_qk_norm_rope_kv_write,
+                                       functools.partial(full_qk_norm_rope_kv_write, eps=eps, impl="pallas"))
     return dataclasses.replace(kernels, rope_write=rope_write)
 
 

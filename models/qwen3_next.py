@@ -38,6 +38,7 @@ heads, A key head dim, B value head dim, C = 2*G*A + H*B conv channels, W conv w
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,6 +49,7 @@ from jaxserve.config import ModelConfig
 from jaxserve.kv_cache.specs import PagedSpec, StateSpec
 from jaxserve.models import gated_deltanet as gdn
 from jaxserve.models import layers, llama, moe
+from jaxserve.sharding import kernels as sharded
 from jaxserve.step_input import StepInput
 
 LINEAR, FULL = "linear_attention", "full_attention"
@@ -249,8 +251,12 @@ def linear_block(cfg, lp, cache, h_TD, x: StepInput, impl: str = "xla"):
     conv_w = lp["conv_w_grouped" if grouped else "conv_w"]
     conv_TC, conv_state = gdn.causal_conv(qkv_TC, conv_w, zero_fresh(cache["conv"][slots_S]), qsl)
     conv_cache = cache["conv"].at[slots_S].set(conv_state.astype(cache["conv"].dtype))
-    if impl == "pallas" and pallas_fits(cfg) and not grouped:
-        o_THB, ssm_cache = pallas_delta_rule(cfg, lp, conv_TC, a_in, beta_in, cache["ssm"], x)
+    if impl == "pallas" and pallas_fits(cfg) and (grouped or sharded.model_axis_size() == 1):
+        # per value-head shard under a mesh (sharding/kernels.gated_delta); that needs each
+        # rank's channel block to be its own heads: the grouped layout (else XLA below)
+        o_THB, ssm_cache = sharded.gated_delta(
+            functools.partial(pallas_delta_rule, cfg, grouped=grouped), conv_TC, a_in, beta_in,
+            lp["a_log"], lp["dt_bias"], cache["ssm"], x.query_start_loc, x.seq_lens, x.state_slots)
     else:
         q, k, v, g, beta = gdn.post_conv(conv_TC, a_in, beta_in, lp["a_log"], lp["dt_bias"],
                                          num_k_heads=cfg.linear_num_key_heads, k_dim=a, v_dim=b,
@@ -271,19 +277,32 @@ def pallas_fits(cfg) -> bool:
     return pow2(cfg.linear_key_head_dim) and pow2(cfg.linear_value_head_dim) and r & (r - 1) == 0
 
 
-def pallas_delta_rule(cfg, lp, conv_TC, a_TH, b_TH, ssm_NHBA, x: StepInput):
+def ungroup_channels(conv_TC, num_k_heads: int, k_dim: int):
+    """The grouped conv layout ([q_j | k_j | v of its value heads] per key head j) back to q | k | v,
+    the Pallas post-conv's order; a local permutation of each rank's own channels."""
+    t = conv_TC.shape[0]
+    x = conv_TC.reshape(t, num_k_heads, -1)
+    return jnp.concatenate([p.reshape(t, -1) for p in jnp.split(x, [k_dim, 2 * k_dim], axis=-1)], -1)
+
+
+def pallas_delta_rule(cfg, conv_TC, a_TH, b_TH, a_log_H, dt_bias_H, ssm_NHBA, query_start_loc,
+                      seq_lens, state_slots, *, grouped: bool = False):
     """The Pallas path: fused post-conv, then the recurrent decode kernel when no sequence has
-    more than one token, else the chunked kernel; both update the state cache in place.
-    Returns (o f32[T, H, B], ssm cache)."""
+    more than one token, else the chunked kernel; both update the state cache in place. Runs
+    on whatever heads it is given (one rank's under a mesh: H / TP value heads and their key
+    heads). Returns (o f32[T, H, B], ssm cache)."""
     from jaxserve.pallas_kernels.gated_delta_chunked import gated_delta_chunked
     from jaxserve.pallas_kernels.gated_delta_decode import gated_delta_decode
     from jaxserve.pallas_kernels.gdn_post_conv import gdn_post_conv
 
-    q, k, v, g, beta = gdn_post_conv(conv_TC, a_TH, b_TH, lp["a_log"], lp["dt_bias"],
-                                     num_k_heads=cfg.linear_num_key_heads, k_dim=cfg.linear_key_head_dim,
-                                     v_dim=cfg.linear_value_head_dim, impl="pallas")
-    args = (q, k, v, g, beta, x.query_start_loc, x.seq_lens, x.state_slots)
-    seq_T, _, _, real_T = gdn.ragged_index(x.query_start_loc, conv_TC.shape[0])
+    key_heads = a_TH.shape[1] * cfg.linear_num_key_heads // cfg.linear_num_value_heads   # here
+    if grouped:
+        conv_TC = ungroup_channels(conv_TC, key_heads, cfg.linear_key_head_dim)
+    q, k, v, g, beta = gdn_post_conv(conv_TC, a_TH, b_TH, a_log_H, dt_bias_H, num_k_heads=key_heads,
+                                     k_dim=cfg.linear_key_head_dim, v_dim=cfg.linear_value_head_dim,
+                                     impl="pallas")
+    args = (q, k, v, g, beta, query_start_loc, seq_lens, state_slots)
+    seq_T, _, _, real_T = gdn.ragged_index(query_start_loc, conv_TC.shape[0])
 
     def decode(ssm):
         o_SHB, ssm = gated_delta_decode(*args, ssm, impl="pallas")
@@ -292,7 +311,7 @@ def pallas_delta_rule(cfg, lp, conv_TC, a_TH, b_TH, ssm_NHBA, x: StepInput):
     def chunked(ssm):
         return gated_delta_chunked(*args, ssm, impl="pallas")
 
-    return jax.lax.cond(jnp.max(jnp.diff(x.query_start_loc)) <= 1, decode, chunked, ssm_NHBA)
+    return jax.lax.cond(jnp.max(jnp.diff(query_start_loc)) <= 1, decode, chunked, ssm_NHBA)
 
 
 def mlp_block(cfg, lp, h_TD, impl: str):

@@ -78,3 +78,26 @@ except ValueError as e:
     print("ok indivisible heads refused")
 else:
     raise AssertionError("TP 8 over 4 kv heads was not refused")
+
+# The sampler's threshold kernels (run only on a GPU, so forced here) on vocab-split logits
+# through sharding/kernels.replicated, as sampler._truncate calls them: equal the unsharded.
+from jaxserve.pallas_kernels.topk_threshold import topk_threshold, topp_threshold  # noqa: E402
+
+rng = np.random.default_rng(7)
+logits = jnp.asarray(rng.standard_normal((4, 256), np.float32))
+top_k, top_p = jnp.asarray([0, 5, 40, 3], jnp.int32), jnp.asarray([1.0, 0.9, 0.5, 0.2], jnp.float32)
+
+
+def thresholds(x, k, p):
+    kth = sharded.replicated(functools.partial(topk_threshold, impl="pallas"), 2)(x, k)
+    return kth, sharded.replicated(functools.partial(topp_threshold, impl="pallas"), 3)(x, p, kth)
+
+
+want = jax.jit(thresholds)(logits, top_k, top_p)
+mesh = make_mesh(tensor_parallel_size=4)
+split = jax.device_put(logits, NamedSharding(mesh, sharded.COLUMNS_TC))
+with jax.set_mesh(mesh):
+    got = jax.jit(thresholds)(split, top_k, top_p)
+for g, w in zip(got, want):
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+print("ok sampler thresholds on vocab-split logits tp4")

@@ -24,7 +24,7 @@ from jax.sharding import PartitionSpec  # noqa: E402
 
 from jaxserve.models import hf_loader, minimax_m2  # noqa: E402
 from jaxserve.sharding import mesh as mesh_lib, rules  # noqa: E402
-from model_sharding_check import GOLDEN, _forward_logits, _run, check_matches  # noqa: E402
+from model_sharding_check import FUSED, GOLDEN, _forward_logits, _run, check_matches  # noqa: E402
 from model_step_builder import Chunk, build_step, scattered_block_tables  # noqa: E402
 
 ATOL = 1e-5
@@ -33,6 +33,8 @@ WIDE = {"architectures": ["MiniMaxM2ForCausalLM"], "vocab_size": 250, "hidden_si
         "intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 8,
         "num_key_value_heads": 4, "head_dim": 16, "rotary_dim": 8, "rope_theta": 50000.0,
         "num_local_experts": 8, "num_experts_per_tok": 2, "rms_norm_eps": 1e-6}
+# head dim 32: the fused full-width q/k-norm kernel's smallest (minimax_m2.make_kernels)
+WIDE_E32 = dict(WIDE, head_dim=32, rotary_dim=16)
 
 
 def random_params(cfg, seed: int = 0) -> dict:
@@ -51,23 +53,24 @@ def random_params(cfg, seed: int = 0) -> dict:
     return out
 
 
-def check_random(cfg, host, want, tp, ep):
+def check_random(cfg, host, want, tp, ep, impl="xla", fused=frozenset()):
     mesh = mesh_lib.make_mesh(tp, ep)
     params = rules.shard_params(host, cfg, mesh)
     q_norm = params["layers"][0]["q_norm"]
     assert q_norm.sharding.spec == PartitionSpec("model"), q_norm.sharding
     assert q_norm.addressable_shards[0].data.shape == (cfg.num_heads * cfg.head_dim // tp,)
-    got = _run(cfg, params, mesh)
+    got = _run(cfg, params, mesh, impl, fused)
     for i, (g, w) in enumerate(zip(got, want)):
         err = float(np.max(np.abs(g - w)))
         if err > ATOL:
-            sys.exit(f"random weights TP={tp} EP={ep}: step {i} logits differ by {err} (> {ATOL})")
-    print(f"ok random TP={tp} EP={ep}")
+            sys.exit(f"random weights TP={tp} EP={ep} {impl}: step {i} logits differ by {err} (> {ATOL})")
+    print(f"ok random TP={tp} EP={ep} {impl} {'+'.join(sorted(fused))}")
 
 
-def check_one_reduction(cfg, host, tp):
+def check_one_reduction(cfg, host, tp, impl="xla", fused=frozenset()):
     """The compiled step: per layer exactly one all-reduce of f32[T, 2] (q's and k's sums of
-    squares together), and none of f32[T] or f32[T, 1] (one of them alone)."""
+    squares together), and none of f32[T] or f32[T, 1] (one of them alone); with the fused
+    kernel too (its psum inside the shard_map, sharding/kernels.full_qk_norm_rope_kv_write)."""
     mesh = mesh_lib.make_mesh(tp, 1)
     params = rules.shard_params(host, cfg, mesh)
     kv = [{n: jax.device_put(np.zeros((16, 8, cfg.num_kv_heads, cfg.head_dim), np.float32),
@@ -76,13 +79,14 @@ def check_one_reduction(cfg, host, tp):
     t = 24
     x = jax.device_put(build_step([Chunk(0, list(range(5, 25)), 0)], scattered_block_tables(1, 4, 16),
                                   8, t, 4), rules.replicated(mesh))
-    hlo = jax.jit(lambda p, kv, x: _forward_logits(cfg, p, kv, x)).lower(params, kv, x).compile().as_text()
+    hlo = jax.jit(lambda p, kv, x: _forward_logits(cfg, p, kv, x, mesh, impl, fused)).lower(
+        params, kv, x).compile().as_text()
     shapes = re.findall(r"= (f32\[[0-9,]*\])\{[^}]*\} all-reduce\(", hlo)
     pair, single = shapes.count(f"f32[{t},2]"), shapes.count(f"f32[{t}]") + shapes.count(f"f32[{t},1]")
     if pair != cfg.num_layers or single:
         sys.exit(f"TP={tp}: all-reduces {shapes}: want {cfg.num_layers} of f32[{t},2] (one per layer) "
                  f"and none of f32[{t}] / f32[{t},1]")
-    print(f"ok one q/k reduction per layer TP={tp}")
+    print(f"ok one q/k reduction per layer TP={tp} {impl}")
 
 
 def check_engine(tp, ep):
@@ -126,6 +130,14 @@ def main():
     want = _run(cfg, jax.tree.map(lambda a: jax.device_put(a, one), host), None)
     check_random(cfg, host, want, tp=4, ep=2)
     check_one_reduction(cfg, host, tp=4)
+    # the fused full-width q/k-norm kernel per head shard (its sums of squares psum'd), the
+    # fused add+RMSNorm and the attention kernel; with weights of the goldens' size
+    check_matches(ckpt, tp=2, ep=2, atol=ATOL, impl="pallas", fused=FUSED)
+    cfg = hf_loader.model_config_from_hf(WIDE_E32)
+    host = random_params(cfg)
+    want = _run(cfg, jax.tree.map(lambda a: jax.device_put(a, one), host), None)
+    check_random(cfg, host, want, tp=4, ep=1, impl="pallas", fused=FUSED)
+    check_one_reduction(cfg, host, tp=4, impl="pallas", fused=FUSED)
     check_ready_config()
     check_engine(tp=2, ep=2)
 

@@ -15,9 +15,11 @@ Usage: new_families_sharding_check.py deepseek | qwen3_next   (one family per pr
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import re
 import sys
+import time
 
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 os.environ["JAX_PLATFORMS"] = "cpu"
@@ -37,12 +39,14 @@ GOLDEN = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "go
 ATOL = 1e-5
 BLOCK, NUM_BLOCKS, NUM_SLOTS = 8, 16, 5
 LAST_HLO = [""]           # the compiled step of the latest run()
-# TP 4 needs 4 kv heads, 4 linear key heads and 8 value heads (the tiny checkpoint has 2, 2, 4)
+SHARD_MAPS = [0]          # how many shard_map regions the latest run's step has
+# TP 4 needs 4 kv heads, 4 linear key heads and 8 value heads (the tiny checkpoint has 2, 2, 4);
+# head dims 16: the DeltaNet kernels' smallest (qwen3_next.pallas_fits)
 QWEN_WIDE = {"architectures": ["Qwen3NextForCausalLM"], "vocab_size": 250, "hidden_size": 64,
              "intermediate_size": 64, "num_hidden_layers": 3, "num_attention_heads": 8,
              "num_key_value_heads": 4, "head_dim": 16, "layer_types": ["linear_attention",
              "full_attention", "linear_attention"], "linear_num_key_heads": 4,
-             "linear_num_value_heads": 8, "linear_key_head_dim": 8, "linear_value_head_dim": 8,
+             "linear_num_value_heads": 8, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
              "linear_conv_kernel_dim": 4, "num_experts": 8, "num_experts_per_tok": 2,
              "moe_intermediate_size": 16, "shared_expert_intermediate_size": 32, "mlp_only_layers": [1]}
 
@@ -66,9 +70,10 @@ def empty_caches(cfg, mesh):
     return out
 
 
-def run(cfg, params, mesh):
+def run(cfg, params, mesh, impl="xla"):
     """Logits of every step: prefill in two chunks (ragged, beside short prompts), then two
-    batched decode steps."""
+    batched decode steps. impl "pallas": the family's kernels (interpreted), traced with the
+    mesh as the ambient one as the runner's step is, so they run per shard (sharding/kernels.py)."""
     model = registry.get_model_module(cfg.architecture)
     caches = empty_caches(cfg, mesh)
     tables = scattered_block_tables(3, 4, NUM_BLOCKS, seed=1)
@@ -80,7 +85,10 @@ def run(cfg, params, mesh):
              [Chunk(i, [11 + i], len(p) + 1) for i, p in enumerate(prompts)]]
 
     def step(p, c, x):
-        c, hidden, _ = model.forward(cfg, p, c, x)
+        with contextlib.ExitStack() as ambient:
+            if mesh is not None:
+                ambient.enter_context(jax.sharding.use_abstract_mesh(mesh.abstract_mesh))
+            c, hidden, _ = model.forward(cfg, p, c, x, model.make_kernels(cfg, impl))
         return c, model.compute_logits(cfg, p, hidden)
 
     out, step_fn = [], None
@@ -89,7 +97,9 @@ def run(cfg, params, mesh):
         if mesh is not None:
             x = jax.device_put(x, rules.replicated(mesh))
         if step_fn is None:       # every step has the same shapes: one compile
-            step_fn = jax.jit(step).lower(params, caches, x).compile()
+            lowered = jax.jit(step).lower(params, caches, x)
+            SHARD_MAPS[0] = lowered.as_text().count("sdy.manual_computation")
+            step_fn = lowered.compile()
         caches, logits = step_fn(params, caches, x)
         out.append(np.asarray(logits)[: sum(len(c.token_ids) for c in chunks)])
     LAST_HLO[0] = step_fn.as_text()
@@ -101,23 +111,36 @@ def run(cfg, params, mesh):
     return out
 
 
-def check_matches(source, meshes, load_format="auto"):
-    """Each (tp, ep) mesh's logits equal one device's within ATOL: (cfg, {(tp, ep): params})."""
+def check_matches(source, meshes, load_format="auto", pallas_meshes=()):
+    """Each (tp, ep) mesh's logits equal one device's (XLA) within ATOL, with the XLA path on
+    `meshes` and the Pallas kernels per shard on `pallas_meshes`: (cfg, {(tp, ep): params})."""
     cfg, ref, _ = load_model(source, load_format)
     want = run(cfg, ref, None)
     label = os.path.basename(source) if isinstance(source, str) else "wide " + load_format
     placed = {}
-    for tp, ep in meshes:
+    for (tp, ep), impl in [(m, "xla") for m in meshes] + [(m, "pallas") for m in pallas_meshes]:
         mesh = mesh_lib.make_mesh(tp, ep)
         cfg, params, _ = load_model(source, load_format, mesh=mesh)
-        got = run(cfg, params, mesh)
+        t0 = time.perf_counter()
+        got = run(cfg, params, mesh, impl)
+        if impl == "pallas" and SHARD_MAPS[0] != (want_maps := kernel_regions(cfg, tp)):
+            sys.exit(f"{label} TP={tp} EP={ep}: {SHARD_MAPS[0]} kernels per shard, not {want_maps}")
         for i, (g, w) in enumerate(zip(got, want)):
             err = float(np.max(np.abs(g - w)))
             if err > ATOL:
-                sys.exit(f"{label} TP={tp} EP={ep}: step {i} logits differ by {err} (> {ATOL})")
-        print(f"ok {label} TP={tp} EP={ep}")
+                sys.exit(f"{label} TP={tp} EP={ep} {impl}: step {i} logits differ by {err} (> {ATOL})")
+        print(f"ok {label} TP={tp} EP={ep} {impl} ({time.perf_counter() - t0:.1f} s)")
         placed[tp, ep] = params
     return cfg, placed
+
+
+def kernel_regions(cfg, tp):
+    """How many shard_maps a Pallas step has on a `model` axis of size tp: one per layer (MLA;
+    paged attention or the DeltaNet kernels), plus V3.2's top-k (run replicated)."""
+    if tp == 1:
+        return 0
+    topk = getattr(cfg, "index_topk", 0)
+    return cfg.num_layers * (2 if topk else 1)
 
 
 def as_on_mesh(cfg, params, mesh):
@@ -129,9 +152,9 @@ def as_on_mesh(cfg, params, mesh):
     return params
 
 
-def check_random(cfg, meshes, seed=0):
+def check_random(cfg, meshes, seed=0, impls=("xla",)):
     """Host weights larger than the dummies' (N(0, 0.08^2); zero-centred norms near 0) put on
-    each mesh by rules.shard_params: logits equal one device's."""
+    each mesh by rules.shard_params: logits equal one device's (XLA), with each impl."""
     rng = np.random.default_rng(seed)
     model = registry.get_model_module(cfg.architecture)
     one = lambda shape: (0.08 * rng.normal(size=shape)).astype(np.float32)  # noqa: E731
@@ -140,14 +163,16 @@ def check_random(cfg, meshes, seed=0):
     host["layers"] = [{k: one(v) for k, v in ls.items()} for ls in shapes["layers"]]
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     want = run(cfg, jax.tree.map(lambda a: jax.device_put(a, device), host), None)
-    for tp, ep in meshes:
+    for (tp, ep), impl in ((m, i) for m in meshes for i in impls):
         mesh = mesh_lib.make_mesh(tp, ep)
-        got = run(cfg, as_on_mesh(cfg, rules.shard_params(host, cfg, mesh), mesh), mesh)
+        got = run(cfg, as_on_mesh(cfg, rules.shard_params(host, cfg, mesh), mesh), mesh, impl)
+        if impl == "pallas" and SHARD_MAPS[0] != kernel_regions(cfg, tp):
+            sys.exit(f"random TP={tp} EP={ep}: {SHARD_MAPS[0]} kernels per shard")
         for i, (g, w) in enumerate(zip(got, want)):
             err = float(np.max(np.abs(g - w)))
             if err > ATOL:
-                sys.exit(f"random {cfg.architecture} TP={tp} EP={ep}: step {i} logits differ by {err}")
-        print(f"ok random TP={tp} EP={ep}")
+                sys.exit(f"random {cfg.architecture} TP={tp} EP={ep} {impl}: step {i} logits differ by {err}")
+        print(f"ok random TP={tp} EP={ep} {impl}")
 
 
 def check_dummy(source, tp, ep):
@@ -369,22 +394,22 @@ def check_engine(name, tp, ep, steps=6):
 def main(family):
     assert len(jax.devices()) == 8, jax.devices()
     if family == "deepseek":
-        check_matches(ckpt("deepseek_v3"), [(2, 1), (4, 1), (1, 2)])
-        cfg, placed = check_matches(ckpt("deepseek_v32"), [(2, 2), (4, 1)])
+        check_matches(ckpt("deepseek_v3"), [(2, 1), (4, 1), (1, 2)], pallas_meshes=[(2, 1), (4, 1)])
+        cfg, placed = check_matches(ckpt("deepseek_v32"), [(2, 2), (4, 1)], pallas_meshes=[(2, 2), (4, 1)])
         check_deepseek_specs(cfg, placed[4, 1], tp=4, ep=1)
-        check_collectives(cfg, mesh_lib.make_mesh(4, 1))        # the last run: TP 4
+        check_collectives(cfg, mesh_lib.make_mesh(4, 1))        # the last run: TP 4, the kernels
         check_deepseek_mtp()
         check_dummy(ckpt("deepseek_v32"), tp=2, ep=2)
         check_deepseek_expert_reads()
         check_engine("deepseek_v32", tp=2, ep=2)
     elif family == "qwen3_next":
-        cfg, _ = check_matches(ckpt("qwen3_next"), [(1, 2), (2, 2), (2, 1)])
-        # the last run, TP 2: conv channels grouped per key head, so nothing moves but the
-        # block outputs' all-reduces
+        cfg, _ = check_matches(ckpt("qwen3_next"), [(1, 2), (2, 2), (2, 1)], pallas_meshes=[(2, 2), (2, 1)])
+        # the last run, TP 2 with the kernels: conv channels grouped per key head, so nothing
+        # moves but the block outputs' all-reduces
         check_collectives(cfg, mesh_lib.make_mesh(2, 1))
         cfg, params = check_dummy(QWEN_WIDE, tp=4, ep=2)
         check_qwen_specs(cfg, params, tp=4)
-        check_random(cfg, [(4, 1)])
+        check_random(cfg, [(4, 1)], impls=("xla", "pallas"))
         check_qwen35_mtp_loads_sharded()
         check_engine("qwen3_next", tp=2, ep=2)
     else:

@@ -12,6 +12,7 @@ import pytest
 from jaxserve.models import layers, minimax_m2
 from jaxserve.pallas_kernels import full_qk_norm_rope_kv_write as fqr
 from jaxserve.pallas_kernels.cuda_lowering import export_for_cuda, triton_kernel_names
+from jaxserve.sharding import kernels as sharded
 from test_qk_norm_rope_kv_write import make
 
 
@@ -57,6 +58,31 @@ def test_norm_spans_every_head():
     assert float(jnp.abs(a[:, 1:] - b[:, 1:]).min(axis=(0, 2)).max()) > 1e-3
 
 
+def test_given_sums_of_squares_normalise_like_the_whole_row():
+    """The tensor-parallel form: given the whole rows' sums of squares and widths (here, of the
+    same rows, as a psum over every rank gives), the kernel equals the one that sums them."""
+    rng = np.random.default_rng(5)
+    q, k, v, pos, slots, kc, vc = make(rng, n=4, kh=2)
+    inv = layers.rope_inv_freq(16, 1e4, None)
+    norms = _norms(rng, 4, 2)
+    want = fqr.full_qk_norm_rope_kv_write(q, k, v, pos, slots, kc, vc, inv, *norms, impl="pallas")
+    ss = jnp.stack([jnp.sum(jnp.square(a), axis=(1, 2)) for a in (q, k)], -1)
+    widths = (q.shape[1] * q.shape[2], k.shape[1] * k.shape[2])
+    got = fqr.full_qk_norm_rope_kv_write(q, k, v, pos, slots, kc, vc, inv, *norms, ss, impl="pallas",
+                                         widths=widths)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=1e-6)
+    # a half-width row's sum (one rank's share) must not pass for the whole one
+    half = fqr.full_qk_norm_rope_kv_write(q, k, v, pos, slots, kc, vc, inv, *norms, ss / 2, impl="pallas",
+                                          widths=widths)[0]
+    assert float(jnp.abs(half - want[0]).max()) > 1e-3
+    with pytest.raises(ValueError, match="sumsq_T2 and widths"):
+        fqr.full_qk_norm_rope_kv_write(q, k, v, pos, slots, kc, vc, inv, *norms, ss, impl="pallas")
+    with pytest.raises(ValueError, match="sumsq_T2 must be"):
+        fqr.full_qk_norm_rope_kv_write(q, k, v, pos, slots, kc, vc, inv, *norms, ss, impl="xla",
+                                       widths=widths)
+
+
 def test_bf16_and_errors():
     rng = np.random.default_rng(3)
     args = make(rng, dtype=jnp.bfloat16)
@@ -89,6 +115,8 @@ def test_make_kernels_picks_the_fused_kernel_only_when_asked():
     cfg = minimax_m2.MiniMaxM2Config.from_hf({**_TINY16, "head_dim": 32, "rotary_dim": 16})
     assert minimax_m2.make_kernels(cfg, "pallas").rope_write.func is minimax_m2.rope_write_xla
     assert minimax_m2.make_kernels(cfg, "xla", fused={"rope"}).rope_write.func is minimax_m2.rope_write_xla
-    assert minimax_m2.make_kernels(cfg, "pallas", fused={"rope"}).rope_write.func is fqr.full_qk_norm_rope_kv_write
+    fused = minimax_m2.make_kernels(cfg, "pallas", fused={"rope"}).rope_write   # per shard under a mesh
+    assert fused.func is sharded.full_qk_norm_rope_kv_write
+    assert fused.args[0].func is fqr.full_qk_norm_rope_kv_write
     small = minimax_m2.MiniMaxM2Config.from_hf(_TINY16)
     assert minimax_m2.make_kernels(small, "pallas", fused={"rope"}).rope_write.func is minimax_m2.rope_write_xla
