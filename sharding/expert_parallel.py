@@ -22,8 +22,9 @@ b bytes an activation element):
 - psum: one ring all-reduce of f32[T, D] over n = EP*TP ranks, ~2 (n-1)/n * 4 T D bytes.
 - all_to_all: dispatch and return each move EP * C = T k rows of D (the fixed capacity is
   what makes it exact), 2 T k D b bytes, plus the all-gather of the output ((EP-1)/EP T D b)
-  and the model-axis psum. At k = 8 and bf16 that is ~8x the psum's bytes; even a ragged
-  all-to-all that sent only real rows would move ~T k D b (EP-1)/EP each way, still more.
+  and the model-axis psum. At k = 8 and bf16 (b = 2) that is 32 T D against the f32 psum's
+  ~8 T D, ~4x; even a ragged all-to-all that sent only real rows would move ~T k D b (EP-1)/EP
+  each way, still more. (The psum is in f32, as the one-device combine sums in f32.)
 The all-to-all form wins only when activations are already split over the expert ranks
 (data-parallel attention, vLLM's DP + EP): then it sends T_local k rows where the psum form
 would first have to all-gather the tokens. Here attention is replicated over `expert`, so
