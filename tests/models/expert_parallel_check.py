@@ -125,13 +125,23 @@ def check_models():
                 c, hidden, _ = model.forward(cfg, p, c, xs, model.make_kernels(cfg, impl))
             return c, model.compute_logits(cfg, p, hidden)
 
-        fn, out = jax.jit(step), []
+        fn, out = None, []
         for chunks in steps:
             xs = build_hybrid_step(chunks, tables, slots, BLOCK, 16, 2)
             if mesh is not None:
                 xs = jax.device_put(xs, rules.replicated(mesh))
+            if fn is None:        # both steps have the same shapes: one compile
+                fn = jax.jit(step).lower(params, caches, xs).compile()
             caches, logits = fn(params, caches, xs)
             out.append(np.asarray(logits)[: sum(len(c.token_ids) for c in chunks)])
+        if mesh is not None and mesh.shape["model"] == 1:
+            # EP alone: attention and the vocabulary are whole on every rank, so any gather or
+            # all-to-all would be experts (or tokens) moved; only the psum combines
+            hlo = fn.as_text()
+            moved = [op for op in ("all-gather", "all-to-all", "collective-permute") if f" {op}" in hlo]
+            if moved or "all-reduce" not in hlo:
+                sys.exit(f"{cfg.architecture} EP={mesh.shape['expert']}: collectives {moved}, "
+                         f"all-reduce {'all-reduce' in hlo}")
         return out
 
     for name in ("qwen3_moe", "deepseek_v3", "qwen3_5_moe", "minimax_m2"):
