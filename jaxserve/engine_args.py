@@ -62,6 +62,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         "(long prompts are split into --max-num-batched-tokens chunks, mixed with "
                         "the running decodes); it cannot be turned off")
     g.add_argument("--tensor-parallel-size", "-tp", type=int_at_least(1), default=1)
+    add_expert_parallel_arguments(g)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--max-logprobs", type=int_at_least(0), default=20)
     g.add_argument("--trust-remote-code", action="store_true",
@@ -131,6 +132,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         num_kv_blocks=args.num_kv_blocks, enable_prefix_caching=args.enable_prefix_caching,
         num_cached_states=args.num_cached_states,
         tensor_parallel_size=args.tensor_parallel_size, seed=args.seed,
+        expert_parallel_size=expert_parallel_size(args),
         max_logprobs=args.max_logprobs, max_waiting_requests=args.max_waiting_requests,
         long_prefill_token_threshold=args.long_prefill_token_threshold,
         attention_impl=args.attention_impl, warmup=args.warmup,
@@ -138,3 +140,39 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         speculative_config=getattr(args, "speculative_config", None),
         # The engine carries one name; the server lists and accepts all of them.
         served_model_name=names[0] if names else None)
+
+
+# --- expert parallelism (sharding/expert_parallel.py) ---------------------------------------
+
+
+def add_expert_parallel_arguments(g) -> None:
+    g.add_argument("--expert-parallel-size", type=int_at_least(1), default=1,
+                   help="split MoE experts over this many device groups: the mesh is "
+                        "expert-parallel x tensor-parallel devices (attention split over the "
+                        "tensor-parallel ones, each expert's MLP too); default 1")
+    g.add_argument("--enable-expert-parallel", action="store_true",
+                   help="vLLM's flag (experts over the tensor-parallel ranks): accepted where it "
+                        "maps onto jaxserve's expert x model mesh (with --expert-parallel-size, or "
+                        "on one device); otherwise an error says what to pass")
+
+
+def expert_parallel_size(args: argparse.Namespace) -> int:
+    """--expert-parallel-size, after checking --enable-expert-parallel maps onto our mesh.
+
+    vLLM's --enable-expert-parallel makes the experts' ranks the attention's TP (x DP) ranks:
+    one device group, heads split over it for attention and whole experts for the MoE. Our
+    mesh has two axes, `expert` x `model`, attention replicated over `expert`, so the same
+    devices cannot be both; the flag is accepted when it changes nothing (one TP rank) or when
+    --expert-parallel-size already says how to split."""
+    size = getattr(args, "expert_parallel_size", 1)
+    tp = getattr(args, "tensor_parallel_size", 1)
+    if getattr(args, "enable_expert_parallel", False) and size == 1 and tp > 1:
+        from jaxserve.serving_checks import StartupError
+        raise StartupError(
+            f"--enable-expert-parallel with --tensor-parallel-size {tp}: vLLM would put the experts "
+            f"on the {tp} tensor-parallel ranks, but jaxserve's mesh is expert x model (attention "
+            f"replicated over the expert axis). Pass --expert-parallel-size E with "
+            f"--tensor-parallel-size T (E * T devices: experts split E ways, attention and each "
+            f"expert's MLP T ways), e.g. --expert-parallel-size {tp} --tensor-parallel-size 1 to "
+            f"use {tp} devices as expert ranks, and leave --enable-expert-parallel out")
+    return size

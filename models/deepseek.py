@@ -39,10 +39,8 @@ import jax.numpy as jnp
 
 from jaxserve.config import ModelConfig
 from jaxserve.kv_cache.specs import PagedSpec
-from jaxserve.models import layers, llama, mla
-from jaxserve.models.moe import group_by_expert
+from jaxserve.models import layers, llama, mla, moe
 from jaxserve.pallas_kernels.dispatch import resolve_impl
-from jaxserve.pallas_kernels.grouped_matmul import grouped_matmul
 from jaxserve.pallas_kernels.mla_attention import mla_attention
 from jaxserve.pallas_kernels.topk import topk
 from jaxserve.sharding import kernels as sharded
@@ -210,16 +208,7 @@ def route(cfg: DeepseekConfig, lp: dict, h_TD: jax.Array):
 def moe_mlp(cfg: DeepseekConfig, lp: dict, h_TD: jax.Array, impl: str = "xla") -> jax.Array:
     """Routed experts (tokens sorted by expert, one ragged matmul per projection, as
     moe.moe_mlp) plus the shared experts, a dense MLP every token goes through."""
-    t, d = h_TD.shape
-    k = cfg.num_experts_per_tok
-    weights_Tk, experts_Tk = route(cfg, lp, h_TD)
-    pos_M, row_of_M, sizes_X = group_by_expert(experts_Tk.reshape(-1), cfg.num_experts)
-    x_sorted = h_TD[row_of_M // k]
-    mm = "xla" if impl == "xla" else "auto"
-    gate, up = llama.gate_up(lp, lambda w: grouped_matmul(x_sorted, w, sizes_X, impl=mm))
-    y_sorted = grouped_matmul(jax.nn.silu(gate) * up, lp["w_down"], sizes_X, impl=mm)
-    y_TkD = y_sorted[pos_M].reshape(t, k, d).astype(jnp.float32)
-    out_TD = (y_TkD * weights_Tk[:, :, None]).sum(axis=1).astype(h_TD.dtype)
+    out_TD = moe.routed_experts(lambda p, h: route(cfg, p, h), lp, h_TD, cfg.num_experts, impl)
     if "ws_down" in lp:
         shared = {"w_gate": lp["ws_gate"], "w_up": lp["ws_up"], "w_down": lp["ws_down"]}
         out_TD = out_TD + llama.dense_mlp(shared, h_TD)

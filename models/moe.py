@@ -85,15 +85,58 @@ def moe_mlp(cfg: ModelConfig, lp: dict, h_TD: jax.Array, impl: str = "xla") -> j
     and lets pallas_kernels.grouped_matmul pick: on a GPU its expert-skipping Pallas kernel for
     few rows (decode: it reads only the chosen experts' weights), the Mosaic GPU ragged dot on
     Hopper for more (4-37x faster than lax.ragged_dot, measured)."""
+    return routed_experts(lambda p, h: route(cfg, h @ p["router"], impl), lp, h_TD,
+                          cfg.num_experts, impl)
+
+
+def routed_experts(route_fn, lp: dict, h_TD: jax.Array, num_experts: int, impl: str) -> jax.Array:
+    """The routed experts' output [T, D] of any family: route_fn(lp, h_TD) -> (weights f32[T, k],
+    experts i32[T, k]) is the family's router. Under a mesh that splits the experts or their F
+    (an ambient `expert` or `model` axis > 1) it runs per rank, sharding/expert_parallel.py."""
+    from jaxserve.sharding import expert_parallel  # local: it builds on this module
+
+    if expert_parallel.splits_experts():
+        return expert_parallel.moe_on_mesh(route_fn, lp, h_TD, num_experts, impl)
+    weights_Tk, experts_Tk = route_fn(lp, h_TD)
+    return expert_rows_sum(lp, h_TD, weights_Tk, experts_Tk, num_experts, impl).astype(h_TD.dtype)
+
+
+def expert_rows_sum(lp: dict, h_TD: jax.Array, weights_Tk: jax.Array, experts_Tk: jax.Array,
+                    num_experts: int, impl: str, first_expert=0) -> jax.Array:
+    """f32[T, D]: for each token, the sum over its k (expert, weight) choices of weight *
+    expert(token), counting only the experts lp holds: all num_experts, or (under expert
+    parallelism) the X_local = lp["w_down"].shape[0] experts first_expert.. (a traced index);
+    rows routed elsewhere add 0.
+
+    The rows are sorted by expert once over all experts; the local experts' rows are then one
+    consecutive run of that order, rotated to the front for the grouped matmul (whose rows past
+    its groups come out 0), so a rank computes only its own rows and reads only its own weights."""
     t, d = h_TD.shape
-    k = cfg.num_experts_per_tok
-    weights_Tk, experts_Tk = route(cfg, h_TD @ lp["router"], impl)
-    pos_M, row_of_M, group_sizes = group_by_expert(experts_Tk.reshape(-1), cfg.num_experts)
-    x_sorted = h_TD[row_of_M // k]                              # [T*k, D]
-    mm_impl = "xla" if impl == "xla" else "auto"
-    gate, up = llama.gate_up(lp, lambda w: grouped_matmul(x_sorted, w, group_sizes, impl=mm_impl))
-    y_sorted = grouped_matmul(jax.nn.silu(gate) * up, lp["w_down"], group_sizes, impl=mm_impl)
+    k = experts_Tk.shape[1]
+    m = t * k
+    pos_M, row_of_M, sizes_X = group_by_expert(experts_Tk.reshape(-1), num_experts)
+    local = lp["w_down"].shape[0]
+    mine_M = None
+    if local != num_experts:
+        ids_X = jnp.arange(num_experts, dtype=jnp.int32)
+        first = jnp.sum(jnp.where(ids_X < first_expert, sizes_X, 0), dtype=jnp.int32)
+        sizes_X = jax.lax.dynamic_slice(sizes_X, (first_expert,), (local,))
+        rows_M = jnp.arange(m, dtype=jnp.int32)
+        row_of_M = row_of_M[(rows_M + first) % m]           # the local run first
+        pos_M = (pos_M - first) % m                           # each row's place in that order
+        mine_M = pos_M < jnp.sum(sizes_X)
+    y_sorted = expert_mlp(lp, h_TD[row_of_M // k], sizes_X, impl)
     # each token gathers its k rows back: a gather and an elementwise weighted sum (no
     # zero-filled scatter-add; no einsum either, which a GPU may run in TF32)
     y_TkD = y_sorted[pos_M].reshape(t, k, d).astype(jnp.float32)
-    return (y_TkD * weights_Tk[:, :, None]).sum(axis=1).astype(h_TD.dtype)
+    if mine_M is not None:      # (rows past the groups are 0 already: masked for any kernel)
+        y_TkD = jnp.where(mine_M.reshape(t, k, 1), y_TkD, 0.0)
+    return (y_TkD * weights_Tk[:, :, None]).sum(axis=1)
+
+
+def expert_mlp(lp: dict, x_sorted: jax.Array, group_sizes: jax.Array, impl: str) -> jax.Array:
+    """Rows sorted by expert (group_sizes rows each; rows past them come out 0) through their
+    expert's SwiGLU MLP: one grouped matmul per projection."""
+    mm_impl = "xla" if impl == "xla" else "auto"
+    gate, up = llama.gate_up(lp, lambda w: grouped_matmul(x_sorted, w, group_sizes, impl=mm_impl))
+    return grouped_matmul(jax.nn.silu(gate) * up, lp["w_down"], group_sizes, impl=mm_impl)
