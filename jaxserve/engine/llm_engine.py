@@ -115,11 +115,14 @@ class LLMEngine:
                          attention_impl: str = "auto", warmup: bool = True,
                          warmup_all: bool = False, program_cache: bool = False,
                          speculative_config: dict | str | None = None) -> "LLMEngine":
-        from jaxserve import default_model
+        from jaxserve import default_model, distributed
         from jaxserve.models import loader, registry
 
         from jaxserve.spec_decode.config import SpeculativeConfig
 
+        cluster = distributed.current()     # several hosts: jaxserve/distributed.py
+        distributed.check_engine_args(cluster, tensor_parallel_size, expert_parallel_size,
+                                      speculative_config)
         enable_compilation_cache()
         speculative = SpeculativeConfig.from_dict(speculative_config)   # fail before loading
         dtype = _default(dtype, "bfloat16", "float32")
@@ -161,6 +164,8 @@ class LLMEngine:
         name = served_model_name or (default_model.DEFAULT_MODEL_NAME if model is None else model)
         engine = cls(config, params, tokenizer, registry.get_model_module(cfg.architecture), name, mesh=mesh)
         engine.startup_seconds["load"] = load_s
+        if cluster is not None and not cluster.config.is_worker:
+            distributed.connect_workers(cluster, engine.runner)
         return engine
 
     # -- requests ------------------------------------------------------------------------
