@@ -42,11 +42,13 @@ def model_dir(tmp_path_factory):
     return str(path)
 
 
-def _hosts(model_dir, *extra, stdin=None):
+def _hosts(model_dir, *extra, stdin=None, logs=None):
+    """Rank 0 and rank 1 (stderr to files in `logs` if given: an unread pipe can fill up)."""
     port = _free_port()
     return [subprocess.Popen([sys.executable, CHECK, "host", str(rank), str(port), model_dir, *extra],
-                             env=_env(2), stdin=stdin if rank == 0 else None,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                             env=_env(2), stdin=stdin if rank == 0 else None, stdout=subprocess.PIPE,
+                             stderr=open(os.path.join(logs, f"rank{rank}.err"), "w") if logs
+                             else subprocess.PIPE, text=True)
             for rank in (0, 1)]
 
 
@@ -64,16 +66,19 @@ def test_two_hosts_match_one_process(model_dir):
     assert len({tuple(t) for t in two_hosts}) == 3     # the prompts do not all give one answer
 
 
-def test_lost_worker_fails_rank_0(model_dir):
-    rank0, worker = _hosts(model_dir, "lose-worker", stdin=subprocess.PIPE)
+def test_lost_worker_fails_rank_0(model_dir, tmp_path):
+    rank0, worker = _hosts(model_dir, "lose-worker", stdin=subprocess.PIPE, logs=str(tmp_path))
     try:
-        assert rank0.stdout.readline().strip() == "ready", rank0.stderr.read()[-3000:]
+        line = ""
+        while line not in ("ready", None):    # gloo prints to stdout too
+            line = rank0.stdout.readline().strip() or (None if rank0.poll() is not None else "")
+        assert line == "ready", (tmp_path / "rank0.err").read_text()[-3000:]
         worker.send_signal(signal.SIGKILL)
         worker.wait(30)
         time.sleep(0.5)
         t0 = time.monotonic()
         out, err = rank0.communicate("go\n", timeout=120)
-        assert rank0.returncode == 3, err[-3000:]
+        assert rank0.returncode == 3, (tmp_path / "rank0.err").read_text()[-3000:]
         assert "worker rank 1 disconnected" in out
         assert time.monotonic() - t0 < 20    # at the next step, not after a heartbeat timeout
     finally:
