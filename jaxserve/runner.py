@@ -181,8 +181,11 @@ def allocate_caches(specs, num_blocks: int, num_slots: int, block_size: int, dty
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, params, model, num_blocks: int | None = None, mesh=None):
+    def __init__(self, config: EngineConfig, params, model, num_blocks: int | None = None, mesh=None,
+                 device=None):
+        """device: without a mesh, the one device to run on (default: jax's default device)."""
         self.config = config
+        self.device = device
         self.cfg = config.model
         # One matmul per group of projections that share an input (unsharded only; see
         # models/llama.py fuse_projections). In place, so no second copy of the weights.
@@ -213,6 +216,10 @@ class ModelRunner:
             from jaxserve.sharding import rules
             self.input_sharding = rules.replicated(mesh)
             sharding_of = functools.partial(rules.cache_array_sharding, self.cfg, mesh)
+        elif device is not None:     # a data-parallel replica's device (engine/data_parallel.py)
+            self.input_sharding = jax.sharding.SingleDeviceSharding(device)
+            self.params = params = jax.device_put(params, device)
+            sharding_of = lambda name, shape: self.input_sharding   # noqa: E731
         self.kv_cache = allocate_caches(self.cache_specs, self.num_blocks, self.num_slots,
                                         self.block_size, self.dtype, sharding_of)
         # Hybrid prefix caching: saved states in and out of the live slots (state_copies.py)
@@ -286,7 +293,8 @@ class ModelRunner:
         num_blocks = num_blocks or self.config.cache.num_kv_blocks
         budget = None
         if not num_blocks:
-            stats = jax.local_devices()[0].memory_stats() if jax.default_backend() != "cpu" else None
+            first = self.device or jax.local_devices()[0]
+            stats = first.memory_stats() if jax.default_backend() != "cpu" else None
             if stats and "bytes_limit" in stats:
                 free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
                 budget = int(free * self.config.cache.kv_cache_memory_fraction)
