@@ -112,3 +112,22 @@ def test_step_key_survives_the_wire():
         op, key_id, payload = recv_message(b)
         assert (op, key_id) == (OP_STEP, 0)
         assert (np.frombuffer(payload, np.uint32) == packed + 7).all()
+
+
+def test_hosts_from_flags_or_jax_environment(monkeypatch):
+    from jaxserve.cli import build_parser
+    from jaxserve.distributed import DistributedConfig
+    from jaxserve.engine_args import distributed_config, engine_kwargs
+    from jaxserve.serving_checks import StartupError
+
+    monkeypatch.setenv("JAX_COORDINATOR_ADDRESS", "10.0.0.5:1234")
+    monkeypatch.setenv("JAX_NUM_PROCESSES", "4")
+    monkeypatch.setenv("JAX_PROCESS_ID", "2")
+    assert DistributedConfig.resolve() == DistributedConfig(4, 2, "10.0.0.5", 1234)
+    args = build_parser().parse_args(["serve", "--nnodes", "2", "--node-rank", "1", "--master-addr",
+                                      "h0", "--master-port", "999", "-dp", "2"])
+    assert distributed_config(args) == DistributedConfig(2, 1, "h0", 999)   # flags win
+    assert engine_kwargs(args)["data_parallel_size"] == 2
+    args = build_parser().parse_args(["serve", "--nnodes", "2", "--node-rank", "2"])
+    with pytest.raises(StartupError, match=r"node_rank must be in \[0, nnodes - 1 = 1\]"):
+        distributed_config(args)
