@@ -32,6 +32,10 @@ print("ok tokens equal one engine, in input order; both replicas stepped", steps
 metrics = llm.get_metrics()
 assert metrics["request_success_total"] == len(PROMPTS), metrics
 assert metrics["generation_tokens_total"] == 6 * len(PROMPTS), metrics
+from prometheus_client import generate_latest  # noqa: E402 - the server's /metrics text
+
+text = generate_latest(dp.metrics.registry).decode()
+assert f"jaxserve:request_success_total {float(len(PROMPTS))}" in text, text
 print("ok metrics summed")
 
 # routing: fewest unfinished requests, ties round robin

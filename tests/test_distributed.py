@@ -131,3 +131,25 @@ def test_hosts_from_flags_or_jax_environment(monkeypatch):
     args = build_parser().parse_args(["serve", "--nnodes", "2", "--node-rank", "2"])
     with pytest.raises(StartupError, match=r"node_rank must be in \[0, nnodes - 1 = 1\]"):
         distributed_config(args)
+
+
+def test_two_hosts_from_the_command_line(model_dir, tmp_path):
+    """`jaxserve generate --nnodes 2 --node-rank R` on each host: rank 0 writes the results,
+    the worker follows and exits 0 after rank 0's stop message."""
+    batch = tmp_path / "in.jsonl"
+    batch.write_text(json.dumps({"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {
+        "model": "m", "prompt": [3, 17, 42], "max_tokens": 5, "temperature": 0}}) + "\n")
+    port = _free_port()
+    common = [sys.executable, "-m", "jaxserve.cli", "generate", model_dir, "--load-format", "dummy",
+              "--served-model-name", "m", "-tp", "4", "--max-model-len", "64", "--max-num-seqs", "4",
+              "--max-num-batched-tokens", "32", "--no-warmup", "--nnodes", "2", "--master-port", str(port),
+              "-i", str(batch)]
+    hosts = [subprocess.Popen(common + ["--node-rank", str(rank), "-o", str(tmp_path / f"out{rank}.jsonl")],
+                              env=_env(2), stdout=subprocess.DEVNULL,
+                              stderr=open(tmp_path / f"rank{rank}.err", "w"))
+             for rank in (0, 1)]
+    for rank, p in enumerate(hosts):
+        assert p.wait(300) == 0, (tmp_path / f"rank{rank}.err").read_text()[-3000:]
+    line = json.loads((tmp_path / "out0.jsonl").read_text())
+    assert line["response"]["body"]["usage"]["completion_tokens"] == 5
+    assert not (tmp_path / "out1.jsonl").exists()     # the worker ran no batch of its own
