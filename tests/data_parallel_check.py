@@ -60,3 +60,4 @@ assert dp._owner["d"] == target     # now the less loaded one
 while dp.has_unfinished_requests():
     dp.step()
 print("ok routed to the least loaded replica")
+dp.core.drain()          # what AsyncEngine does at stop: every replica's core

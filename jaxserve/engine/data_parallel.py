@@ -55,9 +55,21 @@ class SummedMetrics:
         self.registry.register(_SummedCollector([r.metrics.registry for r in replicas]))
 
 
+class _Cores:
+    """What AsyncEngine asks of `engine.core` (drain at stop), for every replica's core."""
+
+    def __init__(self, replicas):
+        self.replicas = replicas
+
+    def drain(self) -> None:
+        for r in self.replicas:
+            r.core.drain()
+
+
 class DataParallelEngine:
     def __init__(self, replicas: list):
         self.replicas = replicas
+        self.core = _Cores(replicas)
         self.metrics = SummedMetrics(replicas)
         self._owner: dict[str, int] = {}     # request id -> replica index
         self._next = 0                        # round robin among the least loaded
