@@ -116,6 +116,13 @@ def main(argv: list[str] | None = None) -> int:
 
     configure_logging(getattr(args, "log_level", "info"))
     try:
+        if getattr(args, "nnodes", None) is not None or os.environ.get("JAX_NUM_PROCESSES"):
+            # Several hosts: jax.distributed first, before anything touches jax
+            from jaxserve import distributed
+            from jaxserve.engine_args import distributed_config
+            cluster = distributed.initialize(distributed_config(args))
+            if cluster is not None and cluster.config.is_worker:
+                return distributed.worker_main(engine_kwargs(args))
         return args.func(args) or 0
     except StartupError as e:
         if os.environ.get(TRACEBACK_ENV):

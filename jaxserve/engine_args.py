@@ -92,6 +92,38 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         "and a restart with the same code, model and settings loads them "
                         "instead of tracing the model again)")
 
+    add_parallel_arguments(parser)
+
+
+def add_parallel_arguments(parser: argparse.ArgumentParser) -> None:
+    """Several hosts (jaxserve/distributed.py) and data parallelism (engine/data_parallel.py)."""
+    g = parser.add_argument_group("several hosts and data parallelism")
+    g.add_argument("--data-parallel-size", "-dp", type=int_at_least(1), default=1,
+                   help="whole engines, each on its own tensor-parallel-size * expert-parallel-size "
+                        "devices, behind one server; requests go to the least busy one")
+    g.add_argument("--nnodes", type=int_at_least(1), default=None,
+                   help="hosts in one engine (default: $JAX_NUM_PROCESSES, else 1); every host runs "
+                        "the same command with its own --node-rank; rank 0 serves")
+    g.add_argument("--node-rank", type=int_at_least(0), default=None,
+                   help="this host's rank, 0 to nnodes - 1 (default: $JAX_PROCESS_ID, else 0)")
+    g.add_argument("--master-addr", default=None,
+                   help="rank 0's address, for jax.distributed's coordinator and the step channel "
+                        "(default: the host of $JAX_COORDINATOR_ADDRESS, else 127.0.0.1)")
+    g.add_argument("--master-port", type=int_at_least(1), default=None,
+                   help="the coordinator's port on rank 0 (default: the port of "
+                        "$JAX_COORDINATOR_ADDRESS, else 29500)")
+
+
+def distributed_config(args: argparse.Namespace):
+    """The hosts the flags (or JAX's environment variables) describe."""
+    from jaxserve.distributed import DistributedConfig
+    from jaxserve.serving_checks import StartupError
+
+    try:
+        return DistributedConfig.resolve(args.nnodes, args.node_rank, args.master_addr, args.master_port)
+    except ValueError as e:
+        raise StartupError(str(e)) from None
+
 
 def speculative_config(text: str) -> dict:
     """--speculative-config's JSON, checked now (a usage error names the key)."""
@@ -138,6 +170,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         attention_impl=args.attention_impl, warmup=args.warmup,
         warmup_all=args.warmup_all, program_cache=args.program_cache,
         speculative_config=getattr(args, "speculative_config", None),
+        data_parallel_size=getattr(args, "data_parallel_size", 1),
         # The engine carries one name; the server lists and accepts all of them.
         served_model_name=names[0] if names else None)
 

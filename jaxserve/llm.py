@@ -33,7 +33,9 @@ class LLM:
             speculative_config (vLLM's dict: {"method": "ngram" | "draft_model" | "mtp" |
             "eagle3", "num_speculative_tokens": 1-8 (mtp, eagle3: 1),
             "prompt_lookup_min"/"prompt_lookup_max" (ngram), "model" (draft_model: a smaller
-            model on the same vocabulary; eagle3: the HF head's directory)}; off by default).
+            model on the same vocabulary; eagle3: the HF head's directory)}; off by default),
+            data_parallel_size (N whole engines on their own devices, requests routed by load:
+            jaxserve/engine/data_parallel.py). Several hosts: jaxserve/distributed.py.
     """
 
     def __init__(self, model: str | None = None, *, dtype: str | None = None, **engine_args):

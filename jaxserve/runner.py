@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve import packing, sampler
+from jaxserve import distributed, packing, sampler
 from jaxserve.compiling import StepCompiler, wait_all
 from jaxserve.config import EngineConfig
 from jaxserve.input_batch import InputBatch, StepPlan
@@ -181,8 +181,11 @@ def allocate_caches(specs, num_blocks: int, num_slots: int, block_size: int, dty
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, params, model, num_blocks: int | None = None, mesh=None):
+    def __init__(self, config: EngineConfig, params, model, num_blocks: int | None = None, mesh=None,
+                 device=None):
+        """device: without a mesh, the one device to run on (default: jax's default device)."""
         self.config = config
+        self.device = device
         self.cfg = config.model
         # One matmul per group of projections that share an input (unsharded only; see
         # models/llama.py fuse_projections). In place, so no second copy of the weights.
@@ -216,6 +219,10 @@ class ModelRunner:
             from jaxserve.sharding import rules
             self.input_sharding = rules.replicated(mesh)
             sharding_of = functools.partial(rules.cache_array_sharding, self.cfg, mesh)
+        elif device is not None:     # a data-parallel replica's device (engine/data_parallel.py)
+            self.input_sharding = jax.sharding.SingleDeviceSharding(device)
+            self.params = params = jax.device_put(params, device)
+            sharding_of = lambda name, shape: self.input_sharding   # noqa: E731
         self.kv_cache = allocate_caches(self.cache_specs, self.num_blocks, self.num_slots,
                                         self.block_size, self.dtype, sharding_of)
         # Hybrid prefix caching: saved states in and out of the live slots (state_copies.py)
@@ -259,6 +266,9 @@ class ModelRunner:
         # over programs.
         self.compile_seconds = self._compiler.seconds
         self._pending: dict[tuple, concurrent.futures.Future] = {}   # warm-up's compiles
+        # Told every device program a step launches, before it launches: on several hosts the
+        # broadcaster that makes the other hosts launch it too (jaxserve/distributed.py)
+        self.step_tap = None
         self._lean_keys: dict[int, tuple] = {}   # bucket -> (layout, variant) of its lean program
 
     def return_hidden_states(self, on: bool = True, aux_layers: tuple[int, ...] = ()) -> None:
@@ -285,7 +295,8 @@ class ModelRunner:
         num_blocks = num_blocks or self.config.cache.num_kv_blocks
         budget = None
         if not num_blocks:
-            stats = jax.devices()[0].memory_stats() if jax.default_backend() != "cpu" else None
+            first = self.device or jax.local_devices()[0]
+            stats = first.memory_stats() if jax.default_backend() != "cpu" else None
             if stats and "bytes_limit" in stats:
                 free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
                 budget = int(free * self.config.cache.kv_cache_memory_fraction)
@@ -293,6 +304,7 @@ class ModelRunner:
                 budget = self.config.cache.kv_cache_cpu_bytes
             # a proposer's weights (an EAGLE3 head) load after the sizing: their bytes first
             budget = (budget - self.proposer_weight_bytes) * self.config.parallel.tensor_parallel_size
+            budget = distributed.agree_min(budget)     # every host sizes the same cache
         cached = self._num_cached_states(budget)
         if num_blocks:
             num_slots = max_seqs + 1 + cached if cache_manager.STATE in self.group_kinds else 0
@@ -346,6 +358,17 @@ class ModelRunner:
             # even contexts) rather than waiting for it
             even = dataclasses.replace(variant, attention=AttentionPlan())
             exe = self._executables.get((layout, even))
+            variant = even if exe is not None else variant
+        if exe is None:
+            exe = self.program(layout, variant, len(packed))
+        if self.step_tap is not None:     # other hosts run the same program (distributed.py)
+            self.step_tap.step(layout, variant, packed)
+        return self.launch(exe, packed)
+
+    def program(self, layout: packing.Layout, variant: StepVariant, num_words: int):
+        """The compiled step program of this exact key: compiled, compiling in warm-up
+        (waited for), or compiled now."""
+        exe = self._executables.get((layout, variant))
         if exe is None and (layout, variant) in self._pending:    # still compiling in warm-up
             try:
                 self._pending[(layout, variant)].result()
@@ -353,7 +376,11 @@ class ModelRunner:
             except Exception:
                 logger.warning("a warm-up compile failed; compiling again", exc_info=True)
         if exe is None:           # a shape warm-up did not cover (or warm-up was off)
-            exe = self._compile(layout, variant, len(packed))
+            exe = self._compile(layout, variant, num_words)
+        return exe
+
+    def launch(self, exe, packed: np.ndarray):
+        """Run a compiled step program on the packed input; the caches are replaced."""
         self.kv_cache, result, prompt, self._prev_ids, hidden = exe(
             self.params, self.kv_cache, jax.device_put(packed, self.input_sharding), self._prev_ids)
         return result, prompt, hidden
@@ -367,11 +394,11 @@ class ModelRunner:
         """Build and launch the step without waiting for the device (with a hybrid model's
         state copies before and after it: state_copies.py)."""
         if out.state_loads:   # first: a step taken back after this keeps its requests' loads
-            self.kv_cache = self.state_copier(self.kv_cache, out.state_loads)
+            self.copy_states(out.state_loads)
         x, plan, variant = self.prepare(out)
         result, prompt, hidden = self.run(x, variant)
         if out.state_saves:
-            self.kv_cache = self.state_copier(self.kv_cache, out.state_saves)
+            self.copy_states(out.state_saves)
         self.batch.prev_rows = {rid: i for i, (rid, s) in enumerate(zip(plan.req_ids, plan.samples)) if s}
         step = InFlightStep(plan, variant, result, prompt, hidden)
         # Queue the copies collect() reads now: they start when the step ends, so collect finds
@@ -384,6 +411,12 @@ class ModelRunner:
                 if isinstance(a, jax.Array):
                     a.copy_to_host_async()
         return step
+
+    def copy_states(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy state slots (src, dst) on the device (hybrid prefix caching)."""
+        if self.step_tap is not None:
+            self.step_tap.copy_states(pairs)
+        self.kv_cache = self.state_copier(self.kv_cache, pairs)
 
     def failing_requests(self, out: SchedulerOutput) -> list[int]:
         """Indices of the scheduled requests whose step inputs cannot be built even alone

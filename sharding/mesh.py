@@ -34,6 +34,6 @@ def make_mesh(tensor_parallel_size: int = 1, expert_parallel_size: int = 1,
     return Mesh(grid, MESH_AXES)
 
 
-def mesh_from_parallel_config(parallel) -> Mesh:
-    """Mesh for a `jaxserve.config.ParallelConfig`."""
-    return make_mesh(parallel.tensor_parallel_size, parallel.expert_parallel_size)
+def mesh_from_parallel_config(parallel, devices: list | None = None) -> Mesh:
+    """Mesh for a `jaxserve.config.ParallelConfig` (over `devices`: a data-parallel replica's)."""
+    return make_mesh(parallel.tensor_parallel_size, parallel.expert_parallel_size, devices)

@@ -3,6 +3,7 @@ processing, one step at a time (jaxserve/engine/*.py each hold one of those role
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -54,12 +55,12 @@ def _default(value, gpu, cpu):
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, params, tokenizer: Tokenizer | None, model_module,
-                 model_name: str = "default", mesh=None):
+                 model_name: str = "default", mesh=None, device=None):
         self.config = config
         self.tokenizer = tokenizer
         self.model_name = model_name
         t0 = time.perf_counter()
-        self.runner = ModelRunner(config, params, model_module, mesh=mesh)
+        self.runner = ModelRunner(config, params, model_module, mesh=mesh, device=device)
         # Where start-up went, in seconds (from_engine_args adds "load"): a bench reports it.
         self.startup_seconds = {"runner_init": time.perf_counter() - t0}
         proposer = drafting.make_proposer(config.speculative, config, self.runner)
@@ -114,12 +115,56 @@ class LLMEngine:
                          expert_parallel_size: int = 1, seed: int = 0, max_logprobs: int = 20,
                          attention_impl: str = "auto", warmup: bool = True,
                          warmup_all: bool = False, program_cache: bool = False,
-                         speculative_config: dict | str | None = None) -> "LLMEngine":
-        from jaxserve import default_model
+                         speculative_config: dict | str | None = None,
+                         data_parallel_size: int = 1, devices: list | None = None) -> "LLMEngine":
+        """The engine for these options. data_parallel_size > 1: a DataParallelEngine of that
+        many (engine/data_parallel.py). devices: the ones this engine runs on (default: the
+        first tensor_parallel_size * expert_parallel_size)."""
+        if data_parallel_size > 1:
+            options = {k: v for k, v in locals().items()
+                       if k not in ("cls", "model", "data_parallel_size", "devices")}
+            from jaxserve.engine.data_parallel import DataParallelEngine
+            return DataParallelEngine.from_engine_args(model, data_parallel_size=data_parallel_size,
+                                                       **options)
+        if data_parallel_size < 1:
+            raise ValueError(f"data_parallel_size must be >= 1; got {data_parallel_size}")
+        device, place = None, contextlib.nullcontext()
+        if devices is not None and tensor_parallel_size * expert_parallel_size == 1:
+            # One device, maybe not the default one: all this engine makes lands there
+            device = devices[0]
+            place = jax.default_device(device)
+        with place:
+            return cls._build(model, dtype=dtype, load_format=load_format,
+                              served_model_name=served_model_name, block_size=block_size,
+                              num_kv_blocks=num_kv_blocks,
+                              kv_cache_memory_fraction=kv_cache_memory_fraction,
+                              kv_cache_cpu_bytes=kv_cache_cpu_bytes,
+                              enable_prefix_caching=enable_prefix_caching,
+                              num_cached_states=num_cached_states, max_num_seqs=max_num_seqs,
+                              max_num_batched_tokens=max_num_batched_tokens,
+                              max_model_len=max_model_len, max_waiting_requests=max_waiting_requests,
+                              long_prefill_token_threshold=long_prefill_token_threshold,
+                              tensor_parallel_size=tensor_parallel_size,
+                              expert_parallel_size=expert_parallel_size, seed=seed,
+                              max_logprobs=max_logprobs, attention_impl=attention_impl,
+                              warmup=warmup, warmup_all=warmup_all, program_cache=program_cache,
+                              speculative_config=speculative_config, devices=devices, device=device)
+
+    @classmethod
+    def _build(cls, model, *, dtype, load_format, served_model_name, block_size, num_kv_blocks,
+               kv_cache_memory_fraction, kv_cache_cpu_bytes, enable_prefix_caching,
+               num_cached_states, max_num_seqs, max_num_batched_tokens, max_model_len,
+               max_waiting_requests, long_prefill_token_threshold, tensor_parallel_size,
+               expert_parallel_size, seed, max_logprobs, attention_impl, warmup, warmup_all,
+               program_cache, speculative_config, devices, device) -> "LLMEngine":
+        from jaxserve import default_model, distributed
         from jaxserve.models import loader, registry
 
         from jaxserve.spec_decode.config import SpeculativeConfig
 
+        cluster = distributed.current()     # several hosts: jaxserve/distributed.py
+        distributed.check_engine_args(cluster, tensor_parallel_size, expert_parallel_size,
+                                      speculative_config)
         enable_compilation_cache()
         speculative = SpeculativeConfig.from_dict(speculative_config)   # fail before loading
         dtype = _default(dtype, "bfloat16", "float32")
@@ -128,7 +173,7 @@ class LLMEngine:
         mesh = None
         if tensor_parallel_size * expert_parallel_size > 1:
             from jaxserve.sharding.mesh import mesh_from_parallel_config
-            mesh = mesh_from_parallel_config(parallel)
+            mesh = mesh_from_parallel_config(parallel, devices)
         t0 = time.perf_counter()
         cfg, params, tokenizer = loader.load_model(model, load_format=load_format, dtype=dtype,
                                                    mesh=mesh, seed=seed)
@@ -159,8 +204,11 @@ class LLMEngine:
             program_cache_dir=os.path.join(default_model.cache_dir(), "steps") if program_cache
             else None)
         name = served_model_name or (default_model.DEFAULT_MODEL_NAME if model is None else model)
-        engine = cls(config, params, tokenizer, registry.get_model_module(cfg.architecture), name, mesh=mesh)
+        engine = cls(config, params, tokenizer, registry.get_model_module(cfg.architecture), name, mesh=mesh,
+                     device=device)
         engine.startup_seconds["load"] = load_s
+        if cluster is not None and not cluster.config.is_worker:
+            distributed.connect_workers(cluster, engine.runner)
         return engine
 
     # -- requests ------------------------------------------------------------------------
