@@ -150,15 +150,6 @@ def _rows_and_counts(step: InFlightStep):
     return step.result, None
 
 
-def _host_bound(step: InFlightStep):
-    """The device arrays collect() brings to the host: all of them for a step with logprobs,
-    else only the sampled ids (and a verifying step's accepted counts)."""
-    rows_out, accepted = _rows_and_counts(step)
-    if step.variant.num_top or step.variant.prompt_logprobs:
-        return rows_out, step.prompt, accepted
-    return rows_out.token_ids, accepted
-
-
 def allocate_caches(specs, num_blocks: int, num_slots: int, block_size: int, dtype,
                     sharding_of=None) -> list[dict[str, jax.Array]]:
     """Zeroed device arrays of every layer's cache spec: paged arrays [num_blocks, P, *shape],
@@ -212,7 +203,6 @@ class ModelRunner:
         # (k / v by kv heads, MLA latents replicated, DeltaNet states by head) and step inputs
         # are replicated; jit partitions the step from the parameters' shardings.
         self.mesh = mesh
-        self._copy_early = jax.default_backend() != "cpu"
         self.input_sharding = None
         sharding_of = None
         if mesh is not None:
@@ -400,17 +390,7 @@ class ModelRunner:
         if out.state_saves:
             self.copy_states(out.state_saves)
         self.batch.prev_rows = {rid: i for i, (rid, s) in enumerate(zip(plan.req_ids, plan.samples)) if s}
-        step = InFlightStep(plan, variant, result, prompt, hidden)
-        # Queue the copies collect() reads now: they start when the step ends, so collect finds
-        # the ids on the host instead of paying a transfer after its wait (H200, 8B batch 1:
-        # reading the results took 0.67 ms of a step's host work). Not on a CPU, where the
-        # results already are in host memory. A stopping engine reads its last dispatched
-        # step (EngineCore.drain) so no copy is cut off at exit.
-        if self._copy_early:
-            for a in jax.tree.leaves(_host_bound(step)):
-                if isinstance(a, jax.Array):
-                    a.copy_to_host_async()
-        return step
+        return InFlightStep(plan, variant, result, prompt, hidden)
 
     def copy_states(self, pairs: list[tuple[int, int]]) -> None:
         """Copy state slots (src, dst) on the device (hybrid prefix caching)."""

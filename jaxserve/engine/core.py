@@ -85,10 +85,8 @@ class EngineCore:
         return StepOutcome(out, result, updates, time.perf_counter() - t0)
 
     def drain(self) -> None:
-        """Read the dispatched step, if any, and drop it (the engine is stopping). Why: its
-        queued host copies must land before the process exits; the runtime's copy threads
-        torn down mid-copy abort the process ("terminate called without an active
-        exception", seen on SIGTERM with open streams)."""
+        """Read the dispatched step, if any, and drop it (the engine is stopping): the device
+        is idle and no transfer is in flight when the process exits."""
         if self._inflight is not None:
             _, step = self._inflight
             self._inflight = None
