@@ -36,6 +36,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import kernels as kb  # noqa: E402  (benchmarks/kernels.py: timing and rows)
+from jaxserve.bench import roofline  # noqa: E402
 from jaxserve.kv_cache.specs import PagedSpec  # noqa: E402
 from jaxserve.models import dummy, hf_loader, registry  # noqa: E402
 from jaxserve.models.attention import AttentionBackend  # noqa: E402
@@ -48,10 +49,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMOKE = ("deepseek_v3", "deepseek_v32", "qwen3_5_moe", "minimax_m2")   # tests/golden/ckpt/
 
 
-def expected_experts(batch: int, x: int, k: int) -> float:
-    return x * (1 - (1 - k / x) ** batch)
-
-
 def layer_bytes(layers: list[dict], specs, hf: dict, batch: int, context: int) -> float:
     """HBM bytes a decode step must move for these layers (see the module docstring)."""
     x = hf.get("n_routed_experts") or hf.get("num_experts") or hf.get("num_local_experts") or 0
@@ -59,7 +56,7 @@ def layer_bytes(layers: list[dict], specs, hf: dict, batch: int, context: int) -
     total = 0.0
     for a in jax.tree.leaves(layers):
         routed = x and a.ndim == 3 and a.shape[0] == x
-        total += a.nbytes * (expected_experts(batch, x, k) / x if routed else 1.0)
+        total += a.nbytes * (roofline.expected_experts(batch, x, k) / x if routed else 1.0)
     for spec in specs:
         per = sum(int(np.prod(shape)) for _, shape in spec.arrays) * 2       # bf16 elements
         total += per * batch * (context + 1) if isinstance(spec, PagedSpec) else 2 * per * batch

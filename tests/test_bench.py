@@ -205,3 +205,19 @@ def test_profile_summary_counts_a_windows_device_kernels():
     assert s["windows"] == 2 and s["kernels_per_window"] == 1.5
     assert s["wall_ms"] == pytest.approx(0.1) and s["device_busy_ms"] == pytest.approx(0.02)
     assert s["device_ms_by_kind"]["attention"] == pytest.approx(0.005)
+
+
+def test_roofline_counts_only_the_experts_a_batch_reaches():
+    import numpy as np
+
+    from jaxserve.bench import roofline
+
+    experts = np.zeros((8, 4, 2), np.float32)               # X=8 experts, 64 elements each
+    layer = {"router": np.zeros((4, 8), np.float32), "w_up": experts,
+             "w_down": (experts[:3], experts[3:])}           # whole and as expert chunks
+    dense = 4 * 8 * 4
+    # one token, top-2 of 8: 2 experts of each array
+    assert roofline.touched_param_bytes([layer], 8, 2, 1) == pytest.approx(dense + 2 * 2 * 8 * 4 * 2 * 4 / 8)
+    assert roofline.expected_experts(10_000, 8, 2) == pytest.approx(8)
+    assert roofline.touched_param_bytes([layer], 8, 2, 10_000) == pytest.approx(roofline.param_bytes([layer]))
+    assert roofline.touched_param_bytes([layer], 0, 0, 1) == roofline.param_bytes([layer])

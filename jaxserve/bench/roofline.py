@@ -3,6 +3,9 @@
 A decode step reads every weight once (all parameters, as DESIGN.md §6 counts them: the
 embedding table too, although only T of its rows are gathered, so the figure is a slight
 over-estimate for tied/untied embeddings alike) and the KV cache of every sequence's context.
+Of a mixture of experts' routed experts it reads only those the batch's tokens chose: counted
+as the expected number of distinct experts a uniform top-k router reaches,
+X * (1 - (1 - k/X)^B) of X for B tokens.
 """
 
 from __future__ import annotations
@@ -16,6 +19,33 @@ H200_HBM_BYTES_PER_S = 4.24e12
 
 def param_bytes(params) -> int:
     return sum(int(a.size) * a.dtype.itemsize for a in jax.tree.leaves(params))
+
+
+def expected_experts(tokens: int, num_experts: int, k: int) -> float:
+    """Distinct experts B tokens reach when each picks k of X uniformly."""
+    return num_experts * (1 - (1 - k / num_experts) ** tokens)
+
+
+def touched_param_bytes(params, num_experts: int, k: int, tokens: int) -> float:
+    """param_bytes with routed-expert arrays (leading dim X, whole or as chunks of experts)
+    counted at the fraction of experts `tokens` tokens reach."""
+    if not num_experts or not k:
+        return param_bytes(params)
+    share = expected_experts(tokens, num_experts, k) / num_experts
+
+    def walk(node) -> float:
+        if isinstance(node, dict):
+            return sum(walk(v) for v in node.values())
+        if isinstance(node, (list, tuple)):
+            if node and all(getattr(a, "ndim", 0) == 3 for a in node) and \
+                    sum(a.shape[0] for a in node) == num_experts:     # expert chunks
+                return share * param_bytes(list(node))
+            return sum(walk(v) for v in node)
+        if getattr(node, "ndim", 0) == 3 and node.shape[0] == num_experts:
+            return share * param_bytes(node)
+        return param_bytes(node) if hasattr(node, "dtype") else 0
+
+    return walk(params)
 
 
 def kv_bytes_per_token(cfg, kv_dtype_itemsize: int) -> int:
