@@ -115,7 +115,8 @@ def expert_rows_sum(lp: dict, h_TD: jax.Array, weights_Tk: jax.Array, experts_Tk
     k = experts_Tk.shape[1]
     m = t * k
     pos_M, row_of_M, sizes_X = group_by_expert(experts_Tk.reshape(-1), num_experts)
-    local = lp["w_down"].shape[0]
+    w_down = lp["w_down"]       # whole, or chunks of experts (split_expert_weights)
+    local = sum(w.shape[0] for w in w_down) if isinstance(w_down, (tuple, list)) else w_down.shape[0]
     mine_M = None
     if local != num_experts:
         ids_X = jnp.arange(num_experts, dtype=jnp.int32)

@@ -22,7 +22,7 @@ import numpy as np  # noqa: E402
 from jaxserve.models import registry  # noqa: E402
 from jaxserve.models.loader import load_model  # noqa: E402
 from jaxserve.sharding import mesh as mesh_lib, rules  # noqa: E402
-from model_step_builder import Chunk, build_step, empty_kv_cache, scattered_block_tables  # noqa: E402
+from model_step_builder import Chunk, build_step, empty_kv_cache, moe_regions, scattered_block_tables  # noqa: E402
 
 GOLDEN = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "golden")
 DENSE_KV4 = {"architectures": ["Qwen3ForCausalLM"], "vocab_size": 250, "hidden_size": 64,
@@ -100,9 +100,9 @@ def check_matches(source, tp, ep, load_format="auto", atol=2e-5, impl="xla", fus
                                                         cfg.moe_intermediate_size // tp)
     t0 = time.perf_counter()
     got = _run(cfg, params, mesh, impl, fused)
-    if impl == "pallas" and SHARD_MAPS[0] != kernel_regions(cfg, tp, fused):
-        sys.exit(f"{source} TP={tp} EP={ep}: {SHARD_MAPS[0]} kernels per shard, "
-                 f"not {kernel_regions(cfg, tp, fused)}")
+    want_maps = kernel_regions(cfg, tp, fused) + moe_regions(params, tp, ep)
+    if impl == "pallas" and SHARD_MAPS[0] != want_maps:
+        sys.exit(f"{source} TP={tp} EP={ep}: {SHARD_MAPS[0]} kernels per shard, not {want_maps}")
     for i, (g, w) in enumerate(zip(got, want)):
         err = float(np.max(np.abs(g - w)))
         if err > atol:

@@ -75,3 +75,11 @@ def empty_kv_cache(cfg, num_blocks: int, block_size: int, dtype=jnp.float32, sha
     if sharding is not None:
         make = jax.jit(make, out_shardings=sharding)
     return [{"k": make(), "v": make()} for _ in range(cfg.num_layers)]
+
+
+def moe_regions(params, tp: int, ep: int) -> int:
+    """shard_maps the MoE layers add to a step on a (tp, ep) mesh: one per layer holding
+    routed experts (sharding/expert_parallel.py) whenever the mesh has more than one device."""
+    if tp * ep == 1:
+        return 0
+    return sum(getattr(lp.get("w_down"), "ndim", 0) == 3 for lp in params["layers"])

@@ -30,6 +30,7 @@ import numpy as np  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from hybrid_step_builder import Chunk, build_hybrid_step, scattered_block_tables  # noqa: E402
+from model_step_builder import moe_regions  # noqa: E402
 from jaxserve.kv_cache.specs import PagedSpec  # noqa: E402
 from jaxserve.models import registry  # noqa: E402
 from jaxserve.models.loader import load_model  # noqa: E402
@@ -123,7 +124,8 @@ def check_matches(source, meshes, load_format="auto", pallas_meshes=()):
         cfg, params, _ = load_model(source, load_format, mesh=mesh)
         t0 = time.perf_counter()
         got = run(cfg, params, mesh, impl)
-        if impl == "pallas" and SHARD_MAPS[0] != (want_maps := kernel_regions(cfg, tp)):
+        want_maps = kernel_regions(cfg, tp) + moe_regions(params, tp, ep)
+        if impl == "pallas" and SHARD_MAPS[0] != want_maps:
             sys.exit(f"{label} TP={tp} EP={ep}: {SHARD_MAPS[0]} kernels per shard, not {want_maps}")
         for i, (g, w) in enumerate(zip(got, want)):
             err = float(np.max(np.abs(g - w)))
@@ -166,8 +168,9 @@ def check_random(cfg, meshes, seed=0, impls=("xla",)):
     for (tp, ep), impl in ((m, i) for m in meshes for i in impls):
         mesh = mesh_lib.make_mesh(tp, ep)
         got = run(cfg, as_on_mesh(cfg, rules.shard_params(host, cfg, mesh), mesh), mesh, impl)
-        if impl == "pallas" and SHARD_MAPS[0] != kernel_regions(cfg, tp):
-            sys.exit(f"random TP={tp} EP={ep}: {SHARD_MAPS[0]} kernels per shard")
+        want_maps = kernel_regions(cfg, tp) + moe_regions(host, tp, ep)
+        if impl == "pallas" and SHARD_MAPS[0] != want_maps:
+            sys.exit(f"random TP={tp} EP={ep}: {SHARD_MAPS[0]} kernels per shard, not {want_maps}")
         for i, (g, w) in enumerate(zip(got, want)):
             err = float(np.max(np.abs(g - w)))
             if err > ATOL:

@@ -8,10 +8,10 @@ Subprocesses: the fake-device count must be set before jax is imported."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
+
+from fake_devices import run_check
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 # family -> how many checks print "ok"
@@ -20,12 +20,7 @@ CHECKS = {"deepseek": 15, "qwen3_next": 12}
 
 @pytest.mark.parametrize("family", list(CHECKS))
 def test_sharded_family_matches_one_device(family):
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env.pop("XLA_FLAGS", None)
-    result = subprocess.run([sys.executable, os.path.join(HERE, "new_families_sharding_check.py"), family],
-                            cwd=HERE, env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stdout + result.stderr[-4000:]
-    assert result.stdout.count("ok ") == CHECKS[family], result.stdout
+    run_check("new_families_sharding_check.py", family, ok=CHECKS[family])
 
 
 def test_grouped_conv_channels_give_the_same_heads():
