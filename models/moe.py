@@ -24,7 +24,7 @@ def split_expert_weights(params):
     become tuples of expert chunks (grouped_matmul takes them), in any family's layers and MTP
     layers. Why: whole, they made each decode step read every expert through lax.ragged_dot
     (DeepSeek-V3: 5.29 ms a layer at batch 1, 5 % of its roofline; H200, session 20). For
-    unsharded engines only (a mesh runs the XLA path)."""
+    unsharded engines only (under a mesh each rank holds its own experts: sharding/expert_parallel.py)."""
     if isinstance(params, dict):
         for key, value in params.items():
             if key in EXPERT_WEIGHTS and getattr(value, "ndim", 0) == 3:
