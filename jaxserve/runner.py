@@ -142,14 +142,6 @@ class InFlightStep:
     hidden: jax.Array | None = None   # f[T, D] final hidden states (variant.hidden), on the device
 
 
-def _rows_and_counts(step: InFlightStep):
-    """(the sampled rows' output, the accepted counts or None) of a step. A verifying step's
-    rows are its sequences' then its drafts' (spec_decode/verify_rows.py)."""
-    if step.plan.draft_starts:
-        return step.result.rows, step.result.num_accepted
-    return step.result, None
-
-
 def allocate_caches(specs, num_blocks: int, num_slots: int, block_size: int, dtype,
                     sharding_of=None) -> list[dict[str, jax.Array]]:
     """Zeroed device arrays of every layer's cache spec: paged arrays [num_blocks, P, *shape],
@@ -413,7 +405,9 @@ class ModelRunner:
         """Wait for a dispatched step, bring its sampled tokens (and logprobs) to the host and
         append them to the persistent batch."""
         plan, variant = step.plan, step.variant
-        rows_out, accepted = _rows_and_counts(step)
+        # A verifying step's rows are its sequences' then its drafts' (spec_decode/verify_rows.py)
+        rows_out = step.result.rows if plan.draft_starts else step.result
+        accepted = step.result.num_accepted if plan.draft_starts else None
         if variant.num_top or variant.prompt_logprobs:
             result, prompt, accepted = jax.device_get((rows_out, step.prompt, accepted))
             ids = result.token_ids.tolist()

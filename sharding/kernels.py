@@ -138,7 +138,7 @@ def full_qk_norm_rope_kv_write(kernel, q_TNE, k_TKE, v_TKE, positions, slots, k_
     if model_axis_size() == 1:
         return kernel(q_TNE, k_TKE, v_TKE, positions, slots, k_cache, v_cache, inv_freq, q_norm, k_norm)
     check_divides("the fused full-width q/k-norm + RoPE + KV-write kernel",
-                       **{"query heads": q_TNE.shape[1], "kv heads": k_TKE.shape[1]})
+                  **{"query heads": q_TNE.shape[1], "kv heads": k_TKE.shape[1]})
     widths = (q_TNE.shape[1] * q_TNE.shape[2], k_TKE.shape[1] * k_TKE.shape[2])
 
     def per_shard(q, k, *rest):

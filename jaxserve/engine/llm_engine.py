@@ -120,9 +120,10 @@ class LLMEngine:
         """The engine for these options. data_parallel_size > 1: a DataParallelEngine of that
         many (engine/data_parallel.py). devices: the ones this engine runs on (default: the
         first tensor_parallel_size * expert_parallel_size)."""
+        # every option but these, as given (first: before this function has locals of its own)
+        options = {k: v for k, v in locals().items()
+                   if k not in ("cls", "model", "data_parallel_size", "devices")}
         if data_parallel_size > 1:
-            options = {k: v for k, v in locals().items()
-                       if k not in ("cls", "model", "data_parallel_size", "devices")}
             from jaxserve.engine.data_parallel import DataParallelEngine
             return DataParallelEngine.from_engine_args(model, data_parallel_size=data_parallel_size,
                                                        **options)
@@ -134,21 +135,7 @@ class LLMEngine:
             device = devices[0]
             place = jax.default_device(device)
         with place:
-            return cls._build(model, dtype=dtype, load_format=load_format,
-                              served_model_name=served_model_name, block_size=block_size,
-                              num_kv_blocks=num_kv_blocks,
-                              kv_cache_memory_fraction=kv_cache_memory_fraction,
-                              kv_cache_cpu_bytes=kv_cache_cpu_bytes,
-                              enable_prefix_caching=enable_prefix_caching,
-                              num_cached_states=num_cached_states, max_num_seqs=max_num_seqs,
-                              max_num_batched_tokens=max_num_batched_tokens,
-                              max_model_len=max_model_len, max_waiting_requests=max_waiting_requests,
-                              long_prefill_token_threshold=long_prefill_token_threshold,
-                              tensor_parallel_size=tensor_parallel_size,
-                              expert_parallel_size=expert_parallel_size, seed=seed,
-                              max_logprobs=max_logprobs, attention_impl=attention_impl,
-                              warmup=warmup, warmup_all=warmup_all, program_cache=program_cache,
-                              speculative_config=speculative_config, devices=devices, device=device)
+            return cls._build(model, devices=devices, device=device, **options)
 
     @classmethod
     def _build(cls, model, *, dtype, load_format, served_model_name, block_size, num_kv_blocks,
