@@ -469,3 +469,51 @@ def test_the_cli_keeps_programs_unless_told_not_to():
     add_engine_arguments(parser)
     assert engine_kwargs(parser.parse_args([]))["program_cache"] is True
     assert engine_kwargs(parser.parse_args(["--no-program-cache"]))["program_cache"] is False
+
+
+
+@pytest.mark.parametrize("tight", [True, False])
+def test_a_cache_sized_from_free_memory_leaves_the_largest_step_its_buffers(tight, monkeypatch):
+    """With free memory reported, the cache shrinks until the largest step's own buffers
+    (its compiled program's memory analysis) and the margin fit beside it; the check's program
+    is warm-up's own (compiled once when nothing shrinks), and the smaller cache gives the
+    same tokens."""
+    kw = dict(dtype="float32", max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64,
+              block_size=4)
+    plain = LLM(TINY, num_kv_blocks=12, **kw)
+    r = plain.engine.runner
+    per_block, useful = r.bytes_per_block, 4 * 16 + 1
+    step_bytes = r._executables[r._lean_keys[r.buckets[-1]]].memory_analysis().temp_size_in_bytes
+    assert step_bytes > per_block
+    largest = max(x.nbytes for x in jax.tree.leaves(r.params))     # one compile's autotuning
+    margin = 3 * per_block
+    # tight: a fraction of 1 alone would take it all (the useful 65 blocks); the check leaves 12
+    reserve = step_bytes + largest + margin
+    free = reserve + 12 * per_block if tight else reserve * 2 + useful * per_block
+    monkeypatch.setattr(runner_module.ModelRunner, "_free_device_bytes", lambda self: free)
+    monkeypatch.setattr(runner_module, "STEP_MEMORY_MARGIN", margin)
+    lowered = []
+    real_init = compiling.StepCompiler.__init__
+
+    def counting_init(self, step_fn, *args, **kwargs):
+        real_init(self, step_fn, *args, **kwargs)
+        self._step = SimpleNamespace(lower=lambda *a, **k: lowered.append(k["layout"]) or step_fn.lower(*a, **k))
+    monkeypatch.setattr(compiling.StepCompiler, "__init__", counting_init)
+    threads = []
+    real_start = compiling.StepCompiler.start
+    monkeypatch.setattr(compiling.StepCompiler, "start", lambda self, jobs, n: (
+        threads.append(n) or real_start(self, jobs, n)))
+    llm = LLM(TINY, kv_cache_memory_fraction=1.0, **kw)
+    runner = llm.engine.runner
+    runner.wait_for_warmup()
+    assert runner.num_blocks == (12 if tight else useful)
+    # as many compiles at once as free memory holds autotuning for (the cache is not counted:
+    # the patched free memory does not shrink when it is allocated)
+    assert set(threads) == {max(1, min(os.cpu_count(), (free - step_bytes) // largest))}
+    assert llm.engine.scheduler.kv.pool.num_blocks == runner.num_blocks
+    # the tight check's first program was for the larger cache: compiled again for the smaller
+    assert len(lowered) == len(runner.buckets) * 2 + tight
+    prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (5, 20, 9)]
+    params = SamplingParams(temperature=0, max_tokens=6)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == \
+        [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
