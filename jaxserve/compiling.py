@@ -188,9 +188,6 @@ class StepCompiler:
         self._background = BackgroundCompiler()
 
     def compile(self, layout, variant, num_words: int):
-        compiled = self.executables.get((layout, variant))
-        if compiled is not None:       # compiled already (the runner's memory check: runner.py)
-            return compiled
         store = self.store
         path = store.path(layout, variant, num_words) if store else None
         if path and os.path.exists(path):

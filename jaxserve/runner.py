@@ -65,9 +65,6 @@ class StepVariant:
 # A bucket of one token for batch-1 decode (one user, a notebook): padded to 16 tokens it ran
 # 16 query rows through attention and the sampler (NOTE: measured on the H200, BENCHMARKS.md).
 SINGLE_TOKEN_BUCKET = True
-# Bytes kept free beside the cache and the largest step's buffers (_fit_step_memory): what the
-# memory analysis does not count (the sampler's small programs, state copies, fragmentation).
-STEP_MEMORY_MARGIN = 1 << 30
 
 
 def token_buckets(max_tokens: int, smallest: int = 16) -> list[int]:
@@ -145,41 +142,25 @@ class InFlightStep:
     hidden: jax.Array | None = None   # f[T, D] final hidden states (variant.hidden), on the device
 
 
-def cache_shapes(specs, num_blocks: int, num_slots: int, block_size: int, dtype,
-                 sharding_of=None) -> list[dict[str, jax.ShapeDtypeStruct]]:
-    """Every layer's cache arrays as abstract ones: paged arrays [num_blocks, P, *shape], state
-    arrays [num_slots, *shape]; `sharding_of(name, shape)` places them (None: default)."""
-    caches = []
+def allocate_caches(specs, num_blocks: int, num_slots: int, block_size: int, dtype,
+                    sharding_of=None) -> list[dict[str, jax.Array]]:
+    """Zeroed device arrays of every layer's cache spec: paged arrays [num_blocks, P, *shape],
+    state arrays [num_slots, *shape]; `sharding_of(name, shape)` places them (None: default)."""
+    caches, makers = [], {}
     for spec in specs:
         lead = (num_blocks, block_size) if isinstance(spec, PagedSpec) else (num_slots,)
         layer = {}
         for name, shape in spec.arrays:
             full = lead + tuple(shape)
+            out = sharding_of(name, full) if sharding_of else None
             kind = jnp.float32 if name in getattr(spec, "float32", ()) else dtype
-            layer[name] = jax.ShapeDtypeStruct(full, kind, sharding=sharding_of(name, full) if sharding_of else None)
+            # One compiled zeros per distinct array (not per layer: 4 s of start-up at 8B)
+            key = (full, jnp.dtype(kind).name, out)
+            if key not in makers:
+                makers[key] = jax.jit(lambda s=full, d=kind: jnp.zeros(s, d), out_shardings=out)
+            layer[name] = makers[key]()
         caches.append(layer)
     return caches
-
-
-def allocate_caches(specs, num_blocks: int, num_slots: int, block_size: int, dtype,
-                    sharding_of=None) -> list[dict[str, jax.Array]]:
-    """Zeroed device arrays of cache_shapes(...)."""
-    makers = {}
-
-    def zeros(a):
-        # One compiled zeros per distinct array (not per layer: 4 s of start-up at 8B)
-        key = (a.shape, jnp.dtype(a.dtype).name, a.sharding)
-        if key not in makers:
-            makers[key] = jax.jit(lambda s=a.shape, d=a.dtype: jnp.zeros(s, d), out_shardings=a.sharding)
-        return makers[key]()
-
-    return jax.tree.map(zeros, cache_shapes(specs, num_blocks, num_slots, block_size, dtype, sharding_of))
-
-
-def _device_bytes(a) -> int:
-    """Bytes of one device's shard of an array (or abstract array)."""
-    shape = a.sharding.shard_shape(a.shape) if getattr(a, "sharding", None) is not None else a.shape
-    return math.prod(shape) * jnp.dtype(a.dtype).itemsize
 
 
 class ModelRunner:
@@ -224,8 +205,14 @@ class ModelRunner:
             self.input_sharding = jax.sharding.SingleDeviceSharding(device)
             self.params = params = jax.device_put(params, device)
             sharding_of = lambda name, shape: self.input_sharding   # noqa: E731
-        self._cache_sharding_of = sharding_of
-        self.kv_cache = self._cache_shapes()      # abstract until the step's memory is known
+        self.kv_cache = allocate_caches(self.cache_specs, self.num_blocks, self.num_slots,
+                                        self.block_size, self.dtype, sharding_of)
+        # Hybrid prefix caching: saved states in and out of the live slots (state_copies.py)
+        self.state_copier = None
+        if self.num_cached_states:
+            self.state_copier = StateCopier(
+                [i for i, spec in enumerate(self.cache_specs) if not isinstance(spec, PagedSpec)],
+                config.scheduler.max_num_seqs)
         # Under a mesh the kernels run per `model` shard, or on replicated inputs
         # (sharding/kernels.py), so the impl is the configured one with or without a mesh.
         self.backend = AttentionBackend(self.cfg, config.attention_impl,
@@ -251,23 +238,15 @@ class ModelRunner:
         # Compiled step programs by (input layout, variant): warm-up fills it, run() uses it.
         # NOTE: the identity names what the jitted step closes over: a stored program is
         # loaded only for the same ones (compiling.ProgramStore)
-        self._identity = repr((getattr(model, "__name__", repr(model)), self.cfg, self.backend.impl,
-                               repr(mesh), sorted(fused)))
-        self._new_compiler()
-        # Device bytes one compile may take while it autotunes (_compile_threads), and the
-        # largest step's own (_fit_step_memory)
-        self._compile_bytes = max(_device_bytes(a) for a in jax.tree.leaves((self.params, self.kv_cache)))
-        self._step_bytes = 0
-        if self._sized_from_memory:
-            self._fit_step_memory()
-        self.kv_cache = allocate_caches(self.cache_specs, self.num_blocks, self.num_slots,
-                                        self.block_size, self.dtype, self._cache_sharding_of)
-        # Hybrid prefix caching: saved states in and out of the live slots (state_copies.py)
-        self.state_copier = None
-        if self.num_cached_states:
-            self.state_copier = StateCopier(
-                [i for i, spec in enumerate(self.cache_specs) if not isinstance(spec, PagedSpec)],
-                config.scheduler.max_num_seqs)
+        identity = repr((getattr(model, "__name__", repr(model)), self.cfg, self.backend.impl,
+                         repr(mesh), sorted(fused)))
+        self._compiler = StepCompiler(self._step, self.params, self.kv_cache, self._prev_ids,
+                                      self.input_sharding, store=config.program_cache_dir,
+                                      identity=identity)
+        self._executables = self._compiler.executables
+        # Seconds spent tracing + lowering, compiling and loading stored step programs, summed
+        # over programs.
+        self.compile_seconds = self._compiler.seconds
         self._pending: dict[tuple, concurrent.futures.Future] = {}   # warm-up's compiles
         # Told every device program a step launches, before it launches: on several hosts the
         # broadcaster that makes the other hosts launch it too (jaxserve/distributed.py)
@@ -291,20 +270,18 @@ class ModelRunner:
                                              self.block_size, self.dtype.itemsize) \
             // self.config.parallel.tensor_parallel_size
 
-    def _size_caches(self, num_blocks: int | None, reserve: int = 0) -> tuple[int, int, int]:
+    def _size_caches(self, num_blocks: int | None) -> tuple[int, int, int]:
         """(blocks, state slots, of those the saved states' for prefix hits): given,
-        configured, or from the memory budget; `reserve`: bytes a device must keep beside the
-        cache (the step's own buffers: _fit_step_memory)."""
+        configured, or from the memory budget."""
         max_seqs = self.config.scheduler.max_num_seqs
         num_blocks = num_blocks or self.config.cache.num_kv_blocks
         budget = None
-        self._sized_from_memory = False
         if not num_blocks:
-            free = self._free_device_bytes()
-            if free is not None:
+            first = self.device or jax.local_devices()[0]
+            stats = first.memory_stats() if jax.default_backend() != "cpu" else None
+            if stats and "bytes_limit" in stats:
+                free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
                 budget = int(free * self.config.cache.kv_cache_memory_fraction)
-                budget = min(budget, free - reserve) if reserve else budget
-                self._sized_from_memory = True
             else:
                 budget = self.config.cache.kv_cache_cpu_bytes
             # a proposer's weights (an EAGLE3 head) load after the sizing: their bytes first
@@ -321,68 +298,6 @@ class ModelRunner:
                                            itemsize=self.dtype.itemsize, budget_bytes=budget,
                                            max_num_seqs=max_seqs, useful_blocks=useful,
                                            cached_states=cached), cached)
-
-    def _free_device_bytes(self) -> int | None:
-        """Free memory of (the first) device, None where it is not reported (CPU)."""
-        first = self.device or jax.local_devices()[0]
-        stats = first.memory_stats() if jax.default_backend() != "cpu" else None
-        if stats and "bytes_limit" in stats:
-            return stats["bytes_limit"] - stats.get("bytes_in_use", 0)
-        return None
-
-    def _fit_step_memory(self) -> None:
-        """Shrink a cache sized from free memory until the largest step's own buffers fit
-        beside it: vLLM's profile run, read from the compiled program's memory analysis
-        instead of a run. NOTE: the fraction alone left a 56 GB MoE model's step 8 GiB short
-        on the H200 (BENCHMARKS.md, hybrid prefix caching). The program is kept: warm-up
-        compiles it anyway."""
-        t = self.buckets[-1]
-        lean, _, _ = self._build(SchedulerOutput(new_requests=[], scheduled=[], finished_req_ids=[],
-                                                 num_tokens=t, preempted_ids=[], num_cached_tokens=0))
-        variant = dataclasses.replace(self.warmup_variants[0],
-                                      attention=self.backend.warmup_plans(t, lean.num_seqs)[0])
-        packed, layout = packing.pack(lean)
-        try:
-            step_bytes = self._compile(layout, variant, len(packed)).memory_analysis().temp_size_in_bytes
-        except Exception:  # noqa: BLE001 - no analysis on this platform: keep the fraction's size
-            logger.warning("no memory analysis of the step; the cache keeps its size", exc_info=True)
-            return
-        self._step_bytes = step_bytes
-        sized = (self.num_blocks, self.num_slots, self.num_cached_states)
-        # and one compile's autotuning beside it (a step that needs a program warm-up missed)
-        fitted = self._size_caches(None, reserve=step_bytes + self._compile_bytes + STEP_MEMORY_MARGIN)
-        if fitted == sized:
-            return
-        logger.warning("the %d-token step needs %.0f MiB of its own: the cache shrinks from %d "
-                       "blocks and %d state slots to %d and %d", t, step_bytes / 2**20, sized[0],
-                       sized[1], fitted[0], fitted[1])
-        self.num_blocks, self.num_slots, self.num_cached_states = fitted
-        self.kv_cache = self._cache_shapes()
-        self._new_compiler()        # its programs were for the larger cache
-
-    def _compile_threads(self, most: int) -> int:
-        """Programs to compile at once: as many as the device's free memory holds autotuning
-        for. NOTE: XLA's autotuner allocates a tuned fusion's operands on the device, up to the
-        largest weight array: Qwen3.5-397B-4L's 9 background compiles beside its first
-        prefill failed to allocate 8 GiB (one layer's experts) on the H200, and the same
-        prefill ran with autotuning off or after the compiles (BENCHMARKS.md)."""
-        free = self._free_device_bytes()
-        if free is None:
-            return most
-        return int(max(1, min(most, (free - self._step_bytes) // self._compile_bytes)))
-
-    def _cache_shapes(self) -> list[dict[str, jax.ShapeDtypeStruct]]:
-        return cache_shapes(self.cache_specs, self.num_blocks, self.num_slots, self.block_size,
-                            self.dtype, self._cache_sharding_of)
-
-    def _new_compiler(self) -> None:
-        self._compiler = StepCompiler(self._step, self.params, self.kv_cache, self._prev_ids,
-                                      self.input_sharding, store=self.config.program_cache_dir,
-                                      identity=self._identity)
-        self._executables = self._compiler.executables
-        # Seconds spent tracing + lowering, compiling and loading stored step programs, summed
-        # over programs.
-        self.compile_seconds = self._compiler.seconds
 
     def _num_cached_states(self, budget: int | None) -> int:
         """Saved states for hybrid prefix caching: configured, or cache_manager's default."""
@@ -585,7 +500,7 @@ class ModelRunner:
         later.sort(key=lambda job: (job[1].attention.skewed, job[1].full))
         jobs += verifying
         now = [job for job in jobs if job not in later]
-        threads = self._compile_threads(os.cpu_count() or 1)
+        threads = os.cpu_count() or 1
         try:
             if background:
                 self._pending = self._compiler.start(now + later, threads)
