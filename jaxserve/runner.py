@@ -20,6 +20,7 @@ import functools
 import logging
 import math
 import os
+import weakref
 
 import jax
 import jax.numpy as jnp
@@ -234,7 +235,12 @@ class ModelRunner:
         self._prev_ids = jax.device_put(jnp.zeros(config.scheduler.max_num_seqs, jnp.int32),
                                         self.input_sharding)
         # A grammar's next mask needs the token still on its way (jaxserve/structured/masks.py).
-        self.batch.last_sampled = lambda: np.asarray(self._prev_ids)
+        # NOTE: through a weak reference: a closure over self would make runner -> batch ->
+        # closure -> runner a cycle, and `del llm` would keep the weights on the device until
+        # Python's cyclic collector ran (a second engine in the same process then ran out of
+        # memory on the H200: BENCHMARKS.md, hybrid prefix caching)
+        runner = weakref.ref(self)
+        self.batch.last_sampled = lambda: np.asarray(runner()._prev_ids)
         # Compiled step programs by (input layout, variant): warm-up fills it, run() uses it.
         # NOTE: the identity names what the jitted step closes over: a stored program is
         # loaded only for the same ones (compiling.ProgramStore)

@@ -92,9 +92,39 @@ def test_compiling_in_the_background_keeps_no_engine_alive(monkeypatch):
     assert all(t.daemon for t in threading.enumerate() if t.name == "jaxserve-compile")
     runner = weakref.ref(llm.engine.runner)
     kv = weakref.ref(llm.engine.runner.kv_cache[0]["k"])
-    del llm
+    gc.disable()     # freed by reference counting alone (test_del_frees_an_engine_at_once)
+    try:
+        del llm
+        assert runner() is None and kv() is None
+    finally:
+        gc.enable()
+
+
+@pytest.mark.parametrize("model, options", [
+    ("llama", {}),
+    ("qwen3_5_moe", {"enable_prefix_caching": True}),       # state copies, saved states
+    ("llama", {"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}}),
+    ("llama", {"speculative_config": {"method": "draft_model", "num_speculative_tokens": 2,
+                                       "model": TINY}}),
+])
+def test_del_frees_an_engine_at_once(model, options):
+    """`del llm` frees the weights and caches without waiting for Python's cyclic collector:
+    nothing in an engine refers back to its runner. NOTE: a closure over the runner did, and a
+    second engine built in the same process then ran out of device memory (BENCHMARKS.md)."""
+    import gc
+    import weakref
+
+    llm = LLM(os.path.join(os.path.dirname(TINY), model), dtype="float32", max_num_seqs=4,
+              max_num_batched_tokens=32, max_model_len=128, block_size=4, **options)
+    workload(llm)
+    runner, weights = weakref.ref(llm.engine.runner), weakref.ref(jax.tree.leaves(llm.engine.runner.params)[0])
     gc.collect()
-    assert runner() is None and kv() is None
+    gc.disable()
+    try:
+        del llm
+        assert runner() is None and weights() is None
+    finally:
+        gc.enable()
 
 
 def slow_full_programs(monkeypatch, seconds):
