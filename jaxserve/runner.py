@@ -191,6 +191,10 @@ class ModelRunner:
         self.proposer_cache_specs, self.proposer_weight_bytes = drafting.cache_on_target_blocks(
             config.speculative, model, self.cfg)
         self.group_kinds = cache_manager.group_kinds(self.cache_specs)
+        # Speculating with recurrent state: a snapshot slot per live slot, past the scheduler's
+        # slots, holds a request's state from before its verifying step (scheduler.py: rollback)
+        self.num_state_snapshots = (config.scheduler.max_num_seqs + 1 if config.speculative is not None
+                                    and cache_manager.STATE in self.group_kinds else 0)
         self.num_blocks, self.num_slots, self.num_cached_states = self._size_caches(num_blocks)
         # With a mesh (tensor / expert parallel) each cache array is placed by its name's rule
         # (k / v by kv heads, MLA latents replicated, DeltaNet states by head) and step inputs
@@ -206,11 +210,13 @@ class ModelRunner:
             self.input_sharding = jax.sharding.SingleDeviceSharding(device)
             self.params = params = jax.device_put(params, device)
             sharding_of = lambda name, shape: self.input_sharding   # noqa: E731
-        self.kv_cache = allocate_caches(self.cache_specs, self.num_blocks, self.num_slots,
+        self.kv_cache = allocate_caches(self.cache_specs, self.num_blocks,
+                                        self.num_slots + self.num_state_snapshots,
                                         self.block_size, self.dtype, sharding_of)
-        # Hybrid prefix caching: saved states in and out of the live slots (state_copies.py)
+        # Hybrid prefix caching and speculation: saved states and snapshots in and out of the
+        # live slots (state_copies.py)
         self.state_copier = None
-        if self.num_cached_states:
+        if self.num_cached_states or self.num_state_snapshots:
             self.state_copier = StateCopier(
                 [i for i, spec in enumerate(self.cache_specs) if not isinstance(spec, PagedSpec)],
                 config.scheduler.max_num_seqs)
@@ -278,7 +284,7 @@ class ModelRunner:
 
     def _size_caches(self, num_blocks: int | None) -> tuple[int, int, int]:
         """(blocks, state slots, of those the saved states' for prefix hits): given,
-        configured, or from the memory budget."""
+        configured, or from the memory budget (which pays for the snapshot slots too)."""
         max_seqs = self.config.scheduler.max_num_seqs
         num_blocks = num_blocks or self.config.cache.num_kv_blocks
         budget = None
@@ -299,11 +305,11 @@ class ModelRunner:
             return num_blocks, num_slots, cached
         # No use holding more than every sequence at full length.
         useful = max_seqs * self.max_blocks_per_seq + 1
-        return (*cache_manager.size_caches(self.cache_specs + self.proposer_cache_specs,
-                                           block_size=self.block_size,
-                                           itemsize=self.dtype.itemsize, budget_bytes=budget,
-                                           max_num_seqs=max_seqs, useful_blocks=useful,
-                                           cached_states=cached), cached)
+        blocks, slots = cache_manager.size_caches(
+            self.cache_specs + self.proposer_cache_specs, block_size=self.block_size,
+            itemsize=self.dtype.itemsize, budget_bytes=budget, max_num_seqs=max_seqs,
+            useful_blocks=useful, cached_states=cached + self.num_state_snapshots)
+        return blocks, slots - self.num_state_snapshots, cached
 
     def _num_cached_states(self, budget: int | None) -> int:
         """Saved states for hybrid prefix caching: configured, or cache_manager's default."""

@@ -13,6 +13,12 @@ a 100-token prompt with 16-token blocks runs as 96 tokens, whose state is saved,
 The scheduler alone advances and rolls back `num_computed_tokens`: a request that verified
 k draft tokens and kept a of the k + 1 sampled ones goes back by k + 1 - a. It speaks to the
 runner only through the data of jaxserve/step_messages.py.
+
+With recurrent state (hybrid models) a rejected draft cannot be taken back by positions
+alone: the verifying step folded it into the state. So a speculating request's state is
+copied to its snapshot slot before each verifying step (a state load), and when a draft is
+rejected the request goes back to the step's start: the snapshot is copied back before its
+next step, which computes the kept tokens again (a few tokens, no drafts) and samples.
 """
 
 from __future__ import annotations
@@ -47,7 +53,8 @@ class RequestUpdate:
 class Scheduler:
     def __init__(self, config: SchedulerConfig, cache: CacheConfig, num_blocks: int,
                  step_sizes: tuple[int, ...] = (), cache_specs=None, num_slots: int = 0,
-                 num_cached_states: int = 0, num_lookahead_tokens: int = 0):
+                 num_cached_states: int = 0, num_lookahead_tokens: int = 0,
+                 state_snapshots: bool = False):
         """step_sizes: the token counts the runner pads a step to (its buckets), if any; a
         step that would spill a little past one is cut to end there (see _fit). cache_specs:
         the model's per-layer specs (default: plain paged K/V). num_slots: state slots, of
@@ -55,7 +62,8 @@ class Scheduler:
         num_lookahead_tokens: blocks are allocated for this many positions past each
         scheduled chunk (a proposer that chains drafts on the target's block tables writes
         there after the step: spec_decode/hidden_steps.py), never past what the request can
-        reach."""
+        reach. state_snapshots: the runner holds a snapshot slot past num_slots for each live
+        slot (speculation with recurrent state: rollback in the module docstring)."""
         self.config = config
         self.num_lookahead_tokens = num_lookahead_tokens
         self.step_sizes = sorted(step_sizes)
@@ -66,6 +74,11 @@ class Scheduler:
                                  enable_prefix_caching=cache.enable_prefix_caching)
         self.pool = self.kv.pool
         self._align = self.kv.saves_states     # cut chunks to block boundaries (module doc)
+        # Rollback of recurrent state (module doc): live slot s's snapshot is slot base + s;
+        # a request whose drafts were rejected copies it back in its next step.
+        self._snapshot_base = num_slots if state_snapshots else 0
+        self._restores: dict[str, tuple[int, int]] = {}    # request -> (snapshot, live slot)
+        self.num_state_rollbacks = 0
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -97,6 +110,7 @@ class Scheduler:
         elif req in self.waiting:
             self.waiting.remove(req)
         req.status = status
+        self._restores.pop(request_id, None)
         self.kv.free(request_id)
         return req
 
@@ -223,6 +237,11 @@ class Scheduler:
                     req.sampling_params, req.seed, req.eos_token_ids))
             new_ids = added.get(rid) if rid in added else self.kv.group_block_ids(rid)
             scheduled.append(sched := self._advance(req, n, new_ids))
+            if rid in self._restores:         # before the step: its state as before the drafts
+                state_loads.append(self._restores.pop(rid))
+            elif self._snapshot_base and sched.spec_token_ids:
+                live = self.kv.slots[rid]
+                state_loads.append((live, self._snapshot_base + live))
             if self._align and not sched.spec_token_ids:
                 slot = self.kv.plan_state_save(rid, sched.start_position + n)
                 if slot:
@@ -298,6 +317,15 @@ class Scheduler:
                                               in_output=end > req.num_prompt_tokens)
                 else:                     # preempted meanwhile: its blocks were not registered
                     self.kv.release_state_save(sched.save_state_slot)
+            if rejected and self._snapshot_base and req.status == RequestStatus.RUNNING and status is None:
+                # The recurrent state went over the rejected drafts too: back to the snapshot
+                # from before the step, whose kept inputs are then computed again. NOTE: the
+                # engine waits for each step while speculating, so no later step counted on
+                # this one's positions.
+                req.num_computed_tokens = sched.start_position
+                live = self.kv.slots[req.request_id]
+                self._restores[req.request_id] = (self._snapshot_base + live, live)
+                self.num_state_rollbacks += 1
             if kept and req.first_token_time is None:
                 req.first_token_time = time.monotonic()
             if status is not None:
@@ -342,6 +370,7 @@ class Scheduler:
     def _preempt(self, req: Request) -> Request:
         self._drop_from_runner(req)
         self.kv.free(req.request_id, forget=False)
+        self._restores.pop(req.request_id, None)     # it recomputes its state from scratch
         req.num_computed_tokens = 0
         req.spec_token_ids = []
         req.status = RequestStatus.PREEMPTED

@@ -69,6 +69,7 @@ class LLMEngine:
                                    cache_specs=self.runner.cache_specs,
                                    num_slots=self.runner.num_slots,
                                    num_cached_states=self.runner.num_cached_states,
+                                   state_snapshots=self.runner.num_state_snapshots > 0,
                                    num_lookahead_tokens=getattr(proposer, "num_lookahead_tokens", 0))
         self.core = EngineCore(self.scheduler, self.runner, proposer)
         self.metrics = EngineMetrics()

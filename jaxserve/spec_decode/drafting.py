@@ -59,17 +59,22 @@ def cache_on_target_blocks(spec_config, model, cfg) -> tuple[list, int]:
     return [], 0
 
 
+# Proposers that run beside a target with recurrent state (hybrid models)
+HYBRID_METHODS = ("ngram", "draft_model")
+
+
 def make_proposer(spec_config, engine_config, runner=None):
     """The proposer of `spec_config.method` (None when speculation is off), for the target
     `runner`."""
     if spec_config is None:
         return None
     from jaxserve.kv_cache.manager import STATE
-    if runner is not None and STATE in runner.group_kinds:
-        # NOTE: a verifying step advances a linear-attention layer's recurrent state over every
-        # draft, rejected ones too, and nothing rolls it back: the output would be wrong
-        raise ValueError("speculative_config is not supported for models with recurrent state "
-                         f"(linear-attention layers: {engine_config.model.architecture}) yet")
+    if runner is not None and STATE in runner.group_kinds and spec_config.method not in HYBRID_METHODS:
+        # NOTE: the scheduler rolls the target's recurrent state back (scheduler.py); a
+        # proposer reading the target's hidden states would also see the recomputed rows
+        raise ValueError(f"speculative_config['method'] {spec_config.method!r} is not supported "
+                         f"for models with recurrent state (linear-attention layers: "
+                         f"{engine_config.model.architecture}); use one of {', '.join(HYBRID_METHODS)}")
     if spec_config.method == "eagle3":
         from jaxserve.spec_decode.eagle3 import Eagle3Proposer
         return Eagle3Proposer(spec_config, engine_config, runner)

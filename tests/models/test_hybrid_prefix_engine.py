@@ -118,8 +118,9 @@ def test_warmup_compiles_the_state_copies(tiny_checkpoint):
     assert compiles == []
 
 
-def test_speculation_on_a_hybrid_model_is_refused(tiny_checkpoint):
-    """Rejected drafts would stay in the recurrent state (no rollback): refused, not wrong."""
-    with pytest.raises(ValueError, match="recurrent state"):
+def test_a_proposer_reading_hidden_states_is_refused_on_a_hybrid_model(tiny_checkpoint):
+    """MTP / EAGLE3 would read the rows a state rollback computes again: refused, not wrong
+    (n-gram and draft models run: test_hybrid_speculation.py)."""
+    with pytest.raises(ValueError, match=r"'mtp' is not supported .*recurrent state.*ngram, draft_model"):
         make_llm(tiny_checkpoint, "qwen3_next", False,
-                 speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+                 speculative_config={"method": "mtp", "num_speculative_tokens": 1})

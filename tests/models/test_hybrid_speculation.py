@@ -1,0 +1,101 @@
+"""Speculative decoding on the hybrid models (Qwen3-Next, Qwen3.5-MoE). A verifying step folds
+every draft into the recurrent state, so a rejected one is rolled back: the state is copied to
+a snapshot slot before the step and back after a rejection, and the kept tokens are computed
+again (scheduler.py). Greedy tokens equal transformers' with drafts right and wrong, batched
+and alone, with prefix caching on and off and under preemption; n-gram and draft-model
+proposers change no output; every block, slot and saved state is free afterwards."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from jaxserve import LLM, SamplingParams
+from test_new_families_engine import assert_all_free, golden
+
+HYBRID = ["qwen3_next", "qwen3_5_moe"]
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+
+
+class Replay:
+    """Drafts from the known greedy continuation, each right with probability p (seeded)."""
+
+    def __init__(self, prompts, continuations, k: int, p: float):
+        self.cont = {tuple(pr): c for pr, c in zip(prompts, continuations)}
+        self.k, self.p, self.rng = k, p, np.random.default_rng(0)
+
+    def retain(self, running_ids) -> None:
+        pass
+
+    def propose(self, requests, limits):
+        out = []
+        for req, limit in zip(requests, limits):
+            m = len(req.output_token_ids)
+            drafts = np.array(self.cont[tuple(req.prompt_token_ids)][m:m + min(self.k, limit)])
+            wrong = self.rng.random(len(drafts)) >= self.p
+            drafts[wrong] = (drafts[wrong] + 1) % 256
+            out.append(drafts.tolist())
+        return out
+
+
+def make_llm(tiny_checkpoint, name, spec, caching=True, **kw):
+    args = dict(dtype="float32", max_num_seqs=4, max_num_batched_tokens=16, max_model_len=128,
+                block_size=4, num_kv_blocks=96, warmup=False)
+    if caching:
+        args["num_cached_states"] = 24
+    return LLM(tiny_checkpoint(name), enable_prefix_caching=caching, speculative_config=spec,
+               **{**args, **kw})
+
+
+def generate(llm, prompts, max_tokens):
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def counts(llm) -> dict:
+    m = llm.get_metrics()
+    return {"rollbacks": llm.engine.scheduler.num_state_rollbacks,
+            "accepted": m["spec_decode_num_accepted_tokens_total"],
+            "drafted": m["spec_decode_num_draft_tokens_total"]}
+
+
+@pytest.mark.parametrize("caching", [False, True])
+@pytest.mark.parametrize("name", HYBRID)
+def test_right_and_wrong_drafts_keep_the_greedy_tokens_of_transformers(name, caching, tiny_checkpoint):
+    prompts, want = golden(name)
+    llm = make_llm(tiny_checkpoint, name, NGRAM, caching)
+    llm.engine.core.proposer = Replay(prompts, want, k=3, p=0.6)
+    assert generate(llm, prompts, len(want[0])) == want
+    assert [generate(llm, [p], len(w))[0] for p, w in zip(prompts, want)] == want
+    c = counts(llm)
+    assert c["rollbacks"] > 0 and 0 < c["accepted"] < c["drafted"]     # both ways exercised
+    assert_all_free(llm)
+
+
+@pytest.mark.parametrize("name", HYBRID)
+def test_preempted_speculating_requests_resume_with_the_right_state(name, tiny_checkpoint):
+    prompts, want = golden(name)
+    # 22 blocks of 4 tokens: the three requests (5, 17 and 40 prompt tokens + 17) cannot all fit
+    llm = make_llm(tiny_checkpoint, name, NGRAM, num_kv_blocks=22)
+    llm.engine.core.proposer = Replay(prompts, want, k=3, p=0.6)
+    assert generate(llm, prompts, len(want[0])) == want
+    assert llm.get_metrics()["num_preemptions_total"] > 0 and counts(llm)["rollbacks"] > 0
+    assert_all_free(llm)
+
+
+@pytest.mark.parametrize("spec", [NGRAM, {"method": "draft_model", "num_speculative_tokens": 2}],
+                         ids=["ngram", "draft_model"])
+@pytest.mark.parametrize("name", HYBRID)
+def test_proposers_change_no_greedy_output(name, spec, tiny_checkpoint):
+    """On repetitive prompts (n-gram proposes from them) and with a tiny Llama on the same
+    vocabulary as the draft model."""
+    if spec["method"] == "draft_model":
+        spec = {**spec, "model": tiny_checkpoint("llama")}
+    rng = np.random.default_rng(1)
+    prompts = [(rng.integers(3, 256, size=3).tolist() * 4)[:n] for n in (7, 12, 9)]
+    want = generate(make_llm(tiny_checkpoint, name, None), prompts, 20)
+    llm = make_llm(tiny_checkpoint, name, spec)
+    assert generate(llm, prompts, 20) == want
+    assert counts(llm)["drafted"] > 0
+    assert_all_free(llm)
