@@ -193,7 +193,7 @@ class ModelRunner:
         self.group_kinds = cache_manager.group_kinds(self.cache_specs)
         # Speculating with recurrent state: a snapshot slot per live slot, past the scheduler's
         # slots, holds a request's state from before its verifying step (scheduler.py: rollback)
-        self.num_state_snapshots = (config.scheduler.max_num_seqs + 1 if config.speculative is not None
+        self.num_state_snapshots = (config.scheduler.max_num_seqs if config.speculative is not None
                                     and cache_manager.STATE in self.group_kinds else 0)
         self.num_blocks, self.num_slots, self.num_cached_states = self._size_caches(num_blocks)
         # With a mesh (tensor / expert parallel) each cache array is placed by its name's rule

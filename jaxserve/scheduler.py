@@ -62,8 +62,8 @@ class Scheduler:
         num_lookahead_tokens: blocks are allocated for this many positions past each
         scheduled chunk (a proposer that chains drafts on the target's block tables writes
         there after the step: spec_decode/hidden_steps.py), never past what the request can
-        reach. state_snapshots: the runner holds a snapshot slot past num_slots for each live
-        slot (speculation with recurrent state: rollback in the module docstring)."""
+        reach. state_snapshots: the runner holds a snapshot slot past num_slots for each
+        request's live slot (speculation with recurrent state: rollback in the module docstring)."""
         self.config = config
         self.num_lookahead_tokens = num_lookahead_tokens
         self.step_sizes = sorted(step_sizes)
@@ -74,9 +74,10 @@ class Scheduler:
                                  enable_prefix_caching=cache.enable_prefix_caching)
         self.pool = self.kv.pool
         self._align = self.kv.saves_states     # cut chunks to block boundaries (module doc)
-        # Rollback of recurrent state (module doc): live slot s's snapshot is slot base + s;
-        # a request whose drafts were rejected copies it back in its next step.
-        self._snapshot_base = num_slots if state_snapshots else 0
+        # Rollback of recurrent state (module doc): live slot s (>= 1) has snapshot slot
+        # base + s, past the num_slots here; a request whose drafts were rejected copies it
+        # back in its next step.
+        self._snapshot_base = num_slots - 1 if state_snapshots else 0
         self._restores: dict[str, tuple[int, int]] = {}    # request -> (snapshot, live slot)
         self.num_state_rollbacks = 0
         self.waiting: deque[Request] = deque()
@@ -322,6 +323,7 @@ class Scheduler:
                 # from before the step, whose kept inputs are then computed again. NOTE: the
                 # engine waits for each step while speculating, so no later step counted on
                 # this one's positions.
+                assert not self._in_flight, "a state rollback needs the core to wait for each step"
                 req.num_computed_tokens = sched.start_position
                 live = self.kv.slots[req.request_id]
                 self._restores[req.request_id] = (self._snapshot_base + live, live)
