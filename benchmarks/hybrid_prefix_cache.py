@@ -111,10 +111,9 @@ def main():
     rng = np.random.default_rng(0)
     out = {"prompt_len": args.prompt_len, "suffix": args.suffix, "batch": args.batch,
            "budget": args.budget}
-    caching = args.caching == "on"
+    key, caching = args.caching, args.caching == "on"
     llm = engine(args, caching)
     vocab = llm.engine.config.model.vocab_size
-    key = "on" if caching else "off"
     times, hits = [], []
     for _ in range(args.rounds):
         # a fresh shared part each round: the first prompt computes it (and saves its
@@ -151,11 +150,9 @@ def run_both(args) -> None:
     for caching in ("off", "on"):
         with tempfile.TemporaryDirectory() as tmp:
             part = os.path.join(tmp, "part.json")
-            argv = sys.argv[1:]
-            if "--json" in argv:
-                del argv[argv.index("--json"):argv.index("--json") + 2]
-            subprocess.run([sys.executable, os.path.abspath(__file__), *argv, "--caching", caching,
-                            "--json", part], check=True)
+            # (argparse keeps the last --caching and --json: these override the caller's)
+            subprocess.run([sys.executable, os.path.abspath(__file__), *sys.argv[1:],
+                            "--caching", caching, "--json", part], check=True)
             with open(part) as f:
                 out.update(json.load(f))
         if args.json:     # after each engine: a run cut short keeps the first one's figures

@@ -243,8 +243,8 @@ class ModelRunner:
         # A grammar's next mask needs the token still on its way (jaxserve/structured/masks.py).
         # NOTE: through a weak reference: a closure over self would make runner -> batch ->
         # closure -> runner a cycle, and `del llm` would keep the weights on the device until
-        # Python's cyclic collector ran (a second engine in the same process then ran out of
-        # memory on the H200: BENCHMARKS.md, hybrid prefix caching)
+        # Python's cyclic collector ran (the suspected cause of a second engine in the same
+        # process running out of memory on the H200: BENCHMARKS.md, hybrid prefix caching)
         runner = weakref.ref(self)
         self.batch.last_sampled = lambda: np.asarray(runner()._prev_ids)
         # Compiled step programs by (input layout, variant): warm-up fills it, run() uses it.
