@@ -206,3 +206,25 @@ def test_regenerate_replaces_replies_by_the_targets_greedy_ones(target):
         assert n.prompt_len == e.prompt_len and len(n.token_ids) <= 32
         assert n.token_ids[:e.prompt_len].tolist() == e.token_ids[:e.prompt_len].tolist()
         assert n.token_ids[e.prompt_len:].tolist() == list(want[0].outputs[0].token_ids)
+
+
+def test_resume_reads_back_the_regenerated_examples(target, dataset, tmp_path, monkeypatch):
+    out = tmp_path / "regen"
+    args = ["--regenerate", "--regenerate-seqs", "4", "--num-steps", "4", "--save-every", "2",
+            "--log-every", "2", "--num-eval", "3", "--eval-prompts", "0", "--max-examples", "12"]
+    assert train_draft(target, dataset, out, *args, "--max-train-minutes", "0") == 0
+    first = json.load(open(out / "report.json"))
+    with open(out / "regenerated.jsonl") as f:
+        splits = [json.loads(line)["split"] for line in f]
+    assert splits.count("train") == first["train_examples"] and splits.count("held_out") == 3
+    # --resume trains on the saved examples: the target is not asked to generate them again.
+    from jaxserve.train_draft import regenerate
+
+    def refuse(*a, **k):
+        raise AssertionError("regenerated again on --resume")
+
+    monkeypatch.setattr(regenerate, "regenerate", refuse)
+    assert train_draft(target, dataset, out, *args, "--resume") == 0
+    again = json.load(open(out / "report.json"))
+    assert again["steps"] == 4 and again["train_examples"] == first["train_examples"]
+    assert again["held_out"]["positions"] == first["held_out"]["positions"]

@@ -21,7 +21,9 @@ def make_llm(cfg, params, tokenizer, module, dtype, spec, max_len, max_num_seqs)
     blocks = max_num_seqs * -(-max_len // 16) + 2
     config = EngineConfig(
         model=cfg, cache=CacheConfig(block_size=16, num_kv_blocks=blocks),
-        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max(256, max_num_seqs),
+        # 4 tokens a sequence a step: the prompts of finished sequences' successors prefill
+        # beside the decodes instead of waiting for slots to drain
+        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max(256, 4 * max_num_seqs),
                                   max_model_len=max_len),
         dtype=dtype, warmup=False, speculative=SpeculativeConfig.from_dict(spec))
     return LLM.from_engine(LLMEngine(config, params, tokenizer, module))

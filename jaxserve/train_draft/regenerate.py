@@ -6,10 +6,12 @@ on the target's outputs accepts more than one trained on the dataset's replies).
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.train_draft.data import MIN_TOKENS, Example
+from jaxserve.train_draft.data import MIN_TOKENS, Example, load_examples
 
 
 def regenerate(llm, examples: list[Example], max_len: int, use_tqdm: bool = True) -> list[Example]:
@@ -25,3 +27,24 @@ def regenerate(llm, examples: list[Example], max_len: int, use_tqdm: bool = True
         if len(ids) >= MIN_TOKENS:
             new.append(Example(ids.astype(np.int32), e.prompt_len))
     return new
+
+
+def save_regenerated(path: str, train: list[Example], held_out: list[Example]) -> None:
+    """Both splits as token-id records, the held-out ones marked."""
+    with open(path, "w") as f:
+        for split, examples in (("train", train), ("held_out", held_out)):
+            for e in examples:
+                f.write(json.dumps({"input_ids": e.token_ids.tolist(), "prompt_len": e.prompt_len,
+                                    "split": split}) + "\n")
+
+
+def load_regenerated(path: str, max_len: int, vocab_size: int) -> tuple[list[Example], list[Example]]:
+    """(train, held-out) as save_regenerated wrote them."""
+    with open(path) as f:
+        splits = [json.loads(line)["split"] for line in f if line.strip()]
+    examples = load_examples(path, None, max_len, len(splits), vocab_size)
+    if len(examples) != len(splits):
+        raise ValueError(f"{path}: {len(splits)} records but {len(examples)} usable examples "
+                         f"(was it written with another --max-len?)")
+    train = [e for e, s in zip(examples, splits) if s == "train"]
+    return train, [e for e, s in zip(examples, splits) if s == "held_out"]
