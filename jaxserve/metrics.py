@@ -12,7 +12,9 @@ GAUGES = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
           "num_free_blocks")
 COUNTERS = ("prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "prompt_tokens",
             "generation_tokens", "request_success", "request_failure", "request_abort",
-            "spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens")
+            "spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens",
+            # hybrid models: rejected drafts whose recurrent state was restored (scheduler.py)
+            "num_state_rollbacks")
 # Counters with one label; in as_dict as name_total{label="value"}.
 LABELED_COUNTERS = {"spec_decode_num_accepted_tokens_per_pos": "position"}
 HISTOGRAMS = ("time_to_first_token_seconds", "inter_token_latency_seconds",

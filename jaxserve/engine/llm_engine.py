@@ -277,7 +277,8 @@ class LLMEngine:
         m.set("num_used_blocks", pool.num_used)
         m.set("num_free_blocks", pool.num_free)
         for name, value in (("prefix_cache_queries", s.prefix_queries), ("prefix_cache_hits", s.prefix_hits),
-                            ("num_preemptions", s.num_preemptions)):
+                            ("num_preemptions", s.num_preemptions),
+                            ("num_state_rollbacks", s.num_state_rollbacks)):
             m.inc(name, value - m.counters[name]._value.get())
 
     def get_metrics(self) -> dict[str, float]:

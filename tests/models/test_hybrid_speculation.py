@@ -55,6 +55,7 @@ def generate(llm, prompts, max_tokens):
 
 def counts(llm) -> dict:
     m = llm.get_metrics()
+    assert m["num_state_rollbacks_total"] == llm.engine.scheduler.num_state_rollbacks
     return {"rollbacks": llm.engine.scheduler.num_state_rollbacks,
             "accepted": m["spec_decode_num_accepted_tokens_total"],
             "drafted": m["spec_decode_num_draft_tokens_total"]}
