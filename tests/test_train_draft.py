@@ -228,3 +228,19 @@ def test_resume_reads_back_the_regenerated_examples(target, dataset, tmp_path, m
     again = json.load(open(out / "report.json"))
     assert again["steps"] == 4 and again["train_examples"] == first["train_examples"]
     assert again["held_out"]["positions"] == first["held_out"]["positions"]
+
+
+def test_the_targets_outputs_are_the_same_with_the_pallas_attention(target):
+    """The GPU default (--attention-impl auto: the Pallas kernel) gives the trainer what the
+    XLA attention does (interpret mode here), over a batch of rows of different lengths."""
+    from jaxserve.models import llama
+    from jaxserve.train_draft import target as target_mod
+
+    cfg, params, _ = loader.load_model(target, dtype="float32")
+    draft_ids = jnp.arange(0, 256, 2, dtype=jnp.int32)
+    tokens = jnp.asarray(np.random.default_rng(0).integers(3, 256, (3, 32)), jnp.int32)
+    ref, got = (target_mod.make_target_fn(llama, cfg, (0, 1, 1), impl)(params, tokens, draft_ids)
+                for impl in ("xla", "pallas"))
+    for name, r, g in zip(("aux", "logits", "top1", "in_draft"), ref, got):
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(r, np.float32),
+                                   rtol=2e-5, atol=2e-5, err_msg=name)
