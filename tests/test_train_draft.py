@@ -185,7 +185,7 @@ def test_sharegpt_records_render_with_the_chat_template():
     rec = {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}]}
     ex = data.tokenize_record(rec, Tok(), 64)
     assert "".join(map(chr, ex.token_ids)) == "<user>hi<assistant>hello"
-    assert ex.prompt_len == len("<user>hi<assistant>")
+    assert ex.prompt_len == ex.train_from == len("<user>hi<assistant>")     # the loss: the reply only
     assert data.tokenize_record({"conversations": [{"from": "gpt", "value": "x" * 9}]}, Tok(), 64) is None
 
 
@@ -244,3 +244,50 @@ def test_the_targets_outputs_are_the_same_with_the_pallas_attention(target):
     for name, r, g in zip(("aux", "logits", "top1", "in_draft"), ref, got):
         np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(r, np.float32),
                                    rtol=2e-5, atol=2e-5, err_msg=name)
+
+
+def test_the_loss_is_on_the_replies_only(target):
+    """A row's positions count in the loss and the agreement figures only where they predict a
+    token at or after its train_from (records without a prompt/reply split: every token)."""
+    from jaxserve.models import llama
+    from jaxserve.train_draft import target as target_mod
+    from jaxserve.train_draft import train
+
+    assert data.tokenize_record({"input_ids": list(range(3, 13)), "prompt_len": 4}, None, 64).train_from == 4
+    assert data.tokenize_record({"input_ids": list(range(3, 13))}, None, 64).train_from == 0
+    cfg, params, _ = loader.load_model(target, dtype="float32")
+    draft_ids = np.arange(0, 256, 2, dtype=np.int32)
+    hp = head.init_head(cfg, params, llama, draft_ids, seed=1)
+    ex = [data.Example(np.arange(10, 30, dtype=np.int32), 6, 6), data.Example(np.arange(40, 52, dtype=np.int32), 5, 0)]
+    b = data.make_batch(ex, 2, 32)
+    ids = jnp.asarray(b.token_ids)
+    tgt = target_mod.make_target_fn(llama, cfg, (0, 1, 1))(params, ids, jnp.asarray(draft_ids))
+    batch = (tgt[0], ids, jnp.asarray(b.lengths), jnp.asarray(b.train_from), *tgt[1:])
+    sums = np.asarray(train.make_eval_step(cfg, 2)(hp, params["embed"], batch, jnp.asarray(draft_ids)))
+    # step i at t is valid while t + 1 + i < length and t + 2 + i >= train_from
+    want = [sum(1 for t in range(32) if t + 1 + i < 20 and t + 2 + i >= 6) +
+            sum(1 for t in range(32) if t + 1 + i < 12) for i in range(2)]
+    np.testing.assert_array_equal(sums[:, 3], want)
+    assert (sums[:, 1] <= sums[:, 3]).all()
+
+
+def test_the_bf16_head_follows_the_f32_one(target):
+    """--head-dtype bfloat16 (the GPU default) computes the same logits as float32 to bf16's
+    precision, and its gradients are f32 like its parameters."""
+    from jaxserve.models import llama
+
+    cfg, params, _ = loader.load_model(target, dtype="float32")
+    draft_ids = np.arange(0, 256, 2, dtype=np.int32)
+    hp = head.init_head(cfg, params, llama, draft_ids, seed=1)
+    hp = jax.tree.map(lambda a: a + 0.05 * jax.random.normal(jax.random.PRNGKey(2), a.shape), hp)
+    tokens = jnp.asarray(np.random.default_rng(0).integers(3, 256, (2, 16)), jnp.int32)
+    aux = jax.random.normal(jax.random.PRNGKey(3), (2, 16, 3 * cfg.hidden_size))
+    f32, bf16 = (head.ttt_forward(cfg, hp, params["embed"], aux, tokens, 3, dt) for dt in (jnp.float32, jnp.bfloat16))
+    for a, b in zip(f32, bf16):
+        assert b.dtype == jnp.float32
+        scale = float(jnp.max(jnp.abs(a)))
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=0.03 * scale)
+        assert float(jnp.max(jnp.abs(a - b))) > 0          # it did compute in bf16
+    grads = jax.grad(lambda p: sum(jnp.sum(x) for x in head.ttt_forward(
+        cfg, p, params["embed"], aux, tokens, 2, jnp.bfloat16)))(hp)
+    assert all(g.dtype == jnp.float32 for g in jax.tree.leaves(grads))

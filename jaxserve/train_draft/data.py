@@ -8,9 +8,11 @@ one of:
     {"messages": [{"role": ..., "content": ...}, ...]}                           (chat)
     {"text": "..."}                                                              (plain text)
     {"input_ids": [int, ...], "prompt_len": int (optional)}                      (tokenized)
-Conversations are rendered with the target's chat template. Every position is trained on
-(the prompt's as well as the replies'): the head learns the target's next-token
-distribution wherever the target has one.
+Conversations are rendered with the target's chat template. The loss is on the replies
+(the tokens from `prompt_len` on: what the head will draft for), as EAGLE3's training masks
+everything but the assistant's turns; records with no prompt/reply split (text, or token ids
+without `prompt_len`) are trained on at every position. `--loss-on all` trains every position
+of every record.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ MIN_TOKENS = 4          # shorter sequences teach nothing a k-step test can use
 class Example:
     token_ids: np.ndarray           # i32[n] the whole sequence, truncated to max_len
     prompt_len: int                 # tokens before the first reply (the engine's eval prompt)
+    train_from: int = 0             # the first token the loss predicts (prompt_len, or 0: all)
 
 
 def iter_records(path: str) -> Iterator[dict]:
@@ -71,7 +74,8 @@ def tokenize_record(record: dict, tokenizer, max_len: int) -> Example | None:
         return None
     if "input_ids" in record:
         ids = [int(t) for t in record["input_ids"]]
-        prompt_len = int(record.get("prompt_len", len(ids) // 2))
+        split = "prompt_len" in record
+        prompt_len = int(record["prompt_len"]) if split else len(ids) // 2
     else:
         if not any(k in record for k in ("conversations", "messages", "text")):
             raise ValueError(f"each dataset record needs 'conversations', 'messages', 'text' or "
@@ -80,6 +84,7 @@ def tokenize_record(record: dict, tokenizer, max_len: int) -> Example | None:
             raise ValueError("this dataset holds text, but the model has no tokenizer: give "
                              "records of 'input_ids' (token ids) instead")
         msgs = _messages(record)
+        split = msgs is not None
         if msgs is not None:
             first_reply = next((i for i, m in enumerate(msgs) if m["role"] == "assistant"), None)
             if not first_reply:            # no reply, or a reply with no prompt before it
@@ -95,7 +100,8 @@ def tokenize_record(record: dict, tokenizer, max_len: int) -> Example | None:
     ids = ids[:max_len]
     if len(ids) < MIN_TOKENS:
         return None
-    return Example(np.asarray(ids, np.int32), max(1, min(prompt_len, len(ids) - 1)))
+    prompt_len = max(1, min(prompt_len, len(ids) - 1))
+    return Example(np.asarray(ids, np.int32), prompt_len, prompt_len if split else 0)
 
 
 def load_examples(path: str, tokenizer, max_len: int, limit: int, vocab_size: int) -> list[Example]:
@@ -152,16 +158,19 @@ def bucket_len(n: int, max_len: int) -> int:
 class Batch:
     token_ids: np.ndarray           # i32[B, T] (padding: 0)
     lengths: np.ndarray             # i32[B] tokens of each row (padding rows: 0)
+    train_from: np.ndarray          # i32[B] each row's Example.train_from
 
 
 def make_batch(examples: list[Example], batch_size: int, max_len: int) -> Batch:
     t = bucket_len(max(len(e.token_ids) for e in examples), max_len)
     ids = np.zeros((batch_size, t), np.int32)
     lengths = np.zeros(batch_size, np.int32)
+    train_from = np.zeros(batch_size, np.int32)
     for i, e in enumerate(examples):
         ids[i, :len(e.token_ids)] = e.token_ids
         lengths[i] = len(e.token_ids)
-    return Batch(ids, lengths)
+        train_from[i] = e.train_from
+    return Batch(ids, lengths, train_from)
 
 
 def train_batch(examples: list[Example], step: int, batch_size: int, max_len: int, seed: int) -> Batch:

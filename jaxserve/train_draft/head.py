@@ -54,47 +54,51 @@ def shift_left(x_BT: jax.Array, s: int) -> jax.Array:
     return jnp.concatenate([x_BT[:, s:], pad], axis=1)
 
 
-def ttt_attention(q_BTNE, keys, values, scale: float) -> jax.Array:
+def ttt_attention(q_BTNE, keys, values, scale: float, cd=jnp.float32) -> jax.Array:
     """Attention of step len(keys) - 1: causal over keys[0] (step 0's, every position), and
     at each position over its own keys of steps 1.. (the chain's drafts). Grouped heads:
-    N query heads share K kv heads."""
+    N query heads share K kv heads. Products in cd, accumulated and softmaxed in f32."""
     b, t, n, e = q_BTNE.shape
     kh = keys[0].shape[2]
-    q = q_BTNE.reshape(b, t, kh, n // kh, e).astype(jnp.float32)
+    q = q_BTNE.reshape(b, t, kh, n // kh, e).astype(cd)
+    f32 = dict(preferred_element_type=jnp.float32)
     causal = jnp.tril(jnp.ones((t, t), bool))
-    s0 = jnp.einsum("btkge,bske->bkgts", q, keys[0].astype(jnp.float32)) * scale
+    s0 = jnp.einsum("btkge,bske->bkgts", q, keys[0].astype(cd), **f32) * scale
     scores = [jnp.where(causal, s0, -jnp.inf)]
-    scores += [jnp.einsum("btkge,btke->bkgt", q, k.astype(jnp.float32))[..., None] * scale
+    scores += [jnp.einsum("btkge,btke->bkgt", q, k.astype(cd), **f32)[..., None] * scale
                for k in keys[1:]]
     p = jax.nn.softmax(jnp.concatenate(scores, -1), axis=-1)
-    out = jnp.einsum("bkgts,bske->btkge", p[..., :t], values[0].astype(jnp.float32))
+    out = jnp.einsum("bkgts,bske->btkge", p[..., :t].astype(cd), values[0].astype(cd), **f32)
     for j, v in enumerate(values[1:]):
         out = out + p[..., t + j].transpose(0, 3, 1, 2)[..., None] * v.astype(jnp.float32)[:, :, :, None]
     return out.reshape(b, t, n * e)
 
 
-def ttt_forward(cfg, hp: dict, embed_VD, aux_BTH, token_ids_BT, num_steps: int) -> list[jax.Array]:
+def ttt_forward(cfg, hp: dict, embed_VD, aux_BTH, token_ids_BT, num_steps: int,
+                compute_dtype=jnp.float32) -> list[jax.Array]:
     """The head's logits f32[B, T, Dv] at every position for each of `num_steps` TTT steps
-    (step i predicts token t + 2 + i)."""
-    lp, eps = hp["layer"], cfg.rms_norm_eps
+    (step i predicts token t + 2 + i). Matmuls take compute_dtype operands (bf16: the
+    tensor cores' rate) and accumulate in f32; norms, softmax and the residual stream are f32."""
+    lp, eps, cd = hp["layer"], cfg.rms_norm_eps, compute_dtype
+    mm = lambda x, w: jnp.matmul(x.astype(cd), w.astype(cd), preferred_element_type=jnp.float32)
     b, t = token_ids_BT.shape
     n, kh, e = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     inv_freq = layers.rope_inv_freq(e, cfg.rope_theta, cfg.rope_scaling_dict)
     rope = lambda x_BTNE, pos_T: jax.vmap(lambda x: layers.apply_rope(x, pos_T, inv_freq))(x_BTNE)
-    h = aux_BTH.astype(jnp.float32) @ hp["fc"]
+    h = mm(aux_BTH, hp["fc"])
     keys, values, out_logits = [], [], []
     for i in range(num_steps):
         tokens = shift_left(token_ids_BT, 1 + i)
         emb = layers.rms_norm(embed_VD[tokens].astype(jnp.float32), lp["attn_norm"], eps)
         both = jnp.concatenate([emb, layers.rms_norm(h, lp["hidden_norm"], eps)], -1)
         pos = jnp.arange(t, dtype=jnp.int32) + i
-        keys.append(rope((both @ lp["wk"]).reshape(b, t, kh, e), pos))
-        values.append((both @ lp["wv"]).reshape(b, t, kh, e))
-        q = rope((both @ lp["wq"]).reshape(b, t, n, e), pos)
-        residual = h + ttt_attention(q, keys, values, 1.0 / math.sqrt(e)) @ lp["wo"]
+        keys.append(rope(mm(both, lp["wk"]).reshape(b, t, kh, e), pos))
+        values.append(mm(both, lp["wv"]).reshape(b, t, kh, e))
+        q = rope(mm(both, lp["wq"]).reshape(b, t, n, e), pos)
+        residual = h + mm(ttt_attention(q, keys, values, 1.0 / math.sqrt(e), cd), lp["wo"])
         m = layers.rms_norm(residual, lp["mlp_norm"], eps)
-        h = residual + (jax.nn.silu(m @ lp["w_gate"]) * (m @ lp["w_up"])) @ lp["w_down"]
-        out_logits.append(layers.rms_norm(h, hp["norm"], eps) @ hp["lm_head"])
+        h = residual + mm(jax.nn.silu(mm(m, lp["w_gate"])) * mm(m, lp["w_up"]), lp["w_down"])
+        out_logits.append(mm(layers.rms_norm(h, hp["norm"], eps), hp["lm_head"]))
     return out_logits
 
 

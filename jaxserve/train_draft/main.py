@@ -36,6 +36,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ttt-steps", type=positive_int, default=3,
                    help="unrolled steps of the training-time test (drafts chained per position)")
     p.add_argument("--max-len", type=positive_int, default=512, help="tokens per sequence (longer ones are cut)")
+    p.add_argument("--loss-on", default="replies", choices=["replies", "all"],
+                   help="replies: the loss predicts only reply tokens (records without a prompt/reply "
+                        "split: every token), as EAGLE3 masks all but the assistant's turns; all: every token")
+    p.add_argument("--head-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="the head's matmul operands (parameters and optimizer stay float32; auto: "
+                        "bfloat16 on a GPU, float32 on a CPU)")
     p.add_argument("--max-examples", type=positive_int, default=100_000, help="records read from the dataset")
     p.add_argument("--regenerate", action="store_true",
                    help="train on the target's own greedy replies to the prompts (generated first, by the engine)")
@@ -71,6 +77,16 @@ def _aux_layers(value: str | None, num_layers: int) -> tuple[int, ...]:
         raise ValueError(f"--aux-layers must be three layers of the target (0 to {num_layers - 1}); "
                          f"got {list(aux)}")
     return aux
+
+
+def _head_dtype(args):
+    import jax
+    import jax.numpy as jnp
+
+    name = args.head_dtype
+    if name == "auto":
+        name = "float32" if jax.default_backend() == "cpu" else "bfloat16"
+    return jnp.dtype(name)
 
 
 @dataclasses.dataclass
@@ -126,7 +142,7 @@ def _train(args, tgt, mgr, settings, state, start, train_ex, device_batch, optim
 
     from jaxserve.train_draft import checkpoint, data, train
 
-    train_step = train.make_train_step(tgt.cfg, optimizer, args.ttt_steps)
+    train_step = train.make_train_step(tgt.cfg, optimizer, args.ttt_steps, _head_dtype(args))
     hp, opt_state, draft_dev = state["head"], state["opt_state"], state["draft_ids"]
     t0, done = time.perf_counter(), start
     with open(os.path.join(args.output, "train_log.jsonl"), "a") as log, \
@@ -159,7 +175,7 @@ def _held_out_report(args, tgt, hp, held_out, device_batch, draft_dev) -> dict:
 
     from jaxserve.train_draft import data, train
 
-    evaluate = train.make_eval_step(tgt.cfg, args.ttt_steps)
+    evaluate = train.make_eval_step(tgt.cfg, args.ttt_steps, _head_dtype(args))
     sums = sum(np.asarray(evaluate(hp, tgt.params["embed"], device_batch(b), draft_dev))
                for b in data.eval_batches(held_out, args.batch_size, args.max_len))
     report = {"held_out": train.summarize(sums)}
@@ -195,7 +211,11 @@ def run(args) -> dict:
     data_seconds = time.perf_counter() - t0
     vocab = args.draft_vocab_size or min(32000, tgt.cfg.vocab_size)
     draft_ids = data.draft_vocab(train_ex, tgt.cfg.vocab_size, vocab)
+    if args.loss_on == "all":
+        train_ex = [dataclasses.replace(e, train_from=0) for e in train_ex]
+        held_out = [dataclasses.replace(e, train_from=0) for e in held_out]
     settings = {"model": args.model, "regenerate": args.regenerate, "draft_vocab_size": vocab,
+                "loss_on": args.loss_on,
                 "aux_layers": list(aux_layers), "ttt_steps": args.ttt_steps, "num_steps": args.num_steps,
                 "lr": args.lr, "batch_size": args.batch_size, "max_len": args.max_len, "dataset": args.dataset}
 
@@ -214,7 +234,7 @@ def run(args) -> dict:
         """The trainer's batch: the target's outputs over it, computed on the device."""
         ids = jnp.asarray(b.token_ids)
         aux, logits, top1, in_draft = target_fn(tgt.params, ids, draft_dev)
-        return aux, ids, jnp.asarray(b.lengths), logits, top1, in_draft
+        return aux, ids, jnp.asarray(b.lengths), jnp.asarray(b.train_from), logits, top1, in_draft
 
     t_train = time.perf_counter()
     hp, done = _train(args, tgt, mgr, settings, state, start, train_ex, device_batch, optimizer)

@@ -25,7 +25,7 @@ def regenerate(llm, examples: list[Example], max_len: int, use_tqdm: bool = True
     for e, o in zip(keep, outs):
         ids = np.concatenate([e.token_ids[:e.prompt_len], np.asarray(o.outputs[0].token_ids, np.int32)])
         if len(ids) >= MIN_TOKENS:
-            new.append(Example(ids.astype(np.int32), e.prompt_len))
+            new.append(Example(ids.astype(np.int32), e.prompt_len, e.prompt_len))
     return new
 
 

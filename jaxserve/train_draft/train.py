@@ -1,6 +1,7 @@
 """The loss, the optimizer and the jitted training step, and the held-out metrics.
 
-Loss of TTT step i at position t (valid while token t + 1 + i, its input, exists): the
+Loss of TTT step i at position t (valid while token t + 1 + i, its input, exists, and
+token t + 2 + i, its prediction, is one the loss is on: data.Example.train_from): the
 forward KL from the target's distribution at position t + 1 + i, restricted to the draft
 vocabulary and renormalised, to the head's (the cross-entropy less the target's entropy:
 the same gradient, and 0 when the head matches). Positions whose target top-1 lies outside
@@ -36,16 +37,17 @@ def make_optimizer(lr: float, num_steps: int, warmup_steps: int, weight_decay: f
                        optax.adamw(schedule, weight_decay=weight_decay))
 
 
-def _step_terms(cfg, hp, embed, aux, token_ids, lengths, tgt_logits, tgt_top1, in_draft, draft_ids,
-                num_steps):
+def _step_terms(cfg, hp, embed, aux, token_ids, lengths, train_from, tgt_logits, tgt_top1, in_draft,
+                draft_ids, num_steps, compute_dtype):
     """Per TTT step: (loss sum, loss positions, agreements chained, valid positions)."""
-    logits = ttt_forward(cfg, hp, embed, aux, token_ids, num_steps)
+    logits = ttt_forward(cfg, hp, embed, aux, token_ids, num_steps, compute_dtype)
     t = token_ids.shape[1]
     chained = jnp.ones(token_ids.shape, bool)
     out = []
     for i, lg in enumerate(logits):
         # step i at t predicts the token after t + 1 + i: the target's logits at t + 1 + i
-        valid = jnp.arange(t)[None, :] + 1 + i < lengths[:, None]
+        pos = jnp.arange(t)[None, :]
+        valid = (pos + 1 + i < lengths[:, None]) & (pos + 2 + i >= train_from[:, None])
         log_p = jax.nn.log_softmax(shift_left(tgt_logits, 1 + i).astype(jnp.float32), -1)
         p = jnp.exp(log_p)
         kl = jnp.sum(p * (log_p - jax.nn.log_softmax(lg, -1)), -1)
@@ -56,35 +58,36 @@ def _step_terms(cfg, hp, embed, aux, token_ids, lengths, tgt_logits, tgt_top1, i
     return out
 
 
-def loss_fn(hp, cfg, embed, batch, draft_ids, num_steps):
-    terms = _step_terms(cfg, hp, embed, *batch, draft_ids, num_steps)
+def loss_fn(hp, cfg, embed, batch, draft_ids, num_steps, compute_dtype):
+    terms = _step_terms(cfg, hp, embed, *batch, draft_ids, num_steps, compute_dtype)
     losses = [s / jnp.maximum(n, 1) for s, n, _, _ in terms]
     total = sum(STEP_WEIGHT ** i * l for i, l in enumerate(losses))
     return total, (jnp.stack(losses), jnp.stack([a / jnp.maximum(v, 1) for _, _, a, v in terms]))
 
 
-def make_train_step(cfg, optimizer, num_steps: int):
+def make_train_step(cfg, optimizer, num_steps: int, compute_dtype=jnp.float32):
     """jit(hp, opt_state, embed, batch, draft_ids) -> (hp, opt_state, loss, per-step losses,
-    per-step chained agreement); batch = (aux, token_ids, lengths, target logits, target top-1, its
-    being in the draft vocabulary): target.make_target_fn's outputs and the data's."""
+    per-step chained agreement); batch = (aux, token_ids, lengths, train_from, target logits,
+    target top-1, its being in the draft vocabulary): target.make_target_fn's outputs and the
+    data's. The head's matmuls run in compute_dtype (its parameters and optimizer stay f32)."""
 
     @functools.partial(jax.jit, donate_argnums=(0, 1))
     def step(hp, opt_state, embed, batch, draft_ids):
         (loss, (per_step, acc)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-            hp, cfg, embed, batch, draft_ids, num_steps)
+            hp, cfg, embed, batch, draft_ids, num_steps, compute_dtype)
         updates, opt_state = optimizer.update(grads, opt_state, hp)
         return optax.apply_updates(hp, updates), opt_state, loss, per_step, acc
 
     return step
 
 
-def make_eval_step(cfg, num_steps: int):
+def make_eval_step(cfg, num_steps: int, compute_dtype=jnp.float32):
     """jit(hp, embed, batch, draft_ids) -> f32[num_steps, 4]: per step the loss sum, loss
     positions, chained agreements and valid positions (summed over batches by the caller)."""
 
     @jax.jit
     def evaluate(hp, embed, batch, draft_ids):
-        terms = _step_terms(cfg, hp, embed, *batch, draft_ids, num_steps)
+        terms = _step_terms(cfg, hp, embed, *batch, draft_ids, num_steps, compute_dtype)
         return jnp.stack([jnp.stack([jnp.asarray(x, jnp.float32) for x in term]) for term in terms])
 
     return evaluate
