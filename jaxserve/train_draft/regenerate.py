@@ -11,7 +11,7 @@ import json
 import numpy as np
 
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.train_draft.data import MIN_TOKENS, Example, load_examples
+from jaxserve.train_draft.data import MIN_TOKENS, Example, iter_records, tokenize_record
 
 
 def regenerate(llm, examples: list[Example], max_len: int, use_tqdm: bool = True) -> list[Example]:
@@ -40,11 +40,12 @@ def save_regenerated(path: str, train: list[Example], held_out: list[Example]) -
 
 def load_regenerated(path: str, max_len: int, vocab_size: int) -> tuple[list[Example], list[Example]]:
     """(train, held-out) as save_regenerated wrote them."""
-    with open(path) as f:
-        splits = [json.loads(line)["split"] for line in f if line.strip()]
-    examples = load_examples(path, None, max_len, len(splits), vocab_size)
-    if len(examples) != len(splits):
-        raise ValueError(f"{path}: {len(splits)} records but {len(examples)} usable examples "
-                         f"(was it written with another --max-len?)")
-    train = [e for e, s in zip(examples, splits) if s == "train"]
-    return train, [e for e, s in zip(examples, splits) if s == "held_out"]
+    splits: dict[str, list[Example]] = {"train": [], "held_out": []}
+    for n, record in enumerate(iter_records(path), 1):
+        ex = tokenize_record(record, None, max_len)
+        if ex is None or record.get("split") not in splits or len(record["input_ids"]) > max_len:
+            raise ValueError(f"{path}:{n}: not a record save_regenerated wrote with --max-len {max_len}")
+        if ((ex.token_ids < 0) | (ex.token_ids >= vocab_size)).any():
+            raise ValueError(f"{path}:{n}: a token id outside the target's vocabulary (0 to {vocab_size - 1})")
+        splits[record["split"]].append(ex)
+    return splits["train"], splits["held_out"]
