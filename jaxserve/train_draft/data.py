@@ -104,6 +104,13 @@ def tokenize_record(record: dict, tokenizer, max_len: int) -> Example | None:
     return Example(np.asarray(ids, np.int32), prompt_len, prompt_len if split else 0)
 
 
+def check_token_ids(ex: Example, vocab_size: int, where: str) -> None:
+    bad = ex.token_ids[(ex.token_ids < 0) | (ex.token_ids >= vocab_size)]
+    if bad.size:
+        raise ValueError(f"{where}: token id {int(bad[0])} is outside the target's vocabulary "
+                         f"(0 to {vocab_size - 1})")
+
+
 def load_examples(path: str, tokenizer, max_len: int, limit: int, vocab_size: int) -> list[Example]:
     """Up to `limit` usable examples of the file, in file order."""
     out = []
@@ -113,10 +120,7 @@ def load_examples(path: str, tokenizer, max_len: int, limit: int, vocab_size: in
         ex = tokenize_record(record, tokenizer, max_len)
         if ex is None:
             continue
-        bad = ex.token_ids[(ex.token_ids < 0) | (ex.token_ids >= vocab_size)]
-        if bad.size:
-            raise ValueError(f"{path}: token id {int(bad[0])} is outside the target's vocabulary "
-                             f"(0 to {vocab_size - 1})")
+        check_token_ids(ex, vocab_size, path)
         out.append(ex)
     if not out:
         raise ValueError(f"{path} holds no usable record (each needs >= {MIN_TOKENS} tokens)")

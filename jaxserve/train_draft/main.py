@@ -79,14 +79,17 @@ def _aux_layers(value: str | None, num_layers: int) -> tuple[int, ...]:
     return aux
 
 
-def _head_dtype(args):
+def _backend_dtype() -> str:
+    """The dtype a choice left to us takes: float32 on a CPU, bfloat16 on an accelerator."""
     import jax
+
+    return "float32" if jax.default_backend() == "cpu" else "bfloat16"
+
+
+def _head_dtype(args):
     import jax.numpy as jnp
 
-    name = args.head_dtype
-    if name == "auto":
-        name = "float32" if jax.default_backend() == "cpu" else "bfloat16"
-    return jnp.dtype(name)
+    return jnp.dtype(_backend_dtype() if args.head_dtype == "auto" else args.head_dtype)
 
 
 @dataclasses.dataclass
@@ -99,11 +102,9 @@ class Target:
 
 
 def _load(args) -> tuple[Target, tuple[int, ...]]:
-    import jax
-
     from jaxserve.models import loader, registry
 
-    dtype = args.dtype or ("float32" if jax.default_backend() == "cpu" else "bfloat16")
+    dtype = args.dtype or _backend_dtype()
     cfg, params, tokenizer = loader.load_model(args.model, load_format=args.load_format, dtype=dtype,
                                                seed=args.seed)
     tgt = Target(cfg, params, tokenizer, registry.get_model_module(cfg.architecture), dtype)

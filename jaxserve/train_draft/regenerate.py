@@ -11,7 +11,7 @@ import json
 import numpy as np
 
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.train_draft.data import MIN_TOKENS, Example, iter_records, tokenize_record
+from jaxserve.train_draft.data import MIN_TOKENS, Example, check_token_ids, iter_records, tokenize_record
 
 
 def regenerate(llm, examples: list[Example], max_len: int, use_tqdm: bool = True) -> list[Example]:
@@ -45,7 +45,6 @@ def load_regenerated(path: str, max_len: int, vocab_size: int) -> tuple[list[Exa
         ex = tokenize_record(record, None, max_len)
         if ex is None or record.get("split") not in splits or len(record["input_ids"]) > max_len:
             raise ValueError(f"{path}:{n}: not a record save_regenerated wrote with --max-len {max_len}")
-        if ((ex.token_ids < 0) | (ex.token_ids >= vocab_size)).any():
-            raise ValueError(f"{path}:{n}: a token id outside the target's vocabulary (0 to {vocab_size - 1})")
+        check_token_ids(ex, vocab_size, f"{path}:{n}")
         splits[record["split"]].append(ex)
     return splits["train"], splits["held_out"]
