@@ -44,6 +44,9 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None   # if set, only these tokens can be sampled
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    # False: no text, token ids only (vLLM's offline option: detokenizing every token of 256
+    # requests was ~30 % of the engine's host time per step, cProfile on the CPU machine)
+    detokenize: bool = True
     # "cumulative": a RequestOutput every step the request advances (streaming); "final_only":
     # only when it finishes (LLM.generate: building per-step outputs of 256 requests was
     # ~15 % of the engine's host time per step, cProfile on the CPU machine).
@@ -94,6 +97,8 @@ class SamplingParams:
                            hint=" (the engine's max_logprobs)" if max_logprobs is not None else "")
         if any(not isinstance(s, str) or not s for s in self.stop):
             _bad("stop", "a string or a list of non-empty strings", self.stop)
+        if self.stop and not self.detokenize:
+            _bad("stop", "empty when detokenize=False (stop strings are matched in the text)", self.stop)
         _check_token_ids("stop_token_ids", self.stop_token_ids, vocab_size)
         if self.logit_bias is not None:
             if len(self.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:

@@ -288,3 +288,13 @@ def test_final_only_requests_report_once_and_match_cumulative_ones(model):
     assert seen["fin"][0].outputs[0].text == seen["cum"][-1].outputs[0].text
     with pytest.raises(ValueError, match="output_kind"):
         eng.add_request("bad", ids, SamplingParams(output_kind="streaming"))
+
+
+def test_detokenize_false_gives_the_same_tokens_and_no_text(model):
+    llm = make_llm(model)
+    prompt = {"prompt_token_ids": llm.get_tokenizer().encode("Once upon a time")}
+    with_text = llm.generate(prompt, GREEDY, use_tqdm=False)[0].outputs[0]
+    ids_only = llm.generate(prompt, GREEDY.clone(detokenize=False), use_tqdm=False)[0].outputs[0]
+    assert ids_only.token_ids == with_text.token_ids and with_text.text != "" and ids_only.text == ""
+    with pytest.raises(ValueError, match="stop must be empty when detokenize=False"):
+        SamplingParams(stop=["\n"], detokenize=False)

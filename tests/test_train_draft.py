@@ -230,6 +230,34 @@ def test_resume_reads_back_the_regenerated_examples(target, dataset, tmp_path, m
     assert again["held_out"]["positions"] == first["held_out"]["positions"]
 
 
+def test_the_offline_walk_predicts_the_engines_acceptance(target, dataset, tmp_path):
+    """On the target's own greedy replies, walking the held-out chain lengths as the engine
+    drafts (train.walk_acceptance) gives exactly the engine's measured mean acceptance
+    length: the trained head and the engine's head agree at every chained step (a wrong
+    position, token or cache entry anywhere would change which drafts are kept)."""
+    out = tmp_path / "head"
+    assert train_draft(target, dataset, out, "--regenerate", "--regenerate-seqs", "8", "--num-steps", "40",
+                       "--log-every", "10", "--num-eval", "6", "--eval-prompts", "6",
+                       "--eval-max-tokens", "24") == 0
+    report = json.load(open(out / "report.json"))
+    engine, held = report["engine"], report["held_out"]
+    assert engine["greedy_equal"] is True and engine["eagle3"] > 1.2, engine
+    assert engine["eagle3_walk_estimate"] == pytest.approx(engine["eagle3"]), engine
+    # Every position's estimate over-states the walk's: the walk lingers where drafts miss.
+    assert held["mean_acceptance_length_walk"] < held["mean_acceptance_length_estimate"]
+
+
+def test_walk_acceptance_visits_positions_as_the_engine_does():
+    from jaxserve.train_draft.train import walk_acceptance
+
+    # Prompt of 2 tokens, 10 in all: drafts from t = 1 (kept 3: next at t = 5), then t = 5
+    # (its limit is 10 - 8 = 2 drafts, kept 2), then t = 8 cannot draft (no room).
+    kept = np.asarray([[0, 3, 0, 0, 0, 3, 1, 1, 3, 3]])
+    assert walk_acceptance(kept, [10], [2]) == (5, 2)
+    assert walk_acceptance(kept, [10], [2], max_new=5) == (3, 1)       # end 7: t = 5 has no room
+    assert walk_acceptance(np.zeros((1, 10), int), [10], [2]) == (0, 6)  # t = 1 .. 6, one token each
+
+
 def test_the_targets_outputs_are_the_same_with_the_pallas_attention(target):
     """The GPU default (--attention-impl auto: the Pallas kernel) gives the trainer what the
     XLA attention does (interpret mode here), over a batch of rows of different lengths."""
@@ -263,7 +291,7 @@ def test_the_loss_is_on_the_replies_only(target):
     ids = jnp.asarray(b.token_ids)
     tgt = target_mod.make_target_fn(llama, cfg, (0, 1, 1))(params, ids, jnp.asarray(draft_ids))
     batch = (tgt[0], ids, jnp.asarray(b.lengths), jnp.asarray(b.train_from), *tgt[1:])
-    sums = np.asarray(train.make_eval_step(cfg, 2)(hp, params["embed"], batch, jnp.asarray(draft_ids)))
+    sums = np.asarray(train.make_eval_step(cfg, 2)(hp, params["embed"], batch, jnp.asarray(draft_ids))[0])
     # step i at t is valid while t + 1 + i < length and t + 2 + i >= train_from
     want = [sum(1 for t in range(32) if t + 1 + i < 20 and t + 2 + i >= 6) +
             sum(1 for t in range(32) if t + 1 + i < 12) for i in range(2)]

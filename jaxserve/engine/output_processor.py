@@ -102,7 +102,8 @@ class OutputProcessor:
                        prompt_lp_k=params.prompt_logprobs, logprobs_k=params.logprobs)
         for child in children:
             detok = (IncrementalDetokenizer(self.tokenizer, list(child.prompt_token_ids),
-                                            params.skip_special_tokens) if self.tokenizer else None)
+                                            params.skip_special_tokens)
+                     if self.tokenizer and params.detokenize else None)
             stops = StopStrings.of(params.stop, params.include_stop_str_in_output) if params.stop else None
             wants_lp = params.logprobs is not None
             sample = _Sample(child.index, child.request_id, detok, stops,

@@ -177,16 +177,26 @@ def _held_out_report(args, tgt, hp, held_out, device_batch, draft_dev) -> dict:
     from jaxserve.train_draft import data, train
 
     evaluate = train.make_eval_step(tgt.cfg, args.ttt_steps, _head_dtype(args))
-    sums = sum(np.asarray(evaluate(hp, tgt.params["embed"], device_batch(b), draft_dev))
-               for b in data.eval_batches(held_out, args.batch_size, args.max_len))
-    report = {"held_out": train.summarize(sums)}
+    sums, kept, lengths, starts = 0, [], [], []
+    for b in data.eval_batches(held_out, args.batch_size, args.max_len):
+        s, k = evaluate(hp, tgt.params["embed"], device_batch(b), draft_dev)
+        sums = sums + np.asarray(s)
+        kept += list(np.asarray(k))
+        lengths += list(b.lengths)
+        starts += list(b.train_from)
+    report = {"held_out": train.summarize(sums, train.walk_acceptance(kept, lengths, starts))}
     if args.eval_prompts > 0:
         from jaxserve.train_draft.evaluate import engine_acceptance
 
-        prompts = [e.token_ids[:e.prompt_len].tolist() for e in held_out[:args.eval_prompts]]
+        n = min(args.eval_prompts, len(held_out))
+        prompts = [e.token_ids[:e.prompt_len].tolist() for e in held_out[:n]]
         report["engine"] = engine_acceptance(tgt.cfg, tgt.params, tgt.tokenizer, tgt.module, tgt.dtype,
                                              args.output, prompts, args.eval_max_tokens,
                                              args.num_speculative_tokens)
+        # The same prompts walked offline: equal to the engine's figure when the replies are the
+        # target's greedy ones (--regenerate) and the head's k is the engine's.
+        acc, steps = train.walk_acceptance(kept[:n], lengths[:n], starts[:n], args.eval_max_tokens)
+        report["engine"]["eagle3_walk_estimate"] = 1.0 + acc / max(steps, 1)
     return report
 
 

@@ -19,7 +19,7 @@ def regenerate(llm, examples: list[Example], max_len: int, use_tqdm: bool = True
     (examples whose prompt leaves no room for a reply are dropped)."""
     keep = [e for e in examples if max_len - e.prompt_len >= 1]
     prompts = [{"prompt_token_ids": e.token_ids[:e.prompt_len].tolist()} for e in keep]
-    params = [SamplingParams(temperature=0, max_tokens=max_len - e.prompt_len) for e in keep]
+    params = [SamplingParams(temperature=0, max_tokens=max_len - e.prompt_len, detokenize=False) for e in keep]
     outs = llm.generate(prompts, params, use_tqdm=use_tqdm)
     new = []
     for e, o in zip(keep, outs):

@@ -12,7 +12,10 @@ Steps are weighted 0.8^i (EAGLE3's weights: later steps matter less, they are re
 Acceptance estimate of step i: the share of positions where the head's top-1 (as a target
 id) equals the target's top-1 at steps 0..i all together: a greedy chain of i + 1 drafts
 from that position would keep them all (with the dataset's tokens standing in for the
-target's along the chain).
+target's along the chain). 1 + their sum over-states what the engine measures: the engine
+drafts only where its last step ended, and after a miss it drafts again one token on, so
+the positions it visits are weighted towards the hard ones. `walk_acceptance` visits them
+as the engine would (exact when the replies are the target's greedy ones, --regenerate).
 """
 
 from __future__ import annotations
@@ -37,9 +40,9 @@ def make_optimizer(lr: float, num_steps: int, warmup_steps: int, weight_decay: f
                        optax.adamw(schedule, weight_decay=weight_decay))
 
 
-def _step_terms(cfg, hp, embed, aux, token_ids, lengths, train_from, tgt_logits, tgt_top1, in_draft,
-                draft_ids, num_steps, compute_dtype):
-    """Per TTT step: (loss sum, loss positions, agreements chained, valid positions)."""
+def _step_arrays(cfg, hp, embed, aux, token_ids, lengths, train_from, tgt_logits, tgt_top1, in_draft,
+                 draft_ids, num_steps, compute_dtype):
+    """Per TTT step, at every position: (KL, in the loss, chained agreement, valid), [B, T]."""
     logits = ttt_forward(cfg, hp, embed, aux, token_ids, num_steps, compute_dtype)
     t = token_ids.shape[1]
     chained = jnp.ones(token_ids.shape, bool)
@@ -53,9 +56,14 @@ def _step_terms(cfg, hp, embed, aux, token_ids, lengths, train_from, tgt_logits,
         kl = jnp.sum(p * (log_p - jax.nn.log_softmax(lg, -1)), -1)
         mask = valid & shift_left(in_draft, 1 + i)
         chained &= draft_ids[jnp.argmax(lg, -1)] == shift_left(tgt_top1, 1 + i)
-        out.append((jnp.sum(jnp.where(mask, kl, 0.0)), jnp.sum(mask),
-                    jnp.sum(chained & valid), jnp.sum(valid)))
+        out.append((kl, mask, chained & valid, valid))
     return out
+
+
+def _step_terms(*args):
+    """Per TTT step: (loss sum, loss positions, agreements chained, valid positions)."""
+    return [(jnp.sum(jnp.where(mask, kl, 0.0)), jnp.sum(mask), jnp.sum(hit), jnp.sum(valid))
+            for kl, mask, hit, valid in _step_arrays(*args)]
 
 
 def loss_fn(hp, cfg, embed, batch, draft_ids, num_steps, compute_dtype):
@@ -82,20 +90,46 @@ def make_train_step(cfg, optimizer, num_steps: int, compute_dtype=jnp.float32):
 
 
 def make_eval_step(cfg, num_steps: int, compute_dtype=jnp.float32):
-    """jit(hp, embed, batch, draft_ids) -> f32[num_steps, 4]: per step the loss sum, loss
-    positions, chained agreements and valid positions (summed over batches by the caller)."""
+    """jit(hp, embed, batch, draft_ids) -> (f32[num_steps, 4]: per step the loss sum, loss
+    positions, chained agreements and valid positions (summed over batches by the caller);
+    i32[B, T]: at each position the drafts a greedy chain from there keeps, walk_acceptance's
+    input)."""
 
     @jax.jit
     def evaluate(hp, embed, batch, draft_ids):
-        terms = _step_terms(cfg, hp, embed, *batch, draft_ids, num_steps, compute_dtype)
-        return jnp.stack([jnp.stack([jnp.asarray(x, jnp.float32) for x in term]) for term in terms])
+        arrays = _step_arrays(cfg, hp, embed, *batch, draft_ids, num_steps, compute_dtype)
+        sums = jnp.stack([jnp.stack([jnp.sum(jnp.where(m, kl, 0.0)), jnp.sum(m), jnp.sum(h), jnp.sum(v)]
+                                    ).astype(jnp.float32) for kl, m, h, v in arrays])
+        return sums, sum(h.astype(jnp.int32) for _, _, h, _ in arrays)
 
     return evaluate
 
 
-def summarize(sums) -> dict:
-    """Held-out figures from summed eval_step outputs: loss and acceptance per position, and
-    the mean acceptance length a greedy chain of that many drafts would give."""
+def walk_acceptance(kept_BT, lengths, train_from, max_new: int | None = None) -> tuple[int, int]:
+    """(drafts kept, verifying steps) of greedy speculation over each row as the engine runs it:
+    the first drafts come from the position before the reply's first token (its token is
+    the target's own, from the prompt's pass), and after a step that kept a drafts the
+    next drafts come a + 1 positions on; a step drafts no more than leaves room for its own
+    token before the reply's end (drafting.draft_limit), and none when that is no draft.
+    max_new: only the reply's first max_new tokens (an engine run's max_tokens)."""
+    import numpy as np
+
+    kept_BT = np.asarray(kept_BT)
+    accepted = steps = 0
+    for row, n, start in zip(kept_BT, np.asarray(lengths), np.asarray(train_from)):
+        start = max(int(start), 1)
+        end = int(n) if max_new is None else min(int(n), start + max_new)
+        t = start - 1                       # t + 2 tokens known: drafts the token at t + 2 on
+        while t + 4 <= end:
+            a = min(int(row[t]), end - (t + 3))
+            accepted, steps, t = accepted + a, steps + 1, t + a + 1
+    return accepted, steps
+
+
+def summarize(sums, walk: tuple[int, int] | None = None) -> dict:
+    """Held-out figures from summed eval_step outputs: loss and acceptance per position, the
+    mean acceptance length a greedy chain of that many drafts would give at every position,
+    and (walk: walk_acceptance's sums) the one the engine's walk over the replies gives."""
     import numpy as np
 
     sums = np.asarray(sums, np.float64)
@@ -103,4 +137,5 @@ def summarize(sums) -> dict:
     accept = (sums[:, 2] / np.maximum(sums[:, 3], 1)).tolist()
     return {"loss_per_position": loss, "acceptance_per_position": accept,
             "mean_acceptance_length_estimate": 1.0 + float(sum(accept)),
-            "positions": int(sums[0, 3])}
+            "positions": int(sums[0, 3]),
+            **({"mean_acceptance_length_walk": 1.0 + walk[0] / max(walk[1], 1)} if walk else {})}
