@@ -247,6 +247,13 @@ def test_the_offline_walk_predicts_the_engines_acceptance(target, dataset, tmp_p
     assert held["mean_acceptance_length_walk"] < held["mean_acceptance_length_estimate"]
 
 
+def test_training_leaves_out_the_held_out_prompts():
+    ex = lambda ids, p: data.Example(np.asarray(ids, np.int32), p, p)
+    held = [ex([1, 2, 3, 9, 9], 3)]
+    train = [ex([1, 2, 3, 7, 7], 3), ex([1, 2, 3, 4, 9], 4), ex([5, 2, 3, 9, 9], 3)]
+    assert data.drop_held_out_prompts(train, held) == train[1:]     # same prompt, another reply too
+
+
 def test_walk_acceptance_visits_positions_as_the_engine_does():
     from jaxserve.train_draft.train import walk_acceptance
 

@@ -135,6 +135,14 @@ def split_held_out(examples: list[Example], num_eval: int) -> tuple[list[Example
     return examples[:-num_eval], examples[-num_eval:]
 
 
+def drop_held_out_prompts(train: list[Example], held_out: list[Example]) -> list[Example]:
+    """The training examples whose prompt is none of the held-out ones' (ShareGPT repeats
+    conversations: 4 of an H200 run's 64 held-out prompts were also training prompts, and
+    the target's greedy replies to them are the same)."""
+    held = {e.token_ids[:e.prompt_len].tobytes() for e in held_out}
+    return [e for e in train if e.token_ids[:e.prompt_len].tobytes() not in held]
+
+
 def draft_vocab(examples: list[Example], vocab_size: int, size: int) -> np.ndarray:
     """i32[size] the target ids of the draft vocabulary, ascending: the `size` most frequent
     tokens of the data (ties to the lower id), then the lowest unused ids if the data has

@@ -120,10 +120,12 @@ def _examples(args, tgt: Target):
 
     saved = os.path.join(args.output, "regenerated.jsonl")
     if args.regenerate and args.resume and os.path.exists(saved):
-        return load_regenerated(saved, args.max_len, tgt.cfg.vocab_size)
+        train_ex, held_out = load_regenerated(saved, args.max_len, tgt.cfg.vocab_size)
+        return data.drop_held_out_prompts(train_ex, held_out), held_out
     examples = data.load_examples(args.dataset, tgt.tokenizer, args.max_len, args.max_examples,
                                   tgt.cfg.vocab_size)
     train_ex, held_out = data.split_held_out(examples, args.num_eval)
+    train_ex = data.drop_held_out_prompts(train_ex, held_out)
     if args.regenerate:
         from jaxserve.train_draft.evaluate import make_llm
         from jaxserve.train_draft.regenerate import regenerate
@@ -171,7 +173,9 @@ def _train(args, tgt, mgr, settings, state, start, train_ex, device_batch, optim
     return hp, done
 
 
-def _held_out_report(args, tgt, hp, held_out, device_batch, draft_dev) -> dict:
+def _held_out_report(args, tgt, hp, held_out, device_batch, draft_dev, write) -> None:
+    """write() the held-out figures (at once: the engine's run after them takes minutes),
+    then the engine's acceptance on the held-out prompts."""
     import numpy as np
 
     from jaxserve.train_draft import data, train
@@ -184,20 +188,18 @@ def _held_out_report(args, tgt, hp, held_out, device_batch, draft_dev) -> dict:
         kept += list(np.asarray(k))
         lengths += list(b.lengths)
         starts += list(b.train_from)
-    report = {"held_out": train.summarize(sums, train.walk_acceptance(kept, lengths, starts))}
+    write({"held_out": train.summarize(sums, train.walk_acceptance(kept, lengths, starts))})
     if args.eval_prompts > 0:
         from jaxserve.train_draft.evaluate import engine_acceptance
 
         n = min(args.eval_prompts, len(held_out))
         prompts = [e.token_ids[:e.prompt_len].tolist() for e in held_out[:n]]
-        report["engine"] = engine_acceptance(tgt.cfg, tgt.params, tgt.tokenizer, tgt.module, tgt.dtype,
-                                             args.output, prompts, args.eval_max_tokens,
-                                             args.num_speculative_tokens)
+        engine = engine_acceptance(tgt.cfg, tgt.params, tgt.tokenizer, tgt.module, tgt.dtype,
+                                   args.output, prompts, args.eval_max_tokens, args.num_speculative_tokens)
         # The same prompts walked offline: equal to the engine's figure when the replies are the
         # target's greedy ones (--regenerate) and the head's k is the engine's.
         acc, steps = train.walk_acceptance(kept[:n], lengths[:n], starts[:n], args.eval_max_tokens)
-        report["engine"]["eagle3_walk_estimate"] = 1.0 + acc / max(steps, 1)
-    return report
+        write({"engine": {**engine, "eagle3_walk_estimate": 1.0 + acc / max(steps, 1)}})
 
 
 def run(args) -> dict:
@@ -256,10 +258,16 @@ def run(args) -> dict:
               "draft_vocab_size": vocab, "aux_layers": list(aux_layers), "ttt_steps": args.ttt_steps,
               "data_seconds": round(data_seconds, 1), "train_seconds": round(train_seconds, 1),
               "seconds": round(time.perf_counter() - t0, 1)}
+
+    def write(more: dict) -> dict:
+        report.update(more)
+        with open(os.path.join(args.output, "report.json"), "w") as f:
+            json.dump(report, f, indent=2)
+        return report
+
+    write({})
     if held_out:
-        report.update(_held_out_report(args, tgt, hp, held_out, device_batch, draft_dev))
-    with open(os.path.join(args.output, "report.json"), "w") as f:
-        json.dump(report, f, indent=2)
+        _held_out_report(args, tgt, hp, held_out, device_batch, draft_dev, write)
     return report
 
 
