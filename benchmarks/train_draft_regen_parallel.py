@@ -81,7 +81,12 @@ def main() -> None:
     t0 = time.perf_counter()
     procs = [subprocess.Popen([sys.executable, __file__, *sys.argv[1:], "--worker", str(i)], env=env)
              for i in range(args.workers)]
-    codes = [q.wait() for q in procs]
+    while any(q.poll() is None for q in procs):
+        if any(q.poll() for q in procs):             # one failed: the others' work is moot
+            for q in procs:
+                q.kill()
+        time.sleep(1)
+    codes = [q.returncode for q in procs]
     if any(codes):
         sys.exit(f"a worker failed: exit codes {codes}")
     n = 0
