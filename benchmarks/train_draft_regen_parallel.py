@@ -32,6 +32,7 @@ def worker(args) -> None:
     from jaxserve.sampling_params import SamplingParams
     from jaxserve.train_draft import data
     from jaxserve.train_draft.evaluate import make_llm
+    from jaxserve.train_draft.regenerate import save_regenerated
 
     cfg, params, tok = loader.load_model(args.model, dtype="bfloat16")
     examples = data.load_examples(args.dataset, tok, args.max_len, args.max_examples, cfg.vocab_size)
@@ -42,20 +43,19 @@ def worker(args) -> None:
         engine.add_request(str(i), e.token_ids[:e.prompt_len].tolist(),
                            SamplingParams(temperature=0, max_tokens=args.max_len - e.prompt_len,
                                           detokenize=False, output_kind="final_only"))
-    t0, done, tokens = time.perf_counter(), 0, 0
-    with open(f"{args.output}/shard{args.worker}.jsonl", "w") as f:
-        while engine.has_unfinished_requests() and time.perf_counter() - t0 < args.seconds:
-            for out in engine.step():
-                if not out.finished:
-                    continue
-                e = mine[int(out.request_id)]
-                reply = list(out.outputs[0].token_ids)
-                ids = e.token_ids[:e.prompt_len].tolist() + reply
-                tokens += len(reply)
-                if len(ids) >= data.MIN_TOKENS:
-                    f.write(json.dumps({"input_ids": ids, "prompt_len": e.prompt_len, "split": "train"}) + "\n")
-                    done += 1
-    print(json.dumps({"worker": args.worker, "examples": done, "of": len(mine), "reply_tokens": tokens,
+    t0, new, tokens = time.perf_counter(), [], 0
+    while engine.has_unfinished_requests() and time.perf_counter() - t0 < args.seconds:
+        for out in engine.step():
+            if not out.finished:
+                continue
+            e = mine[int(out.request_id)]
+            reply = np.asarray(out.outputs[0].token_ids, np.int32)
+            ids = np.concatenate([e.token_ids[:e.prompt_len], reply])
+            tokens += len(reply)
+            if len(ids) >= data.MIN_TOKENS:
+                new.append(data.Example(ids, e.prompt_len, e.prompt_len))
+    save_regenerated(f"{args.output}/shard{args.worker}.jsonl", new, [])
+    print(json.dumps({"worker": args.worker, "examples": len(new), "of": len(mine), "reply_tokens": tokens,
                       "seconds": round(time.perf_counter() - t0, 1)}), flush=True)
     os._exit(0)                 # the unfinished requests: nothing to wait for
 

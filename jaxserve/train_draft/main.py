@@ -198,8 +198,8 @@ def _held_out_report(args, tgt, hp, held_out, device_batch, draft_dev, write) ->
                                    args.output, prompts, args.eval_max_tokens, args.num_speculative_tokens)
         # The same prompts walked offline: equal to the engine's figure when the replies are the
         # target's greedy ones (--regenerate) and the head's k is the engine's.
-        acc, steps = train.walk_acceptance(kept[:n], lengths[:n], starts[:n], args.eval_max_tokens)
-        write({"engine": {**engine, "eagle3_walk_estimate": 1.0 + acc / max(steps, 1)}})
+        walk = train.walk_acceptance(kept[:n], lengths[:n], starts[:n], args.eval_max_tokens)
+        write({"engine": {**engine, "eagle3_walk_estimate": train.walk_mean_length(walk)}})
 
 
 def run(args) -> dict:

@@ -60,10 +60,14 @@ def _step_arrays(cfg, hp, embed, aux, token_ids, lengths, train_from, tgt_logits
     return out
 
 
-def _step_terms(*args):
+def _sum_terms(arrays):
     """Per TTT step: (loss sum, loss positions, agreements chained, valid positions)."""
     return [(jnp.sum(jnp.where(mask, kl, 0.0)), jnp.sum(mask), jnp.sum(hit), jnp.sum(valid))
-            for kl, mask, hit, valid in _step_arrays(*args)]
+            for kl, mask, hit, valid in arrays]
+
+
+def _step_terms(*args):
+    return _sum_terms(_step_arrays(*args))
 
 
 def loss_fn(hp, cfg, embed, batch, draft_ids, num_steps, compute_dtype):
@@ -98,8 +102,7 @@ def make_eval_step(cfg, num_steps: int, compute_dtype=jnp.float32):
     @jax.jit
     def evaluate(hp, embed, batch, draft_ids):
         arrays = _step_arrays(cfg, hp, embed, *batch, draft_ids, num_steps, compute_dtype)
-        sums = jnp.stack([jnp.stack([jnp.sum(jnp.where(m, kl, 0.0)), jnp.sum(m), jnp.sum(h), jnp.sum(v)]
-                                    ).astype(jnp.float32) for kl, m, h, v in arrays])
+        sums = jnp.stack([jnp.stack([jnp.asarray(x, jnp.float32) for x in term]) for term in _sum_terms(arrays)])
         return sums, sum(h.astype(jnp.int32) for _, _, h, _ in arrays)
 
     return evaluate
@@ -126,6 +129,12 @@ def walk_acceptance(kept_BT, lengths, train_from, max_new: int | None = None) ->
     return accepted, steps
 
 
+def walk_mean_length(walk: tuple[int, int]) -> float:
+    """Tokens kept per verifying step of walk_acceptance's sums (the engine's
+    spec_decode.metrics.mean_acceptance_length)."""
+    return 1.0 + walk[0] / max(walk[1], 1)
+
+
 def summarize(sums, walk: tuple[int, int] | None = None) -> dict:
     """Held-out figures from summed eval_step outputs: loss and acceptance per position, the
     mean acceptance length a greedy chain of that many drafts would give at every position,
@@ -138,4 +147,4 @@ def summarize(sums, walk: tuple[int, int] | None = None) -> dict:
     return {"loss_per_position": loss, "acceptance_per_position": accept,
             "mean_acceptance_length_estimate": 1.0 + float(sum(accept)),
             "positions": int(sums[0, 3]),
-            **({"mean_acceptance_length_walk": 1.0 + walk[0] / max(walk[1], 1)} if walk else {})}
+            **({"mean_acceptance_length_walk": walk_mean_length(walk)} if walk else {})}
