@@ -73,6 +73,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                    help="cut each request's prefill chunks to this many tokens (0: off); "
                         "lowers the inter-token latency of running requests when prompts arrive")
     g.add_argument("--attention-impl", choices=["auto", "xla", "pallas"], default="auto")
+    g.add_argument("--fused-kernels", default="auto", metavar="auto|none|NAME[,NAME]",
+                   help="fused Pallas kernels of the step (with the Pallas attention): 'linear' "
+                        "(each projection with its norm, gate or residual add: small dense "
+                        "models), 'norm', 'rope'; 'auto' picks by model (models/llama.py "
+                        "auto_fused_kernels)")
     g.add_argument("--no-warmup", dest="warmup", action="store_false",
                    help="compile step buckets lazily instead of at start-up")
     g.add_argument("--warmup-all", action="store_true",
@@ -167,7 +172,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         expert_parallel_size=expert_parallel_size(args),
         max_logprobs=args.max_logprobs, max_waiting_requests=args.max_waiting_requests,
         long_prefill_token_threshold=args.long_prefill_token_threshold,
-        attention_impl=args.attention_impl, warmup=args.warmup,
+        attention_impl=args.attention_impl, fused_kernels=args.fused_kernels, warmup=args.warmup,
         warmup_all=args.warmup_all, program_cache=args.program_cache,
         speculative_config=getattr(args, "speculative_config", None),
         data_parallel_size=getattr(args, "data_parallel_size", 1),

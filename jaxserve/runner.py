@@ -101,11 +101,11 @@ def _step(params, caches, packed_W, prev_ids_M, *, model, cfg, backend: Attentio
         caches, hidden_TD, aux = model.forward(cfg, params, caches, x, kernels, variant.aux_layers)
     else:
         caches, hidden_TD, aux = model.forward(cfg, params, caches, x, kernels)
-    logits_SV = model.compute_logits(cfg, params, hidden_TD[x.logits_indices])
+    logits_SV = model.compute_logits(cfg, params, hidden_TD[x.logits_indices], kernels)
     out, last_ids_S = _sample(logits_SV, x, variant, backend)
     prompt = None
     if variant.prompt_logprobs:
-        prompt = sampler.prompt_logprobs(model.compute_logits(cfg, params, hidden_TD),
+        prompt = sampler.prompt_logprobs(model.compute_logits(cfg, params, hidden_TD, kernels),
                                          x.next_token_ids, variant.num_top)
     ids_M = jnp.zeros_like(prev_ids_M).at[:last_ids_S.shape[0]].set(last_ids_S)
     if not variant.hidden:
@@ -227,6 +227,10 @@ class ModelRunner:
                                         itemsize=self.dtype.itemsize)
         self.attention_impl = self.backend.impl
         fused = frozenset(config.fused_kernels)
+        # fused_stack reads its projections [out, in] (models/llama.py transpose_for_fused_stack)
+        if (mesh is None and hasattr(model, "transpose_for_fused_stack")
+                and getattr(model.make_kernels(self.cfg, self.backend, fused=fused), "linear", False)):
+            self.params = params = model.transpose_for_fused_stack(self.cfg, params)
         self._step = jax.jit(functools.partial(_step_on_mesh, mesh=mesh, model=model, cfg=self.cfg,
                                                backend=self.backend, fused=fused),
                              donate_argnums=(1,), static_argnames=("variant", "layout"))

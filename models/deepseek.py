@@ -2,7 +2,7 @@
 latent cache, group-limited sigmoid MoE with shared experts, V3.2's sparse attention.
 
     forward(cfg, params, caches, x: StepInput) -> (caches, hidden f[T, D])
-    compute_logits(cfg, params, hidden f[S, D]) -> f32[S, V]
+    compute_logits(cfg, params, hidden f[S, D], kernels=None) -> f32[S, V]
     cache_specs(cfg) -> one PagedSpec per layer: "latent" f[W] (+ "index_k" f[J] for V3.2)
 
 Parameters (weights [in, out]); per layer (a Python list: the loop is unrolled in jit):
@@ -358,6 +358,7 @@ def load_hf(path: str, cfg: DeepseekConfig, dtype: str = "float32", mesh=None):
     return deepseek_loader.load_hf(path, cfg, dtype, mesh)
 
 
-def compute_logits(cfg: DeepseekConfig, params: dict, hidden_SD: jax.Array) -> jax.Array:
+def compute_logits(cfg: DeepseekConfig, params: dict, hidden_SD: jax.Array, kernels=None) -> jax.Array:
+    del kernels   # (the fused LM head is llama's Kernels.linear)
     head = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
     return jnp.dot(hidden_SD, head, preferred_element_type=jnp.float32)

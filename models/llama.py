@@ -4,7 +4,7 @@ A model family is a module of pure functions over a parameter pytree (models/reg
     cache_specs(cfg) -> a spec per layer (jaxserve/kv_cache/specs.py)
     param_shapes(cfg) -> shape of every parameter
     forward(cfg, params, caches, x: StepInput, kernels, aux_layers) -> (caches, hidden f[T, D], aux)
-    compute_logits(cfg, params, hidden f[S, D]) -> f32[S, V]
+    compute_logits(cfg, params, hidden f[S, D], kernels=None) -> f32[S, V]
 
 Parameters (weights stored as [in, out] so activations multiply on the left):
     embed f[V, D]; final_norm f[D]; lm_head f[D, V] (absent when tied to embed)
@@ -44,8 +44,8 @@ def attention_block(cfg: ModelConfig, lp: dict, kv: dict, h_TD: jax.Array, x: St
     output f[T, D])."""
     t = h_TD.shape[0]
     n, kh, e = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    if "wqkv" in lp:      # fused by fuse_projections
-        qkv = layers.linear(h_TD, lp["wqkv"])
+    if "wqkv" in lp or "wqkv_t" in lp:      # fused by fuse_projections
+        qkv = project(h_TD, lp, "wqkv")
         if cfg.attention_bias:
             qkv = qkv + lp["bqkv"]
         q, k, v = jnp.split(qkv, [n * e, (n + kh) * e], axis=-1)
@@ -57,7 +57,14 @@ def attention_block(cfg: ModelConfig, lp: dict, kv: dict, h_TD: jax.Array, x: St
         q.reshape(t, n, e), k.reshape(t, kh, e), v.reshape(t, kh, e), x.positions, x.slot_mapping,
         kv["k"], kv["v"], inv_freq, lp.get("q_norm"), lp.get("k_norm"))
     o_TNE = kernels.attention(q_TNE, k_cache, v_cache, x)
-    return {"k": k_cache, "v": v_cache}, layers.linear(o_TNE.reshape(t, n * e), lp["wo"])
+    return {"k": k_cache, "v": v_cache}, project(o_TNE.reshape(t, n * e), lp, "wo")
+
+
+def project(h_TD: jax.Array, lp: dict, name: str) -> jax.Array:
+    """h_TD @ lp[name], or through its [out, in] copy lp[name + "_t"] (transpose_for_fused_stack)."""
+    if name + "_t" in lp:
+        return h_TD @ lp[name + "_t"].T
+    return layers.linear(h_TD, lp[name])
 
 
 def gate_up(lp: dict, project: Callable):
@@ -69,8 +76,11 @@ def gate_up(lp: dict, project: Callable):
 
 
 def dense_mlp(lp: dict, h_TD: jax.Array) -> jax.Array:
-    gate, up = gate_up(lp, lambda w: layers.linear(h_TD, w))
-    return layers.linear(jax.nn.silu(gate) * up, lp["w_down"])
+    if "w_gate_up_t" in lp:
+        gate, up = jnp.split(project(h_TD, lp, "w_gate_up"), 2, axis=-1)
+    else:
+        gate, up = gate_up(lp, lambda w: layers.linear(h_TD, w))
+    return project(jax.nn.silu(gate) * up, lp, "w_down")
 
 
 def fuse_projections(cfg: ModelConfig, params: dict) -> dict:
@@ -98,6 +108,26 @@ def fuse_projections(cfg: ModelConfig, params: dict) -> dict:
     return params
 
 
+STACK_WEIGHTS = ("wqkv", "wo", "w_gate_up", "w_down")
+
+
+def transpose_for_fused_stack(cfg: ModelConfig, params: dict) -> dict:
+    """The fused projections of dense layers stored [out, in] (as name + "_t"), in place: what
+    fused_stack reads. Why: a decode program of fused_linear reads a block of 16 output columns;
+    over [in, out] weights that is 32 contiguous bytes a row (H200: the gate|up projection at
+    ~10 % of HBM), over [out, in] ones whole rows (the LM head over the tied [V, D] embedding:
+    87 %). The XLA path (steps over FUSED_STACK_MAX_TOKENS tokens) multiplies by the
+    transpose, which XLA folds into the GEMM."""
+    del cfg
+    for i, lp in enumerate(params["layers"]):
+        if all(name in lp for name in STACK_WEIGHTS) and lp["w_down"].ndim == 2:
+            lp = dict(lp)
+            for name in STACK_WEIGHTS:
+                lp[name + "_t"] = lp.pop(name).T      # (a new array: jax arrays are row-major)
+            params["layers"][i] = lp
+    return params
+
+
 @dataclasses.dataclass(frozen=True)
 class Kernels:
     """The step's building blocks, plain XLA or Pallas, chosen once per compiled step."""
@@ -106,13 +136,17 @@ class Kernels:
     rope_write: Callable       # (q, k, v, positions, slots, k_cache, v_cache, inv_freq, q_norm, k_norm)
                                #   -> (q', k_cache, v_cache): q/k norm, RoPE, KV write
     impl: str                  # "xla" | "pallas": also picks the MoE grouped matmul
+    linear: bool = False       # dense layers and the LM head through fused_linear (fused_stack)
 
 
 # Fused Pallas kernels a runner may switch on (EngineConfig.fused_kernels): fused add+RMSNorm
 # ("norm") and QK-norm+RoPE+KV write ("rope"). Off by default: inside the whole 8B step on the
 # H200 both together made decode slower (BENCHMARKS.md, Kernels), since XLA fuses those ops
-# into their neighbours, which a custom call prevents.
-FUSABLE = ("norm", "rope")
+# into their neighbours, which a custom call prevents. "linear": every projection with its
+# norm, bias, gate or residual add fused in (pallas_kernels/fused_linear.py), the packed q/k/v
+# through one rope + KV-write kernel, and the LM head: five kernels a dense layer plus
+# attention, for small models whose decode step is bound by kernel launches (issue 33).
+FUSABLE = ("norm", "rope", "linear")
 
 
 def make_kernels(cfg: ModelConfig, backend: "AttentionBackend | str" = "xla",
@@ -139,6 +173,8 @@ def make_kernels(cfg: ModelConfig, backend: "AttentionBackend | str" = "xla",
     rope_write = functools.partial(layers.qk_norm_rope_write, eps=eps)
     if impl == "xla" or not fused:
         return Kernels(attention, add_norm, rope_write, impl)
+    if "linear" in fused and fused_stack_fits(cfg):
+        return Kernels(attention, add_norm, rope_write, impl, linear=True)
 
     from jaxserve.pallas_kernels.fused_add_rms_norm import fused_add_rms_norm
     from jaxserve.pallas_kernels.qk_norm_rope_kv_write import qk_norm_rope_kv_write
@@ -165,6 +201,61 @@ def make_kernels(cfg: ModelConfig, backend: "AttentionBackend | str" = "xla",
                    fused_rope_write if use_rope else rope_write, "pallas")
 
 
+# auto_fused_kernels turns "linear" on up to this model width (measured on the H200: BENCHMARKS.md,
+# "The default model's step"); wider models' steps are bound by their weights' bytes, where
+# XLA's own GEMMs run at 90 % of HBM.
+AUTO_LINEAR_MAX_HIDDEN = 1024
+
+
+# Steps of more tokens than this (prefill chunks, large decode batches) keep XLA's GEMMs, which
+# reuse each weight tile over many rows better than fused_linear's small-batch tiling (H200,
+# default model: slower at 64 tokens a step; BENCHMARKS.md). The LM head stays fused: its rows
+# are the step's sequences, few at decode.
+FUSED_STACK_MAX_TOKENS = 32
+
+
+def auto_fused_kernels(cfg: ModelConfig) -> tuple[str, ...]:
+    """The fused kernels an engine on one GPU uses by default for this model."""
+    return ("linear",) if fused_stack_fits(cfg) and cfg.hidden_size <= AUTO_LINEAR_MAX_HIDDEN else ()
+
+
+def fused_stack_fits(cfg: ModelConfig) -> bool:
+    """Whether fused_stack can run this model: dense layers, and shapes the kernels tile
+    (a power-of-two head dim >= 32 for the rope kernel, widths in multiples of 16)."""
+    e = cfg.head_dim
+    return (not cfg.is_moe and e >= 32 and e & (e - 1) == 0 and cfg.hidden_size % 16 == 0
+            and cfg.intermediate_size % 16 == 0 and cfg.vocab_size % 16 == 0)
+
+
+def fused_stack(cfg: ModelConfig, params: dict, caches: Caches, x: StepInput, kernels: Kernels,
+                inv_freq: jax.Array, aux_layers: tuple[int, ...] = ()):
+    """decoder_stack for dense layers in five fused kernels each plus attention (Kernels.linear):
+    the residual stream is written only by the projections that add into it (o and down), and
+    each norm is computed by the projection that reads it (qkv and gate|up). Same results as
+    decoder_stack up to the order of sums; needs the fused projections stored [out, in]
+    (fuse_projections, then transpose_for_fused_stack)."""
+    from jaxserve.pallas_kernels.fused_linear import fused_linear
+    from jaxserve.pallas_kernels.qk_norm_rope_kv_write import qkv_norm_rope_kv_write
+    t = x.token_ids.shape[0]
+    n, kh, e, eps = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps
+    linear = functools.partial(fused_linear, eps=eps, w_layout="NK", impl=kernels.impl)
+    residual_TD = params["embed"][x.token_ids]
+    new_caches, aux = [], []
+    for i, (lp, kv) in enumerate(zip(params["layers"], caches)):
+        qkv = linear(residual_TD, lp["wqkv_t"], norm_K=lp["attn_norm"], bias_N=lp.get("bqkv"))
+        q_TNE, k_cache, v_cache = qkv_norm_rope_kv_write(
+            qkv.reshape(t, n + 2 * kh, e), x.positions, x.slot_mapping, kv["k"], kv["v"],
+            inv_freq, lp.get("q_norm"), lp.get("k_norm"), num_heads=n, eps=eps, impl=kernels.impl)
+        new_caches.append({"k": k_cache, "v": v_cache})
+        o_TNE = kernels.attention(q_TNE, k_cache, v_cache, x)
+        residual_TD = linear(o_TNE.reshape(t, n * e), lp["wo_t"], residual_TN=residual_TD)
+        act_TF = linear(residual_TD, lp["w_gate_up_t"], norm_K=lp["mlp_norm"], gated=True)
+        residual_TD = linear(act_TF, lp["w_down_t"], residual_TN=residual_TD)
+        if i in aux_layers:
+            aux.append(residual_TD)
+    return new_caches, layers.rms_norm(residual_TD, params["final_norm"], eps), tuple(aux)
+
+
 def cache_specs(cfg: ModelConfig) -> list[PagedSpec]:
     """Every layer caches paged K and V, [num_blocks, P, K, E] each."""
     kv = (cfg.num_kv_heads, cfg.head_dim)
@@ -184,6 +275,10 @@ def forward(cfg: ModelConfig, params: dict, caches: Caches, x: StepInput,
     if isinstance(kernels, str):
         kernels = make_kernels(cfg, kernels)
     inv_freq = layers.rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling_dict)
+    first = params["layers"][0] if params["layers"] else {}
+    if (kernels.linear and all(name + "_t" in first for name in STACK_WEIGHTS)
+            and x.token_ids.shape[0] <= FUSED_STACK_MAX_TOKENS):
+        return fused_stack(cfg, params, caches, x, kernels, inv_freq, aux_layers)
     return decoder_stack(
         params, caches, x, kernels,
         attention=lambda lp, kv, h: attention_block(cfg, lp, kv, h, x, inv_freq, kernels),
@@ -211,7 +306,16 @@ def decoder_stack(params: dict, caches: Caches, x: StepInput, kernels: Kernels, 
     return new_caches, normed_TD, tuple(aux)
 
 
-def compute_logits(cfg: ModelConfig, params: dict, hidden_SD: jax.Array) -> jax.Array:
+def compute_logits(cfg: ModelConfig, params: dict, hidden_SD: jax.Array,
+                   kernels: Kernels | None = None) -> jax.Array:
+    """f32 logits; through fused_linear with Kernels.linear (a tied embedding read as [V, D],
+    without the transpose XLA's dot reads it through)."""
+    if kernels is not None and kernels.linear:
+        from jaxserve.pallas_kernels.fused_linear import fused_linear
+        tied = cfg.tie_word_embeddings
+        return fused_linear(hidden_SD, params["embed"] if tied else params["lm_head"],
+                            w_layout="NK" if tied else "KN", out_dtype=jnp.float32,
+                            impl=kernels.impl)
     head = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
     return jnp.dot(hidden_SD, head, preferred_element_type=jnp.float32)
 

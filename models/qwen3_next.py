@@ -6,7 +6,7 @@ followed by an MoE with a sigmoid-gated shared expert (or a dense MLP: Qwen3-Nex
 mlp_only_layers, the dense Qwen3.5 models).
 
     forward(cfg, params, caches, x: StepInput, kernels, aux_layers) -> (caches, hidden f[T, D], aux)
-    compute_logits(cfg, params, hidden f[S, D]) -> f32[S, V]
+    compute_logits(cfg, params, hidden f[S, D], kernels=None) -> f32[S, V]
     cache_specs(cfg): per layer a PagedSpec (k, v) or a StateSpec (conv, ssm)
 
 Parameters (weights [in, out]; norms zero-centred, applied as (1 + w), except gdn_norm):
@@ -382,7 +382,8 @@ def forward(cfg: Qwen3NextConfig, params: dict, caches: list, x: StepInput,
     return new_caches, zc_rms_norm(h_TD, params["final_norm"], eps), tuple(aux)
 
 
-def compute_logits(cfg: Qwen3NextConfig, params: dict, hidden_SD: jax.Array) -> jax.Array:
+def compute_logits(cfg: Qwen3NextConfig, params: dict, hidden_SD: jax.Array, kernels=None) -> jax.Array:
+    del kernels   # (the fused LM head is llama's Kernels.linear)
     return llama.compute_logits(cfg, params, hidden_SD)
 
 

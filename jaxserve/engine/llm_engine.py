@@ -47,6 +47,25 @@ def enable_compilation_cache() -> None:
                           os.environ.get("JAX_COMPILATION_CACHE_DIR") or os.path.join(cache_dir(), "xla"))
 
 
+def resolve_fused_kernels(option: str | tuple | list, cfg, num_devices: int) -> tuple[str, ...]:
+    """EngineConfig.fused_kernels from the option: "auto" (the model family's choice on one
+    GPU: models/llama.py auto_fused_kernels), "none", or names ("linear,rope" or a sequence)."""
+    from jaxserve.models import llama, registry
+    if isinstance(option, str):
+        if option == "auto":
+            family = registry.get_model_module(cfg.architecture)
+            if jax.default_backend() != "gpu" or num_devices != 1 or family is not llama:
+                return ()
+            return llama.auto_fused_kernels(cfg)
+        option = () if option in ("none", "") else tuple(n.strip() for n in option.split(","))
+    names = tuple(option)
+    bad = sorted(set(names) - set(llama.FUSABLE))
+    if bad:
+        raise ValueError(f"fused_kernels must be 'auto', 'none' or names from "
+                         f"{', '.join(llama.FUSABLE)}; got {', '.join(bad)}")
+    return names
+
+
 def _default(value, gpu, cpu):
     if value is not None:
         return value
@@ -114,7 +133,8 @@ class LLMEngine:
                          max_waiting_requests: int = 4096, long_prefill_token_threshold: int = 0,
                          tensor_parallel_size: int = 1,
                          expert_parallel_size: int = 1, seed: int = 0, max_logprobs: int = 20,
-                         attention_impl: str = "auto", warmup: bool = True,
+                         attention_impl: str = "auto", fused_kernels: str | tuple = "auto",
+                         warmup: bool = True,
                          warmup_all: bool = False, program_cache: bool = False,
                          speculative_config: dict | str | None = None,
                          data_parallel_size: int = 1, devices: list | None = None) -> "LLMEngine":
@@ -143,8 +163,8 @@ class LLMEngine:
                kv_cache_memory_fraction, kv_cache_cpu_bytes, enable_prefix_caching,
                num_cached_states, max_num_seqs, max_num_batched_tokens, max_model_len,
                max_waiting_requests, long_prefill_token_threshold, tensor_parallel_size,
-               expert_parallel_size, seed, max_logprobs, attention_impl, warmup, warmup_all,
-               program_cache, speculative_config, devices, device) -> "LLMEngine":
+               expert_parallel_size, seed, max_logprobs, attention_impl, fused_kernels, warmup,
+               warmup_all, program_cache, speculative_config, devices, device) -> "LLMEngine":
         from jaxserve import default_model, distributed
         from jaxserve.models import loader, registry
 
@@ -186,7 +206,8 @@ class LLMEngine:
                                       long_prefill_token_threshold=long_prefill_token_threshold),
             parallel=parallel,
             dtype=dtype, seed=seed, max_logprobs=max_logprobs, attention_impl=attention_impl,
-            warmup=warmup, warmup_all=warmup_all, speculative=speculative,
+            fused_kernels=resolve_fused_kernels(fused_kernels, cfg, tensor_parallel_size
+                                                * expert_parallel_size), warmup=warmup, warmup_all=warmup_all, speculative=speculative,
             # NOTE: off unless asked (the CLI does): a program is keyed on the package's
             # sources, so code changed in memory (a notebook's monkeypatch) would not be seen
             program_cache_dir=os.path.join(default_model.cache_dir(), "steps") if program_cache

@@ -1,0 +1,58 @@
+"""The fused linear layer (pallas_kernels/fused_linear.py) compiled for the GPU against its
+reference at the default model's shapes (SmolLM2-135M: D 576, F 1536, q|k|v 960, vocabulary
+49152 tied) and a wide one, on decode, small-batch and prefill row counts."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxserve.pallas_kernels import fused_linear as fl
+
+pytestmark = pytest.mark.gpu
+
+SHAPES = {   # name: (K, N, operands)
+    "qkv": (576, 960, dict(norm=True)),
+    "o": (576, 576, dict(residual=True)),
+    "gate_up": (576, 3072, dict(norm=True, gated=True)),
+    "down": (1536, 576, dict(residual=True)),
+    "wide_gate_up": (4096, 28672, dict(norm=True, gated=True)),
+}
+
+
+def operands(rng, t, k, n, dtype, norm=False, residual=False, gated=False):
+    r = lambda *s: jnp.asarray(rng.standard_normal(s) * 0.5, dtype)  # noqa: E731
+    kw = dict(gated=gated)
+    if norm:
+        kw["norm_K"] = r(k) + 1
+    if residual:
+        kw["residual_TN"] = r(t, n)
+    return r(t, k) , jnp.asarray(rng.standard_normal((k, n)) / np.sqrt(k), dtype), kw
+
+
+@pytest.mark.parametrize("t", [1, 16, 64, 512])
+@pytest.mark.parametrize("name", list(SHAPES))
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("w_layout", ["NK", "KN"])     # the engine's layers read [out, in]
+def test_fused_linear_on_the_gpu(name, t, dtype, w_layout):
+    k, n, variant = SHAPES[name]
+    x, w, kw = operands(np.random.default_rng(t), t, k, n, dtype, **variant)
+    got = np.asarray(fl.fused_linear(x, w.T if w_layout == "NK" else w, w_layout=w_layout,
+                                     impl="pallas", **kw), np.float32)
+    with jax.default_matmul_precision("highest"):     # not TF32: the kernel's f32 is exact
+        want = np.asarray(fl.ref_fused_linear(x, w, **kw), np.float32)
+    tol = 1e-4 if dtype == jnp.float32 else 3e-2
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("t", [1, 64])
+def test_lm_head_over_the_tied_embedding_on_the_gpu(t):
+    rng = np.random.default_rng(t)
+    x = jnp.asarray(rng.standard_normal((t, 576)), jnp.bfloat16)
+    embed = jnp.asarray(rng.standard_normal((49152, 576)) * 0.05, jnp.bfloat16)
+    got = fl.fused_linear(x, embed, w_layout="NK", out_dtype=jnp.float32, impl="pallas")
+    want = jnp.dot(x, embed.T, preferred_element_type=jnp.float32)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-3, atol=1e-3)
