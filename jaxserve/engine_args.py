@@ -73,7 +73,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                    help="cut each request's prefill chunks to this many tokens (0: off); "
                         "lowers the inter-token latency of running requests when prompts arrive")
     g.add_argument("--attention-impl", choices=["auto", "xla", "pallas"], default="auto")
-    g.add_argument("--fused-kernels", default="auto", metavar="auto|none|NAME[,NAME]",
+    g.add_argument("--fused-kernels", type=fused_kernels, default="auto", metavar="auto|none|NAME[,NAME]",
                    help="fused Pallas kernels of the step (with the Pallas attention): 'linear' "
                         "(each projection with its norm, gate or residual add: small dense "
                         "models), 'norm', 'rope'; 'auto' picks by model (models/llama.py "
@@ -139,6 +139,17 @@ def speculative_config(text: str) -> dict:
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
     return json.loads(text)
+
+
+def fused_kernels(text: str) -> str:
+    """--fused-kernels, checked now (a usage error names the allowed values)."""
+    from jaxserve.engine.llm_engine import fused_kernel_names
+
+    try:
+        fused_kernel_names(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
 
 
 def model_argument(args: argparse.Namespace) -> str | None:

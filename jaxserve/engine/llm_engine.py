@@ -47,22 +47,36 @@ def enable_compilation_cache() -> None:
                           os.environ.get("JAX_COMPILATION_CACHE_DIR") or os.path.join(cache_dir(), "xla"))
 
 
-def resolve_fused_kernels(option: str | tuple | list, cfg, num_devices: int) -> tuple[str, ...]:
-    """EngineConfig.fused_kernels from the option: "auto" (the model family's choice on one
-    GPU: models/llama.py auto_fused_kernels), "none", or names ("linear,rope" or a sequence)."""
-    from jaxserve.models import llama, registry
+def fused_kernel_names(option: str | tuple | list) -> tuple[str, ...] | None:
+    """The names an option gives ("linear,rope" or a sequence; "none": no names), None for
+    "auto"; a ValueError names the allowed values."""
+    from jaxserve.models import llama
     if isinstance(option, str):
         if option == "auto":
-            family = registry.get_model_module(cfg.architecture)
-            if jax.default_backend() != "gpu" or num_devices != 1 or family is not llama:
-                return ()
-            return llama.auto_fused_kernels(cfg)
+            return None
         option = () if option in ("none", "") else tuple(n.strip() for n in option.split(","))
     names = tuple(option)
     bad = sorted(set(names) - set(llama.FUSABLE))
     if bad:
         raise ValueError(f"fused_kernels must be 'auto', 'none' or names from "
                          f"{', '.join(llama.FUSABLE)}; got {', '.join(bad)}")
+    return names
+
+
+def resolve_fused_kernels(option: str | tuple | list, cfg, num_devices: int) -> tuple[str, ...]:
+    """EngineConfig.fused_kernels from the option: "auto" is the model family's choice on one
+    GPU (models/llama.py auto_fused_kernels), else the names given."""
+    from jaxserve.models import llama, registry
+    names = fused_kernel_names(option)
+    if names is None:
+        family = registry.get_model_module(cfg.architecture)
+        if jax.default_backend() != "gpu" or num_devices != 1 or family is not llama:
+            return ()
+        return llama.auto_fused_kernels(cfg)
+    if "linear" in names and num_devices != 1:
+        # (its kernels and [out, in] weights are unsharded; a mesh keeps the unfused weights)
+        raise ValueError(f"fused_kernels 'linear' runs on one device; got {num_devices} "
+                         f"(tensor x expert parallel): leave it out or use 'auto'")
     return names
 
 

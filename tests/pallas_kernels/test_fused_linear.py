@@ -250,3 +250,24 @@ def test_engine_with_fused_linear_equals_the_engine_without(name, tmp_path):
     assert outs["linear"] == outs["none"]
     with pytest.raises(ValueError, match="fused_kernels"):
         LLM(str(config), load_format="dummy", fused_kernels="linear,lineer", warmup=False)
+
+
+def test_fused_kernels_option():
+    import argparse
+
+    from jaxserve.engine.llm_engine import resolve_fused_kernels
+    from jaxserve.engine_args import add_engine_arguments
+
+    cfg = llama.ModelConfig(architecture="LlamaForCausalLM", vocab_size=256, hidden_size=64,
+                            intermediate_size=96, num_layers=1, num_heads=2, num_kv_heads=1,
+                            head_dim=32)
+    assert resolve_fused_kernels("auto", cfg, 1) == ()            # (on a CPU: nothing)
+    assert resolve_fused_kernels("none", cfg, 1) == ()
+    assert resolve_fused_kernels("linear, rope", cfg, 1) == ("linear", "rope")
+    with pytest.raises(ValueError, match="one device"):
+        resolve_fused_kernels("linear", cfg, 2)
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    assert parser.parse_args(["--fused-kernels", "none"]).fused_kernels == "none"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--fused-kernels", "fast"])
