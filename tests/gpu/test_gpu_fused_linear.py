@@ -32,10 +32,12 @@ def operands(rng, t, k, n, dtype, norm=False, residual=False, gated=False):
     return r(t, k) , jnp.asarray(rng.standard_normal((k, n)) / np.sqrt(k), dtype), kw
 
 
-@pytest.mark.parametrize("t", [1, 16, 64, 512])
-@pytest.mark.parametrize("name", list(SHAPES))
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("w_layout", ["NK", "KN"])     # the engine's layers read [out, in]
+CASES = ([("NK", name, t, dtype) for name in SHAPES for t in (1, 16, 64, 512)    # the engine's
+          for dtype in (jnp.float32, jnp.bfloat16)]                              # layers' layout
+         + [("KN", name, t, jnp.bfloat16) for name in ("qkv", "down") for t in (1, 64)])
+
+
+@pytest.mark.parametrize("w_layout,name,t,dtype", CASES)
 def test_fused_linear_on_the_gpu(name, t, dtype, w_layout):
     k, n, variant = SHAPES[name]
     x, w, kw = operands(np.random.default_rng(t), t, k, n, dtype, **variant)
