@@ -224,8 +224,7 @@ def fused_linear(x_TK, w, *, norm_K=None, eps: float = 1e-6, bias_N=None, residu
     out_dt = jnp.float32 if f32_out else x_TK.dtype
     present = [a is not None for a in (norm_K, bias_N, residual_TN)]
     kernel = functools.partial(_kernel, t=t, k=k, n_out=n_out, bm=bm, bn=bn, bk=bk, eps=float(eps),
-                               gated=gated, w_nk=w_layout == "NK",
-                               round_out=not (f32_out and x_TK.dtype != jnp.float32))
+                               gated=gated, w_nk=w_layout == "NK", round_out=out_dt == x_TK.dtype)
     absent = [pos for pos, ok in zip((1, 3, 4), present) if not ok]
     ins = [a for a in (x_TK, norm_K, w, bias_N, residual_TN) if a is not None]
     return pl.pallas_call(

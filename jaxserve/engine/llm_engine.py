@@ -220,8 +220,9 @@ class LLMEngine:
                                       long_prefill_token_threshold=long_prefill_token_threshold),
             parallel=parallel,
             dtype=dtype, seed=seed, max_logprobs=max_logprobs, attention_impl=attention_impl,
-            fused_kernels=resolve_fused_kernels(fused_kernels, cfg, tensor_parallel_size
-                                                * expert_parallel_size), warmup=warmup, warmup_all=warmup_all, speculative=speculative,
+            fused_kernels=resolve_fused_kernels(fused_kernels, cfg,
+                                                tensor_parallel_size * expert_parallel_size),
+            warmup=warmup, warmup_all=warmup_all, speculative=speculative,
             # NOTE: off unless asked (the CLI does): a program is keyed on the package's
             # sources, so code changed in memory (a notebook's monkeypatch) would not be seen
             program_cache_dir=os.path.join(default_model.cache_dir(), "steps") if program_cache
