@@ -5,6 +5,9 @@ CPU) decodes a batch of random prompts greedily, first without speculation (reco
 continuation), then with a synthetic proposer that replays the recorded continuation: every
 draft right (acceptance 1.0), or each draft token right with probability 0.7 (else a wrong
 token). Greedy output with drafts must equal the recording without them; the script checks it.
+The replay reads token ids only, so the engine pipelines while it speculates (rows "replay");
+rows "replay-wait" are the same drafts with the engine waiting for each step (the baseline:
+how it runs proposers that read a step's results, and how it ran all of them before).
 
 In bf16 on random weights it does not at batch > 1: near-tied logits flip when the step's
 shape changes (a verifying step tiles attention differently; H200, session 20: batch 8 and 32
@@ -44,7 +47,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 class ReplayProposer:
-    """Drafts from a recorded greedy continuation: each token right with probability `p`."""
+    """Drafts from a recorded greedy continuation: each token right with probability `p`. It
+    reads token ids only, so it drafts ahead of the device (the engine pipelines while it
+    speculates: spec_decode/drafting.py); WaitingReplay is the same drafts with the engine
+    waiting for each step, as it does for proposers that read a step's results."""
+    pipelines = True
 
     def __init__(self, recorded: dict[tuple, list[int]], k: int, p: float, vocab: int, seed: int = 0):
         self.recorded, self.k, self.p, self.vocab = recorded, k, p, vocab
@@ -53,21 +60,26 @@ class ReplayProposer:
     def retain(self, running_ids) -> None:
         pass
 
-    def propose(self, requests, limits):
+    def propose(self, requests, limits, tails=None):
         out = []
-        for req, lim in zip(requests, limits):
+        for i, (req, lim) in enumerate(zip(requests, limits)):
             cont = self.recorded[tuple(req.prompt_token_ids)]
-            m = len(req.output_token_ids)
-            drafts = np.array(cont[m:m + min(self.k, lim)], np.int64)
+            m = len(req.output_token_ids) + (len(tails[i]) if tails else 0)
+            drafts = np.array(cont[m:m + lim], np.int64)
             wrong = self.rng.random(len(drafts)) >= self.p
             drafts[wrong] = (drafts[wrong] + 1) % self.vocab
             out.append(drafts.tolist())
         return out
 
 
+class WaitingReplay(ReplayProposer):
+    pipelines = False
+
+
 class HeadCostReplay(ReplayProposer):
     """The replay's drafts, after `head` (an after-step proposer: eagle3.Eagle3Proposer) has run
     over the step as it does when serving; its own drafts are dropped."""
+    pipelines = False          # the head reads each step's hidden states
 
     def __init__(self, head, *args):
         super().__init__(*args)
@@ -223,7 +235,7 @@ def main() -> None:
                 if again == fixed:
                     break
                 fixed = again
-            for proposer in ("replay", "eagle3") if args.eagle3 else ("replay",):
+            for proposer in ("replay", "replay-wait") + (("eagle3",) if args.eagle3 else ()):
                 for acc in args.acceptance:
                     if proposer == "eagle3":
                         if k not in heads:
@@ -232,19 +244,22 @@ def main() -> None:
                         core.proposer = HeadCostReplay(heads[k], fixed, k, acc, vocab)
                     else:
                         runner.return_hidden_states(False)
-                        core.proposer = ReplayProposer(fixed, k, acc, vocab)
+                        kind = ReplayProposer if proposer == "replay" else WaitingReplay
+                        core.proposer = kind(fixed, k, acc, vocab)
                     scheduler.num_lookahead_tokens = getattr(core.proposer, "num_lookahead_tokens", 0)
                     runner.batch.max_spec_tokens = k     # one K per verifying program
-                    before = llm.get_metrics()
+                    before, void0 = llm.get_metrics(), scheduler.num_void_chunks
                     rate, outs = decode_rate(llm, prompts, args.output_len, args.rounds)
                     row = dict(batch=b, k=k, acceptance=acc, proposer=proposer, tokens_per_s=rate,
                                speedup=rate / base,
                                mean_acceptance_length=mean_acceptance_length(before, llm.get_metrics()) or 1.0,
-                               identical=outs == recorded_outs, recording_passes=passes)
+                               identical=outs == recorded_outs, recording_passes=passes,
+                               void_chunks=scheduler.num_void_chunks - void0)
                     rows.append(row)
-                    print(f"batch {b:3d}  k={k} p={acc:.1f} {proposer:6s} {rate:9.1f} tok/s  "
+                    print(f"batch {b:3d}  k={k} p={acc:.1f} {proposer:11s} {rate:9.1f} tok/s  "
                           f"x{rate / base:4.2f}  acceptance length {row['mean_acceptance_length']:.2f}  "
-                          f"identical={row['identical']} passes={passes}", flush=True)
+                          f"void chunks {row['void_chunks']}  identical={row['identical']} "
+                          f"passes={passes}", flush=True)
         core.proposer = None
         runner.return_hidden_states(False)
         scheduler.num_lookahead_tokens = 0

@@ -68,6 +68,13 @@ class StepPlan:
     prompt_logprobs: bool
     draft_starts: dict[int, tuple[int, int]] = dataclasses.field(default_factory=dict)
     # seq -> (logits row of its first draft, drafts) in a verifying step (verify_rows.py)
+    input_ends: list[int] = dataclasses.field(default_factory=list)
+    # per request: its chunk's inputs are its tokens before this position (drafts aside)
+
+    def is_void(self, i: int) -> bool:
+        """Request i's chunk started past what the request now holds: it assumed drafts of
+        the step before were kept and one was not (scheduler.py: scheduling past drafts)."""
+        return self.input_ends[i] > self.requests[i].num_tokens
 
 
 class InputBatch:
@@ -145,7 +152,7 @@ class InputBatch:
         seq_lens = np.zeros(num_seqs, np.int32)
         logits_idx = np.zeros(num_seqs, np.int32)
         slots_S = np.zeros(num_seqs, np.int32)
-        sampling_rows, samples, prompt_lp, reqs, draft_seqs = [], [], {}, [], []
+        sampling_rows, samples, prompt_lp, reqs, draft_seqs, ends = [], [], {}, [], [], []
         constrained = []            # structured.masks.ConstrainedRows
         full = False
         t = 0
@@ -155,6 +162,7 @@ class InputBatch:
             start, n = sched.start_position, sched.num_tokens
             drafts = list(sched.spec_token_ids)
             real = start + n - len(drafts)         # the drafts are the chunk's last tokens
+            ends.append(real)
             known = min(real, req.num_tokens)
             token_ids += req.tokens(start, known)
             if known < real:           # the last token is still on the device
@@ -229,5 +237,5 @@ class InputBatch:
                       draft_rows=spec.draft_rows if spec else None,
                       num_drafts=spec.num_drafts if spec else None)
         plan = StepPlan(out.req_ids, reqs, samples, prompt_lp, qsl, full, bool(prompt_lp),
-                        spec.starts if spec else {})
+                        spec.starts if spec else {}, ends)
         return x, plan

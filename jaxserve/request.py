@@ -40,6 +40,9 @@ class Request:
     num_computed_tokens: int = 0             # tokens whose KV is in the cache (or being computed)
     num_output_placeholders: int = 0         # tokens sampled on the device, not yet seen here (0 or 1)
     spec_token_ids: list[int] = field(default_factory=list)   # draft tokens for the next step
+    # The drafts of its newest step still on the device: computed, assumed right until the
+    # step is read (a step after it may already be scheduled on that assumption)
+    inflight_drafts: list[int] = field(default_factory=list)
     num_cached_tokens: int = 0               # of the prompt, found in the prefix cache
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None     # the stop token id or stop string that ended it

@@ -442,12 +442,15 @@ class ModelRunner:
             kept_rows = [verify_rows.kept_rows(i, plan.draft_starts, accepted[i])
                          for i in range(len(plan.samples))]
             sampled = [[ids[r] for r in rows] if s else [] for rows, s in zip(kept_rows, plan.samples)]
-        for req, tokens in zip(plan.requests, sampled):
+        for i, (req, tokens) in enumerate(zip(plan.requests, sampled)):
+            if tokens and plan.is_void(i):     # never read: the scheduler took it back
+                sampled[i] = []
+                continue
             self.batch.append_tokens(req, tokens)
         logprobs = [None] * len(sampled)
         if variant.num_top:
             for i, s in enumerate(plan.samples):
-                if s:
+                if s and sampled[i]:
                     rows = kept_rows[i] if kept_rows else [i]
                     logprobs[i] = TokenLogprobs(result.logprobs[rows], result.ranks[rows],
                                                 result.top_ids[rows], result.top_logprobs[rows])

@@ -14,6 +14,14 @@ The scheduler alone advances and rolls back `num_computed_tokens`: a request tha
 k draft tokens and kept a of the k + 1 sampled ones goes back by k + 1 - a. It speaks to the
 runner only through the data of jaxserve/step_messages.py.
 
+Scheduling past drafts (the engine pipelining while it speculates): a verifying step's drafts
+count as known tokens (`Request.inflight_drafts`) until the step is read, so the next step
+can be scheduled on the assumption that all of them are kept: it starts after them, with the
+step's last sampled token taken on the device. If the step then rejects a draft, that next
+step's chunk of the request is void: its counts go back at once, its tokens are never read
+(the runner drops them too: its chunk starts past what the request holds), and the request
+goes on from what it kept, its next input known to the host.
+
 With recurrent state (hybrid models) a rejected draft cannot be taken back by positions
 alone: the verifying step folded it into the state. So a speculating request's state is
 copied to its snapshot slot before each verifying step (a state load), and when a draft is
@@ -38,6 +46,21 @@ from jaxserve.step_messages import (NewRequestData, RunnerOutput, ScheduledReque
 # Smallest step size a prefill chunk is cut to fit (Scheduler._fit): below ~128-256 tokens a
 # step costs its weight reads on a GPU, so padding costs little there.
 FIT_MIN_STEP = 128
+
+
+@dataclass(slots=True)
+class _ScheduledStep:
+    """A scheduled step not yet updated: its requests (an id may be reused after an abort, so
+    update() must not look requests up by id), their chunks, and those made void."""
+    requests: list[Request]
+    scheduled: list[ScheduledRequest]
+    void: set[int]                      # id() of requests whose chunk is void (module doc)
+
+    def chunk_of(self, req: Request) -> ScheduledRequest | None:
+        for r, sched in zip(self.requests, self.scheduled):
+            if r is req:
+                return sched
+        return None
 
 
 @dataclass(slots=True)     # one per running request per step: slots, not frozen (step_messages.py)
@@ -85,13 +108,13 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self._finished_ids: list[str] = []       # for the next step's finished_req_ids
         self._unsent: set[str] = set()           # running requests the runner does not hold
-        # The Request objects of each scheduled step not yet updated, oldest first: an id may
-        # be reused after an abort, so update() must not look requests up by id.
-        self._in_flight: deque[list[Request]] = deque()
+        self._in_flight: deque[_ScheduledStep] = deque()     # oldest first
         # Counters (cumulative) for metrics.
         self.prefix_queries = 0     # prompt tokens looked up in the prefix cache
         self.prefix_hits = 0        # of those, found
         self.num_preemptions = 0
+        self.num_chunks_past_drafts = 0     # chunks scheduled assuming in-flight drafts kept
+        self.num_void_chunks = 0            # of those, void (a draft was rejected)
 
     # -- requests in and out -------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -251,7 +274,7 @@ class Scheduler:
         finished = []
         if chunks:          # an empty step is never run: it carries nothing, not even these
             finished, self._finished_ids = self._finished_ids, []
-            self._in_flight.append([req for req, _ in chunks])
+            self._in_flight.append(_ScheduledStep([req for req, _ in chunks], scheduled, set()))
         return SchedulerOutput(new_requests=new_requests, scheduled=scheduled,
                                finished_req_ids=finished,
                                num_tokens=sum(r.num_tokens for r in scheduled),
@@ -264,12 +287,15 @@ class Scheduler:
         group the runner does not hold yet. A budget that cuts into the drafts keeps the first
         ones."""
         start = req.num_computed_tokens
-        base = req.num_tokens + req.num_output_placeholders      # without the drafts
+        # without this step's drafts (with those of the step before, assumed kept)
+        base = req.num_tokens + req.num_output_placeholders + len(req.inflight_drafts)
         sample = start + n >= base
         drafts = []
         if req.spec_token_ids:
             drafts = req.spec_token_ids[:max(0, start + n - base)]
             req.spec_token_ids = []
+        self.num_chunks_past_drafts += bool(req.inflight_drafts)
+        req.inflight_drafts = drafts
         req.num_computed_tokens += n
         req.num_output_placeholders += int(sample)
         return ScheduledRequest(req.request_id, start, n, new_ids, sample, drafts)
@@ -277,7 +303,8 @@ class Scheduler:
     def _num_known(self, req: Request) -> int:
         """Tokens whose ids exist (on the host or, as placeholders, on the device), drafts
         included: the request computes up to here."""
-        return req.num_tokens + req.num_output_placeholders + len(req.spec_token_ids)
+        return (req.num_tokens + req.num_output_placeholders + len(req.inflight_drafts)
+                + len(req.spec_token_ids))
 
     def update(self, out: SchedulerOutput, result: RunnerOutput) -> list[RequestUpdate]:
         """Apply a step's results: append sampled tokens, roll back rejected drafts, cache
@@ -286,21 +313,27 @@ class Scheduler:
 
         The next step may already have been scheduled (and dispatched): its chunks count this
         step's tokens as placeholders. Returns one entry per request still known."""
-        reqs = self._in_flight.popleft()
+        step = self._in_flight.popleft()
         results = []
-        for req, sched, tokens in zip(reqs, out.scheduled, result.sampled_token_ids):
+        for req, sched, tokens in zip(step.requests, out.scheduled, result.sampled_token_ids):
+            if id(req) in step.void:        # its counts went back when it was made void
+                continue
             if sched.sample:
                 req.num_output_placeholders -= 1
+            if req.inflight_drafts is sched.spec_token_ids:    # no later step holds it
+                req.inflight_drafts = []
             if self.requests.get(req.request_id) is not req:   # finished or aborted meanwhile
                 if sched.save_state_slot:
                     self.kv.release_state_save(sched.save_state_slot)
                 continue
             rejected = 0
-            if sched.spec_token_ids and tokens:
+            if sched.spec_token_ids and tokens and req.status == RequestStatus.RUNNING:
                 # k drafts verified, a tokens kept: a - 1 drafts were right (plus one sampled
                 # token), so the KV of the other k + 1 - a positions is garbage.
                 rejected = len(sched.spec_token_ids) + 1 - len(tokens)
                 req.num_computed_tokens -= rejected
+                if rejected:
+                    self._void_later(req)
             status, kept = None, []
             for token in tokens if sched.sample else ():
                 req.output_token_ids.append(token)
@@ -321,8 +354,8 @@ class Scheduler:
             if rejected and self._snapshot_base and req.status == RequestStatus.RUNNING and status is None:
                 # The recurrent state went over the rejected drafts too: back to the snapshot
                 # from before the step, whose kept inputs are then computed again. NOTE: the
-                # engine waits for each step while speculating, so no later step counted on
-                # this one's positions.
+                # engine waits for each step of a model with state while speculating
+                # (schedules_past_drafts), so no later step counted on this one's positions.
                 assert not self._in_flight, "a state rollback needs the core to wait for each step"
                 req.num_computed_tokens = sched.start_position
                 live = self.kv.slots[req.request_id]
@@ -336,17 +369,39 @@ class Scheduler:
                                          req.num_cached_tokens))
         return results
 
+    def _void_later(self, req: Request) -> None:
+        """`req` rejected drafts that a later scheduled step assumed kept: that step's chunk
+        of it is void (module doc); it goes on from what this step kept."""
+        for later in self._in_flight:
+            sched = later.chunk_of(req)
+            if sched is None or id(req) in later.void:
+                continue
+            later.void.add(id(req))
+            self.num_void_chunks += 1
+            req.num_computed_tokens -= sched.num_tokens
+            req.num_output_placeholders -= int(sched.sample)
+            req.inflight_drafts = []
+
+    @property
+    def schedules_past_drafts(self) -> bool:
+        """Whether a step may be scheduled before the verifying step ahead of it is read (not
+        with recurrent state: its rollback recomputes from the step's start)."""
+        return not self._snapshot_base
+
     def unschedule(self, out: SchedulerOutput) -> None:
         """Take back the newest step, which never ran (its inputs could not be built): its
         requests go on from where they were. Their blocks stay allocated and the runner has
         taken in the step's diffs (new requests, blocks), so only the counts go back."""
-        reqs = self._in_flight.pop()
-        for req, sched in zip(reqs, out.scheduled):
+        step = self._in_flight.pop()
+        for req, sched in zip(step.requests, out.scheduled):
             if sched.save_state_slot:    # the copy after the step never ran either
                 self.kv.release_state_save(sched.save_state_slot)
             req.num_computed_tokens = sched.start_position
             req.num_output_placeholders -= int(sched.sample)
             req.spec_token_ids = list(sched.spec_token_ids)
+            # the drafts of the step before, if it holds the request, are in flight again
+            before = next((s for s in (st.chunk_of(req) for st in reversed(self._in_flight)) if s), None)
+            req.inflight_drafts = before.spec_token_ids if before else []
 
     # -- helpers ---------------------------------------------------------------------------
     def _with_lookahead(self, req: Request, end: int) -> int:
@@ -366,8 +421,9 @@ class Scheduler:
         if not req.num_output_placeholders:
             return False
         p = req.sampling_params
-        return ((p.max_tokens is not None and req.num_generated >= p.max_tokens)
-                or req.num_tokens + req.num_output_placeholders >= self.config.max_model_len)
+        ahead = req.num_output_placeholders + len(req.inflight_drafts)
+        return ((p.max_tokens is not None and len(req.output_token_ids) + ahead >= p.max_tokens)
+                or req.num_tokens + ahead >= self.config.max_model_len)
 
     def _preempt(self, req: Request) -> Request:
         self._drop_from_runner(req)
@@ -375,6 +431,7 @@ class Scheduler:
         self._restores.pop(req.request_id, None)     # it recomputes its state from scratch
         req.num_computed_tokens = 0
         req.spec_token_ids = []
+        req.inflight_drafts = []
         req.status = RequestStatus.PREEMPTED
         self.waiting.appendleft(req)
         self.num_preemptions += 1

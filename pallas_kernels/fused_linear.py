@@ -196,10 +196,11 @@ def _kernel(
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "gated", "w_layout", "out_dtype", "impl",
-                                             "block_n", "num_warps", "num_stages", "interpret"))
+                                             "block_n", "block_k", "num_warps", "num_stages", "interpret"))
 def fused_linear(x_TK, w, *, norm_K=None, eps: float = 1e-6, bias_N=None, residual_TN=None,
                  gated: bool = False, w_layout: str = "KN", out_dtype=None, impl: str = "auto",
-                 block_n: int | None = None, num_warps: int = 4, num_stages: int = 3,
+                 block_n: int | None = None, block_k: int | None = None, num_warps: int = 4,
+                 num_stages: int = 3,
                  interpret: bool | None = None):
     """[RMSNorm(x) * norm_K] @ w [+ bias_N], then silu-gated (`gated`) or plus `residual_TN`:
     see the module docstring. impl "pallas" (Triton; interpreted on CPU), "xla", or "auto"
@@ -220,6 +221,10 @@ def fused_linear(x_TK, w, *, norm_K=None, eps: float = 1e-6, bias_N=None, residu
         if block_n < 16 or block_n & (block_n - 1) or n_out % block_n:
             raise ValueError(f"block_n must be a power of two >= 16 dividing {n_out}; got {block_n}")
         bn = block_n
+    if block_k is not None:
+        if block_k < 16 or block_k & (block_k - 1):
+            raise ValueError(f"block_k must be a power of two >= 16; got {block_k}")
+        bk = block_k
     f32_out = out_dtype is not None and jnp.dtype(out_dtype) == jnp.float32
     out_dt = jnp.float32 if f32_out else x_TK.dtype
     present = [a is not None for a in (norm_K, bias_N, residual_TN)]

@@ -317,3 +317,66 @@ def test_finished_ids_wait_for_a_step_that_runs():
     s.add_request(req("b", 3, max_tokens=1))
     out = s.schedule()
     assert out.finished_req_ids == ["a"] and out.req_ids == ["b"]
+
+
+def test_a_step_scheduled_past_drafts_starts_after_them_and_goes_on_when_all_are_kept():
+    s = make(max_tokens=64, block_size=4)
+    r = req("a", 6, max_tokens=20)
+    s.add_request(r)
+    run_step(s, token=7)                          # prefill: output [7]
+    r.spec_token_ids = [8, 9, 10]
+    verify = s.schedule()                         # positions 6..9: token 7 and 3 drafts
+    # Before it is read, the next step assumes the 3 drafts kept: it computes the token
+    # sampled after them (position 10, on the device) and its own 2 drafts.
+    r.spec_token_ids = [12, 13]
+    ahead = s.schedule()
+    sched = ahead.scheduled[0]
+    assert (sched.start_position, sched.num_tokens, sched.spec_token_ids, sched.sample) == (10, 3, [12, 13], True)
+    assert r.num_computed_tokens == 13 and r.num_output_placeholders == 2
+    s.update(verify, result(verify, [[8, 9, 10, 11]]))      # all kept
+    assert r.output_token_ids == [7, 8, 9, 10, 11] and r.num_computed_tokens == 13
+    assert r.inflight_drafts == [12, 13]                    # the step ahead's, still out
+    third = s.schedule()                          # past the step ahead's drafts in turn
+    assert (third.scheduled[0].start_position, third.scheduled[0].num_tokens) == (13, 1)
+    s.update(ahead, result(ahead, [[12, 5]]))     # draft 12 kept, 13 not: `third` is void
+    assert r.output_token_ids[-2:] == [12, 5] and r.num_computed_tokens == r.num_tokens - 1
+    assert r.inflight_drafts == [] and r.num_output_placeholders == 0
+    assert s.update(third, result(third, 9)) == [] and r.output_token_ids[-1] == 5
+
+
+def test_a_rejected_draft_voids_the_chunk_scheduled_past_it():
+    s = make(max_tokens=64, block_size=4)
+    r = req("a", 6, max_tokens=20)
+    s.add_request(r)
+    run_step(s, token=7)
+    r.spec_token_ids = [8, 9, 10]
+    verify = s.schedule()
+    r.spec_token_ids = [12, 13]
+    ahead = s.schedule()
+    s.update(verify, result(verify, [[8, 3]]))    # draft 9 rejected: position 10 never came
+    assert r.output_token_ids == [7, 8, 3]
+    # The step ahead's chunk is void: the request goes on from what it kept, its counts as
+    # if that step had not been scheduled.
+    assert r.num_computed_tokens == r.num_tokens - 1 == 8
+    assert r.num_output_placeholders == 0 and r.inflight_drafts == []
+    r.spec_token_ids = [4]
+    again = s.schedule()                          # token 3 known to the host now, plus a draft
+    assert (again.scheduled[0].start_position, again.scheduled[0].num_tokens) == (8, 2)
+    assert s.update(ahead, result(ahead, [[12, 13, 14]])) == []    # never read
+    assert r.output_token_ids == [7, 8, 3]
+    s.update(again, result(again, [[4, 6]]))
+    assert r.output_token_ids == [7, 8, 3, 4, 6] and r.num_computed_tokens == r.num_tokens - 1
+    s.finish_request("a", RequestStatus.FINISHED_ABORTED)
+    assert s.pool.num_used == 0
+
+
+def test_a_step_past_drafts_never_reaches_past_max_tokens():
+    s = make(max_tokens=64, block_size=4)
+    r = req("a", 6, max_tokens=5)
+    s.add_request(r)
+    run_step(s, token=7)
+    r.spec_token_ids = [8, 9, 10]                 # up to 4 tokens more: 5 in all
+    verify = s.schedule()
+    assert s.schedule().scheduled == []           # all kept would reach max_tokens: stop here
+    s.update(verify, result(verify, [[8, 9, 10, 11]]))
+    assert r.output_token_ids == [7, 8, 9, 10, 11] and "a" not in s.requests

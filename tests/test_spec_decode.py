@@ -246,3 +246,46 @@ def test_metrics_count_accepted_drafts_per_position_on_the_server_too():
     text = generate_latest(m.registry).decode()
     assert 'jaxserve:spec_decode_num_accepted_tokens_per_pos_total{position="1"} 1.0' in text
     assert "jaxserve:spec_decode_num_drafts_total 2.0" in text
+
+
+class ReplayProposer:
+    """Drafts from each prompt's recorded greedy continuation, wrong at every position p with
+    p % 5 == 3 (past the tokens assumed kept ahead of the device: `tails`)."""
+    pipelines = True
+
+    def __init__(self, recorded, k, vocab, wrong=True):
+        self.recorded, self.k, self.vocab, self.wrong = recorded, k, vocab, wrong
+
+    def retain(self, running_ids):
+        pass
+
+    def propose(self, requests, limits, tails=None):
+        out = []
+        for i, (req, lim) in enumerate(zip(requests, limits)):
+            m = len(req.output_token_ids) + (len(tails[i]) if tails else 0)
+            cont = self.recorded[tuple(req.prompt_token_ids)]
+            out.append([(t + 1) % self.vocab if self.wrong and (m + j) % 5 == 3 else t
+                        for j, t in enumerate(cont[m:m + lim])])
+        return out
+
+
+@pytest.mark.parametrize("wrong", [False, True])
+def test_the_engine_schedules_past_drafts_and_voids_what_a_rejection_overturns(model, plain, wrong):
+    """A proposer of token ids only drafts ahead of the device, so the engine pipelines while
+    it speculates: greedy output is unchanged whether its drafts are all right or some are
+    wrong (each rejection voids the request's next chunk), and nothing leaks."""
+    greedy = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)
+    ps = prompts(4)
+    want = token_ids(plain.generate(ps, greedy, use_tqdm=False))
+    llm = make_llm(model, NGRAM, max_len=MAX_LEN)
+    core, sched = llm.engine.core, llm.engine.scheduler
+    core.proposer = ReplayProposer({tuple(p["prompt_token_ids"]): w[0] for p, w in zip(ps, want)},
+                                   3, model[0].vocab_size, wrong)
+    assert token_ids(llm.generate(ps, greedy, use_tqdm=False)) == want
+    assert sched.num_chunks_past_drafts > 0
+    assert (sched.num_void_chunks > 0) == wrong
+    counts = spec_counts(llm)
+    if not wrong:       # every draft kept: 14 tokens in few steps
+        assert counts["spec_decode_num_accepted_tokens_total"] == counts["spec_decode_num_draft_tokens_total"]
+    assert [token_ids(llm.generate(p, greedy, use_tqdm=False))[0] for p in ps[:2]] == want[:2]
+    assert sched.pool.num_used == 0 and not sched.requests

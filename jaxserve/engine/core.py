@@ -3,12 +3,16 @@
 Pipelined: before waiting for step N's tokens, step N+1 is scheduled and dispatched, taking
 N's sampled tokens straight from the device; N's tokens are then read and applied one step
 late. Requests that finish at N waste one token of N+1. Requests whose next step needs the
-host's view of this step's tokens (penalties read the whole history; drafts are proposed
-from it) make the core wait for each step before scheduling the next.
+host's view of this step's tokens (penalties read the whole history) make the core wait for
+each step before scheduling the next.
 
-Speculative decoding (a proposer): the core always waits. The drafts of step N+1 are
-proposed from step N's kept tokens, and how many of N's drafts were kept decides where
-N+1 starts, so N+1 cannot be built before N's tokens are on the host.
+Speculative decoding: a proposer that reads token ids only (n-gram) drafts N+1 from N's
+tokens as scheduled, N's drafts assumed kept (spec_decode/drafting.py propose_ahead), so the
+core pipelines as without it; a request whose drafts N rejects loses its chunk of N+1
+(scheduler.py: scheduling past drafts). The other proposers read N's results (its hidden
+states, or tokens they compute themselves) and the core waits for each step; so it does
+for a model with recurrent state (its rollback) and for structured output (the grammar
+would have to follow the assumed drafts).
 """
 
 from __future__ import annotations
@@ -56,8 +60,13 @@ class EngineCore:
             self.scheduler.finish_request(rid, status)
 
     def _must_wait(self) -> bool:
-        return self.proposer is not None or any(r.sampling_params.uses_penalties or r.spec_token_ids
-                                                for r in self.scheduler.running)
+        spec = self.proposer is not None
+        if spec and not (getattr(self.proposer, "pipelines", False)
+                         and self.scheduler.schedules_past_drafts):
+            return True
+        return any(r.sampling_params.uses_penalties
+                   or (spec and r.sampling_params.structured_outputs is not None)
+                   for r in self.scheduler.running)
 
     def step(self) -> StepOutcome | None:
         """Finish one step (None: nothing ran)."""
@@ -70,6 +79,9 @@ class EngineCore:
         current, self._inflight = self._inflight, None
         t0 = time.perf_counter()
         if not self._must_wait():
+            if self.proposer is not None:
+                drafting.propose_ahead(self.proposer, self.scheduler.running, self.proposer.k,
+                                       self.scheduler.config.max_model_len)
             upcoming = self.scheduler.schedule()
             if upcoming.scheduled:
                 self._inflight = self._dispatch(upcoming)

@@ -7,6 +7,13 @@ others: a proposer with per-request state frees it there).
 A request drafts only in decode (its last token sampled and read back, every other token
 computed), and never so many that the step could pass max_tokens or max_model_len: a step
 with k drafts keeps up to k + 1 tokens.
+
+A proposer that reads only token ids (`pipelines = True`: n-gram) also drafts ahead, so the
+engine need not wait for each step: for a request whose step is still on the device,
+`propose(requests, limits, tails)` continues each request's tokens by `tail` (that step's
+drafts, assumed kept), and of what it proposes the first token stands for the one the step
+samples after them (not sent: it comes from the device) and the rest are the drafts. A
+wrong guess costs only acceptance; a rejected draft voids the chunk (scheduler.py).
 """
 
 from __future__ import annotations
@@ -14,11 +21,12 @@ from __future__ import annotations
 from jaxserve.request import Request, RequestStatus
 
 
-def draft_limit(req: Request, k: int, max_model_len: int) -> int:
+def draft_limit(req: Request, k: int, max_model_len: int, ahead: int = 0) -> int:
+    """Drafts the request's next step may carry; `ahead`: its tokens still on the device."""
     p = req.sampling_params
-    limit = min(k, max_model_len - req.num_tokens - 1)
+    limit = min(k, max_model_len - req.num_tokens - ahead - 1)
     if p.max_tokens is not None:
-        limit = min(limit, p.max_tokens - len(req.output_token_ids) - 1)
+        limit = min(limit, p.max_tokens - len(req.output_token_ids) - ahead - 1)
     return max(0, limit)
 
 
@@ -42,6 +50,25 @@ def propose_drafts(proposer, running: list[Request], k: int, max_model_len: int,
         for req, drafts in zip(reqs, proposer.propose(reqs, limits)):
             drafts = list(drafts)
             req.spec_token_ids = valid(req.request_id, drafts) if valid and drafts else drafts
+
+
+def propose_ahead(proposer, running: list[Request], k: int, max_model_len: int) -> None:
+    """Drafts for each request whose newest step (a decode or a verifying one) is still on the
+    device, assuming the step keeps its drafts (module docstring): they are the next step's."""
+    reqs, limits, tails = [], [], []
+    for req in running:
+        tail = req.inflight_drafts
+        if (req.status == RequestStatus.RUNNING and req.num_output_placeholders == 1
+                and not req.spec_token_ids
+                and req.num_computed_tokens == req.num_tokens + len(tail)):
+            limit = draft_limit(req, k, max_model_len, ahead=len(tail) + 1)
+            if limit:
+                reqs.append(req)
+                limits.append(limit + 1)
+                tails.append(tail)
+    if reqs:
+        for req, drafts in zip(reqs, proposer.propose(reqs, limits, tails)):
+            req.spec_token_ids = list(drafts[1:])
 
 
 def cache_on_target_blocks(spec_config, model, cfg) -> tuple[list, int]:

@@ -59,10 +59,18 @@ class NgramProposer:
         self._ids[req.request_id] = (buf, total)
         return buf[:total]
 
-    def propose(self, requests, limits: list[int]) -> list[list[int]]:
-        """Drafts per request (scheduler Requests in decode), each at most its limit."""
-        return [propose(self._tokens(r), self.min_n, self.max_n, min(self.k, lim))
-                for r, lim in zip(requests, limits)]
+    pipelines = True      # reads token ids only: drafts ahead of the device (drafting.py)
+
+    def propose(self, requests, limits: list[int], tails=None) -> list[list[int]]:
+        """Drafts per request (scheduler Requests in decode), each at most its limit, from
+        its tokens followed by its tail (if any)."""
+        out = []
+        for i, (r, lim) in enumerate(zip(requests, limits)):
+            tokens = self._tokens(r)
+            if tails is not None and tails[i]:
+                tokens = np.concatenate([tokens, np.asarray(tails[i], np.int64)])
+            out.append(propose(tokens, self.min_n, self.max_n, lim))
+        return out
 
     def retain(self, running_ids) -> None:
         for rid in [r for r in self._ids if r not in running_ids]:

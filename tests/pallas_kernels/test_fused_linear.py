@@ -94,8 +94,13 @@ def test_block_n_and_tiling_rules():
     for bn in (16, 32, 64):
         np.testing.assert_allclose(np.asarray(fl.fused_linear(x, w, impl="pallas", block_n=bn)),
                                    want, rtol=1e-5, atol=1e-5)
+    for bk in (16, 32, 64):      # a K step of 16..64 (64: one step, K=32 masked past half)
+        np.testing.assert_allclose(np.asarray(fl.fused_linear(x, w, impl="pallas", block_k=bk)),
+                                   want, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="block_n"):
         fl.fused_linear(x, w, impl="pallas", block_n=48)
+    with pytest.raises(ValueError, match="block_k"):
+        fl.fused_linear(x, w, impl="pallas", block_k=24)
     # decode: the widest column block that still gives each of the 132 SMs a program
     assert fl.tiling(1, 576, 1536, "KN") == (16, 16, 256)      # 96 programs even at 16
     assert fl.tiling(1, 576, 49152, "NK") == (16, 128, 128)    # 384 programs at 128
