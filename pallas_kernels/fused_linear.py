@@ -39,7 +39,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jaxserve.pallas_kernels.dispatch import absent_refs, num_sms, resolve_impl, whole
+from jaxserve.pallas_kernels.dispatch import absent_refs, checked_block, num_sms, resolve_impl, whole
 
 HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -218,13 +218,9 @@ def fused_linear(x_TK, w, *, norm_K=None, eps: float = 1e-6, bias_N=None, residu
     n_out = n // 2 if gated else n
     bm, bn, bk = tiling(t, k, n_out, w_layout)
     if block_n is not None:
-        if block_n < 16 or block_n & (block_n - 1) or n_out % block_n:
-            raise ValueError(f"block_n must be a power of two >= 16 dividing {n_out}; got {block_n}")
-        bn = block_n
-    if block_k is not None:
-        if block_k < 16 or block_k & (block_k - 1):
-            raise ValueError(f"block_k must be a power of two >= 16; got {block_k}")
-        bk = block_k
+        bn = checked_block(block_n, "block_n", n_out, "N")
+    if block_k is not None:          # need not divide K: the last step's loads are masked
+        bk = checked_block(block_k, "block_k")
     f32_out = out_dtype is not None and jnp.dtype(out_dtype) == jnp.float32
     out_dt = jnp.float32 if f32_out else x_TK.dtype
     present = [a is not None for a in (norm_K, bias_N, residual_TN)]

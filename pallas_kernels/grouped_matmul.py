@@ -36,7 +36,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jaxserve.pallas_kernels.dispatch import resolve_impl, whole
+from jaxserve.pallas_kernels.dispatch import checked_block, resolve_impl, whole
 
 MOSAIC_TILES = dict(block_m=64, block_n=256, block_k=64, max_concurrent_steps=3, grid_block_n=1)
 SPARSE_MAX_ROWS = 512   # "auto" takes the "pallas" kernel up to this M (measured: module doc)
@@ -138,10 +138,7 @@ def _block(dim: int, requested: int | None, preferred: int, name: str, dim_name:
     """A requested block size must divide its dim; by default the largest power of two
     <= `preferred` that does (>= 16, as Triton's dot needs), so no load needs a mask."""
     if requested is not None:
-        if requested < 16 or requested & (requested - 1) or dim % requested:
-            raise ValueError(f"{name} must be a power of two >= 16 dividing {dim_name}={dim}; "
-                             f"got {requested}")
-        return requested
+        return checked_block(requested, name, dim, dim_name)
     b = preferred
     while dim % b:
         b //= 2

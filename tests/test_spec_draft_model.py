@@ -36,6 +36,8 @@ def test_the_target_as_its_own_draft_is_always_accepted(model, want):
     c = spec_counts(llm)
     assert c["spec_decode_num_drafts_total"] > 0
     assert c["spec_decode_num_accepted_tokens_total"] == c["spec_decode_num_draft_tokens_total"]
+    # it drafts ahead of the device, so steps were scheduled past drafts, none voided
+    assert llm.engine.scheduler.num_chunks_past_drafts > 0 == llm.engine.scheduler.num_void_chunks
     proposer = llm.engine.core.proposer
     assert [token_ids(llm.generate(p, GREEDY, use_tqdm=False))[0] for p in prompts(2)] == want[:2]
     llm.generate(prompts(1), SamplingParams(max_tokens=1), use_tqdm=False)   # ends the others
@@ -47,6 +49,7 @@ def test_an_unrelated_draft_changes_no_greedy_output(model, want, tmp_path):
     llm = make_llm(model, draft_config(write_tiny_llama(tmp_path / "d", 256), k=2), max_len=MAX_LEN)
     assert token_ids(llm.generate(prompts(4), GREEDY, use_tqdm=False)) == want
     assert spec_counts(llm)["spec_decode_num_draft_tokens_total"] > 0
+    assert llm.engine.scheduler.num_void_chunks > 0      # its wrong drafts voided steps ahead
 
 
 def test_drafts_that_do_not_fit_are_refused(model, tmp_path):

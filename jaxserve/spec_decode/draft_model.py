@@ -12,6 +12,10 @@ Each time the engine asks for drafts:
 Drafts are greedy, so the verifier treats them as one-hot q (exact for random sampling too).
 Catch-up steps re-send the request (NewRequestData with its real tokens): the runner's copy
 then never keeps draft tokens the target rejected.
+
+It reads token ids only, so it also drafts ahead of the target's step (spec_decode/drafting.py):
+the request's tokens are then followed by the step's drafts, assumed kept (its own drafts of
+the step before, so its cache mostly holds them already), and it proposes one token more.
 """
 
 from __future__ import annotations
@@ -87,10 +91,12 @@ class DraftModelProposer:
             del self.cached[rid]
             self._dropped.append(rid)
 
-    def propose(self, requests, limits: list[int]) -> list[list[int]]:
+    pipelines = True      # reads token ids only (module docstring)
+
+    def propose(self, requests, limits: list[int], tails=None) -> list[list[int]]:
         reqs, lims, tokens = [], [], []
-        for req, lim in zip(requests, limits):
-            toks = np.asarray(req.all_token_ids, np.int64)
+        for i, (req, lim) in enumerate(zip(requests, limits)):
+            toks = np.asarray(req.all_token_ids + (list(tails[i]) if tails else []), np.int64)
             if self._reserve(req.request_id, len(toks) + lim - 1):
                 reqs.append(req)
                 lims.append(lim)
@@ -112,11 +118,13 @@ class DraftModelProposer:
             self.cached[rid] = np.zeros(0, np.int64)
         return True
 
-    def _message(self, chunks, resend: bool) -> SchedulerOutput:
-        """A step of (request, start, tokens, sample) chunks; `resend`: each request is sent
-        whole (its real tokens, its whole block table), else it goes on from the last step."""
-        new = [NewRequestData(r.request_id, list(r.prompt_token_ids), list(r.output_token_ids),
-                              _GREEDY, 0, ()) for r, *_ in chunks] if resend else []
+    def _message(self, chunks, resend=None) -> SchedulerOutput:
+        """A step of (request, start, tokens, sample) chunks; `resend`: each request's token
+        ids (its real ones, and any tail), with which it is sent whole (its whole block table
+        too); None: it goes on from the last step."""
+        new = [NewRequestData(r.request_id, list(r.prompt_token_ids),
+                              resend[r.request_id][r.num_prompt_tokens:].tolist(), _GREEDY, 0, ())
+               for r, *_ in chunks] if resend else []
         scheduled = [ScheduledRequest(r.request_id, start, n,
                                       self.kv.group_block_ids(r.request_id) if resend else [[]], sample)
                      for r, start, n, sample in chunks]
@@ -127,7 +135,7 @@ class DraftModelProposer:
 
     def _catch_up(self, reqs, tokens, drafts) -> None:
         """Compute what each draft cache lacks; the last chunk samples draft 0."""
-        todo = []
+        todo, known = [], {r.request_id: t for r, t in zip(reqs, tokens)}
         for req, toks in zip(reqs, tokens):
             old = self.cached[req.request_id]
             m = min(len(old), len(toks) - 1)       # at least one token left to compute
@@ -144,7 +152,7 @@ class DraftModelProposer:
                 chunks.append((req, start, n, start + n == end))
                 item[1] += n
                 budget -= n
-            result = self.runner.execute(self._message(chunks, resend=True))
+            result = self.runner.execute(self._message(chunks, resend=known))
             for (req, _, _, sample), ids in zip(chunks, result.sampled_token_ids):
                 if sample:
                     drafts[req.request_id] = list(ids)
@@ -155,7 +163,7 @@ class DraftModelProposer:
         steps = []
         for j in range(1, max(lims)):
             chunks = [(r, len(t) - 1 + j, 1, True) for r, t, lim in zip(reqs, tokens, lims) if lim > j]
-            steps.append((chunks, self.runner.dispatch(self._message(chunks, resend=False))))
+            steps.append((chunks, self.runner.dispatch(self._message(chunks))))
         for chunks, step in steps:
             for (req, *_), ids in zip(chunks, self.runner.collect(step).sampled_token_ids):
                 drafts[req.request_id] += ids
