@@ -110,6 +110,8 @@ reduced() {   # issues 30 and 32: reduced-depth full-width shapes (dummy bf16), 
   for c in DeepSeek-V3-4L DeepSeek-V3.2-4L Qwen3.5-397B-A17B-4L; do
     step 300 "reduced_$c" python3 benchmarks/reduced_depth_decode.py --config "$c" --json "$OUT/reduced_$c.json"
   done
+  # Qwen3.5's linear-attention prefill: its kernels against their jnp references (issue 32)
+  step 200 kernels_deltanet python3 benchmarks/kernels.py --only deltanet --json "$OUT/kernels_deltanet.json"
 }
 
 setup

@@ -602,6 +602,54 @@ def bench_linear(rng, quick: bool):
 # ---------------------------------------------------------------------------------------------
 
 
+def bench_deltanet(rng, quick: bool, heads=(16, 64, 128, 128), lengths=None, start=4096):
+    """Qwen3.5-397B-A17B's linear-attention core in prefill (16 key / 64 value heads of 128):
+    the fused post-conv kernel and the chunked gated delta rule against their jnp references
+    (the XLA path of the same layer), one sequence of T tokens: fresh (a prompt's first chunk)
+    and continuing from a state (a later chunk of a long prompt). Bytes: what each must read
+    and write once (the rule's f32 q/k/v/g/beta and state, the post-conv's conv output)."""
+    from jaxserve.models import gated_deltanet as gdn
+    from jaxserve.pallas_kernels import gated_delta_chunked as gdc
+    from jaxserve.pallas_kernels import gdn_post_conv as gpc
+    g, h, kd, vd = heads
+    for t in lengths or ((2048,) if quick else (2048, 8192)):
+        kq, kk, kv, kc = jax.random.split(jax.random.key(int(rng.integers(1 << 30))), 4)
+        conv = jax.random.normal(kc, (t, 2 * g * kd + h * vd), jnp.bfloat16)
+        a_th = jax.random.normal(kq, (t, h), jnp.bfloat16)
+        b_th = jax.random.normal(kk, (t, h), jnp.bfloat16)
+        a_log = jnp.zeros((h,), jnp.float32)
+        dt_bias = jnp.ones((h,), jnp.float32)
+        kw = dict(num_k_heads=g, k_dim=kd, v_dim=vd)
+        post_bytes = conv.nbytes + t * (2 * g * kd + h * vd + 2 * h) * 4
+        want = jax.jit(functools.partial(gpc.ref_gdn_post_conv, **kw))
+        got = jax.jit(functools.partial(gpc.gdn_post_conv, **kw, impl="pallas"))
+        ref_out = want(conv, a_th, b_th, a_log, dt_bias)
+        err = max(rel_err(o, r) for o, r in zip(got(conv, a_th, b_th, a_log, dt_bias), ref_out))
+        for name, fn in (("jnp (XLA)", want), ("pallas", got)):
+            record("deltanet", f"post-conv T={t}", name, gpu_time_ms(fn, conv, a_th, b_th, a_log, dt_bias),
+                   bytes_=post_bytes, err=err if name == "pallas" else None)
+        q, k, v, g_th, beta = ref_out
+        q = gdn.l2norm(jax.random.normal(kq, (t, g, kd), jnp.float32)) * kd ** -0.5  # realistic norms
+        k = gdn.l2norm(jax.random.normal(kk, (t, g, kd), jnp.float32))
+        g_th = -jnp.abs(g_th.astype(jnp.float32)) * 0.1
+        qsl = jnp.array([0, t], jnp.int32)
+        slots = jnp.array([1], jnp.int32)
+        state = jax.random.normal(kv, (2, h, vd, kd), jnp.float32) * 0.3
+        rule_bytes = (q.nbytes + k.nbytes + v.nbytes + g_th.nbytes + beta.nbytes + t * h * vd * 4
+                      + 2 * state.nbytes // 2)
+        for label, done in (("fresh", 0), ("continuing", start)):
+            seq_lens = jnp.array([done + t], jnp.int32)
+            args = (q, k, v, g_th, beta, qsl, seq_lens, slots, state)
+            want = jax.jit(gdc.ref_gated_delta_chunked)
+            got = jax.jit(functools.partial(gdc.gated_delta_chunked, impl="pallas"))
+            with jax.default_matmul_precision("highest"):
+                want_o, _ = want(*args)
+            err = rel_err(got(*args)[0], want_o)
+            for name, fn in (("jnp chunked (XLA)", want), ("pallas", got)):
+                record("deltanet", f"delta rule T={t} {label}", name, gpu_time_ms(fn, *args),
+                       bytes_=rule_bytes, err=err if name == "pallas" else None)
+
+
 def bench_prefill_buckets(rng):
     """Prefill-heavy steps as the engine runs them: T tokens in a bucket of 256 sequence slots,
     most of them empty (max_num_seqs = 256 on a GPU); ours (the Mosaic GPU kernel for these)
@@ -707,7 +755,8 @@ def main():
                     help="comma list of: attention, decode (the decode cases only: ours "
                          "and cuDNN), buckets (prefill-heavy engine steps), decode-buckets "
                          "(decode steps in partly filled buckets), rmsnorm, rope, "
-                         "topk, moe, router, linear")
+                         "topk, moe, router, linear, deltanet (Qwen3.5's linear-attention "
+                         "prefill)")
     ap.add_argument("--moe-auto-only", action="store_true",
                     help="MoE: no Mosaic tile shapes beside lax.ragged_dot, auto and pallas")
     ap.add_argument("--model", default="llama3-8b", choices=sorted(MODELS),
@@ -732,6 +781,7 @@ def main():
                    rope=lambda: bench_rope(rng, args.quick),
                    router=lambda: bench_router(rng, args.quick, args.sweep),
                    linear=lambda: bench_linear(rng, args.quick),
+                   deltanet=lambda: bench_deltanet(rng, args.quick),
                    topk=lambda: bench_topk(rng, args.quick, args.sweep),
                    moe=lambda: bench_moe(rng, args.quick, args.moe_auto_only, args.sweep))
     for name in groups:
