@@ -289,3 +289,45 @@ def test_the_engine_schedules_past_drafts_and_voids_what_a_rejection_overturns(m
         assert counts["spec_decode_num_accepted_tokens_total"] == counts["spec_decode_num_draft_tokens_total"]
     assert [token_ids(llm.generate(p, greedy, use_tqdm=False))[0] for p in ps[:2]] == want[:2]
     assert sched.pool.num_used == 0 and not sched.requests
+
+
+def two_sample_chi2_pvalue(a, b) -> float:
+    """p-value of a chi-square test that samples a and b (same size) come from one
+    distribution over categories (values seen fewer than 10 times in all pooled)."""
+    from scipy.stats import chi2_contingency
+    keys = sorted(set(a) | set(b))
+    ca = np.array([a.count(k) for k in keys])
+    cb = np.array([b.count(k) for k in keys])
+    rare = ca + cb < 10
+    table = np.stack([np.append(ca[~rare], ca[rare].sum()), np.append(cb[~rare], cb[rare].sum())])
+    table = table[:, table.sum(0) > 0]
+    assert table.shape[1] >= 3, table        # else the test could not tell them apart
+    return float(chi2_contingency(table)[1])
+
+
+def test_random_sampling_through_pipelined_speculation_keeps_the_target_distribution(model, plain):
+    """Drafts of the greedy continuation under random sampling: many are rejected, so chunks
+    scheduled past them are voided and rebuilt; each position's kept token must still be
+    distributed as without speculation (two-sample tests over 600 seeded samples each, of the
+    prefixes to the second, third and fourth tokens, which verification decides)."""
+    ps = prompts(1)
+    greedy = token_ids(plain.generate(ps, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                                      use_tqdm=False))[0][0]
+    # (at 0.1 the tiny model's greedy token holds ~85 % of each position: drafts kept often,
+    # rejected often enough, and each prefix's distribution has several frequent values)
+    params = SamplingParams(temperature=0.1, max_tokens=6, ignore_eos=True, n=600, seed=11)
+    llm = make_llm(model, NGRAM, max_len=MAX_LEN, max_num_seqs=64, max_tokens=256)
+    llm.engine.core.proposer = ReplayProposer({tuple(ps[0]["prompt_token_ids"]): greedy + [5] * 8},
+                                              3, model[0].vocab_size, wrong=False)
+    want = token_ids(plain.generate(ps, params, use_tqdm=False))[0]
+    got = token_ids(llm.generate(ps, params, use_tqdm=False))[0]
+    assert llm.engine.scheduler.num_void_chunks > 0 and llm.engine.scheduler.num_chunks_past_drafts > 0
+    c = spec_counts(llm)
+    assert 0 < c["spec_decode_num_accepted_tokens_total"] < c["spec_decode_num_draft_tokens_total"]
+    for pos in (1, 2, 3):
+        p = two_sample_chi2_pvalue([tuple(s[:pos + 1]) for s in want], [tuple(s[:pos + 1]) for s in got])
+        assert p > 1e-3, (pos, p)
+    # the test can tell: always keeping the draft (greedy) at position 1 is far from it
+    forced = [s[:1] + [greedy[1]] for s in got]
+    assert two_sample_chi2_pvalue([tuple(s[:2]) for s in want], [tuple(s) for s in forced]) < 1e-6
+    assert llm.engine.scheduler.pool.num_used == 0
