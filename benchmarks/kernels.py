@@ -583,9 +583,12 @@ def bench_router(rng, quick: bool, sweep: bool = False):
             record("router-sweep", f"T={t} X=128 k=8", f"pallas bt{bt} w{nw}", gpu_time_ms(g, x))
 
 
-def bench_linear(rng, quick: bool):
+def bench_linear(rng, quick: bool, sweep: bool = False):
     """One token times a weight: plain `x @ w` (XLA rewrites it into multiply + reduce below 10M
-    elements) against models.layers.linear (two rows, kept a matrix product)."""
+    elements) against models.layers.linear (two rows, kept a matrix product); then the fused
+    stack's projections at the default model's shapes (fused_linear, [out, in] weights, one
+    row), and with --sweep its tiling: column block, K step, warps (issue 33: latency-bound at
+    ~10 % of HBM with the default tiling)."""
     from jaxserve.models import layers
     for d, f in ((4096, 2048), (2048, 3072), (2048, 2048), (4096, 4096)):
         kx, kw = jax.random.split(jax.random.key(int(rng.integers(1 << 30))))
@@ -597,6 +600,40 @@ def bench_linear(rng, quick: bool):
             out = g(x, w)
             record("linear", f"T=1 {d}x{f}", name, gpu_time_ms(g, x, w), bytes_=d * f * 2,
                    err=rel_err(out, want))
+    bench_fused_linear(rng, sweep)
+
+
+def bench_fused_linear(rng, sweep: bool):
+    from jaxserve.pallas_kernels import fused_linear as fl
+    d, f, q_heads, kv_heads, hd = 576, 1536, 9, 3, 64            # SmolLM2-135M
+    shapes = {"q|k|v": (d, (q_heads + 2 * kv_heads) * hd, False, True, False),
+              "o": (q_heads * hd, d, False, False, True),
+              "gate|up": (d, 2 * f, True, True, False),
+              "down": (f, d, False, False, True)}
+    for name, (k, n, gated, norm, res) in shapes.items():
+        kx, kw = jax.random.split(jax.random.key(int(rng.integers(1 << 30))))
+        x = jax.random.normal(kx, (1, k), jnp.bfloat16)
+        w = (jax.random.normal(kw, (n, k), jnp.float32) * 0.02).astype(jnp.bfloat16)
+        n_out = n // 2 if gated else n
+        norm_k = jnp.ones((k,), jnp.bfloat16) if norm else None
+        res_tn = jnp.ones((1, n_out), jnp.bfloat16) if res else None
+        want = fl.ref_fused_linear(x, w, norm_K=norm_k, residual_TN=res_tn, gated=gated, w_layout="NK")
+        _, bn0, bk0 = fl.tiling(1, k, n_out, "NK")
+        tilings = [(bn0, bk0, 4)]
+        if sweep:
+            full_k = 1 << (k - 1).bit_length()
+            tilings += [(bn, bk, warps) for bn in (16, 32, 64) if n_out % bn == 0
+                        for bk in sorted({128, 256, 512, full_k}) if bk <= full_k
+                        for warps in (2, 4, 8) if (bn, bk, warps) != (bn0, bk0, 4)]
+        for bn, bk, warps in tilings:
+            fn = jax.jit(lambda x, w, nk, r, bn=bn, bk=bk, warps=warps: fl.fused_linear(
+                x, w, norm_K=nk, residual_TN=r, gated=gated, w_layout="NK", impl="pallas",
+                block_n=bn, block_k=bk, num_warps=warps))
+            label = f"bn{bn} bk{bk} w{warps}" + (" (default)" if (bn, bk, warps) == (bn0, bk0, 4) else "")
+            try_run(f"fused_linear {name} {label}", lambda: record(
+                "linear", f"fused {name} T=1 {k}->{n}", label,
+                time_ms(fn, x, w, norm_k, res_tn, bytes_=w.nbytes), bytes_=w.nbytes,
+                err=rel_err(fn(x, w, norm_k, res_tn), want)))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -780,7 +817,7 @@ def main():
                    rmsnorm=lambda: bench_rmsnorm(rng, args.quick, args.sweep),
                    rope=lambda: bench_rope(rng, args.quick),
                    router=lambda: bench_router(rng, args.quick, args.sweep),
-                   linear=lambda: bench_linear(rng, args.quick),
+                   linear=lambda: bench_linear(rng, args.quick, args.sweep),
                    deltanet=lambda: bench_deltanet(rng, args.quick),
                    topk=lambda: bench_topk(rng, args.quick, args.sweep),
                    moe=lambda: bench_moe(rng, args.quick, args.moe_auto_only, args.sweep))
