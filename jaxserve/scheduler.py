@@ -55,12 +55,16 @@ class _ScheduledStep:
     requests: list[Request]
     scheduled: list[ScheduledRequest]
     void: set[int]                      # id() of requests whose chunk is void (module doc)
+    _rows: dict[int, int] | None = None     # id() of each request -> its place, when asked
 
     def chunk_of(self, req: Request) -> ScheduledRequest | None:
-        for r, sched in zip(self.requests, self.scheduled):
-            if r is req:
-                return sched
-        return None
+        """The request's live chunk of this step (None: it has none, or it was made void)."""
+        if self._rows is None:
+            self._rows = {id(r): i for i, r in enumerate(self.requests)}
+        i = self._rows.get(id(req))
+        if i is None or id(req) in self.void or self.requests[i] is not req:
+            return None
+        return self.scheduled[i]
 
 
 @dataclass(slots=True)     # one per running request per step: slots, not frozen (step_messages.py)
@@ -374,7 +378,7 @@ class Scheduler:
         of it is void (module doc); it goes on from what this step kept."""
         for later in self._in_flight:
             sched = later.chunk_of(req)
-            if sched is None or id(req) in later.void:
+            if sched is None:
                 continue
             later.void.add(id(req))
             self.num_void_chunks += 1
@@ -399,7 +403,7 @@ class Scheduler:
             req.num_computed_tokens = sched.start_position
             req.num_output_placeholders -= int(sched.sample)
             req.spec_token_ids = list(sched.spec_token_ids)
-            # the drafts of the step before, if it holds the request, are in flight again
+            # the drafts of the step before, if it holds the request (not void), are in flight again
             before = next((s for s in (st.chunk_of(req) for st in reversed(self._in_flight)) if s), None)
             req.inflight_drafts = before.spec_token_ids if before else []
 

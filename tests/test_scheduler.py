@@ -380,3 +380,28 @@ def test_a_step_past_drafts_never_reaches_past_max_tokens():
     assert s.schedule().scheduled == []           # all kept would reach max_tokens: stop here
     s.update(verify, result(verify, [[8, 9, 10, 11]]))
     assert r.output_token_ids == [7, 8, 9, 10, 11] and "a" not in s.requests
+
+
+def test_a_step_taken_back_after_a_void_leaves_the_void_drafts_out():
+    """A rejection voids the chunk scheduled past it; the step scheduled next (from what the
+    request kept) fails to dispatch and is taken back: the void chunk's drafts must not count
+    as in flight again, or the request would run past what it holds."""
+    s = make(max_tokens=64, block_size=4)
+    r = req("a", 6, max_tokens=20)
+    s.add_request(r)
+    run_step(s, token=7)
+    r.spec_token_ids = [8, 9, 10]
+    verify = s.schedule()
+    r.spec_token_ids = [12, 13]
+    ahead = s.schedule()
+    s.update(verify, result(verify, [[8, 3]]))    # `ahead` is void now
+    r.spec_token_ids = [4]
+    failed = s.schedule()
+    s.unschedule(failed)                          # its inputs could not be built
+    assert r.inflight_drafts == [] and r.spec_token_ids == [4]
+    assert r.num_computed_tokens == r.num_tokens - 1
+    s.update(ahead, result(ahead, [[12, 13, 14]]))
+    again = s.schedule()
+    assert (again.scheduled[0].start_position, again.scheduled[0].num_tokens) == (8, 2)
+    s.update(again, result(again, [[4, 6]]))
+    assert r.output_token_ids == [7, 8, 3, 4, 6] and r.num_computed_tokens == r.num_tokens - 1

@@ -16,6 +16,8 @@ then never keeps draft tokens the target rejected.
 It reads token ids only, so it also drafts ahead of the target's step (spec_decode/drafting.py):
 the request's tokens are then followed by the step's drafts, assumed kept (its own drafts of
 the step before, so its cache mostly holds them already), and it proposes one token more.
+Its steps queue behind the target's step on the device, so the engine still waits for that
+step before dispatching the next; reading and applying it overlap, the dispatch does not.
 """
 
 from __future__ import annotations
