@@ -319,17 +319,23 @@ def test_finished_ids_wait_for_a_step_that_runs():
     assert out.finished_req_ids == ["a"] and out.req_ids == ["b"]
 
 
-def test_a_step_scheduled_past_drafts_starts_after_them_and_goes_on_when_all_are_kept():
+def verify_then_ahead():
+    """A request in decode (output [7]) whose step verifying drafts 8, 9, 10 (positions 6..9)
+    is in flight, and the step scheduled past them with drafts 12, 13: (s, r, verify, ahead)."""
     s = make(max_tokens=64, block_size=4)
     r = req("a", 6, max_tokens=20)
     s.add_request(r)
-    run_step(s, token=7)                          # prefill: output [7]
+    run_step(s, token=7)
     r.spec_token_ids = [8, 9, 10]
-    verify = s.schedule()                         # positions 6..9: token 7 and 3 drafts
-    # Before it is read, the next step assumes the 3 drafts kept: it computes the token
-    # sampled after them (position 10, on the device) and its own 2 drafts.
+    verify = s.schedule()
     r.spec_token_ids = [12, 13]
-    ahead = s.schedule()
+    return s, r, verify, s.schedule()
+
+
+def test_a_step_scheduled_past_drafts_starts_after_them_and_goes_on_when_all_are_kept():
+    s, r, verify, ahead = verify_then_ahead()
+    # Before `verify` is read, `ahead` assumes its 3 drafts kept: it computes the token
+    # sampled after them (position 10, on the device) and its own 2 drafts.
     sched = ahead.scheduled[0]
     assert (sched.start_position, sched.num_tokens, sched.spec_token_ids, sched.sample) == (10, 3, [12, 13], True)
     assert r.num_computed_tokens == 13 and r.num_output_placeholders == 2
@@ -345,14 +351,7 @@ def test_a_step_scheduled_past_drafts_starts_after_them_and_goes_on_when_all_are
 
 
 def test_a_rejected_draft_voids_the_chunk_scheduled_past_it():
-    s = make(max_tokens=64, block_size=4)
-    r = req("a", 6, max_tokens=20)
-    s.add_request(r)
-    run_step(s, token=7)
-    r.spec_token_ids = [8, 9, 10]
-    verify = s.schedule()
-    r.spec_token_ids = [12, 13]
-    ahead = s.schedule()
+    s, r, verify, ahead = verify_then_ahead()
     s.update(verify, result(verify, [[8, 3]]))    # draft 9 rejected: position 10 never came
     assert r.output_token_ids == [7, 8, 3]
     # The step ahead's chunk is void: the request goes on from what it kept, its counts as
@@ -386,14 +385,7 @@ def test_a_step_taken_back_after_a_void_leaves_the_void_drafts_out():
     """A rejection voids the chunk scheduled past it; the step scheduled next (from what the
     request kept) fails to dispatch and is taken back: the void chunk's drafts must not count
     as in flight again, or the request would run past what it holds."""
-    s = make(max_tokens=64, block_size=4)
-    r = req("a", 6, max_tokens=20)
-    s.add_request(r)
-    run_step(s, token=7)
-    r.spec_token_ids = [8, 9, 10]
-    verify = s.schedule()
-    r.spec_token_ids = [12, 13]
-    ahead = s.schedule()
+    s, r, verify, ahead = verify_then_ahead()
     s.update(verify, result(verify, [[8, 3]]))    # `ahead` is void now
     r.spec_token_ids = [4]
     failed = s.schedule()
