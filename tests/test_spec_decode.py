@@ -331,3 +331,29 @@ def test_random_sampling_through_pipelined_speculation_keeps_the_target_distribu
     forced = [s[:1] + [greedy[1]] for s in got]
     assert two_sample_chi2_pvalue([tuple(s[:2]) for s in want], [tuple(s) for s in forced]) < 1e-6
     assert llm.engine.scheduler.pool.num_used == 0
+
+
+@pytest.mark.parametrize("abort_at", [1, 2, 3, 5])
+def test_aborts_while_steps_past_drafts_are_in_flight_leak_nothing(model, plain, abort_at):
+    """Requests aborted at any step of a pipelined, speculating engine (steps past drafts in
+    flight, some void) free every block; the others' greedy output is unchanged."""
+    greedy = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)
+    ps = prompts(4)
+    want = token_ids(plain.generate(ps, greedy, use_tqdm=False))
+    llm = make_llm(model, NGRAM, max_len=MAX_LEN)
+    eng = llm.engine
+    eng.core.proposer = ReplayProposer({tuple(p["prompt_token_ids"]): w[0] for p, w in zip(ps, want)},
+                                       3, model[0].vocab_size, wrong=True)
+    for i, p in enumerate(ps):
+        eng.add_request(str(i), p["prompt_token_ids"], greedy)
+    done, steps = {}, 0
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if out.finished:
+                done[out.request_id] = list(out.outputs[0].token_ids)
+        steps += 1
+        if steps == abort_at:
+            assert eng.abort_request("0") and eng.abort_request("2")
+    assert done == {"1": want[1][0], "3": want[3][0]}
+    assert eng.scheduler.pool.num_used == 0 and not eng.scheduler.requests
+    assert eng.scheduler.num_chunks_past_drafts > 0
