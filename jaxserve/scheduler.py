@@ -61,8 +61,8 @@ class _ScheduledStep:
         """The request's live chunk of this step (None: it has none, or it was made void)."""
         if self._rows is None:
             self._rows = {id(r): i for i, r in enumerate(self.requests)}
-        i = self._rows.get(id(req))
-        if i is None or id(req) in self.void or self.requests[i] is not req:
+        i = self._rows.get(id(req))     # (the list keeps its requests alive: ids stay theirs)
+        if i is None or id(req) in self.void:
             return None
         return self.scheduled[i]
 

@@ -8,12 +8,12 @@ A request drafts only in decode (its last token sampled and read back, every oth
 computed), and never so many that the step could pass max_tokens or max_model_len: a step
 with k drafts keeps up to k + 1 tokens.
 
-A proposer that reads only token ids (`pipelines = True`: n-gram) also drafts ahead, so the
-engine need not wait for each step: for a request whose step is still on the device,
-`propose(requests, limits, tails)` continues each request's tokens by `tail` (that step's
-drafts, assumed kept), and of what it proposes the first token stands for the one the step
-samples after them (not sent: it comes from the device) and the rest are the drafts. A
-wrong guess costs only acceptance; a rejected draft voids the chunk (scheduler.py).
+A proposer that reads only token ids (`pipelines = True`: n-gram, the draft model) also
+drafts ahead, so the engine need not wait for each step: for a request whose step is still on
+the device, `propose(requests, limits, tails)` continues each request's tokens by `tail`
+(that step's drafts, assumed kept), and of what it proposes the first token stands for the
+one the step samples after them (not sent: it comes from the device) and the rest are the
+drafts. A wrong guess costs only acceptance; a rejected draft voids the chunk (scheduler.py).
 """
 
 from __future__ import annotations
