@@ -114,6 +114,9 @@ spec() {   # issue 31: speculation's ceiling on the 8B shape, pipelined (replay)
     --acceptance 1.0 0.7 --rounds 2 --output-json "$OUT/spec_decode_b1_b8.json"
   step 200 spec_b32 python3 benchmarks/spec_decode.py --batch-sizes 32 --spec-tokens 3 \
     --acceptance 1.0 0.7 --rounds 2 --output-json "$OUT/spec_decode_b32.json"
+  # EAGLE3 and MTP pipeline too (their pass on the device behind each step): the 8B head's cost
+  step 240 spec_eagle3_b1 python3 benchmarks/spec_decode.py --batch-sizes 1 --spec-tokens 3 \
+    --acceptance 1.0 0.7 --rounds 2 --eagle3 --output-json "$OUT/spec_decode_eagle3_b1.json"
 }
 
 reduced() {   # issues 30 and 32: reduced-depth full-width shapes (dummy bf16), one model a step

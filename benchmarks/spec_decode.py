@@ -18,9 +18,11 @@ whether that equals the output without speculation (always true in f32, --dtype 
 
 --eagle3 adds rows at the cost of chained EAGLE3 drafting: a random-weight head of a real
 head's shape (Llama-3.1-8B's: one layer of 32 x 128 heads, 8 KV heads, 14336 MLP, 32000
-draft tokens; --tiny: the tests' tiny head) runs after every step with k tokens, as served,
-while the drafts verified are the replay's (a random head's own would all be rejected): the
-tokens/s a head of that acceptance would give.
+draft tokens; --tiny: the tests' tiny head) runs on the device behind every step with k
+tokens, as served, while the drafts verified are the replay's (a random head's own would all
+be rejected): the tokens/s a head of that acceptance would give, pipelined ("eagle3", as the
+engine serves EAGLE3 and MTP) and waiting for each step ("eagle3-wait", as it served them
+before).
 
     # H200
     python benchmarks/spec_decode.py --eagle3 --output-json benchmarks/results/spec_decode_h200.json
@@ -77,17 +79,20 @@ class WaitingReplay(ReplayProposer):
 
 
 class HeadCostReplay(ReplayProposer):
-    """The replay's drafts, after `head` (an after-step proposer: eagle3.Eagle3Proposer) has run
-    over the step as it does when serving; its own drafts are dropped."""
-    pipelines = False          # the head reads each step's hidden states
+    """The replay's drafts, with `head` (an after-step proposer: eagle3.Eagle3Proposer) running
+    on the device behind every step as it does when serving; its own drafts are dropped."""
 
     def __init__(self, head, *args):
         super().__init__(*args)
         self.head = head
         self.num_lookahead_tokens = head.num_lookahead_tokens
 
-    def observe(self, out, step, result) -> None:
-        self.head.observe(out, step, result)
+    def after_dispatch(self, step) -> None:
+        self.head.after_dispatch(step)
+
+
+class WaitingHeadCostReplay(HeadCostReplay):
+    pipelines = False
 
 
 def eagle3_head(llm, k: int, tiny: bool, path: str):
@@ -235,13 +240,14 @@ def main() -> None:
                 if again == fixed:
                     break
                 fixed = again
-            for proposer in ("replay", "replay-wait") + (("eagle3",) if args.eagle3 else ()):
+            for proposer in ("replay", "replay-wait") + (("eagle3", "eagle3-wait") if args.eagle3 else ()):
                 for acc in args.acceptance:
-                    if proposer == "eagle3":
+                    if proposer.startswith("eagle3"):
                         if k not in heads:
                             heads[k] = eagle3_head(llm, k, args.tiny, args.eagle3_dir)
                         heads[k].runner.return_hidden_states(aux_layers=heads[k].aux_layers)
-                        core.proposer = HeadCostReplay(heads[k], fixed, k, acc, vocab)
+                        kind = HeadCostReplay if proposer == "eagle3" else WaitingHeadCostReplay
+                        core.proposer = kind(heads[k], fixed, k, acc, vocab)
                     else:
                         runner.return_hidden_states(False)
                         kind = ReplayProposer if proposer == "replay" else WaitingReplay

@@ -7,7 +7,9 @@ where blocks are added, so a step's tables are one fancy-index, not rebuilt from
 
 A token the previous step sampled and the host has not read yet (the engine dispatches step
 N+1 before it reads step N's tokens) is taken on the device from that step's output: its
-`prev_token_rows` entry names the row, and the host's copy of the id is 0.
+`prev_token_rows` entry names the row, and the host's copy of the id is 0. So are drafts a
+proposer made on the device after that step (spec_decode/hidden_steps.py): the scheduler
+sends them as DRAFT_ON_DEVICE, and they sit in the columns after the sampled id.
 
 Legend: T tokens (padded), S sequences (padded), R rows of the persistent batch
 (max_num_seqs), B blocks per sequence, P tokens per block, N logprobs per token.
@@ -24,7 +26,7 @@ from jaxserve.sampling_params import SamplingParams
 from jaxserve.sampling_tensors import SamplingRow, make_sampling_tensors, needs_extras
 from jaxserve.spec_decode import verify_rows
 from jaxserve.step_input import StepInput
-from jaxserve.step_messages import NewRequestData, SchedulerOutput
+from jaxserve.step_messages import DRAFT_ON_DEVICE, NewRequestData, SchedulerOutput
 from jaxserve.structured import masks as structured_masks
 
 
@@ -89,7 +91,8 @@ class InputBatch:
         self.block_table = np.zeros((max_num_seqs, max_blocks_per_seq), np.int32)   # i32[R, B]
         self.free_rows = list(range(max_num_seqs - 1, -1, -1))
         self.requests: dict[str, CachedRequest] = {}
-        self.prev_rows: dict[str, int] = {}     # req -> its row of the last step's sampled ids
+        self.prev_rows: dict[str, int] = {}     # req -> its sampled id's index in the last step's
+        self.prev_stride = 1                    # ... ids (flat: [rows, 1 + device draft columns])
         self.grammars = None    # the engine's structured.compiler.GrammarCompiler (None: no tokenizer)
         self.last_sampled = None   # () -> the last step's sampled ids on the host (the runner's)
 
@@ -162,6 +165,7 @@ class InputBatch:
             start, n = sched.start_position, sched.num_tokens
             drafts = list(sched.spec_token_ids)
             real = start + n - len(drafts)         # the drafts are the chunk's last tokens
+            on_device = bool(drafts) and drafts[0] == DRAFT_ON_DEVICE
             ends.append(real)
             known = min(real, req.num_tokens)
             token_ids += req.tokens(start, known)
@@ -173,6 +177,12 @@ class InputBatch:
                                        f"are neither known nor on their way from the last step")
                 prev_rows[t + real - start - 1] = self.prev_rows[sched.req_id]
                 token_ids.append(0)
+            if on_device:            # after the sampled id, in its row of the last step's ids
+                if sched.req_id not in self.prev_rows or len(drafts) >= self.prev_stride:
+                    raise RuntimeError(f"request {sched.req_id}: its drafts are not on the device")
+                first = t + real - start
+                prev_rows[first:first + len(drafts)] = self.prev_rows[sched.req_id] + 1 + np.arange(len(drafts))
+                drafts = [0] * len(drafts)
             token_ids += drafts
             positions += range(start, start + n)
             seq_ids += [s] * n

@@ -88,14 +88,20 @@ def _step_on_mesh(*args, mesh, **kwargs):
         return _step(*args, **kwargs)
 
 
-def _step(params, caches, packed_W, prev_ids_M, *, model, cfg, backend: AttentionBackend,
+def _step(params, caches, packed_W, prev_ids_MC, *, model, cfg, backend: AttentionBackend,
           fused: frozenset, variant: StepVariant, layout: packing.Layout):
     x: StepInput = packing.unpack(packed_W, layout)
     # Tokens sampled by the previous step come straight from its device output: the host
-    # need not have read them (DESIGN.md §2: step N+1 never waits for step N's tokens).
+    # need not have read them (DESIGN.md §2: step N+1 never waits for step N's tokens). So
+    # do the drafts a proposer made on the device after it (prev_ids_MC's other columns).
     from_prev_T = x.prev_token_rows >= 0
-    token_ids_T = jnp.where(from_prev_T, prev_ids_M[jnp.maximum(x.prev_token_rows, 0)], x.token_ids)
+    token_ids_T = jnp.where(from_prev_T, prev_ids_MC.reshape(-1)[jnp.maximum(x.prev_token_rows, 0)],
+                            x.token_ids)
     x = dataclasses.replace(x, token_ids=token_ids_T)
+    if x.draft_rows is not None:   # each draft row verifies the token after its position
+        last = token_ids_T.shape[0] - 1
+        x = dataclasses.replace(x, draft_token_ids=jnp.where(
+            x.draft_token_ids >= 0, token_ids_T[jnp.minimum(x.logits_indices + 1, last)], -1))
     kernels = model.make_kernels(cfg, backend, variant.attention, fused)
     if variant.aux_layers:
         caches, hidden_TD, aux = model.forward(cfg, params, caches, x, kernels, variant.aux_layers)
@@ -107,15 +113,35 @@ def _step(params, caches, packed_W, prev_ids_M, *, model, cfg, backend: Attentio
     if variant.prompt_logprobs:
         prompt = sampler.prompt_logprobs(model.compute_logits(cfg, params, hidden_TD, kernels),
                                          x.next_token_ids, variant.num_top)
-    ids_M = jnp.zeros_like(prev_ids_M).at[:last_ids_S.shape[0]].set(last_ids_S)
+    ids_MC = jnp.zeros_like(prev_ids_MC).at[:last_ids_S.shape[0], 0].set(last_ids_S)
     if not variant.hidden:
-        return caches, out, prompt, ids_M, None
-    if not aux:
-        return caches, out, prompt, ids_M, hidden_TD
-    # forward gives one stream per layer, in layer order; the proposer's order may repeat one
-    layer_ids = sorted(set(variant.aux_layers))
-    streams = [aux[layer_ids.index(i)] for i in variant.aux_layers]
-    return caches, out, prompt, ids_M, jnp.concatenate(streams, -1)
+        return caches, out, prompt, ids_MC, None
+    if aux:
+        # forward gives one stream per layer, in layer order; the proposer's order may repeat one
+        layer_ids = sorted(set(variant.aux_layers))
+        hidden_TD = jnp.concatenate([aux[layer_ids.index(i)] for i in variant.aux_layers], -1)
+    return caches, out, prompt, ids_MC, (hidden_TD, *_after_step(x, out))
+
+
+def _after_step(x: StepInput, out):
+    """(next_ids i32[T], kept_rows i32[S]): what a proposer running after the step on its
+    hidden states reads besides them (spec_decode/hidden_steps.py). next_ids: the token after
+    each position as the step knows it, the next input token or, at a logits row, the token
+    the step emitted there (after a chunk's last input, what it sampled; after a draft, the
+    target's own choice). kept_rows: each sequence's last position whose input it keeps (its
+    last accepted draft, else its last token): the proposer's pass there drafts its next token."""
+    t, s = x.num_tokens, x.num_seqs
+    next_T = jnp.concatenate([x.token_ids[1:], jnp.zeros(1, jnp.int32)])
+    real_R = x.query_start_loc[1:] > x.query_start_loc[:-1]
+    if x.draft_rows is None:
+        emitted_R, kept_S = out.token_ids, x.logits_indices
+    else:
+        emitted_R = out.rows.token_ids
+        real_R = jnp.concatenate([real_R, x.draft_token_ids[s:] >= 0])
+        kept_S = x.logits_indices[:s] - x.num_drafts + out.num_accepted
+    rows_R = jnp.where(real_R, x.logits_indices, t)       # padding rows write nothing
+    next_T = next_T.at[rows_R].set(emitted_R.astype(jnp.int32), mode="drop")
+    return next_T, kept_S.astype(jnp.int32)
 
 
 def _sample(logits_RV, x: StepInput, variant: StepVariant, backend: AttentionBackend):
@@ -140,7 +166,12 @@ class InFlightStep:
     variant: StepVariant
     result: sampler.SamplerOutput | rejection_sampler.VerifyOutput
     prompt: tuple | None
-    hidden: jax.Array | None = None   # f[T, D] final hidden states (variant.hidden), on the device
+    # What a proposer running after the step reads (variant.hidden), on the device: f[T, D]
+    # hidden states, the token after each position and each sequence's last kept row (_after_step)
+    hidden: jax.Array | None = None
+    next_ids: jax.Array | None = None
+    kept_rows: jax.Array | None = None
+    inputs: StepInput | None = None   # the step's host-side input (numpy)
 
 
 def allocate_caches(specs, num_blocks: int, num_slots: int, block_size: int, dtype,
@@ -241,22 +272,26 @@ class ModelRunner:
                                 max_model_len=config.scheduler.max_model_len,
                                 group_kinds=self.group_kinds,
                                 max_spec_tokens=config.num_speculative_tokens)
-        # The previous step's sampled ids (padded to max_num_seqs).
-        self._prev_ids = jax.device_put(jnp.zeros(config.scheduler.max_num_seqs, jnp.int32),
-                                        self.input_sharding)
+        # The previous step's sampled ids (padded to max_num_seqs), a row per sequence, then the
+        # drafts a proposer made on the device after it (spec_decode/hidden_steps.py writes them).
+        self.draft_columns = drafting.device_draft_columns(config.speculative)
+        self.batch.prev_stride = 1 + self.draft_columns
+        self.prev_ids = jax.device_put(
+            jnp.zeros((config.scheduler.max_num_seqs, self.batch.prev_stride), jnp.int32),
+            self.input_sharding)
         # A grammar's next mask needs the token still on its way (jaxserve/structured/masks.py).
         # NOTE: through a weak reference: a closure over self would make runner -> batch ->
         # closure -> runner a cycle, and `del llm` would keep the weights on the device until
         # Python's cyclic collector ran (the suspected cause of a second engine in the same
         # process running out of memory on the H200: BENCHMARKS.md, hybrid prefix caching)
         runner = weakref.ref(self)
-        self.batch.last_sampled = lambda: np.asarray(runner()._prev_ids)
+        self.batch.last_sampled = lambda: np.asarray(runner().prev_ids).reshape(-1)
         # Compiled step programs by (input layout, variant): warm-up fills it, run() uses it.
         # NOTE: the identity names what the jitted step closes over: a stored program is
         # loaded only for the same ones (compiling.ProgramStore)
         identity = repr((getattr(model, "__name__", repr(model)), self.cfg, self.backend.impl,
                          repr(mesh), sorted(fused)))
-        self._compiler = StepCompiler(self._step, self.params, self.kv_cache, self._prev_ids,
+        self._compiler = StepCompiler(self._step, self.params, self.kv_cache, self.prev_ids,
                                       self.input_sharding, store=config.program_cache_dir,
                                       identity=identity)
         self._executables = self._compiler.executables
@@ -347,7 +382,8 @@ class ModelRunner:
 
     def run(self, x: StepInput, variant: StepVariant):
         """Dispatch one step (asynchronously); the caches are donated and replaced. Returns
-        (sampler output, prompt logprobs or None, hidden states or None), on the device."""
+        (sampler output, prompt logprobs or None, (hidden states, next ids, kept rows) or
+        None), on the device."""
         packed, layout = packing.pack(x)
         exe = self._executables.get((layout, variant))
         if exe is None and variant.attention.skewed:
@@ -379,8 +415,8 @@ class ModelRunner:
 
     def launch(self, exe, packed: np.ndarray):
         """Run a compiled step program on the packed input; the caches are replaced."""
-        self.kv_cache, result, prompt, self._prev_ids, hidden = exe(
-            self.params, self.kv_cache, jax.device_put(packed, self.input_sharding), self._prev_ids)
+        self.kv_cache, result, prompt, self.prev_ids, hidden = exe(
+            self.params, self.kv_cache, jax.device_put(packed, self.input_sharding), self.prev_ids)
         return result, prompt, hidden
 
     def _compile(self, layout: packing.Layout, variant: StepVariant, num_words: int):
@@ -394,11 +430,12 @@ class ModelRunner:
         if out.state_loads:   # first: a step taken back after this keeps its requests' loads
             self.copy_states(out.state_loads)
         x, plan, variant = self.prepare(out)
-        result, prompt, hidden = self.run(x, variant)
+        result, prompt, after = self.run(x, variant)
         if out.state_saves:
             self.copy_states(out.state_saves)
-        self.batch.prev_rows = {rid: i for i, (rid, s) in enumerate(zip(plan.req_ids, plan.samples)) if s}
-        return InFlightStep(plan, variant, result, prompt, hidden)
+        stride = self.batch.prev_stride
+        self.batch.prev_rows = {rid: i * stride for i, (rid, s) in enumerate(zip(plan.req_ids, plan.samples)) if s}
+        return InFlightStep(plan, variant, result, prompt, *(after or (None, None, None)), inputs=x)
 
     def copy_states(self, pairs: list[tuple[int, int]]) -> None:
         """Copy state slots (src, dst) on the device (hybrid prefix caching)."""
@@ -549,7 +586,7 @@ class ModelRunner:
         exe = self._executables.get(self._lean_keys.get(num_tokens)) if self.keep_hidden else None
         if exe is None:
             return None
-        out = exe.out_info[4]
+        out = exe.out_info[4][0]
         return jax.ShapeDtypeStruct(out.shape, out.dtype, sharding=out.sharding)
 
     def _masked_input(self, lean: StepInput) -> StepInput | None:

@@ -30,6 +30,12 @@ class NewRequestData:
     eos_token_ids: tuple[int, ...]  # banned until min_tokens are generated
 
 
+# A draft id standing for one a proposer made on the device after the step before, which the
+# host has not read (spec_decode/hidden_steps.py): the step takes it there, as it takes that
+# step's sampled token.
+DRAFT_ON_DEVICE = -1
+
+
 # NOTE: slots, not frozen, for the per-request messages: a frozen dataclass's __init__ took
 # ~4x as long, and the scheduler makes one per running request per step.
 @dataclass(slots=True)
@@ -41,6 +47,7 @@ class ScheduledRequest:
     new_block_ids: list[list[int]]  # per cache group: appended to the request's table/slots
     sample: bool                    # the chunk reaches the request's last token: sample after it
     spec_token_ids: list[int] = field(default_factory=list)  # drafts to verify: the last tokens
+                                    # (DRAFT_ON_DEVICE each: the proposer's, still on the device)
     save_state_slot: int = 0        # hybrid prefix caching: the saved-state slot this chunk's
                                     # final state is copied to (0: none; also in state_saves)
 

@@ -32,6 +32,8 @@ def test_chained_drafts_change_no_greedy_output(model, tmp_path):
     assert c["spec_decode_num_draft_tokens_total"] > c["spec_decode_num_drafts_total"] > 0
     assert all(len(d) == K for d in spec.engine.core.proposer._drafts.values())
     assert spec.engine.scheduler.pool.num_used == 0
+    # The engine pipelined (the drafts on the device) and voided chunks past rejections.
+    assert spec.engine.scheduler.num_chunks_past_drafts > 0 and spec.engine.scheduler.num_void_chunks > 0
     # Sampled (the rejection sampler, one-hot q): runs, max_tokens kept exactly.
     sampled = spec.generate(prompts(4), SamplingParams(temperature=1.0, max_tokens=10, ignore_eos=True, seed=1),
                             use_tqdm=False)
@@ -134,14 +136,15 @@ def test_the_scheduler_allocates_the_chains_lookahead_blocks(model, tmp_path):
     scheduler = spec.engine.scheduler
     assert scheduler.num_lookahead_tokens == K - 1
     seen = []
-    update = scheduler.update
+    schedule = scheduler.schedule
 
-    def recording(out, result):
+    def recording():
+        out = schedule()
         for s in out.scheduled:
             seen.append((s.start_position + s.num_tokens, len(scheduler.kv.blocks[s.req_id])))
-        return update(out, result)
+        return out
 
-    scheduler.update = recording
+    scheduler.schedule = recording
     prompt = prompts(1)[0]
     n_prompt = len(prompt["prompt_token_ids"])
     spec.generate(prompt, SamplingParams(temperature=0, max_tokens=9, ignore_eos=True), use_tqdm=False)

@@ -136,7 +136,7 @@ def test_a_pass_waits_for_its_program_still_compiling(model, tmp_path, monkeypat
     calls, original = [], hidden_steps._compile
 
     def slow(step, args):
-        calls.append(args[3].shape)
+        calls.append(args[5].shape)        # the target's hidden states (_run_pass)
         time.sleep(0.5)
         return original(step, args)
 

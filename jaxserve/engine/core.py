@@ -6,13 +6,13 @@ late. Requests that finish at N waste one token of N+1. Requests whose next step
 host's view of this step's tokens (penalties read the whole history) make the core wait for
 each step before scheduling the next.
 
-Speculative decoding: a proposer that reads token ids only (n-gram) drafts N+1 from N's
-tokens as scheduled, N's drafts assumed kept (spec_decode/drafting.py propose_ahead), so the
-core pipelines as without it; a request whose drafts N rejects loses its chunk of N+1
-(scheduler.py: scheduling past drafts). The other proposers read N's results (its hidden
-states, or tokens they compute themselves) and the core waits for each step; so it does
-for a model with recurrent state (its rollback) and for structured output (the grammar
-would have to follow the assumed drafts).
+Speculative decoding: N+1 is scheduled with N's drafts assumed kept (scheduler.py:
+scheduling past drafts), its own drafts proposed ahead (spec_decode/drafting.py
+propose_ahead): from N's tokens as scheduled (n-gram, the draft model), or left on the device
+by the proposer's pass queued right behind N (MTP, EAGLE3: spec_decode/hidden_steps.py). So
+the core pipelines as without speculation; a request whose drafts N rejects loses its chunk
+of N+1. The core waits for each step for a model with recurrent state (its rollback) and for
+structured output (the grammar would have to follow the assumed drafts).
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ class EngineCore:
         result = self.runner.collect(step)
         updates = self.scheduler.update(out, result)
         if self.proposer is not None:
-            if hasattr(self.proposer, "observe"):    # a proposer reading the step's hidden states
+            if hasattr(self.proposer, "observe"):    # a proposer that ran after the step
                 self.proposer.observe(out, step, result)
             drafting.propose_drafts(self.proposer, self.scheduler.running, self.proposer.k,
                                     self.scheduler.config.max_model_len,
@@ -109,7 +109,7 @@ class EngineCore:
         (listed in self.failed) and the step is taken back; a failure no single request
         explains propagates (the engine stops)."""
         try:
-            return out, self.runner.dispatch(out)
+            step = self.runner.dispatch(out)
         except Exception as e:
             bad = self.runner.failing_requests(out)
             if not bad:
@@ -121,3 +121,6 @@ class EngineCore:
                 self.scheduler.finish_request(rid, RequestStatus.FINISHED_ERROR)
                 self.failed.append((rid, f"{type(e).__name__}: {e}"))
             return None
+        if hasattr(self.proposer, "after_dispatch"):   # its pass queues right behind the step
+            self.proposer.after_dispatch(step)
+        return out, step

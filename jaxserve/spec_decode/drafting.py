@@ -8,12 +8,14 @@ A request drafts only in decode (its last token sampled and read back, every oth
 computed), and never so many that the step could pass max_tokens or max_model_len: a step
 with k drafts keeps up to k + 1 tokens.
 
-A proposer that reads only token ids (`pipelines = True`: n-gram, the draft model) also
-drafts ahead, so the engine need not wait for each step: for a request whose step is still on
-the device, `propose(requests, limits, tails)` continues each request's tokens by `tail`
-(that step's drafts, assumed kept), and of what it proposes the first token stands for the
-one the step samples after them (not sent: it comes from the device) and the rest are the
-drafts. A wrong guess costs only acceptance; a rejected draft voids the chunk (scheduler.py).
+A proposer with `pipelines = True` also drafts ahead, so the engine need not wait for each
+step: for a request whose step is still on the device, `propose(requests, limits, tails)`
+continues each request's tokens by `tail` (that step's drafts, assumed kept), and of what it
+proposes the first token stands for the one the step samples after them (not sent: it comes
+from the device) and the rest are the drafts. One that reads only token ids (n-gram, the
+draft model) guesses that token, and a wrong guess costs only acceptance; one that runs on
+the device after each step (MTP, EAGLE3: hidden_steps.py) answers DRAFT_ON_DEVICE for every
+draft, the drafts its pass left there. A rejected draft voids the chunk (scheduler.py).
 """
 
 from __future__ import annotations
@@ -84,6 +86,14 @@ def cache_on_target_blocks(spec_config, model, cfg) -> tuple[list, int]:
     if spec_config.method == "mtp" and hasattr(model, "mtp_cache_specs"):
         return model.mtp_cache_specs(cfg), 0       # its weights are the target's, loaded already
     return [], 0
+
+
+def device_draft_columns(spec_config) -> int:
+    """Drafts per sequence the proposer of `spec_config` leaves on the device for the next
+    step (hidden_steps.py: mtp, eagle3); 0 for the others (their drafts are the host's)."""
+    if spec_config is None or spec_config.method not in ("eagle3", "mtp"):
+        return 0
+    return spec_config.num_speculative_tokens
 
 
 # Proposers that run beside a target with recurrent state (hybrid models)

@@ -8,9 +8,9 @@ hidden_norm(h)] (q/k/v take twice the width) with h as the residual; then `norm`
 `lm_head` over `draft_vocab_size` tokens, mapped to the target's ids by `d2t` (target id =
 draft id + d2t[draft id]). The embedding is the target's unless the head has its own.
 
-Like MTP (hidden_steps.py), it runs after each target step over the positions whose KV
-stayed valid, its K/V paged on the target's block tables; the last position of a sampling
-chunk proposes the request's first draft. Drafts 2..k chain, as EAGLE3 does at inference:
+Like MTP (hidden_steps.py), it runs on the device after each target step over that step's
+positions, its K/V paged on the target's block tables; a sampling chunk's last kept position
+proposes the request's first draft. Drafts 2..k chain, as EAGLE3 does at inference:
 the head runs again on the draft before, with its own pre-norm output in place of fc(aux).
 """
 
@@ -21,7 +21,6 @@ import functools
 import json
 import os
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -118,14 +117,14 @@ def head_layer(cfg, hp, kv, x, embed_VD, h_TD, kernels, rows=None):
     return kv, hp["draft_to_target"][jnp.argmax(logits, axis=-1)], out_TD
 
 
-def _eagle_step(weights, kv, x, aux_TH, rows_T, sample_S, *, cfg, attention_impl, k, block_size):
+def _eagle_step(weights, kv, x, aux_TH, sample_S, *, cfg, attention_impl, k, block_size):
     """(the head's cache, drafts i32[S, k]): the pass over x, then k - 1 chained steps.
     weights: (the head's params, the embedding)."""
     hp, embed_VD = weights
     kernels = llama.make_kernels(cfg, attention_impl)
 
     def first(kv):
-        return head_forward(cfg, hp, kv, x, embed_VD, aux_TH[rows_T], kernels, x.logits_indices)
+        return head_forward(cfg, hp, kv, x, embed_VD, aux_TH, kernels, x.logits_indices)
 
     def chained(kv, x_j, ids_S, h_SD):
         return head_layer(cfg, hp, kv, dataclasses.replace(x_j, token_ids=ids_S), embed_VD, h_SD, kernels)
@@ -150,6 +149,5 @@ class Eagle3Proposer(hidden_steps.AfterStepProposer):
         runner.return_hidden_states(aux_layers=self.aux_layers)
         self.cache = allocate_caches(llama.cache_specs(self.cfg), runner.num_blocks, 0,
                                      runner.block_size, runner.dtype)[0]
-        self._step = jax.jit(functools.partial(_eagle_step, cfg=self.cfg, attention_impl=runner.attention_impl,
-                                               k=self.k, block_size=runner.block_size),
-                             donate_argnums=(1,))
+        self.forward = functools.partial(_eagle_step, cfg=self.cfg, attention_impl=runner.attention_impl,
+                                         k=self.k, block_size=runner.block_size)

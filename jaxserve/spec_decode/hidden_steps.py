@@ -1,22 +1,34 @@
-"""The input of a proposer that runs after each target step on its hidden states (MTP,
-EAGLE3): the positions of that step whose KV stayed valid, each paired with the token after
-it and with its row of the target step's hidden states.
+"""A proposer that runs after each target step on its hidden states (MTP, EAGLE3), on the
+device, queued right behind the step: the host reads neither the step nor the drafts before
+the next step is dispatched, so a speculating engine pipelines as one without speculation.
+
+The pass covers every position of the step, each paired with its row of the step's hidden
+states and the token after it (`next_ids`, from the step: the next input token, or what the
+step emitted at a logits row; the host gives the one token it alone knows, the prompt token
+after a chunk that does not sample). Each sampling sequence drafts at its last kept position
+(`kept_rows`, from the verified step's accepted count), so the drafts are right whether or
+not the step kept its own drafts. They are written into the columns of the runner's last
+sampled ids after the token (runner.prev_ids), where the next step, scheduled on the
+assumption that every draft is kept, reads them (the scheduler sends DRAFT_ON_DEVICE); when
+a draft was rejected that step's chunk is void (scheduler.py), and the host reads the pass's
+drafts with the step's tokens (`observe`) for the request's next step.
 
 Such a proposer keeps its cache paged on the target's block tables (one slot per position,
-the same as the target's), so it needs no blocks of its own: a position p it computes is
-one the target has computed, and the rejected drafts' positions (beyond the last kept
-token) are left out, to be written again when they are computed again.
+the same as the target's), so it needs no blocks of its own. Positions past a sequence's
+last kept one get K/V from tokens that were not kept; they are computed again before anything
+reads them (attention reads no position past its own, and every later pass starts at the
+first position not yet kept).
 
 Chained drafts (k > 1): after that pass the proposer runs k - 1 more one-token steps per
 sampling sequence (`chained_input`), each on the draft before it, writing its K/V at the
 next position: up to k - 2 positions past the request's last token, in blocks the scheduler
 allocated ahead for them (Scheduler num_lookahead_tokens). Those positions hold drafts, not
-verified tokens; nothing reads them before the next step's pass rewrites them (it covers
-every position up to the last kept token, and attention reads no position past its own).
+verified tokens, rewritten like the rest.
 """
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import dataclasses
 import functools
@@ -29,51 +41,47 @@ import numpy as np
 
 from jaxserve.compiling import BackgroundCompiler, abstract, wait_all
 from jaxserve.step_input import StepInput
-from jaxserve.step_messages import ScheduledRequest, SchedulerOutput
+from jaxserve.step_messages import DRAFT_ON_DEVICE, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
 
-def after_step_input(runner, out: SchedulerOutput, step, result):
-    """(StepInput over the valid positions with token p + 1 at each position p, rows i32[T]
-    of step.hidden for each, bool[S] whether each sequence's last position predicts its
-    request's next drafts, the request ids of those (else None)) or None when there is
-    nothing to compute. Padded to the target step's bucket (T of step.hidden), so that the
-    proposer has one program per bucket (not one per pair of the step's and its own)."""
-    plan, batch = step.plan, runner.batch
-    chunks, rows, tokens = [], [], []
-    for i, (sched, kept) in enumerate(zip(out.scheduled, result.sampled_token_ids)):
-        req = plan.requests[i]
-        if batch.requests.get(req.req_id) is not req:
-            continue                  # dropped meanwhile
-        # Positions whose token p + 1 is known: up to the last kept token.
-        n = min(sched.num_tokens, req.num_tokens - 1 - sched.start_position)
-        if n <= 0:
-            continue
-        chunks.append(ScheduledRequest(req.req_id, sched.start_position, n, [], bool(kept)))
-        first = int(plan.query_start_loc[i])
-        rows += range(first, first + n)
-        tokens += req.tokens(sched.start_position + 1, sched.start_position + n + 1)
-    if not chunks:
-        return None
-    x, ids_T = _input(runner, chunks, len(tokens), step.hidden.shape[0])
-    ids_T[:len(tokens)] = tokens
-    rows_T = np.zeros(len(ids_T), np.int32)
-    rows_T[:len(tokens)] = rows
-    sample_S = np.zeros(x.num_seqs, bool)
-    sample_S[:len(chunks)] = [c.sample for c in chunks]
-    return x, rows_T, sample_S, [c.req_id if c.sample else None for c in chunks]
+def pass_input(x: StepInput, plan) -> tuple[StepInput, np.ndarray]:
+    """(the pass's StepInput over the target step's positions, slots and tables, with the
+    host's known next tokens in token_ids; bool[S] the sequences that sample) from the
+    step's host-side input and plan. token_ids is -1 where the step's next_ids holds the token."""
+    s = x.num_seqs
+    n = len(plan.requests)
+    qsl = x.query_start_loc
+    ids_T = np.full(x.num_tokens, -1, np.int32)
+    sample_S = np.zeros(s, bool)
+    sample_S[:n] = plan.samples
+    for i in np.flatnonzero(~sample_S[:n]):
+        # a chunk that does not sample: the prompt token after it (its inputs end there)
+        nxt = plan.requests[i].tokens(plan.input_ends[i], plan.input_ends[i] + 1)
+        ids_T[qsl[i + 1] - 1] = nxt[0] if nxt else 0
+    return StepInput(token_ids=ids_T, positions=x.positions, slot_mapping=x.slot_mapping,
+                     token_seq_ids=x.token_seq_ids, query_start_loc=qsl, seq_lens=x.seq_lens,
+                     block_tables=x.block_tables, logits_indices=x.logits_indices[:s],
+                     sampling=None), sample_S
 
 
-def _input(runner, chunks, num_tokens: int, bucket: int) -> tuple[StepInput, np.ndarray]:
-    """(the proposer's StepInput of `chunks` padded to `bucket`, its token ids to fill in):
-    the target's positions, slots and block tables, without what only the target's step
-    reads (sampling, prompt logprobs, tokens on their way), so that every pass of a bucket
-    has the same input structure."""
-    x, _ = runner.batch.build(SchedulerOutput([], chunks, [], num_tokens, [], 0), *runner.bucket(bucket))
-    ids_T = np.zeros(bucket, np.int32)
-    return dataclasses.replace(x, token_ids=ids_T, prev_token_rows=None, next_token_ids=None,
-                               sampling=None), ids_T
+def empty_pass_input(runner, bucket: int) -> StepInput:
+    """The pass's input for a target step of `bucket` (its shapes, for warm-up)."""
+    empty = SchedulerOutput([], [], [], 0, [], 0)
+    return pass_input(*runner.batch.build(empty, *runner.bucket(bucket)))[0]
+
+
+def _run_pass(forward, weights, cache, prev_ids_MC, x: StepInput, sample_S, hidden_TH, next_T, kept_S):
+    """(cache, the runner's last ids with the drafts in columns 1..k, drafts i32[S, k]):
+    forward(weights, cache, x, hidden, sample_S) over x, its tokens the host's where it knew
+    them and else the step's next_T, drafting at the kept rows."""
+    x = dataclasses.replace(x, token_ids=jnp.where(x.token_ids >= 0, x.token_ids, next_T),
+                            logits_indices=kept_S)
+    cache, drafts_SK = forward(weights, cache, x, hidden_TH, sample_S)
+    s, k = drafts_SK.shape
+    c = min(k, prev_ids_MC.shape[1] - 1)   # the runner's draft columns (none: another proposer's)
+    return cache, prev_ids_MC.at[:s, 1:1 + c].set(drafts_SK[:, :c]), drafts_SK
 
 
 def chain_order(sample_S):
@@ -128,21 +136,30 @@ def chain_drafts(first, next_step, cache, x, sample_S, k: int, block_size: int):
 
 class AfterStepProposer:
     """A proposer that drafts k tokens per request after each target step (MTP, EAGLE3).
-    Subclasses call __init__, set `weights` (a pytree of arrays), `cache` (its paged cache)
-    and `_step`: jax.jit of fn(weights, cache, x, hidden_TH, rows_T, sample_S) -> (cache,
-    drafts i32[S, k]), donating the cache. The pass after a target step of bucket T runs the
-    program of T; warmup() compiles every bucket's in the background."""
+    Subclasses call __init__ and set `weights` (a pytree of arrays), `cache` (its paged cache)
+    and `forward`: fn(weights, cache, x, hidden_TH, sample_S) -> (cache, drafts i32[S, k]),
+    traced inside the pass's jit (x: the pass's input, its logits_indices the kept rows). The
+    pass after a target step of bucket T runs the program of T; warmup() compiles every
+    bucket's in the background."""
 
+    pipelines = True           # drafts ahead on the device (module doc)
     weights: object
     cache: object
-    _step: object
+    forward: object
 
     def __init__(self, runner, k: int):
         self.runner, self.k = runner, k
-        self._drafts: dict[str, list[int]] = {}
+        self._observed = None                  # (drafts on the device, request id per row)
+        self._drafts_read: dict[str, list[int]] | None = None
+        self._passes = collections.deque(maxlen=4)   # (step, its pass's drafts), newest last
         self._compiler = BackgroundCompiler()
         self._pending: dict[int, concurrent.futures.Future] = {}   # bucket -> its compile
         self._hidden: dict[int, jax.ShapeDtypeStruct] = {}          # ... the hidden it takes
+
+    @functools.cached_property
+    def _step(self):
+        """The pass, jitted: the cache and the runner's ids are donated and replaced."""
+        return jax.jit(functools.partial(_run_pass, self.forward), donate_argnums=(1, 2))
 
     @property
     def num_lookahead_tokens(self) -> int:
@@ -154,13 +171,15 @@ class AfterStepProposer:
         Call after the target's warm-up: its compiled programs give the hidden states' shape.
         A pass whose program is still compiling waits for it."""
         jobs = []
+        ids = abstract(self.runner.prev_ids)
         for t in self.runner.buckets:
             hidden = self.runner.hidden_spec(t)
             if hidden is None:          # the target's program did not compile: first use will
                 continue
-            x, _ = _input(self.runner, [], 0, t)
-            args = (abstract(self.weights), abstract(self.cache), abstract(x), hidden,
-                    jax.ShapeDtypeStruct((t,), jnp.int32), jax.ShapeDtypeStruct((x.num_seqs,), jnp.bool_))
+            x = empty_pass_input(self.runner, t)
+            i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)   # noqa: E731
+            args = (abstract(self.weights), abstract(self.cache), ids, abstract(x),
+                    jax.ShapeDtypeStruct((x.num_seqs,), jnp.bool_), hidden, i32(t), i32(x.num_seqs))
             self._hidden[t] = hidden
             jobs.append((t, functools.partial(_compile, self._step, args)))
         try:
@@ -185,20 +204,41 @@ class AfterStepProposer:
             del self._hidden[t]
             return self._step
 
-    def observe(self, out: SchedulerOutput, step, result) -> None:
-        """Run over the step's valid positions; keep each sampling chunk's draft."""
-        self._drafts = {}
-        built = after_step_input(self.runner, out, step, result)
-        if built is None:
-            return
-        x, rows_T, sample_S, sampled = built
-        self.cache, drafts = self._program(x, step.hidden)(self.weights, self.cache, x, step.hidden,
-                                                           rows_T, sample_S)
-        for rid, draft in zip(sampled, np.asarray(drafts).tolist()):
-            if rid is not None:
-                self._drafts[rid] = draft
+    def after_dispatch(self, step) -> None:
+        """Queue the pass over a dispatched target step (module doc): its drafts go to the
+        runner's last ids for the next step, and are kept for `observe`."""
+        x, sample_S = pass_input(step.inputs, step.plan)
+        runner = self.runner
+        self.cache, runner.prev_ids, drafts = self._program(x, step.hidden)(
+            self.weights, self.cache, runner.prev_ids, x, sample_S, step.hidden, step.next_ids,
+            step.kept_rows)
+        self._passes.append((step, drafts))
 
-    def propose(self, requests, limits: list[int]) -> list[list[int]]:
+    def observe(self, out: SchedulerOutput, step, result) -> None:
+        """The step is read: its pass's drafts are those of each request it kept tokens of
+        (a void chunk keeps none), read from the device when first asked for."""
+        drafts = next((d for s, d in self._passes if s is step), None)
+        rows = [rid if tokens else None for rid, tokens in zip(result.req_ids, result.sampled_token_ids)]
+        self._observed = None if drafts is None else (drafts, rows)
+        self._drafts_read = None
+
+    @property
+    def _drafts(self) -> dict[str, list[int]]:
+        """Request id -> the drafts of the last observed step's pass (on the host)."""
+        if self._drafts_read is None:
+            self._drafts_read = {}
+            if self._observed is not None:
+                drafts, rows = self._observed
+                for rid, d in zip(rows, np.asarray(drafts).tolist()):
+                    if rid is not None:
+                        self._drafts_read[rid] = d
+        return self._drafts_read
+
+    def propose(self, requests, limits: list[int], tails=None) -> list[list[int]]:
+        """The observed step's drafts; with `tails` (drafting ahead: each request's step is
+        still on the device), the newest pass's, which the next step takes on the device."""
+        if tails is not None:
+            return [[DRAFT_ON_DEVICE] * lim for lim in limits]
         return [self._drafts.get(r.request_id, [])[:lim] for r, lim in zip(requests, limits)]
 
     def retain(self, running_ids) -> None:

@@ -2,11 +2,11 @@
 `params["mtp"]`, models/deepseek.py `mtp_forward`) proposes k drafts per request: the first
 MTP layer, chained k times as vLLM does (hidden_steps.chain_drafts).
 
-After each target step (the core waits for it while speculating) the MTP layer runs over
-that step's valid positions (hidden_steps.py): at position p it reads embed(token p + 1)
-with the target's final hidden state at p, which stayed on the device (the runner returns
-it: StepVariant.hidden), over its own latent cache on the target's block tables. The logits
-at a sampling chunk's last position propose the token after the one just sampled: the
+After each target step, on the device and queued behind it, the MTP layer runs over that
+step's positions (hidden_steps.py): at position p it reads embed(token p + 1) with the
+target's final hidden state at p, which stayed on the device (the runner returns it:
+StepVariant.hidden), over its own latent cache on the target's block tables. The logits at
+a sampling chunk's last kept position propose the token after the one just sampled: the
 draft of the request's next step.
 """
 
@@ -15,14 +15,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-import jax
 import jax.numpy as jnp
 
 from jaxserve.spec_decode import hidden_steps
 
 
-def _mtp_step(params, caches, x, hidden_TD, rows_T, sample_S, *, model, cfg, attention_impl, k,
-              block_size):
+def _mtp_step(params, caches, x, hidden_TD, sample_S, *, model, cfg, attention_impl, k, block_size):
     """(MTP caches, greedy drafts i32[S, k]): the pass over x, then the same MTP layer k - 1
     more times, each on the draft before and the layer's own output hidden state (vLLM's
     chaining of DeepSeek's one MTP layer)."""
@@ -32,7 +30,7 @@ def _mtp_step(params, caches, x, hidden_TD, rows_T, sample_S, *, model, cfg, att
         return caches, jnp.argmax(logits, axis=-1).astype(jnp.int32), hidden
 
     def first(caches):
-        caches, ids_T, h_TD = run(caches, x, hidden_TD[rows_T])
+        caches, ids_T, h_TD = run(caches, x, hidden_TD)
         return caches, ids_T[x.logits_indices], h_TD[x.logits_indices]
 
     def chained(caches, x_j, ids_S, h_SD):
@@ -60,7 +58,6 @@ class MtpProposer(hidden_steps.AfterStepProposer):
         runner.return_hidden_states()
         self.cache = allocate_caches(model.mtp_cache_specs(cfg), runner.num_blocks, 0,
                                      runner.block_size, runner.dtype)
-        self._step = jax.jit(functools.partial(_mtp_step, model=model, cfg=cfg,
-                                               attention_impl=runner.attention_impl, k=self.k,
-                                               block_size=runner.block_size),
-                             donate_argnums=(1,))
+        self.forward = functools.partial(_mtp_step, model=model, cfg=cfg,
+                                         attention_impl=runner.attention_impl, k=self.k,
+                                         block_size=runner.block_size)
