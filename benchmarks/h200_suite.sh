@@ -94,6 +94,8 @@ kernels() {
   step 120 paged_cudnn python3 benchmarks/paged_cudnn.py
   # issue 33: the fused stack's projections at the default model's shapes, tiling swept
   step 300 kernels_fused_linear python3 benchmarks/kernels.py --only linear --sweep --json "$OUT/kernels_linear.json"
+  # issue 30: DeepSeek's experts kept in FP8 against dequantized to bf16 (the kernel side of the choice)
+  step 240 kernels_moe_fp8 python3 benchmarks/kernels.py --only moe-fp8 --json "$OUT/kernels_moe_fp8.json"
 }
 
 startup() {   # the first engine of a fresh machine is the cold start; the second the warm one

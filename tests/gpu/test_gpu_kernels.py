@@ -154,6 +154,23 @@ def test_grouped_matmul_rows_past_the_groups_are_zero():
     assert (got[64:] == 0).all()
 
 
+@pytest.mark.parametrize("k,n", [(7168, 4096), (2048, 7168)])  # DeepSeek-V3 gate|up, down
+@pytest.mark.parametrize("rows", [8, 128, 4096])
+def test_grouped_matmul_fp8_block_scaled(rows, k, n):
+    """DeepSeek's FP8 experts kept as e4m3 + 128 x 128 scales ("auto" takes the kernel at any
+    M) against the dequantized weights in f32; 16 of the 256 experts, so the test stays small."""
+    rng = np.random.default_rng(rows + k)
+    sizes = routed(rows, experts=16, seed=rows)
+    x = rand(rng, (rows, k))
+    w8 = rand(rng, (16, k, n), jnp.float32, scale=8.0).astype(jnp.float8_e4m3fn)
+    scales = jnp.asarray(rng.uniform(0.5, 2.0, (16, k // 128, n // 128)) / (8 * np.sqrt(k)), jnp.float32)
+    want = group_reference(x, gm.dequantize(w8, scales), sizes)
+    for impl in ("pallas", "auto"):
+        got = np.asarray(gm.grouped_matmul(x, w8, sizes, scales=scales, impl=impl), np.float32)
+        err = np.linalg.norm(got - want) / np.linalg.norm(want)
+        assert np.isfinite(got).all() and err < 1e-2, f"{impl}: relative error {err:.2e}"
+
+
 @pytest.mark.parametrize("rows", [8, 4096])
 def test_grouped_matmul_over_expert_chunks(rows):
     """Expert arrays past the kernel's int32 reach run as chunks (split_experts, as DeepSeek-V3's

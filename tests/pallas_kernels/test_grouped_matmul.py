@@ -158,3 +158,81 @@ def test_expert_chunks_give_the_whole_weights_result(impl):
     assert gm.split_experts(w, limit=w.size) is w
     with pytest.raises(ValueError, match="one expert"):
         gm.split_experts(w, limit=w.size // 16)
+
+
+# -- block-scaled FP8 weights (DeepSeek's checkpoints kept in FP8) ------------------------------
+
+
+def fp8_operands(sizes, m=None, k=256, n=256, dtype=jnp.float32, seed=0):
+    """(x, e4m3 weights, f32 scales per 128 x 128 block, sizes): scales differ per block, so a
+    scale applied to the wrong tile shows."""
+    x, w, sizes = operands(sizes, m, k, n, dtype, seed)
+    rng = np.random.default_rng(seed + 1)
+    w8 = (w.astype(jnp.float32) * 64).astype(jnp.float8_e4m3fn)
+    scales = jnp.asarray(rng.uniform(0.5, 2.0, (w.shape[0], -(-k // 128), -(-n // 128))) / 64, jnp.float32)
+    return x, w8, scales, sizes
+
+
+def check_fp8(x, w8, scales, sizes, tol=1e-5, impls=("pallas", "xla"), **tuning):
+    want = np.asarray(gm.ref_grouped_matmul(x, w8, sizes, scales), np.float32)
+    for impl in impls:
+        got = gm.grouped_matmul(x, w8, sizes, scales=scales, impl=impl, **(tuning if impl == "pallas" else {}))
+        assert got.dtype == x.dtype
+        np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=tol, atol=tol)
+    return want
+
+
+def test_fp8_dequantize_is_the_loaders():
+    from jaxserve.models.deepseek_loader import dequantize_blocks
+
+    _, w8, scales, _ = fp8_operands([1, 1], k=200, n=136)      # partial last blocks
+    ours = np.asarray(gm.dequantize(w8, scales))
+    # the loader's is per [out, in] matrix with scale_inv [out blocks, in blocks]
+    for g in range(2):
+        theirs = dequantize_blocks(np.asarray(w8[g]).T, np.asarray(scales[g]).T, (128, 128)).T
+        np.testing.assert_array_equal(ours[g], theirs)
+
+
+def test_fp8_one_token_top8_of_128_experts_and_row_tiles():
+    sizes = np.zeros(128, np.int32)
+    sizes[np.random.default_rng(1).choice(128, 8, replace=False)] = 1
+    check_fp8(*fp8_operands(sizes, k=256, n=128))
+    # several row tiles, rows past the groups, K and N over several scale blocks and tiles
+    want = check_fp8(*fp8_operands([3, 0, 20, 1, 0, 37], m=70, k=384, n=256), block_k=64, block_n=32)
+    assert (want[61:] == 0).all()
+
+
+def test_fp8_with_bf16_activations():
+    check_fp8(*fp8_operands([2, 0, 17, 5], dtype=jnp.bfloat16), tol=3e-2)
+
+
+def test_fp8_expert_chunks():
+    x, w8, scales, sizes = fp8_operands([3, 0, 5, 1, 0, 0, 7, 2], m=20, k=128, n=128)
+    want = gm.ref_grouped_matmul(x, w8, sizes, scales)
+    chunks, scale_chunks = gm.split_experts(w8, limit=w8.size // 4), jnp.split(scales, 4)
+    for impl in ("pallas", "xla"):
+        got = gm.grouped_matmul(x, chunks, sizes, scales=scale_chunks, impl=impl)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+def test_fp8_validation():
+    x, w8, scales, sizes = fp8_operands([4, 4], k=256, n=256)
+    with pytest.raises(ValueError, match="scales_GBC must be given exactly when"):
+        gm.grouped_matmul(x, w8, sizes)
+    with pytest.raises(ValueError, match="scales_GBC must be given exactly when"):
+        gm.grouped_matmul(x, w8.astype(jnp.float32), sizes, scales=scales)
+    with pytest.raises(ValueError, match=r"scales_GBC must be f32\[2, 2, 2\]"):
+        gm.grouped_matmul(x, w8, sizes, scales=scales[:, :1])
+    with pytest.raises(ValueError, match="must divide 128"):
+        gm.grouped_matmul(x, w8, sizes, scales=scales, impl="pallas", block_k=256)
+
+
+def test_fp8_pallas_lowers_for_cuda():
+    """DeepSeek-V3's expert shapes (gate|up 7168 x 4096, down 2048 x 7168) at one token."""
+    sds = jax.ShapeDtypeStruct
+    for k, n in ((7168, 4096), (2048, 7168)):
+        exported = export_for_cuda(
+            lambda x, w, s, sc: gm.grouped_matmul(x, w, s, scales=sc, impl="pallas", interpret=False),
+            sds((8, k), jnp.bfloat16), sds((16, k, n), jnp.float8_e4m3fn), sds((16,), jnp.int32),
+            sds((16, k // 128, n // 128), jnp.float32))
+        assert triton_kernel_names(exported) == ["grouped_matmul_sparse_fp8_bk128_bn128"]
