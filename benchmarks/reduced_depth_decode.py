@@ -5,6 +5,7 @@ the kernels a layer launches (issues 30, 32, 33: DeepSeek V3 / V3.2, Qwen3.5, Mi
     python benchmarks/reduced_depth_decode.py --config DeepSeek-V3-4L [--batch 1 16 64] [--json out.json]
     python benchmarks/reduced_depth_decode.py --config Qwen3.5-397B-A17B-4L
     python benchmarks/reduced_depth_decode.py --smoke    # the tests' tiny checkpoints' shapes, any backend
+    python benchmarks/reduced_depth_decode.py --config DeepSeek-V3-4L --fp8   # experts kept in FP8
 
 The step is the model's forward + logits over B decode tokens at `--context` cached tokens
 each (no sampler, no host): one jitted program looping it over its caches, timed by
@@ -40,7 +41,7 @@ from jaxserve.bench import roofline  # noqa: E402
 from jaxserve.kv_cache.specs import PagedSpec  # noqa: E402
 from jaxserve.models import dummy, hf_loader, registry  # noqa: E402
 from jaxserve.models.attention import AttentionBackend  # noqa: E402
-from jaxserve.models.moe import split_expert_weights  # noqa: E402
+from jaxserve.models.moe import quantize_experts_fp8, split_expert_weights  # noqa: E402
 from jaxserve.runner import allocate_caches  # noqa: E402
 from jaxserve.step_input import StepInput  # noqa: E402
 
@@ -144,6 +145,9 @@ def main():
     ap.add_argument("--context", type=int, default=1024, help="cached tokens per sequence")
     ap.add_argument("--impl", default="pallas", help="attention implementation")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (any backend)")
+    ap.add_argument("--fp8", action="store_true",
+                    help="routed experts as block-scaled FP8 (as --quantization fp8 keeps an FP8 "
+                         "checkpoint's; DeepSeek V3 / V3.2 only)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     kb.COLD = False
@@ -156,8 +160,12 @@ def main():
             hf["layer_types"] = (hf["layer_types"] * 4)[:hf["num_hidden_layers"]]
         cfg = hf_loader.model_config_from_hf(hf)
         model = registry.get_model_module(cfg.architecture)
+        if args.fp8 and cfg.architecture not in hf_loader.FP8_KEEPING_ARCHITECTURES:
+            continue
         params = dummy.dummy_params(with_layers(cfg, 4), "bfloat16")
-        label = os.path.basename(os.path.dirname(source)) if args.smoke else source
+        if args.fp8:
+            params = quantize_experts_fp8(params)
+        label = (os.path.basename(os.path.dirname(source)) if args.smoke else source) + (" fp8" if args.fp8 else "")
         batches, context = ((1, 4), 32) if args.smoke else (args.batch, args.context)
         specs = model.cache_specs(cfg)[2:4]
         per_layer_bytes = {b: layer_bytes(params["layers"][2:4], specs, hf, b, context) / 2 for b in batches}

@@ -35,6 +35,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                    help="weights and activations (auto: bfloat16 on GPU, float32 on CPU; "
                         "half = float16, float = float32)")
     g.add_argument("--load-format", choices=["auto", "gguf", "safetensors", "dummy"], default="auto")
+    g.add_argument("--quantization", "-q", choices=["fp8"], default=None,
+                   help="fp8: keep an FP8 checkpoint's routed experts in FP8 (DeepSeek V3 / V3.2, "
+                        "one device); by default FP8 weights are dequantized to --dtype at load")
     g.add_argument("--max-model-len", type=human_int, default=None,
                    help="prompt + output tokens of one request; 4k = 4000, 4K = 4096 (as vLLM)")
     g.add_argument("--max-num-seqs", type=int_at_least(1), default=None, help="sequences in one step")
@@ -186,6 +189,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         attention_impl=args.attention_impl, fused_kernels=args.fused_kernels, warmup=args.warmup,
         warmup_all=args.warmup_all, program_cache=args.program_cache,
         speculative_config=getattr(args, "speculative_config", None),
+        quantization=getattr(args, "quantization", None),
         data_parallel_size=getattr(args, "data_parallel_size", 1),
         # The engine carries one name; the server lists and accepts all of them.
         served_model_name=names[0] if names else None)

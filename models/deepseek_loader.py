@@ -6,7 +6,10 @@ Name mapping to models/deepseek.py's tree, with three reshapes done once here:
 - rope_interleave checkpoints: the rope output columns of q (per head) and of the shared key
   are permuted to the half-split layout (evens then odds), so the forward has one rotary;
 - FP8 (e4m3) weights with `weight_scale_inv` (one f32 per 128 x 128 block, DeepSeek's
-  format) are dequantized to the load dtype (each block times its scale).
+  format) are dequantized to the load dtype (each block times its scale); with
+  quantization="fp8" (`--quantization fp8`) the routed experts, nearly all of the bytes, are
+  kept as they are (grouped_matmul.BlockScaledFp8: half the bytes a decode step reads of
+  bf16), on one device (not under a mesh yet).
 Tensors are read from the files directly (header + memory map), because safetensors' numpy
 reader has no FP8 type; ml_dtypes gives numpy the float8 and bfloat16 types.
 With a mesh each parameter is placed by sharding/rules.py (sharding/family_axes.py: heads over
@@ -33,6 +36,7 @@ import ml_dtypes
 import numpy as np
 
 from jaxserve.models import deepseek
+from jaxserve.pallas_kernels.grouped_matmul import BlockScaledFp8
 
 _DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
            "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2,
@@ -159,8 +163,23 @@ class _ExpertStack:
         chosen = range(len(self.names))[index[0]]
         return np.stack([self.ck.weight(self.names[j], self.block).T[index[1:]] for j in chosen])
 
+    @property
+    def is_fp8(self) -> bool:
+        return all(n + "_scale_inv" in self.ck for n in self.names) and \
+            self.ck.raw(self.names[0]).dtype == ml_dtypes.float8_e4m3fn
 
-def _checked(tree: dict, shapes: dict, where: str, jdtype, placement: dict) -> dict:
+    def kept_fp8(self) -> BlockScaledFp8:
+        """The experts as they are stored: e4m3 [X, in, out] and their block scales [X, in
+        blocks, out blocks] (both transposed from the files' [out, in])."""
+        if self.block[0] != self.block[1]:
+            raise ValueError(f"--quantization fp8 keeps square scale blocks only; the checkpoint's "
+                             f"weight_block_size is {list(self.block)}")
+        values = np.stack([self.ck.raw(n).T for n in self.names])
+        scales = np.stack([np.asarray(self.ck.raw(n + "_scale_inv"), np.float32).T for n in self.names])
+        return BlockScaledFp8(jnp.asarray(values), jnp.asarray(scales), self.block[0])
+
+
+def _checked(tree: dict, shapes: dict, where: str, jdtype, placement: dict, keep_fp8: bool = False) -> dict:
     if set(tree) != set(shapes):
         raise ValueError(f"{where}: parameters {sorted(set(tree) ^ set(shapes))} do not match the config")
     out = {}
@@ -170,7 +189,9 @@ def _checked(tree: dict, shapes: dict, where: str, jdtype, placement: dict) -> d
                              f"expects {tuple(shapes[name])}")
         # the router bias only ranks experts: keep it f32 whatever the load dtype (as HF does)
         dt = jnp.float32 if name == "router_bias" else jdtype
-        if isinstance(arr, _ExpertStack):
+        if keep_fp8 and isinstance(arr, _ExpertStack) and arr.is_fp8:
+            out[name] = jax.device_put(arr.kept_fp8(), placement[name])
+        elif isinstance(arr, _ExpertStack):
             out[name] = jax.make_array_from_callback(arr.shape, placement[name],
                                                      lambda index, a=arr, dt=dt: a[index].astype(dt))
         else:
@@ -178,14 +199,25 @@ def _checked(tree: dict, shapes: dict, where: str, jdtype, placement: dict) -> d
     return out
 
 
-def load_hf(path: str, cfg, dtype: str = "float32", mesh=None):
+def load_hf(path: str, cfg, dtype: str = "float32", mesh=None, quantization: str | None = None):
     """(cfg, params): the decoder, and params["mtp"] when the checkpoint has the MTP layers;
-    placed by the sharding rules over `mesh` (or on the first device)."""
+    placed by the sharding rules over `mesh` (or on the first device). quantization "fp8":
+    an FP8 checkpoint's routed experts stay FP8 (module doc)."""
     from jaxserve.sharding import rules
 
     with open(os.path.join(path, "config.json")) as f:
         hf = json.load(f)
     quant = hf.get("quantization_config") or {}
+    keep_fp8 = quantization == "fp8"
+    if quantization not in (None, "fp8"):
+        raise ValueError(f"quantization must be 'fp8' or None; got {quantization!r}")
+    if keep_fp8 and quant.get("quant_method") != "fp8":
+        raise ValueError(f"quantization 'fp8' keeps an FP8 checkpoint's experts as they are; "
+                         f"{path!r} is not one (its config.json has no quantization_config with "
+                         f"quant_method 'fp8'), and quantizing at load is not built")
+    if keep_fp8 and mesh is not None:
+        raise ValueError("quantization 'fp8' runs on one device for now (tensor_parallel_size and "
+                         "expert_parallel_size 1): the sharding rules place bf16 experts only")
     block = tuple(quant.get("weight_block_size") or (128, 128))
     ck = SafetensorsDir(path)
     jdtype = jnp.dtype(dtype)
@@ -204,7 +236,7 @@ def load_hf(path: str, cfg, dtype: str = "float32", mesh=None):
     for i, ls in enumerate(shapes["layers"]):
         prefix = f"model.layers.{i}."
         params["layers"].append(_checked(_layer_tensors(cfg, ck, prefix, ls, block), ls, prefix, jdtype,
-                                         place["layers"][i]))
+                                         place["layers"][i], keep_fp8))
     mtp = []
     for m, ms in enumerate(mtp_shapes):
         prefix = f"model.layers.{cfg.num_layers + m}."
@@ -214,7 +246,7 @@ def load_hf(path: str, cfg, dtype: str = "float32", mesh=None):
                     eh_proj=ck.weight(prefix + "eh_proj.weight", block).T,
                     head_norm=ck.weight(prefix + "shared_head.norm.weight"),
                     head=ck.weight(prefix + "shared_head.head.weight", block).T)
-        mtp.append(_checked(tree, ms, prefix, jdtype, place["mtp"][m]))
+        mtp.append(_checked(tree, ms, prefix, jdtype, place["mtp"][m], keep_fp8))
     if mtp:
         params["mtp"] = mtp
     return cfg, params

@@ -179,12 +179,24 @@ def _plan(cfg: ModelConfig, ckpt: _Checkpoint) -> dict:
     return plan
 
 
-def load_hf(path: str, dtype: str = "float32", mesh=None) -> tuple[ModelConfig, dict]:
-    """(config, params as jax arrays in `dtype`), sharded over `mesh` if given."""
+# Families whose loader can keep an FP8 checkpoint's experts in FP8 (quantization="fp8")
+FP8_KEEPING_ARCHITECTURES = ("DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM")
+
+
+def load_hf(path: str, dtype: str = "float32", mesh=None,
+            quantization: str | None = None) -> tuple[ModelConfig, dict]:
+    """(config, params as jax arrays in `dtype`), sharded over `mesh` if given. quantization
+    "fp8": an FP8 checkpoint's experts kept in FP8 (DeepSeek V3 / V3.2 only: deepseek_loader)."""
     from jaxserve.sharding import rules
 
     cfg = model_config_from_hf(read_hf_config(path))
     module = registry.get_model_module(cfg.architecture)
+    if quantization is not None and cfg.architecture not in FP8_KEEPING_ARCHITECTURES:
+        raise ValueError(f"quantization {quantization!r} is built for "
+                         f"{', '.join(FP8_KEEPING_ARCHITECTURES)} checkpoints; {path!r} is "
+                         f"{cfg.architecture}")
+    if quantization is not None:
+        return module.load_hf(path, cfg, dtype, mesh, quantization=quantization)
     if hasattr(module, "load_hf"):             # a family with its own tensor names (deepseek)
         return module.load_hf(path, cfg, dtype, mesh)
     jdtype = jnp.dtype(dtype)

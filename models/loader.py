@@ -31,14 +31,16 @@ def resolve_model_path(model: str | None) -> str:
 
 
 def load_model(model: str | None, load_format: str = "auto", dtype: str = "float32", *,
-               mesh=None, seed: int = 0) -> tuple[ModelConfig, dict, Tokenizer | None]:
+               mesh=None, seed: int = 0,
+               quantization: str | None = None) -> tuple[ModelConfig, dict, Tokenizer | None]:
     """(config, params on the device or sharded over `mesh`, tokenizer).
 
     The tokenizer is None when there is nothing to build it from (a HF directory without
     tokenizer files, or dummy weights from a bare config): the engine then accepts only
     `prompt_token_ids`, and anything that needs text must say so.
     For `load_format="dummy"`, `model` may also be a config.json path or the name of a ready
-    config in models/configs/ (e.g. "Qwen3-30B-A3B").
+    config in models/configs/ (e.g. "Qwen3-30B-A3B"). quantization "fp8": an FP8 HF
+    checkpoint's experts stay FP8 (hf_loader.FP8_KEEPING_ARCHITECTURES).
     """
     from jaxserve.models import dummy, gguf_loader, hf_loader
 
@@ -49,12 +51,22 @@ def load_model(model: str | None, load_format: str = "auto", dtype: str = "float
             raise ValueError(f"load_format='dummy' needs a model config: a config.json, a HF directory "
                              f"or one of {', '.join(dummy.known_configs())}")
         cfg, params = dummy.load_dummy(model, dtype, mesh, seed)
+        if quantization is not None:     # as an FP8 checkpoint of this shape would load
+            if cfg.architecture not in hf_loader.FP8_KEEPING_ARCHITECTURES or mesh is not None:
+                raise ValueError(f"quantization {quantization!r} is built for "
+                                 f"{', '.join(hf_loader.FP8_KEEPING_ARCHITECTURES)} on one device; "
+                                 f"got {cfg.architecture}" + (" under a mesh" if mesh is not None else ""))
+            from jaxserve.models.moe import quantize_experts_fp8
+            params = quantize_experts_fp8(params)
         tokenizer = None
         if isinstance(model, str) and hf_loader.is_hf_dir(model) and hf_loader.has_tokenizer_files(model):
             tokenizer = Tokenizer.from_pretrained(model, cfg.eos_token_ids)
         return cfg, params, tokenizer
     path = resolve_model_path(model)
     jdtype = jnp.dtype(dtype)
+    if quantization is not None and not (load_format in ("auto", "safetensors") and hf_loader.is_hf_dir(path)):
+        raise ValueError(f"quantization {quantization!r} keeps an FP8 HF checkpoint's weights as they "
+                         f"are; {path!r} is not a HF directory")
     if load_format == "gguf" or (load_format == "auto" and path.endswith(".gguf")):
         cfg, params, meta = gguf_loader.load_gguf(path)
         tokenizer = Tokenizer.from_gguf_metadata(meta, cfg.eos_token_ids)
@@ -63,7 +75,7 @@ def load_model(model: str | None, load_format: str = "auto", dtype: str = "float
             return cfg, rules.shard_params(params, cfg, mesh, jdtype), tokenizer
         return cfg, to_device(params, jdtype), tokenizer
     if load_format == "safetensors" or (load_format == "auto" and hf_loader.is_hf_dir(path)):
-        cfg, params = hf_loader.load_hf(path, dtype, mesh)
+        cfg, params = hf_loader.load_hf(path, dtype, mesh, quantization)
         tokenizer = (Tokenizer.from_pretrained(path, cfg.eos_token_ids)
                      if hf_loader.has_tokenizer_files(path) else None)
         return cfg, params, tokenizer

@@ -12,29 +12,41 @@ import jax.numpy as jnp
 
 from jaxserve.config import ModelConfig
 from jaxserve.models import llama
-from jaxserve.pallas_kernels.grouped_matmul import grouped_matmul, split_experts
+from jaxserve.pallas_kernels.grouped_matmul import grouped_matmul, quantize, split_experts
 from jaxserve.pallas_kernels.moe_router import moe_router
 
 
 EXPERT_WEIGHTS = ("w_gate", "w_up", "w_down", "w_gate_up")
 
 
-def split_expert_weights(params):
-    """In place: every MoE layer's expert arrays past the grouped-matmul kernel's int32 reach
-    become tuples of expert chunks (grouped_matmul takes them), in any family's layers and MTP
-    layers. Why: whole, they made each decode step read every expert through lax.ragged_dot
-    (DeepSeek-V3: 5.29 ms a layer at batch 1, 5 % of its roofline; H200, session 20). For
-    unsharded engines only (under a mesh each rank holds its own experts: sharding/expert_parallel.py)."""
+def map_expert_weights(params, fn):
+    """In place: fn(array) for every MoE layer's expert arrays ([X, ...]: any family's layers
+    and MTP layers, by name); returns params."""
     if isinstance(params, dict):
         for key, value in params.items():
             if key in EXPERT_WEIGHTS and getattr(value, "ndim", 0) == 3:
-                params[key] = split_experts(value)
+                params[key] = fn(value)
             else:
-                split_expert_weights(value)
+                map_expert_weights(value, fn)
     elif isinstance(params, list):
         for item in params:
-            split_expert_weights(item)
+            map_expert_weights(item, fn)
     return params
+
+
+def split_expert_weights(params):
+    """In place: every MoE layer's expert arrays past the grouped-matmul kernel's int32 reach
+    become tuples of expert chunks (grouped_matmul takes them). Why: whole, they made each
+    decode step read every expert through lax.ragged_dot (DeepSeek-V3: 5.29 ms a layer at
+    batch 1, 5 % of its roofline; H200, session 20). For unsharded engines only (under a mesh
+    each rank holds its own experts: sharding/expert_parallel.py)."""
+    return map_expert_weights(params, split_experts)
+
+
+def quantize_experts_fp8(params):
+    """In place: every MoE layer's expert arrays as block-scaled FP8 (grouped_matmul.quantize),
+    as an FP8 checkpoint's are kept (dummy weights of `--quantization fp8`)."""
+    return map_expert_weights(params, quantize)
 
 
 def moe_param_shapes(cfg: ModelConfig) -> dict:

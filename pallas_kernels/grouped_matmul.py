@@ -26,16 +26,17 @@ Implementations:
 size where it was measured to win), "mosaic" above on Hopper when the shapes suit its tiles,
 else "xla"; on CPU "xla".
 
-Block-scaled FP8 weights (DeepSeek's checkpoints kept as they are: e4m3 values and one f32
-scale per 128 x 128 block, `scales_GBC` [G, ceil(K/128), ceil(N/128)] in w_GKN's [in, out]
-layout): the "pallas" kernel reads the FP8 bytes, widens each tile to x's dtype and scales
-each tile's product by its block's scale (its BK and BN divide 128, so a tile lies in one
-block); half the bytes of bf16 weights. "auto" takes it on a GPU at any M (Mosaic has no
-scaled FP8 path here); "xla" dequantizes every expert first (correct, not fast).
+Block-scaled FP8 weights (`BlockScaledFp8`: DeepSeek's checkpoints kept as they are, e4m3
+values and one f32 scale per B x B block, B = 128 in the real models): the "pallas" kernel
+reads the FP8 bytes, widens each tile to x's dtype and scales each tile's product by its
+block's scale (its BK and BN divide B, so a tile lies in one block); half the bytes of bf16
+weights. "auto" takes it on a GPU at any M (Mosaic has no scaled FP8 path here); "xla"
+dequantizes every expert first (correct, not fast).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -51,7 +52,26 @@ SPARSE_MAX_ROWS = 512   # "auto" takes the "pallas" kernel up to this M (measure
 # weight falls back to lax.ragged_dot, which reads every expert: DeepSeek-V3's 256 x 7168 x
 # 2048 experts took 5.29 ms a layer at batch 1 that way, 5 % of its roofline (H200, session 20).
 MAX_WEIGHT_ELEMENTS = 2 ** 31
-FP8_BLOCK = 128         # DeepSeek's weight_block_size: one scale per 128 x 128 weights
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class BlockScaledFp8:
+    """Expert weights as e4m3 values [G, K, N] ([in, out], as the bf16 ones) and f32 scales
+    [G, ceil(K/B), ceil(N/B)], one per B x B block (DeepSeek's `weight_scale_inv`, transposed):
+    w[g, i, o] = values[g, i, o] * scales[g, i // B, o // B]."""
+    values: jax.Array
+    scales: jax.Array
+    block: int = dataclasses.field(default=128, metadata=dict(static=True))
+
+    shape = property(lambda self: self.values.shape)
+    ndim = property(lambda self: self.values.ndim)
+    size = property(lambda self: self.values.size)
+    dtype = property(lambda self: self.values.dtype)
+
+    def split(self, parts: int) -> tuple["BlockScaledFp8", ...]:
+        return tuple(BlockScaledFp8(v, s, self.block) for v, s in
+                     zip(jnp.split(self.values, parts), jnp.split(self.scales, parts)))
 BLOCK_M = 16            # rows of a tile: Triton's smallest dot M
 
 # ---------------------------------------------------------------------------------------------
@@ -59,17 +79,30 @@ BLOCK_M = 16            # rows of a tile: Triton's smallest dot M
 # ---------------------------------------------------------------------------------------------
 
 
-def dequantize(w_GKN, scales_GBC, dtype=jnp.float32):
-    """Block-scaled FP8 weights as `dtype`: w[g, i, o] * scales[g, i // 128, o // 128]."""
-    _, k, n = w_GKN.shape
-    s = jnp.repeat(jnp.repeat(scales_GBC.astype(jnp.float32), FP8_BLOCK, 1), FP8_BLOCK, 2)
-    return (w_GKN.astype(jnp.float32) * s[:, :k, :n]).astype(dtype)
+def dequantize(w: BlockScaledFp8, dtype=jnp.float32):
+    """Block-scaled FP8 weights as `dtype`: values[g, i, o] * scales[g, i // B, o // B]."""
+    _, k, n = w.shape
+    b = w.block
+    s = jnp.repeat(jnp.repeat(w.scales.astype(jnp.float32), b, 1), b, 2)
+    return (w.values.astype(jnp.float32) * s[:, :k, :n]).astype(dtype)
 
 
-def ref_grouped_matmul(x_MK, w_GKN, group_sizes_G, scales_GBC=None):
+def quantize(w_GKN, block: int = 128) -> BlockScaledFp8:
+    """w_GKN as block-scaled FP8, each block's largest magnitude at e4m3's 448 (DeepSeek's
+    recipe; for dummy weights of an FP8 model: real checkpoints come quantized)."""
+    g, k, n = w_GKN.shape
+    kb, nb = -(-k // block), -(-n // block)
+    padded = jnp.pad(w_GKN.astype(jnp.float32), ((0, 0), (0, kb * block - k), (0, nb * block - n)))
+    amax = jnp.abs(padded.reshape(g, kb, block, nb, block)).max(axis=(2, 4))
+    scales = jnp.where(amax > 0, amax / 448.0, 1.0)
+    full = jnp.repeat(jnp.repeat(scales, block, 1), block, 2)[:, :k, :n]
+    return BlockScaledFp8((w_GKN.astype(jnp.float32) / full).astype(jnp.float8_e4m3fn), scales, block)
+
+
+def ref_grouped_matmul(x_MK, w_GKN, group_sizes_G):
     """Dense reference: every row times its own group's matrix, in f32."""
-    if scales_GBC is not None:
-        w_GKN = dequantize(w_GKN, scales_GBC)
+    if isinstance(w_GKN, BlockScaledFp8):
+        w_GKN = dequantize(w_GKN)
     m = x_MK.shape[0]
     group_M = jnp.searchsorted(jnp.cumsum(group_sizes_G), jnp.arange(m), side="right")
     w_MKN = w_GKN[jnp.minimum(group_M, w_GKN.shape[0] - 1)].astype(jnp.float32)
@@ -82,22 +115,23 @@ def ref_grouped_matmul(x_MK, w_GKN, group_sizes_G, scales_GBC=None):
 # ---------------------------------------------------------------------------------------------
 
 
-def _validate(x_MK, w_GKN, group_sizes_G, scales_GBC=None):
+def _validate(x_MK, w_GKN, group_sizes_G):
     if x_MK.ndim != 2 or w_GKN.ndim != 3 or w_GKN.shape[1] != x_MK.shape[1]:
         raise ValueError(f"x_MK must be [M, K] and w_GKN [G, K, N] with the same K; got "
                          f"{x_MK.shape} and {w_GKN.shape}")
     if group_sizes_G.shape != w_GKN.shape[:1]:
         raise ValueError(f"group_sizes_G must be i32[G = {w_GKN.shape[0]}]; got "
                          f"{group_sizes_G.shape}")
-    if (scales_GBC is None) != (w_GKN.dtype != jnp.float8_e4m3fn):
-        raise ValueError(f"scales_GBC must be given exactly when w_GKN is float8_e4m3fn; got "
-                         f"w_GKN {w_GKN.dtype} and scales {'none' if scales_GBC is None else 'given'}")
-    if scales_GBC is not None:
+    if w_GKN.dtype == jnp.float8_e4m3fn and not isinstance(w_GKN, BlockScaledFp8):
+        raise ValueError("float8_e4m3fn w_GKN needs its block scales: pass a BlockScaledFp8")
+    if isinstance(w_GKN, BlockScaledFp8):
         g, k, n = w_GKN.shape
-        want = (g, -(-k // FP8_BLOCK), -(-n // FP8_BLOCK))
-        if scales_GBC.shape != want:
-            raise ValueError(f"scales_GBC must be f32{list(want)} (a scale per {FP8_BLOCK} x "
-                             f"{FP8_BLOCK} block of w_GKN {w_GKN.shape}); got {scales_GBC.shape}")
+        b = w_GKN.block
+        want = (g, -(-k // b), -(-n // b))
+        if w_GKN.values.dtype != jnp.float8_e4m3fn or w_GKN.scales.shape != want:
+            raise ValueError(f"BlockScaledFp8 needs float8_e4m3fn values and f32{list(want)} scales "
+                             f"(one per {b} x {b} block of {w_GKN.shape}); got "
+                             f"{w_GKN.values.dtype} and {w_GKN.scales.shape}")
 
 
 def split_experts(w_GKN, limit: int | None = None) -> jax.Array | tuple[jax.Array, ...]:
@@ -111,10 +145,12 @@ def split_experts(w_GKN, limit: int | None = None) -> jax.Array | tuple[jax.Arra
     if parts is None:
         raise ValueError(f"one expert of shape {w_GKN.shape[1:]} is past the kernel's reach "
                          f"({limit} elements)")
+    if isinstance(w_GKN, BlockScaledFp8):
+        return w_GKN.split(parts)
     return tuple(jnp.split(w_GKN, parts))
 
 
-def _over_chunks(x_MK, chunks, group_sizes_G, tuning, scale_chunks=None):
+def _over_chunks(x_MK, chunks, group_sizes_G, tuning):
     """grouped_matmul over expert chunks: each chunk's rows (consecutive: rows are sorted by
     expert) are rotated to the front for its call, whose other rows come out as 0, and rotated
     back; the chunks' results add up. The rotations move M rows, not weights."""
@@ -122,11 +158,10 @@ def _over_chunks(x_MK, chunks, group_sizes_G, tuning, scale_chunks=None):
     rows_M = jnp.arange(m, dtype=jnp.int32)
     ends_G = _inclusive_sums(group_sizes_G.astype(jnp.int32))   # (not jnp.cumsum: see there)
     out, g0 = None, 0
-    for c, w in enumerate(chunks):
+    for w in chunks:
         g1 = g0 + w.shape[0]
         first = ends_G[g0 - 1] if g0 else jnp.int32(0)
-        scales = None if scale_chunks is None else scale_chunks[c]
-        y = grouped_matmul(x_MK[(rows_M + first) % m], w, group_sizes_G[g0:g1], scales=scales, **tuning)
+        y = grouped_matmul(x_MK[(rows_M + first) % m], w, group_sizes_G[g0:g1], **tuning)
         own_M = (rows_M - first) % m                   # each row's place in the rotated call
         # (rows past a call's groups are 0 from "pallas" and "xla"; masked for any kernel)
         y = jnp.where((own_M < ends_G[g1 - 1] - first)[:, None], y[own_M], 0)
@@ -152,9 +187,11 @@ def _sparse_problem(x_MK, w_GKN) -> str | None:
     g, k, n = w_GKN.shape
     if x_MK.dtype not in (jnp.bfloat16, jnp.float16, jnp.float32):
         return f"x_MK must be bf16, f16 or f32; got {x_MK.dtype}"
-    if x_MK.dtype != w_GKN.dtype and w_GKN.dtype != jnp.float8_e4m3fn:
-        return (f"w_GKN must have x_MK's dtype or be float8_e4m3fn (with scales); got "
-                f"{x_MK.dtype} and {w_GKN.dtype}")
+    if x_MK.dtype != w_GKN.dtype and not isinstance(w_GKN, BlockScaledFp8):
+        return (f"w_GKN must have x_MK's dtype or be BlockScaledFp8; got {x_MK.dtype} and "
+                f"{w_GKN.dtype}")
+    if isinstance(w_GKN, BlockScaledFp8) and (k % 16 or n % 16 or w_GKN.block % 16):
+        return f"FP8 K, N and block must be multiples of 16; got K={k}, N={n}, block={w_GKN.block}"
     if k % 16 or n % 16:
         return f"K and N must be multiples of 16; got K={k}, N={n}"
     if g * k * n > MAX_WEIGHT_ELEMENTS:
@@ -222,7 +259,7 @@ def _sparse_kernel(
     grp_ref, first_ref, end_ref, x_ref, w_ref,
     # then FP8 weights' scales (if any), then the output
     *refs,
-    m, k, groups, block_k, block_n):
+    m, k, groups, block_k, block_n, fp8_block):
     *scale_ref, o_ref = refs
     s, j = pl.program_id(0), pl.program_id(1)
     grp, first, end = grp_ref[s], first_ref[s], end_ref[s]
@@ -240,11 +277,11 @@ def _sparse_kernel(
         w = plgpu.load(w_ref.at[(w_base + kk)[:, None], cols_1N])              # [BK, BN]
         if not scale_ref:
             return acc + plgpu.dot(x, w, precision=jax.lax.Precision.HIGHEST)
-        # FP8: the tile lies in one 128 x 128 block (BK, BN divide 128): one scale for its product
+        # FP8: the tile lies in one scale block (BK, BN divide it): one scale for its product
         part = plgpu.dot(x, w.astype(x.dtype), precision=jax.lax.Precision.HIGHEST)
         blocks_k = scale_ref[0].shape[0] // groups
-        scale = scale_ref[0][jnp.minimum(grp, groups - 1) * blocks_k + step * block_k // FP8_BLOCK,
-                             j * block_n // FP8_BLOCK]
+        scale = scale_ref[0][jnp.minimum(grp, groups - 1) * blocks_k + step * block_k // fp8_block,
+                             j * block_n // fp8_block]
         return acc + part * scale
 
     # The pseudo-group G (rows past the groups) and unused slots read no weights at all.
@@ -259,20 +296,24 @@ def _sparse_kernel(
 
 
 def _sparse_grouped_matmul(x_MK, w_GKN, group_sizes_G, *, block_k, block_n, num_warps,
-                           num_stages, interpret, scales_GBC=None):
+                           num_stages, interpret):
     problem = _sparse_problem(x_MK, w_GKN)
     if problem:
         raise ValueError(f"impl='pallas': {problem}; use impl='xla'")
+    fp8_block = w_GKN.block if isinstance(w_GKN, BlockScaledFp8) else 0
+    scales_GBC = w_GKN.scales if fp8_block else None
+    w_GKN = w_GKN.values if fp8_block else w_GKN
     m, k = x_MK.shape
     g, _, n = w_GKN.shape
     # BN = BK = 128, 4 warps, 4 stages: within 1-6 % of the best tiling of an H200 sweep at 8
     # and 128 rows (benchmarks/kernels.py --only moe --sweep); each weight row read is then 256
     # contiguous bytes (128 in FP8).
-    block_k = _block(k, block_k, 128, "block_k", "K")
-    block_n = _block(n, block_n, 128, "block_n", "N")
-    if scales_GBC is not None and (FP8_BLOCK % block_k or FP8_BLOCK % block_n):
-        raise ValueError(f"impl='pallas' with FP8 weights: block_k and block_n must divide "
-                         f"{FP8_BLOCK} (a tile in one scale block); got {block_k}, {block_n}")
+    preferred = min(128, fp8_block) if fp8_block else 128
+    block_k = _block(k, block_k, preferred, "block_k", "K")
+    block_n = _block(n, block_n, preferred, "block_n", "N")
+    if fp8_block and (fp8_block % block_k or fp8_block % block_n):
+        raise ValueError(f"impl='pallas' with FP8 weights: block_k and block_n must divide the "
+                         f"scale block {fp8_block} (a tile in one block); got {block_k}, {block_n}")
     grp_S, first_S, end_S = _tile_list(group_sizes_G, m)
     s = grp_S.shape[0]
     operands = [grp_S, first_S, end_S, x_MK, w_GKN.reshape(g * k, n)]
@@ -283,7 +324,7 @@ def _sparse_grouped_matmul(x_MK, w_GKN, group_sizes_G, *, block_k, block_n, num_
         specs.append(whole(g * bk, bn))
     return pl.pallas_call(
         functools.partial(_sparse_kernel, m=m, k=k, groups=g, block_k=block_k,
-                          block_n=block_n),
+                          block_n=block_n, fp8_block=fp8_block),
         grid=(s, n // block_n),
         in_specs=specs,
         out_specs=whole(m, n),
@@ -301,14 +342,13 @@ def _sparse_grouped_matmul(x_MK, w_GKN, group_sizes_G, *, block_k, block_n, num_
 
 @functools.partial(jax.jit, static_argnames=("impl", "block_k", "block_n", "num_warps",
                                              "num_stages", "interpret"))
-def grouped_matmul(x_MK, w_GKN, group_sizes_G, *, scales=None, impl: str = "auto",
+def grouped_matmul(x_MK, w_GKN, group_sizes_G, *, impl: str = "auto",
                    block_k: int | None = None, block_n: int | None = None, num_warps: int = 4,
                    num_stages: int = 4, interpret: bool | None = None):
     """x_MK @ w_GKN[group of each row] -> f[M, N]; impl "auto" | "pallas" | "mosaic" | "xla".
 
     w_GKN may also be a tuple of consecutive expert chunks (split_experts: arrays past the
-    "pallas" kernel's int32 reach, each chunk within it). scales: with float8_e4m3fn w_GKN,
-    its block scales f32[G, ceil(K/128), ceil(N/128)] (a tuple of chunks with chunked w).
+    "pallas" kernel's int32 reach, each chunk within it), and a BlockScaledFp8 (or chunks).
     Tuning options of the "pallas" kernel: block_k / block_n (powers of two >= 16 dividing K /
     N; default the largest dividing one up to 128), num_warps, num_stages, interpret
     (default: on CPU only).
@@ -316,28 +356,27 @@ def grouped_matmul(x_MK, w_GKN, group_sizes_G, *, scales=None, impl: str = "auto
     tuning = dict(impl=impl, block_k=block_k, block_n=block_n, num_warps=num_warps,
                   num_stages=num_stages, interpret=interpret)
     if isinstance(w_GKN, (tuple, list)):
-        return _over_chunks(x_MK, tuple(w_GKN), group_sizes_G, tuning,
-                            None if scales is None else tuple(scales))
-    _validate(x_MK, w_GKN, group_sizes_G, scales)
+        return _over_chunks(x_MK, tuple(w_GKN), group_sizes_G, tuning)
+    _validate(x_MK, w_GKN, group_sizes_G)
+    fp8 = isinstance(w_GKN, BlockScaledFp8)
     auto = impl == "auto"
     impl, on_gpu = resolve_impl(impl, ("pallas", "mosaic", "xla"))
     if auto and on_gpu:
         sparse_ok = _sparse_problem(x_MK, w_GKN) is None
-        if sparse_ok and (x_MK.shape[0] <= SPARSE_MAX_ROWS or scales is not None):
+        if sparse_ok and (x_MK.shape[0] <= SPARSE_MAX_ROWS or fp8):
             impl = "pallas"
         else:
-            impl = "mosaic" if scales is None and _mosaic_fits(x_MK, w_GKN) else "xla"
-    if impl == "mosaic" and scales is not None:
+            impl = "mosaic" if not fp8 and _mosaic_fits(x_MK, w_GKN) else "xla"
+    if impl == "mosaic" and fp8:
         raise ValueError("impl='mosaic' has no FP8 weights; use impl='pallas' or 'xla'")
     if impl == "xla":
-        if scales is not None:
-            w_GKN = dequantize(w_GKN, scales, x_MK.dtype)
+        if fp8:
+            w_GKN = dequantize(w_GKN, x_MK.dtype)
         return jax.lax.ragged_dot(x_MK, w_GKN, group_sizes_G.astype(jnp.int32))
     if impl == "pallas":
         return _sparse_grouped_matmul(
             x_MK, w_GKN, group_sizes_G, block_k=block_k, block_n=block_n, num_warps=num_warps,
-            num_stages=num_stages, interpret=(not on_gpu) if interpret is None else interpret,
-            scales_GBC=scales)
+            num_stages=num_stages, interpret=(not on_gpu) if interpret is None else interpret)
     from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
     return ragged_dot_mgpu.ragged_dot(x_MK, w_GKN, group_sizes=group_sizes_G.astype(jnp.int32),
                                       **MOSAIC_TILES)

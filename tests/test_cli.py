@@ -37,6 +37,8 @@ VLLM_FLAGS = [
     (["--served-model-name", "a", "b"], {"served_model_name": "a"}),
     (["--tensor-parallel-size", "2"], {"tensor_parallel_size": 2}),
     (["--trust-remote-code"], {}),
+    (["--quantization", "fp8"], {"quantization": "fp8"}),
+    (["-q", "fp8"], {"quantization": "fp8"}),
 ]
 SERVER_FLAGS = [
     (["--disable-log-requests"], {"disable_log_requests": True}),

@@ -150,7 +150,7 @@ class LLMEngine:
                          attention_impl: str = "auto", fused_kernels: str | tuple = "auto",
                          warmup: bool = True,
                          warmup_all: bool = False, program_cache: bool = False,
-                         speculative_config: dict | str | None = None,
+                         speculative_config: dict | str | None = None, quantization: str | None = None,
                          data_parallel_size: int = 1, devices: list | None = None) -> "LLMEngine":
         """The engine for these options. data_parallel_size > 1: a DataParallelEngine of that
         many (engine/data_parallel.py). devices: the ones this engine runs on (default: the
@@ -178,7 +178,7 @@ class LLMEngine:
                num_cached_states, max_num_seqs, max_num_batched_tokens, max_model_len,
                max_waiting_requests, long_prefill_token_threshold, tensor_parallel_size,
                expert_parallel_size, seed, max_logprobs, attention_impl, fused_kernels, warmup,
-               warmup_all, program_cache, speculative_config, devices, device) -> "LLMEngine":
+               warmup_all, program_cache, speculative_config, quantization, devices, device) -> "LLMEngine":
         from jaxserve import default_model, distributed
         from jaxserve.models import loader, registry
 
@@ -198,7 +198,7 @@ class LLMEngine:
             mesh = mesh_from_parallel_config(parallel, devices)
         t0 = time.perf_counter()
         cfg, params, tokenizer = loader.load_model(model, load_format=load_format, dtype=dtype,
-                                                   mesh=mesh, seed=seed)
+                                                   mesh=mesh, seed=seed, quantization=quantization)
         load_s = time.perf_counter() - t0
         max_model_len = max_model_len or min(cfg.max_position_embeddings, _default(None, 8192, cpu_defaults.MAX_MODEL_LEN))
         if max_model_len > cfg.max_position_embeddings:

@@ -154,7 +154,7 @@ def test_grouped_matmul_rows_past_the_groups_are_zero():
     assert (got[64:] == 0).all()
 
 
-@pytest.mark.parametrize("k,n", [(7168, 4096), (2048, 7168)])  # DeepSeek-V3 gate|up, down
+@pytest.mark.parametrize("k,n", [(7168, 2048), (2048, 7168)])  # DeepSeek-V3 gate, down
 @pytest.mark.parametrize("rows", [8, 128, 4096])
 def test_grouped_matmul_fp8_block_scaled(rows, k, n):
     """DeepSeek's FP8 experts kept as e4m3 + 128 x 128 scales ("auto" takes the kernel at any
@@ -164,9 +164,10 @@ def test_grouped_matmul_fp8_block_scaled(rows, k, n):
     x = rand(rng, (rows, k))
     w8 = rand(rng, (16, k, n), jnp.float32, scale=8.0).astype(jnp.float8_e4m3fn)
     scales = jnp.asarray(rng.uniform(0.5, 2.0, (16, k // 128, n // 128)) / (8 * np.sqrt(k)), jnp.float32)
-    want = group_reference(x, gm.dequantize(w8, scales), sizes)
+    w = gm.BlockScaledFp8(w8, scales)
+    want = group_reference(x, gm.dequantize(w), sizes)
     for impl in ("pallas", "auto"):
-        got = np.asarray(gm.grouped_matmul(x, w8, sizes, scales=scales, impl=impl), np.float32)
+        got = np.asarray(gm.grouped_matmul(x, w, sizes, impl=impl), np.float32)
         err = np.linalg.norm(got - want) / np.linalg.norm(want)
         assert np.isfinite(got).all() and err < 1e-2, f"{impl}: relative error {err:.2e}"
 
@@ -225,3 +226,20 @@ def test_topk_and_topp_thresholds(rows, v):
         kept_got = (np.asarray(x) >= got[:, None]).sum(1)
         kept_want = (np.asarray(x) >= want[:, None]).sum(1)
         assert np.abs(kept_got - kept_want).max() <= 1, (kept_got, kept_want)
+
+
+def test_engine_on_kept_fp8_experts(tmp_path):
+    """The tiny DeepSeek-V3 stored as FP8 (16 x 16 blocks), run in float32 with the Pallas
+    kernels: kept FP8 experts (the grouped matmul's FP8 path) give the greedy tokens of the
+    dequantized load."""
+    from jaxserve import LLM, SamplingParams
+    from tests.models.test_deepseek_loader import _fp8_copy
+
+    path = _fp8_copy(tmp_path, block=16)
+    prompts = [{"prompt_token_ids": list(range(3 + i, 40 + 3 * i))} for i in range(3)]
+    greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    outs = [[list(o.outputs[0].token_ids) for o in
+             LLM(path, dtype="float32", quantization=q, attention_impl="pallas", max_model_len=128,
+                 max_num_seqs=4, warmup=False).generate(prompts, greedy, use_tqdm=False)]
+            for q in (None, "fp8")]
+    assert outs[0] == outs[1]

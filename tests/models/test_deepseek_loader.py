@@ -76,6 +76,58 @@ def test_fp8_checkpoint_loads_dequantized(tmp_path):
     np.testing.assert_array_equal(np.asarray(ref["layers"][1]["mlp_norm"]), np.asarray(got["layers"][1]["mlp_norm"]))
 
 
+def test_fp8_checkpoint_keeps_its_experts_in_fp8(tmp_path):
+    """quantization="fp8": the routed experts stay e4m3 with their block scales (the values the
+    dequantizing load computes, exactly), everything else loads as before."""
+    from jaxserve.pallas_kernels import grouped_matmul as gm
+
+    path = _fp8_copy(tmp_path, block=16)
+    _, deq = hf_loader.load_hf(path)
+    _, kept = hf_loader.load_hf(path, quantization="fp8")
+    moe = [i for i, lp in enumerate(kept["layers"]) if "router" in lp]
+    assert moe
+    for i in moe:
+        for name in ("w_gate", "w_up", "w_down"):
+            w = kept["layers"][i][name]
+            assert isinstance(w, gm.BlockScaledFp8) and w.values.dtype == jax.numpy.float8_e4m3fn
+            assert w.block == 16 and w.shape == deq["layers"][i][name].shape
+            np.testing.assert_array_equal(np.asarray(gm.dequantize(w)), np.asarray(deq["layers"][i][name]))
+    flat = lambda t: {jax.tree_util.keystr(k): v for k, v in jax.tree_util.tree_leaves_with_path(t)}  # noqa: E731
+    got, want = flat(kept), flat(deq)
+    for key, value in want.items():
+        if not any(f"['{n}']" in key for n in ("w_gate", "w_up", "w_down")) or "layers'][0]" in key:
+            np.testing.assert_array_equal(np.asarray(got[key]), np.asarray(value), err_msg=key)
+
+
+def test_fp8_kept_experts_give_the_dequantized_engines_tokens(tmp_path):
+    """The engine on kept FP8 experts (the grouped matmul reads the FP8 weights and scales)
+    samples the greedy tokens of the engine on the dequantized load, with close logprobs."""
+    from jaxserve import LLM, SamplingParams
+
+    path = _fp8_copy(tmp_path, block=16)
+    prompts = [{"prompt_token_ids": list(range(3 + i, 40 + 3 * i))} for i in range(3)]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=1)
+    outs = {}
+    for q in (None, "fp8"):
+        llm = LLM(path, dtype="float32", quantization=q, max_model_len=128, max_num_seqs=4,
+                  max_num_batched_tokens=64, warmup=False)
+        outs[q] = llm.generate(prompts, params, use_tqdm=False)
+    for a, b in zip(outs[None], outs["fp8"]):
+        assert list(a.outputs[0].token_ids) == list(b.outputs[0].token_ids)
+        lp = lambda o: [next(iter(d.values())).logprob for d in o.outputs[0].logprobs]  # noqa: E731
+        np.testing.assert_allclose(lp(b), lp(a), atol=1e-4)
+
+
+def test_fp8_quantization_is_refused_where_it_cannot_keep(tmp_path):
+    with pytest.raises(ValueError, match="is not one"):
+        hf_loader.load_hf(CKPT, quantization="fp8")                 # a bf16 checkpoint
+    with pytest.raises(ValueError, match="quantization must be"):
+        hf_loader.load_hf(_fp8_copy(tmp_path, block=16), quantization="int4")
+    llama = os.path.join(os.path.dirname(CKPT), "llama")
+    with pytest.raises(ValueError, match="is built for DeepseekV3ForCausalLM"):
+        hf_loader.load_hf(llama, quantization="fp8")
+
+
 def test_mtp_layer_loads_into_its_own_subtree(tmp_path):
     path = tmp_path / "mtp"
     shutil.copytree(CKPT, path)
@@ -134,3 +186,25 @@ def test_dummy_draws_a_big_group_array_by_array(monkeypatch):
     assert lp["w_gate"].shape == (8, 64, 16) and float(lp["attn_norm"].min()) == 1.0
     assert 0.015 < float(lp["w_gate"].std()) < 0.025
     assert not np.array_equal(np.asarray(lp["w_gate"]), np.asarray(lp["w_up"]))
+
+
+def test_dummy_fp8_experts_are_quantized_like_a_checkpoint():
+    """--load-format dummy --quantization fp8 (the H200 benchmarks' FP8 path): every MoE
+    layer's experts are block-scaled FP8 within e4m3's rounding of the drawn weights."""
+    from jaxserve.models import loader
+    from jaxserve.pallas_kernels import grouped_matmul as gm
+
+    _, plain, _ = loader.load_model(CKPT, load_format="dummy", seed=3)
+    _, kept, _ = loader.load_model(CKPT, load_format="dummy", seed=3, quantization="fp8")
+    for lp, ref in zip(kept["layers"], plain["layers"]):
+        for name in ("w_gate", "w_up", "w_down"):
+            if "router" in lp:
+                w, want = lp[name], np.asarray(ref[name])
+                assert isinstance(w, gm.BlockScaledFp8) and w.block == 128
+                np.testing.assert_allclose(np.asarray(gm.dequantize(w)), want, rtol=0.07,
+                                           atol=0.07 * np.abs(want).max() / 16)
+            else:
+                assert not isinstance(lp[name], gm.BlockScaledFp8)
+    with pytest.raises(ValueError, match="is built for"):
+        loader.load_model(os.path.join(os.path.dirname(CKPT), "llama"), load_format="dummy",
+                          quantization="fp8")

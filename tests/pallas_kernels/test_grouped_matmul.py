@@ -163,20 +163,20 @@ def test_expert_chunks_give_the_whole_weights_result(impl):
 # -- block-scaled FP8 weights (DeepSeek's checkpoints kept in FP8) ------------------------------
 
 
-def fp8_operands(sizes, m=None, k=256, n=256, dtype=jnp.float32, seed=0):
-    """(x, e4m3 weights, f32 scales per 128 x 128 block, sizes): scales differ per block, so a
-    scale applied to the wrong tile shows."""
+def fp8_operands(sizes, m=None, k=256, n=256, dtype=jnp.float32, seed=0, block=128):
+    """(x, BlockScaledFp8 weights, sizes): scales differ per block, so a scale applied to the
+    wrong tile shows."""
     x, w, sizes = operands(sizes, m, k, n, dtype, seed)
     rng = np.random.default_rng(seed + 1)
     w8 = (w.astype(jnp.float32) * 64).astype(jnp.float8_e4m3fn)
-    scales = jnp.asarray(rng.uniform(0.5, 2.0, (w.shape[0], -(-k // 128), -(-n // 128))) / 64, jnp.float32)
-    return x, w8, scales, sizes
+    scales = jnp.asarray(rng.uniform(0.5, 2.0, (w.shape[0], -(-k // block), -(-n // block))) / 64, jnp.float32)
+    return x, gm.BlockScaledFp8(w8, scales, block), sizes
 
 
-def check_fp8(x, w8, scales, sizes, tol=1e-5, impls=("pallas", "xla"), **tuning):
-    want = np.asarray(gm.ref_grouped_matmul(x, w8, sizes, scales), np.float32)
+def check_fp8(x, w, sizes, tol=1e-5, impls=("pallas", "xla"), **tuning):
+    want = np.asarray(gm.ref_grouped_matmul(x, w, sizes), np.float32)
     for impl in impls:
-        got = gm.grouped_matmul(x, w8, sizes, scales=scales, impl=impl, **(tuning if impl == "pallas" else {}))
+        got = gm.grouped_matmul(x, w, sizes, impl=impl, **(tuning if impl == "pallas" else {}))
         assert got.dtype == x.dtype
         np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=tol, atol=tol)
     return want
@@ -185,11 +185,11 @@ def check_fp8(x, w8, scales, sizes, tol=1e-5, impls=("pallas", "xla"), **tuning)
 def test_fp8_dequantize_is_the_loaders():
     from jaxserve.models.deepseek_loader import dequantize_blocks
 
-    _, w8, scales, _ = fp8_operands([1, 1], k=200, n=136)      # partial last blocks
-    ours = np.asarray(gm.dequantize(w8, scales))
+    _, w, _ = fp8_operands([1, 1], k=200, n=136)      # partial last blocks
+    ours = np.asarray(gm.dequantize(w))
     # the loader's is per [out, in] matrix with scale_inv [out blocks, in blocks]
     for g in range(2):
-        theirs = dequantize_blocks(np.asarray(w8[g]).T, np.asarray(scales[g]).T, (128, 128)).T
+        theirs = dequantize_blocks(np.asarray(w.values[g]).T, np.asarray(w.scales[g]).T, (128, 128)).T
         np.testing.assert_array_equal(ours[g], theirs)
 
 
@@ -200,6 +200,7 @@ def test_fp8_one_token_top8_of_128_experts_and_row_tiles():
     # several row tiles, rows past the groups, K and N over several scale blocks and tiles
     want = check_fp8(*fp8_operands([3, 0, 20, 1, 0, 37], m=70, k=384, n=256), block_k=64, block_n=32)
     assert (want[61:] == 0).all()
+    check_fp8(*fp8_operands([3, 0, 5, 9], k=64, n=48, block=16))    # small blocks: 16 x 16 tiles
 
 
 def test_fp8_with_bf16_activations():
@@ -207,32 +208,34 @@ def test_fp8_with_bf16_activations():
 
 
 def test_fp8_expert_chunks():
-    x, w8, scales, sizes = fp8_operands([3, 0, 5, 1, 0, 0, 7, 2], m=20, k=128, n=128)
-    want = gm.ref_grouped_matmul(x, w8, sizes, scales)
-    chunks, scale_chunks = gm.split_experts(w8, limit=w8.size // 4), jnp.split(scales, 4)
+    x, w, sizes = fp8_operands([3, 0, 5, 1, 0, 0, 7, 2], m=20, k=128, n=128)
+    want = gm.ref_grouped_matmul(x, w, sizes)
+    chunks = gm.split_experts(w, limit=w.size // 4)
+    assert len(chunks) == 4 and all(isinstance(c, gm.BlockScaledFp8) for c in chunks)
     for impl in ("pallas", "xla"):
-        got = gm.grouped_matmul(x, chunks, sizes, scales=scale_chunks, impl=impl)
+        got = gm.grouped_matmul(x, chunks, sizes, impl=impl)
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
 
 
 def test_fp8_validation():
-    x, w8, scales, sizes = fp8_operands([4, 4], k=256, n=256)
-    with pytest.raises(ValueError, match="scales_GBC must be given exactly when"):
-        gm.grouped_matmul(x, w8, sizes)
-    with pytest.raises(ValueError, match="scales_GBC must be given exactly when"):
-        gm.grouped_matmul(x, w8.astype(jnp.float32), sizes, scales=scales)
-    with pytest.raises(ValueError, match=r"scales_GBC must be f32\[2, 2, 2\]"):
-        gm.grouped_matmul(x, w8, sizes, scales=scales[:, :1])
-    with pytest.raises(ValueError, match="must divide 128"):
-        gm.grouped_matmul(x, w8, sizes, scales=scales, impl="pallas", block_k=256)
+    x, w, sizes = fp8_operands([4, 4], k=256, n=256)
+    with pytest.raises(ValueError, match="needs its block scales"):
+        gm.grouped_matmul(x, w.values, sizes)
+    with pytest.raises(ValueError, match=r"f32\[2, 2, 2\] scales"):
+        gm.grouped_matmul(x, gm.BlockScaledFp8(w.values, w.scales[:, :1]), sizes)
+    with pytest.raises(ValueError, match="must divide the scale block"):
+        gm.grouped_matmul(x, w, sizes, impl="pallas", block_k=256)
+    with pytest.raises(ValueError, match="no FP8"):
+        gm.grouped_matmul(x, w, sizes, impl="mosaic")
 
 
 def test_fp8_pallas_lowers_for_cuda():
-    """DeepSeek-V3's expert shapes (gate|up 7168 x 4096, down 2048 x 7168) at one token."""
+    """DeepSeek-V3's expert shapes (gate 7168 x 2048, down 2048 x 7168) at one token."""
     sds = jax.ShapeDtypeStruct
-    for k, n in ((7168, 4096), (2048, 7168)):
+    for k, n in ((7168, 2048), (2048, 7168)):
         exported = export_for_cuda(
-            lambda x, w, s, sc: gm.grouped_matmul(x, w, s, scales=sc, impl="pallas", interpret=False),
-            sds((8, k), jnp.bfloat16), sds((16, k, n), jnp.float8_e4m3fn), sds((16,), jnp.int32),
-            sds((16, k // 128, n // 128), jnp.float32))
+            lambda x, w, sc, s: gm.grouped_matmul(x, gm.BlockScaledFp8(w, sc), s, impl="pallas",
+                                                  interpret=False),
+            sds((8, k), jnp.bfloat16), sds((16, k, n), jnp.float8_e4m3fn),
+            sds((16, k // 128, n // 128), jnp.float32), sds((16,), jnp.int32))
         assert triton_kernel_names(exported) == ["grouped_matmul_sparse_fp8_bk128_bn128"]
