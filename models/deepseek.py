@@ -42,6 +42,7 @@ from jaxserve.kv_cache.specs import PagedSpec
 from jaxserve.models import layers, llama, mla, moe
 from jaxserve.pallas_kernels.dispatch import resolve_impl
 from jaxserve.pallas_kernels.mla_attention import mla_attention
+from jaxserve.pallas_kernels.moe_router import moe_router
 from jaxserve.pallas_kernels.topk import topk
 from jaxserve.sharding import kernels as sharded
 from jaxserve.step_input import StepInput
@@ -183,32 +184,23 @@ def mtp_param_shapes(cfg: DeepseekConfig) -> list[dict]:
                  **_layer_shapes(cfg, moe_layer)) for _ in range(cfg.num_mtp_layers)]
 
 
-def route(cfg: DeepseekConfig, lp: dict, h_TD: jax.Array):
+def route(cfg: DeepseekConfig, lp: dict, h_TD: jax.Array, impl: str = "xla"):
     """(weights f32[T, k], experts i32[T, k]): sigmoid scores; the choice uses scores + bias
     (e_score_correction_bias, DeepSeek's load balancing), restricted to the topk_group groups
     whose two best biased scores sum highest; the weights are the unbiased scores of the
-    chosen experts, renormalised (norm_topk_prob) and times routed_scaling_factor."""
-    t = h_TD.shape[0]
-    x, g, k = cfg.num_experts, cfg.n_group, cfg.num_experts_per_tok
+    chosen experts, renormalised (norm_topk_prob) and times routed_scaling_factor. One kernel
+    under "pallas" (pallas_kernels/moe_router.py), its jnp reference under "xla"."""
     logits_TX = h_TD.astype(jnp.float32) @ lp["router"].astype(jnp.float32)
-    scores_TX = jax.nn.sigmoid(logits_TX)
-    choice_TX = scores_TX + lp["router_bias"].astype(jnp.float32)
-    if cfg.topk_group < g:
-        group_TG = jax.lax.top_k(choice_TX.reshape(t, g, x // g), 2)[0].sum(-1)
-        _, best_Tg = jax.lax.top_k(group_TG, cfg.topk_group)
-        keep_TG = jnp.zeros((t, g), bool).at[jnp.arange(t)[:, None], best_Tg].set(True)
-        choice_TX = jnp.where(jnp.repeat(keep_TG, x // g, axis=1), choice_TX, -jnp.inf)
-    _, experts_Tk = jax.lax.top_k(choice_TX, k)
-    weights_Tk = jnp.take_along_axis(scores_TX, experts_Tk, axis=1)
-    if cfg.norm_topk_prob:
-        weights_Tk = weights_Tk / (weights_Tk.sum(-1, keepdims=True) + 1e-20)
-    return weights_Tk * cfg.routed_scaling_factor, experts_Tk.astype(jnp.int32)
+    return moe_router(logits_TX, top_k=cfg.num_experts_per_tok, scoring="sigmoid",
+                      renormalize=cfg.norm_topk_prob, scaling=cfg.routed_scaling_factor,
+                      bias=lp["router_bias"], n_group=cfg.n_group, topk_group=cfg.topk_group,
+                      impl=impl)
 
 
 def moe_mlp(cfg: DeepseekConfig, lp: dict, h_TD: jax.Array, impl: str = "xla") -> jax.Array:
     """Routed experts (tokens sorted by expert, one ragged matmul per projection, as
     moe.moe_mlp) plus the shared experts, a dense MLP every token goes through."""
-    out_TD = moe.routed_experts(lambda p, h: route(cfg, p, h), lp, h_TD, cfg.num_experts, impl)
+    out_TD = moe.routed_experts(lambda p, h: route(cfg, p, h, impl), lp, h_TD, cfg.num_experts, impl)
     if "ws_down" in lp:
         shared = {"w_gate": lp["ws_gate"], "w_up": lp["ws_up"], "w_down": lp["ws_down"]}
         out_TD = out_TD + llama.dense_mlp(shared, h_TD)
