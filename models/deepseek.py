@@ -42,6 +42,7 @@ from jaxserve.kv_cache.specs import PagedSpec
 from jaxserve.models import layers, llama, mla, moe
 from jaxserve.pallas_kernels.dispatch import resolve_impl
 from jaxserve.pallas_kernels.mla_attention import mla_attention
+from jaxserve.pallas_kernels.mla_latent_write import mla_latent_write
 from jaxserve.pallas_kernels.moe_router import moe_router
 from jaxserve.pallas_kernels.topk import topk
 from jaxserve.sharding import kernels as sharded
@@ -227,53 +228,80 @@ def _rope_first(x_TNJ: jax.Array, r: int, positions_T, rope: Rope) -> jax.Array:
     return jnp.concatenate([roped, x_TNJ[..., r:]], axis=-1)
 
 
-def indexer(cfg: DeepseekConfig, lp: dict, cache: dict, h_TD, q_resid_TQ, x: StepInput, rope: Rope,
+def index_key(cfg: DeepseekConfig, lp: dict, h_TD: jax.Array, x: StepInput, rope: Rope) -> jax.Array:
+    """V3.2's indexer key of each token f[T, J]: LayerNorm(wk x), rotary on its first R dims."""
+    k_TJ = mla.layer_norm(layers.linear(h_TD, lp["wk_idx"]), lp["k_idx_norm"], lp["k_idx_bias"])
+    return _rope_first(k_TJ[:, None], cfg.qk_rope_head_dim, x.positions, rope)[:, 0]
+
+
+def indexer(cfg: DeepseekConfig, lp: dict, index_k, h_TD, q_resid_TQ, x: StepInput, rope: Rope,
             impl: str):
-    """V3.2's lightning indexer: writes this step's index keys, returns (cache, the positions
-    each token attends to i32[T, k], -1: none)."""
+    """V3.2's lightning indexer over its paged keys (this step's already written): the
+    positions each token attends to i32[T, k] (-1: none)."""
     t = h_TD.shape[0]
     i, j, r = cfg.index_n_heads, cfg.index_head_dim, cfg.qk_rope_head_dim
     q_TIJ = _rope_first(layers.linear(q_resid_TQ, lp["wq_idx"]).reshape(t, i, j), r, x.positions, rope)
-    k_TJ = mla.layer_norm(layers.linear(h_TD, lp["wk_idx"]), lp["k_idx_norm"], lp["k_idx_bias"])
-    k_TJ = _rope_first(k_TJ[:, None], r, x.positions, rope)[:, 0]
-    index_k = mla.write_paged(cache["index_k"], k_TJ, x.slot_mapping)
     w_TI = layers.linear(h_TD, lp["w_idx"]).astype(jnp.float32) * i ** -0.5
     scores_TL = mla.index_scores_xla(q_TIJ, w_TI, index_k, x.block_tables, x.token_seq_ids,
                                      x.positions, scale=j ** -0.5)
     # the scores are replicated (so is the indexer): every rank selects the same positions
     topk_fn = None if impl == "xla" else (
         lambda s, k: sharded.replicated(functools.partial(topk, k=k, impl=impl), 1, 2)(s))
-    return dict(cache, index_k=index_k), mla.select_topk(scores_TL, cfg.index_topk, topk_fn)
+    return mla.select_topk(scores_TL, cfg.index_topk, topk_fn)
+
+
+def write_caches(cfg: DeepseekConfig, lp: dict, cache: dict, h_TD: jax.Array, x: StepInput,
+                 rope: Rope, impl: str) -> dict:
+    """This step's rows into the layer's paged caches: the RMS-normed latent with the roped
+    shared key, and V3.2's indexer key. Under "pallas" one kernel writes both
+    (pallas_kernels/mla_latent_write.py, replicated under a mesh: so are the caches); under
+    "xla" the model's own ops, which are that kernel's reference."""
+    c = cfg.kv_lora_rank
+    kv_TW = layers.linear(h_TD, lp["wkv_a"])
+    if impl == "xla":
+        c_TC = layers.rms_norm(kv_TW[:, :c], lp["kv_a_norm"], LORA_NORM_EPS)
+        k_rope_TR = mla.rope(kv_TW[:, None, c:], x.positions, rope.inv_freq, rope.factor)[:, 0]
+        out = dict(cache, latent=mla.write_paged(cache["latent"], jnp.concatenate([c_TC, k_rope_TR], -1),
+                                                 x.slot_mapping))
+        if cfg.index_topk:
+            out["index_k"] = mla.write_paged(cache["index_k"], index_key(cfg, lp, h_TD, x, rope),
+                                             x.slot_mapping)
+        return out
+    write = functools.partial(mla_latent_write, factor=rope.factor, eps=LORA_NORM_EPS, impl=impl)
+    args = [kv_TW, lp["kv_a_norm"], x.positions, x.slot_mapping, cache["latent"], rope.inv_freq]
+    if not cfg.index_topk:
+        latent = sharded.replicated(lambda *a: write(*a)[0], len(args))(*args)
+        return dict(cache, latent=latent)
+    args += [layers.linear(h_TD, lp["wk_idx"]), lp["k_idx_norm"], lp["k_idx_bias"], cache["index_k"]]
+    latent, index_k = sharded.replicated(write, len(args), 2)(*args)
+    return dict(cache, latent=latent, index_k=index_k)
 
 
 def attention_block(cfg: DeepseekConfig, lp: dict, cache: dict, h_TD: jax.Array, x: StepInput,
                     rope: Rope, impl: str = "xla"):
     """MLA sub-block on normed input: (new cache dict, output f[T, D])."""
     t = h_TD.shape[0]
-    n, e, r, c = cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
+    n, e = cfg.num_heads, cfg.qk_nope_head_dim
     q_resid_TQ = None
     if "wq_a" in lp:
         q_resid_TQ = layers.rms_norm(layers.linear(h_TD, lp["wq_a"]), lp["q_a_norm"], LORA_NORM_EPS)
         q = layers.linear(q_resid_TQ, lp["wq_b"])
     else:
         q = layers.linear(h_TD, lp["wq"])
-    q_nope_TNE, q_rope_TNR = jnp.split(q.reshape(t, n, e + r), [e], axis=-1)
-    c_TC, k_rope_TR = jnp.split(layers.linear(h_TD, lp["wkv_a"]), [c], axis=-1)
-    c_TC = layers.rms_norm(c_TC, lp["kv_a_norm"], LORA_NORM_EPS)
+    q_nope_TNE, q_rope_TNR = jnp.split(q.reshape(t, n, e + cfg.qk_rope_head_dim), [e], axis=-1)
     q_rope_TNR = mla.rope(q_rope_TNR, x.positions, rope.inv_freq, rope.factor)
-    k_rope_TR = mla.rope(k_rope_TR[:, None], x.positions, rope.inv_freq, rope.factor)[:, 0]
-    latent = mla.write_paged(cache["latent"], jnp.concatenate([c_TC, k_rope_TR], -1), x.slot_mapping)
-    cache = dict(cache, latent=latent)
+    cache = write_caches(cfg, lp, cache, h_TD, x, rope, impl)
     selected_Tk = None
     if cfg.index_topk:
-        cache, selected_Tk = indexer(cfg, lp, cache, h_TD, q_resid_TQ, x, rope, impl)
+        selected_Tk = indexer(cfg, lp, cache["index_k"], h_TD, q_resid_TQ, x, rope, impl)
     # absorbed: q_nope . (W_UK c) = (q_nope W_UK) . c, so scores need only the latent
     q_lat_TNC = jnp.einsum("tne,nec->tnc", q_nope_TNE, lp["w_uk"].astype(q_nope_TNE.dtype))
     q_TNW = jnp.concatenate([q_lat_TNC, q_rope_TNR], axis=-1)
-    attend = functools.partial(mla_attention, sm_scale=rope.sm_scale, value_dim=c, impl=impl)
+    attend = functools.partial(mla_attention, sm_scale=rope.sm_scale, value_dim=cfg.kv_lora_rank,
+                               impl=impl)
     if impl != "xla":   # the kernel per head shard under a mesh (sharding/kernels.py)
         attend = functools.partial(sharded.mla_attention, attend)
-    o_TNC = attend(q_TNW, latent, x.block_tables, x.token_seq_ids, x.positions, selected_Tk)
+    o_TNC = attend(q_TNW, cache["latent"], x.block_tables, x.token_seq_ids, x.positions, selected_Tk)
     o_TNO = jnp.einsum("tnc,nco->tno", o_TNC, lp["w_uv"].astype(o_TNC.dtype))
     return cache, layers.linear(o_TNO.reshape(t, -1), lp["wo"])
 

@@ -264,3 +264,38 @@ def test_full_qk_norm_rope_kv_write(t, max_pos, dtype, shape=MINIMAX):
         else:
             close(g_[written], w_[written], tol, err_msg=name)
         np.testing.assert_array_equal(g_[untouched], w_[untouched], err_msg=name)   # NaN == NaN
+
+
+# -- DeepSeek's grouped, biased router and MLA's fused cache writes (issue 30) -------------------
+@pytest.mark.parametrize("tokens", [1, 16, 200])
+def test_deepseek_router(tokens):
+    """DeepSeek-V3's choice (256 experts, 8 groups, 4 kept, top-8, scale 2.5): the kernel's
+    experts equal the jnp reference's, weights within f32 rounding."""
+    from jaxserve.pallas_kernels import moe_router as mr
+
+    rng = np.random.default_rng(tokens)
+    logits = jnp.asarray(rng.normal(size=(tokens, 256)) * 2, F32)
+    bias = jnp.asarray(rng.normal(size=(256,)) * 0.3, F32)
+    kw = dict(top_k=8, scoring="sigmoid", renormalize=True, scaling=2.5, bias=bias, n_group=8,
+              topk_group=4)
+    w, e = mr.moe_router(logits, impl="pallas", interpret=False, **kw)
+    rw, re_ = highest(mr.ref_moe_router, logits, **kw)
+    np.testing.assert_array_equal(np.asarray(e), np.asarray(re_))
+    close(w, rw, 1e-5)
+
+
+@pytest.mark.parametrize("tokens,index,dtype", [(1, True, BF16), (64, True, BF16), (300, False, BF16),
+                                                (37, True, F32)])
+def test_mla_latent_write(tokens, index, dtype):
+    """DeepSeek-V3.2's widths (C 512, R 64, J 128), YaRN's factor, 64-token blocks."""
+    import test_mla_latent_write as lw_cpu
+    from jaxserve.models import mla
+    from jaxserve.pallas_kernels import mla_latent_write as mlw
+
+    rng = np.random.default_rng(tokens)
+    args, slots = lw_cpu.make(rng, t=tokens + 2, c=512, r=64, j=128, nb=40, p=64, dtype=dtype,
+                              index=index)
+    inv, factor = mla.rope_tables(64, 10000.0, lw_cpu.YARN, 163840)
+    got = mlw.mla_latent_write(inv_freq_H=inv, factor=factor, impl="pallas", interpret=False, **args)
+    want = highest(mlw.ref_mla_latent_write, inv_freq_H=inv, factor=factor, **args)
+    lw_cpu.compare(got, want, slots, 2e-2 if dtype == BF16 else 1e-5)
