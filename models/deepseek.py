@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 from dataclasses import dataclass
 from typing import Any
 
@@ -185,6 +186,63 @@ def mtp_param_shapes(cfg: DeepseekConfig) -> list[dict]:
                  **_layer_shapes(cfg, moe_layer)) for _ in range(cfg.num_mtp_layers)]
 
 
+def input_projections(cfg: DeepseekConfig) -> list[tuple[str, int]]:
+    """(name, width) of the projections that read a layer's normed input, in their fused
+    order: the q latent (or q itself when q_lora_rank is null), the kv latent | rope key, and
+    V3.2's indexer key and head weights."""
+    e, r, n = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.num_heads
+    out = [("wq_a", cfg.q_lora_rank)] if cfg.q_lora_rank else [("wq", n * (e + r))]
+    out.append(("wkv_a", cfg.latent_dim))
+    if cfg.index_topk:
+        out += [("wk_idx", cfg.index_head_dim), ("w_idx", cfg.index_n_heads)]
+    return out
+
+
+def q_latent_projections(cfg: DeepseekConfig) -> list[tuple[str, int]]:
+    """(name, width) of the projections that read the normed q latent: the heads' q, and V3.2's
+    indexer queries."""
+    out = [("wq_b", cfg.num_heads * cfg.qk_head_dim)]
+    if cfg.index_topk:
+        out.append(("wq_idx", cfg.index_n_heads * cfg.index_head_dim))
+    return out
+
+
+FUSED_INPUT, FUSED_Q_LATENT = "w_in", "w_q_lat"
+
+
+def fuse_projections(cfg: DeepseekConfig, params: dict) -> dict:
+    """Concatenate, in place, the projections that read the same input (decoder and MTP
+    layers): input_projections -> w_in, q_latent_projections -> w_q_lat, the dense MLP's and
+    the shared experts' gate|up -> w_gate_up / ws_gate_up. Each is then one matmul a step
+    instead of two to four (V3.2: 8 launches a layer become 3). The runner calls this for
+    unsharded parameters (llama.fuse_projections says why); the forward takes either form.
+    Routed experts stay as they are (split_expert_weights chunks them)."""
+    def fuse(lp: dict, fused: str, names: list[str]) -> None:
+        if len(names) > 1 and all(n in lp for n in names):
+            lp[fused] = jnp.concatenate([lp.pop(n) for n in names], axis=-1)
+
+    for group in ("layers", "mtp"):
+        for i, lp in enumerate(params.get(group) or []):
+            lp = dict(lp)
+            fuse(lp, FUSED_INPUT, [n for n, _ in input_projections(cfg)])
+            fuse(lp, FUSED_Q_LATENT, [n for n, _ in q_latent_projections(cfg)])
+            if getattr(lp.get("w_gate"), "ndim", 0) == 2:
+                fuse(lp, "w_gate_up", ["w_gate", "w_up"])
+            fuse(lp, "ws_gate_up", ["ws_gate", "ws_up"])
+            params[group][i] = lp
+    return params
+
+
+def project(lp: dict, h_TD: jax.Array, fused: str, parts: list[tuple[str, int]]) -> dict:
+    """{name: h_TD @ lp[name]} for each of `parts`: one matmul over lp[fused], split, when
+    fuse_projections made it, else one matmul each."""
+    if fused not in lp:
+        return {name: layers.linear(h_TD, lp[name]) for name, _ in parts}
+    y = layers.linear(h_TD, lp[fused])
+    ends = list(itertools.accumulate(width for _, width in parts))
+    return {name: y[:, end - width:end] for (name, width), end in zip(parts, ends)}
+
+
 def route(cfg: DeepseekConfig, lp: dict, h_TD: jax.Array, impl: str = "xla"):
     """(weights f32[T, k], experts i32[T, k]): sigmoid scores; the choice uses scores + bias
     (e_score_correction_bias, DeepSeek's load balancing), restricted to the topk_group groups
@@ -203,7 +261,9 @@ def moe_mlp(cfg: DeepseekConfig, lp: dict, h_TD: jax.Array, impl: str = "xla") -
     moe.moe_mlp) plus the shared experts, a dense MLP every token goes through."""
     out_TD = moe.routed_experts(lambda p, h: route(cfg, p, h, impl), lp, h_TD, cfg.num_experts, impl)
     if "ws_down" in lp:
-        shared = {"w_gate": lp["ws_gate"], "w_up": lp["ws_up"], "w_down": lp["ws_down"]}
+        shared = ({"w_gate_up": lp["ws_gate_up"]} if "ws_gate_up" in lp
+                  else {"w_gate": lp["ws_gate"], "w_up": lp["ws_up"]})
+        shared["w_down"] = lp["ws_down"]
         out_TD = out_TD + llama.dense_mlp(shared, h_TD)
     return out_TD
 
@@ -228,20 +288,20 @@ def _rope_first(x_TNJ: jax.Array, r: int, positions_T, rope: Rope) -> jax.Array:
     return jnp.concatenate([roped, x_TNJ[..., r:]], axis=-1)
 
 
-def index_key(cfg: DeepseekConfig, lp: dict, h_TD: jax.Array, x: StepInput, rope: Rope) -> jax.Array:
-    """V3.2's indexer key of each token f[T, J]: LayerNorm(wk x), rotary on its first R dims."""
-    k_TJ = mla.layer_norm(layers.linear(h_TD, lp["wk_idx"]), lp["k_idx_norm"], lp["k_idx_bias"])
+def index_key(cfg: DeepseekConfig, lp: dict, k_TJ: jax.Array, x: StepInput, rope: Rope) -> jax.Array:
+    """V3.2's indexer key of each token f[T, J] from its projection (wk x): LayerNorm, rotary on
+    its first R dims."""
+    k_TJ = mla.layer_norm(k_TJ, lp["k_idx_norm"], lp["k_idx_bias"])
     return _rope_first(k_TJ[:, None], cfg.qk_rope_head_dim, x.positions, rope)[:, 0]
 
 
-def indexer(cfg: DeepseekConfig, lp: dict, index_k, h_TD, q_resid_TQ, x: StepInput, rope: Rope,
-            impl: str):
-    """V3.2's lightning indexer over its paged keys (this step's already written): the
-    positions each token attends to i32[T, k] (-1: none)."""
-    t = h_TD.shape[0]
+def indexer(cfg: DeepseekConfig, q_TIJ, w_TI, index_k, x: StepInput, rope: Rope, impl: str):
+    """V3.2's lightning indexer over its paged keys (this step's already written), from its
+    queries' and head weights' projections: the positions each token attends to i32[T, k]
+    (-1: none)."""
     i, j, r = cfg.index_n_heads, cfg.index_head_dim, cfg.qk_rope_head_dim
-    q_TIJ = _rope_first(layers.linear(q_resid_TQ, lp["wq_idx"]).reshape(t, i, j), r, x.positions, rope)
-    w_TI = layers.linear(h_TD, lp["w_idx"]).astype(jnp.float32) * i ** -0.5
+    q_TIJ = _rope_first(q_TIJ.reshape(-1, i, j), r, x.positions, rope)
+    w_TI = w_TI.astype(jnp.float32) * i ** -0.5
     scores_TL = mla.index_scores_xla(q_TIJ, w_TI, index_k, x.block_tables, x.token_seq_ids,
                                      x.positions, scale=j ** -0.5)
     # the scores are replicated (so is the indexer): every rank selects the same positions
@@ -250,21 +310,21 @@ def indexer(cfg: DeepseekConfig, lp: dict, index_k, h_TD, q_resid_TQ, x: StepInp
     return mla.select_topk(scores_TL, cfg.index_topk, topk_fn)
 
 
-def write_caches(cfg: DeepseekConfig, lp: dict, cache: dict, h_TD: jax.Array, x: StepInput,
+def write_caches(cfg: DeepseekConfig, lp: dict, cache: dict, kv_TW: jax.Array, index_TJ, x: StepInput,
                  rope: Rope, impl: str) -> dict:
-    """This step's rows into the layer's paged caches: the RMS-normed latent with the roped
-    shared key, and V3.2's indexer key. Under "pallas" one kernel writes both
-    (pallas_kernels/mla_latent_write.py, replicated under a mesh: so are the caches); under
-    "xla" the model's own ops, which are that kernel's reference."""
+    """This step's rows into the layer's paged caches, from the wkv_a (and V3.2's wk_idx)
+    projections: the RMS-normed latent with the roped shared key, and the indexer key. Under
+    "pallas" one kernel writes both (pallas_kernels/mla_latent_write.py, replicated under a
+    mesh: so are the caches); under "xla" the model's own ops, which are that kernel's
+    reference."""
     c = cfg.kv_lora_rank
-    kv_TW = layers.linear(h_TD, lp["wkv_a"])
     if impl == "xla":
         c_TC = layers.rms_norm(kv_TW[:, :c], lp["kv_a_norm"], LORA_NORM_EPS)
         k_rope_TR = mla.rope(kv_TW[:, None, c:], x.positions, rope.inv_freq, rope.factor)[:, 0]
         out = dict(cache, latent=mla.write_paged(cache["latent"], jnp.concatenate([c_TC, k_rope_TR], -1),
                                                  x.slot_mapping))
         if cfg.index_topk:
-            out["index_k"] = mla.write_paged(cache["index_k"], index_key(cfg, lp, h_TD, x, rope),
+            out["index_k"] = mla.write_paged(cache["index_k"], index_key(cfg, lp, index_TJ, x, rope),
                                              x.slot_mapping)
         return out
     write = functools.partial(mla_latent_write, factor=rope.factor, eps=LORA_NORM_EPS, impl=impl)
@@ -272,7 +332,7 @@ def write_caches(cfg: DeepseekConfig, lp: dict, cache: dict, h_TD: jax.Array, x:
     if not cfg.index_topk:
         latent = sharded.replicated(lambda *a: write(*a)[0], len(args))(*args)
         return dict(cache, latent=latent)
-    args += [layers.linear(h_TD, lp["wk_idx"]), lp["k_idx_norm"], lp["k_idx_bias"], cache["index_k"]]
+    args += [index_TJ, lp["k_idx_norm"], lp["k_idx_bias"], cache["index_k"]]
     latent, index_k = sharded.replicated(write, len(args), 2)(*args)
     return dict(cache, latent=latent, index_k=index_k)
 
@@ -282,18 +342,19 @@ def attention_block(cfg: DeepseekConfig, lp: dict, cache: dict, h_TD: jax.Array,
     """MLA sub-block on normed input: (new cache dict, output f[T, D])."""
     t = h_TD.shape[0]
     n, e = cfg.num_heads, cfg.qk_nope_head_dim
-    q_resid_TQ = None
-    if "wq_a" in lp:
-        q_resid_TQ = layers.rms_norm(layers.linear(h_TD, lp["wq_a"]), lp["q_a_norm"], LORA_NORM_EPS)
-        q = layers.linear(q_resid_TQ, lp["wq_b"])
+    a = project(lp, h_TD, FUSED_INPUT, input_projections(cfg))
+    if cfg.q_lora_rank:
+        q_resid_TQ = layers.rms_norm(a["wq_a"], lp["q_a_norm"], LORA_NORM_EPS)
+        b = project(lp, q_resid_TQ, FUSED_Q_LATENT, q_latent_projections(cfg))
+        q = b["wq_b"]
     else:
-        q = layers.linear(h_TD, lp["wq"])
+        q = a["wq"]
     q_nope_TNE, q_rope_TNR = jnp.split(q.reshape(t, n, e + cfg.qk_rope_head_dim), [e], axis=-1)
     q_rope_TNR = mla.rope(q_rope_TNR, x.positions, rope.inv_freq, rope.factor)
-    cache = write_caches(cfg, lp, cache, h_TD, x, rope, impl)
+    cache = write_caches(cfg, lp, cache, a["wkv_a"], a.get("wk_idx"), x, rope, impl)
     selected_Tk = None
     if cfg.index_topk:
-        selected_Tk = indexer(cfg, lp, cache["index_k"], h_TD, q_resid_TQ, x, rope, impl)
+        selected_Tk = indexer(cfg, b["wq_idx"], a["w_idx"], cache["index_k"], x, rope, impl)
     # absorbed: q_nope . (W_UK c) = (q_nope W_UK) . c, so scores need only the latent
     q_lat_TNC = jnp.einsum("tne,nec->tnc", q_nope_TNE, lp["w_uk"].astype(q_nope_TNE.dtype))
     q_TNW = jnp.concatenate([q_lat_TNC, q_rope_TNR], axis=-1)

@@ -149,6 +149,23 @@ def test_pallas_kernels_in_the_model():
         np.testing.assert_allclose(logits_SV, want, atol=ATOL, rtol=0)
 
 
+@pytest.mark.parametrize("name", list(NAMES))
+def test_fused_projections_match_the_goldens(name):
+    """The runner's fused weights (fuse_projections: the input projections, the q latent's,
+    the dense and shared gate|up each one matrix) give the goldens' prefill logits."""
+    golden, cfg, params, prompts = _load(name)
+    fused = deepseek.fuse_projections(cfg, {**params, "layers": list(params["layers"])})
+    names = set().union(*fused["layers"])
+    assert {"w_in", "ws_gate_up", "w_gate_up"} <= names
+    assert not {"wq_a", "wq", "wkv_a", "wk_idx", "w_idx", "ws_gate", "ws_up"} & names
+    assert ("w_q_lat" in names) == (name == "deepseek_v32")     # V3: wq_b alone, nothing to fuse
+    x = build_step([Chunk(i, p, 0) for i, p in enumerate(prompts)],
+                   scattered_block_tables(3, BLOCKS_PER_SEQ, NUM_BLOCKS), BLOCK_SIZE, 32, S)
+    _, logits_TV = _step(cfg, fused, empty_caches(cfg, NUM_BLOCKS, BLOCK_SIZE), x)
+    want = np.concatenate([golden[f"prefill_logits_{i}"] for i in range(3)])
+    np.testing.assert_allclose(np.asarray(logits_TV)[:len(want)], want, atol=ATOL, rtol=0)
+
+
 @pytest.mark.parametrize("name", ["deepseek_v3", "deepseek_v32"])
 def test_bfloat16_prefill_is_close(name):
     """bf16 weights, activations and caches (the router bias stays f32): logits near the f32
