@@ -259,7 +259,8 @@ def route(cfg: DeepseekConfig, lp: dict, h_TD: jax.Array, impl: str = "xla"):
 def moe_mlp(cfg: DeepseekConfig, lp: dict, h_TD: jax.Array, impl: str = "xla") -> jax.Array:
     """Routed experts (tokens sorted by expert, one ragged matmul per projection, as
     moe.moe_mlp) plus the shared experts, a dense MLP every token goes through."""
-    out_TD = moe.routed_experts(lambda p, h: route(cfg, p, h, impl), lp, h_TD, cfg.num_experts, impl)
+    out_TD = moe.routed_experts(lambda p, h: route(cfg, p, h, moe.kernel_impl(impl)), lp, h_TD,
+                                cfg.num_experts, impl)
     if "ws_down" in lp:
         shared = ({"w_gate_up": lp["ws_gate_up"]} if "ws_gate_up" in lp
                   else {"w_gate": lp["ws_gate"], "w_up": lp["ws_up"]})
@@ -368,22 +369,26 @@ def attention_block(cfg: DeepseekConfig, lp: dict, cache: dict, h_TD: jax.Array,
 
 
 def decoder_layer(cfg: DeepseekConfig, i: int, lp: dict, cache: dict, residual_TD, x: StepInput,
-                  rope: Rope, impl: str):
-    """One pre-norm decoder layer on the residual stream: (cache, new residual)."""
+                  rope: Rope, impl: str, moe_impl: str | None = None):
+    """One pre-norm decoder layer on the residual stream: (cache, new residual). moe_impl: the
+    MoE layer's (models/moe.py; "fused" takes its decode kernels), default `impl`."""
     eps = cfg.rms_norm_eps
     cache, attn_TD = attention_block(cfg, lp, cache, layers.rms_norm(residual_TD, lp["attn_norm"], eps),
                                      x, rope, impl)
     residual_TD = residual_TD + attn_TD
     normed_TD = layers.rms_norm(residual_TD, lp["mlp_norm"], eps)
-    mlp_TD = moe_mlp(cfg, lp, normed_TD, impl) if "router" in lp else llama.dense_mlp(lp, normed_TD)
+    mlp_TD = (moe_mlp(cfg, lp, normed_TD, moe_impl or impl) if "router" in lp
+              else llama.dense_mlp(lp, normed_TD))
     return cache, residual_TD + mlp_TD
 
 
 def make_kernels(cfg: DeepseekConfig, backend, plan=None, fused=frozenset()) -> str:
     """The family interface's kernel choice (models/llama.py): this family's kernels are picked
-    by one impl name, the runner's requested attention impl ("auto" is Pallas on a GPU); the
-    attention plan and the fused-kernel switches are llama's and unused here."""
-    return resolve_impl(backend if isinstance(backend, str) else backend.requested)[0]
+    by one impl name, the runner's requested attention impl ("auto" is Pallas on a GPU), or
+    "fused" (Pallas, and the MoE's fused decode kernels) with "moe" in `fused`; the attention
+    plan and llama's other fused-kernel switches are unused here."""
+    impl = resolve_impl(backend if isinstance(backend, str) else backend.requested)[0]
+    return "fused" if "moe" in fused and impl == "pallas" else impl
 
 
 def forward(cfg: DeepseekConfig, params: dict, caches: list[dict[str, jax.Array]], x: StepInput,
@@ -392,14 +397,16 @@ def forward(cfg: DeepseekConfig, params: dict, caches: list[dict[str, jax.Array]
     residual stream after each layer in `aux_layers`).
 
     kernels: "xla" (plain jnp MLA, lax.top_k, lax.ragged_dot), "pallas" (the MLA and TopK
-    kernels, interpreted on a CPU; the MoE grouped matmul picks its own kernel) or "auto"
-    (pallas on a GPU, else xla)."""
-    impl, _ = resolve_impl(kernels)
+    kernels, interpreted on a CPU; the MoE grouped matmul picks its own kernel), "fused"
+    (pallas, and small steps' routed experts through moe_decode) or "auto" (pallas on a GPU,
+    else xla)."""
+    moe_impl = "fused" if kernels == "fused" else resolve_impl(kernels)[0]
+    impl = moe.kernel_impl(moe_impl)
     rope = make_rope(cfg)
     residual_TD = params["embed"][x.token_ids]
     new_caches, aux = [], []
     for i, (lp, cache) in enumerate(zip(params["layers"], caches)):
-        cache, residual_TD = decoder_layer(cfg, i, lp, cache, residual_TD, x, rope, impl)
+        cache, residual_TD = decoder_layer(cfg, i, lp, cache, residual_TD, x, rope, impl, moe_impl)
         new_caches.append(cache)
         if i in aux_layers:
             aux.append(residual_TD)

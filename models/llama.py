@@ -138,6 +138,12 @@ class Kernels:
                                #   -> (q', k_cache, v_cache): q/k norm, RoPE, KV write
     impl: str                  # "xla" | "pallas": also picks the MoE grouped matmul
     linear: bool = False       # dense layers and the LM head through fused_linear (fused_stack)
+    moe: str | None = None     # the MoE layers' impl (models/moe.py: "fused" is "pallas" with the
+                               # fused decode kernels for small steps); None: `impl`
+
+    @property
+    def moe_impl(self) -> str:
+        return self.moe or self.impl
 
 
 # Fused Pallas kernels a runner may switch on (EngineConfig.fused_kernels): fused add+RMSNorm
@@ -147,7 +153,9 @@ class Kernels:
 # norm, bias, gate or residual add fused in (pallas_kernels/fused_linear.py), the packed q/k/v
 # through one rope + KV-write kernel, and the LM head: five kernels a dense layer plus
 # attention, for small models whose decode step is bound by kernel launches (issue 33).
-FUSABLE = ("norm", "rope", "linear")
+# "moe": the routed experts of steps of a few tokens in two kernels (pallas_kernels/
+# moe_decode.py, every MoE family); off by default until measured on the H200.
+FUSABLE = ("norm", "rope", "linear", "moe")
 
 
 def make_kernels(cfg: ModelConfig, backend: "AttentionBackend | str" = "xla",
@@ -161,6 +169,7 @@ def make_kernels(cfg: ModelConfig, backend: "AttentionBackend | str" = "xla",
     if not fused <= set(FUSABLE):
         raise ValueError(f"fused_kernels must name some of {', '.join(FUSABLE)}; got {sorted(fused)}")
     impl = backend.impl
+    moe_impl = "fused" if "moe" in fused and impl == "pallas" else impl
 
     def attention(q_TNE, k_cache, v_cache, x):
         return backend.attention(q_TNE, k_cache, v_cache, x, plan)
@@ -173,9 +182,9 @@ def make_kernels(cfg: ModelConfig, backend: "AttentionBackend | str" = "xla",
 
     rope_write = functools.partial(layers.qk_norm_rope_write, eps=eps)
     if impl == "xla" or not fused:
-        return Kernels(attention, add_norm, rope_write, impl)
+        return Kernels(attention, add_norm, rope_write, impl, moe=moe_impl)
     if "linear" in fused and fused_stack_fits(cfg):
-        return Kernels(attention, add_norm, rope_write, impl, linear=True)
+        return Kernels(attention, add_norm, rope_write, impl, linear=True, moe=moe_impl)
 
     from jaxserve.pallas_kernels.fused_add_rms_norm import fused_add_rms_norm
     from jaxserve.pallas_kernels.qk_norm_rope_kv_write import qk_norm_rope_kv_write
@@ -199,7 +208,7 @@ def make_kernels(cfg: ModelConfig, backend: "AttentionBackend | str" = "xla",
     e = cfg.head_dim
     use_rope = "rope" in fused and e >= 32 and e & (e - 1) == 0
     return Kernels(attention, fused_add_norm if "norm" in fused else add_norm,
-                   fused_rope_write if use_rope else rope_write, "pallas")
+                   fused_rope_write if use_rope else rope_write, "pallas", moe=moe_impl)
 
 
 # auto_fused_kernels turns "linear" on up to this model width (measured on the H200: BENCHMARKS.md,
@@ -283,7 +292,7 @@ def forward(cfg: ModelConfig, params: dict, caches: Caches, x: StepInput,
     return decoder_stack(
         params, caches, x, kernels,
         attention=lambda lp, kv, h: attention_block(cfg, lp, kv, h, x, inv_freq, kernels),
-        mlp=lambda lp, h: moe.moe_mlp(cfg, lp, h, kernels.impl) if cfg.is_moe else dense_mlp(lp, h),
+        mlp=lambda lp, h: moe.moe_mlp(cfg, lp, h, kernels.moe_impl) if cfg.is_moe else dense_mlp(lp, h),
         aux_layers=aux_layers)
 
 

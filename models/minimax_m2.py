@@ -199,7 +199,7 @@ def forward(cfg: MiniMaxM2Config, params: dict, caches: list[dict], x: StepInput
     return llama.decoder_stack(
         params, caches, x, kernels,
         attention=lambda lp, kv, h: attention_block(cfg, lp, kv, h, x, inv_freq, kernels),
-        mlp=lambda lp, h: deepseek.moe_mlp(cfg, lp, h, kernels.impl), aux_layers=aux_layers)
+        mlp=lambda lp, h: deepseek.moe_mlp(cfg, lp, h, kernels.moe_impl), aux_layers=aux_layers)
 
 
 def load_hf(path: str, cfg: MiniMaxM2Config, dtype: str = "float32", mesh=None):

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 
 from jaxserve.config import ModelConfig
 from jaxserve.models import llama
+from jaxserve.pallas_kernels import moe_decode
 from jaxserve.pallas_kernels.grouped_matmul import grouped_matmul, quantize, split_experts
 from jaxserve.pallas_kernels.moe_router import moe_router
 
@@ -90,14 +91,27 @@ def group_by_expert(experts_M: jax.Array, num_experts: int):
 SORT_FREE_MAX_ROWS = 512   # [M, M] comparisons: 256K elements at most
 
 
+# impl "fused" (EngineConfig.fused_kernels "moe"): steps of at most this many tokens run the
+# routed experts through pallas_kernels/moe_decode.py (two kernels, no sort or gathers); each
+# (token, expert) row reads its expert's weights, so past a few tokens the grouped path, which
+# reads each distinct expert once, reads fewer bytes.
+FUSED_MAX_TOKENS = 4
+
+
+def kernel_impl(impl: str) -> str:
+    """The kernels' impl of an MoE impl: "fused" is "pallas" with moe_decode for small steps."""
+    return "pallas" if impl == "fused" else impl
+
+
 def moe_mlp(cfg: ModelConfig, lp: dict, h_TD: jax.Array, impl: str = "xla") -> jax.Array:
     """Grouped computation: tokens sorted by expert, one ragged matmul per projection.
 
     impl "xla" uses lax.ragged_dot and the plain-XLA router; "auto"/"pallas" the router kernel
     and lets pallas_kernels.grouped_matmul pick: on a GPU its expert-skipping Pallas kernel for
     few rows (decode: it reads only the chosen experts' weights), the Mosaic GPU ragged dot on
-    Hopper for more (4-37x faster than lax.ragged_dot, measured)."""
-    return routed_experts(lambda p, h: route(cfg, h @ p["router"], impl), lp, h_TD,
+    Hopper for more (4-37x faster than lax.ragged_dot, measured); "fused" as "pallas", with
+    steps of up to FUSED_MAX_TOKENS tokens through moe_decode."""
+    return routed_experts(lambda p, h: route(cfg, h @ p["router"], kernel_impl(impl)), lp, h_TD,
                           cfg.num_experts, impl)
 
 
@@ -107,9 +121,15 @@ def routed_experts(route_fn, lp: dict, h_TD: jax.Array, num_experts: int, impl: 
     (an ambient `expert` or `model` axis > 1) it runs per rank, sharding/expert_parallel.py."""
     from jaxserve.sharding import expert_parallel  # local: it builds on this module
 
+    fused, impl = impl == "fused", kernel_impl(impl)
     if expert_parallel.splits_experts():
         return expert_parallel.moe_on_mesh(route_fn, lp, h_TD, num_experts, impl)
     weights_Tk, experts_Tk = route_fn(lp, h_TD)
+    if fused and h_TD.shape[0] <= FUSED_MAX_TOKENS:
+        gate, up = (lp["w_gate_up"], None) if "w_gate_up" in lp else (lp["w_gate"], lp["w_up"])
+        if moe_decode.problem(h_TD, gate, up, lp["w_down"]) is None:
+            return moe_decode.moe_decode(h_TD, weights_Tk, experts_Tk, gate, up, lp["w_down"],
+                                         impl="pallas").astype(h_TD.dtype)
     return expert_rows_sum(lp, h_TD, weights_Tk, experts_Tk, num_experts, impl).astype(h_TD.dtype)
 
 

@@ -376,7 +376,7 @@ def forward(cfg: Qwen3NextConfig, params: dict, caches: list, x: StepInput,
             cache, mix_TD = attention_block(cfg, lp, cache, normed, x, inv_freq, attention)
         new_caches.append(cache)
         h_TD = h_TD + mix_TD
-        h_TD = h_TD + mlp_block(cfg, lp, zc_rms_norm(h_TD, lp["mlp_norm"], eps), impl)
+        h_TD = h_TD + mlp_block(cfg, lp, zc_rms_norm(h_TD, lp["mlp_norm"], eps), kernels.moe_impl)
         if i in aux_layers:
             aux.append(h_TD)
     return new_caches, zc_rms_norm(h_TD, params["final_norm"], eps), tuple(aux)
