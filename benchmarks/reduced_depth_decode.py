@@ -78,7 +78,7 @@ def decode_input(batch: int, context: int, per_seq: int, with_state: bool) -> St
                      state_slots=a(np.arange(1, batch + 1, dtype=np.int32)) if with_state else None)
 
 
-def step_program(model, cfg, batch: int, context: int, impl: str):
+def step_program(model, cfg, batch: int, context: int, impl: str, fused=frozenset()):
     """(one decode step fn(params, caches) -> (caches, scalar), its caches, the cache specs)."""
     per_seq = -(-(context + 1) // BLOCK)
     specs = model.cache_specs(cfg)
@@ -86,7 +86,7 @@ def step_program(model, cfg, batch: int, context: int, impl: str):
     caches = allocate_caches(specs, batch * per_seq + 1, batch + 1, BLOCK, jnp.bfloat16)
     backend = AttentionBackend(cfg, impl, context=per_seq * BLOCK, itemsize=2)
     plan = backend.plan(batch, batch, batch, np.full(batch, context + 1))
-    kernels = model.make_kernels(cfg, backend, plan, frozenset())
+    kernels = model.make_kernels(cfg, backend, plan, fused)
     x = decode_input(batch, context, per_seq, with_state)
 
     def step(p, kv):
@@ -110,14 +110,15 @@ def with_layers(cfg, n: int):
     return dataclasses.replace(cfg, num_layers=n)
 
 
-def measure(model, cfg, params, layer_bytes_of: dict, batches, context: int, impl: str, label: str):
+def measure(model, cfg, params, layer_bytes_of: dict, batches, context: int, impl: str, label: str,
+            fused=frozenset()):
     reps = 3 if jax.default_backend() == "cpu" else 20
     for b in batches:
         times, counts = {}, {}
         for n in (4, 2):
             c = with_layers(cfg, n)
             p = dict(params, layers=params["layers"][:n])
-            step, caches, _ = step_program(model, c, b, context, impl)
+            step, caches, _ = step_program(model, c, b, context, impl, fused)
             counts[n] = launches(step, p, caches)
 
             def run(p, kv, step=step):
@@ -148,6 +149,8 @@ def main():
     ap.add_argument("--fp8", action="store_true",
                     help="routed experts as block-scaled FP8 (as --quantization fp8 keeps an FP8 "
                          "checkpoint's; DeepSeek V3 / V3.2 only)")
+    ap.add_argument("--fused", default="", help="fused kernels to switch on, comma-separated "
+                    "(models/llama.py FUSABLE; e.g. moe: the MoE decode kernels)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     kb.COLD = False
@@ -165,7 +168,9 @@ def main():
         params = dummy.dummy_params(with_layers(cfg, 4), "bfloat16")
         if args.fp8:
             params = quantize_experts_fp8(params)
-        label = (os.path.basename(os.path.dirname(source)) if args.smoke else source) + (" fp8" if args.fp8 else "")
+        fused = frozenset(filter(None, args.fused.split(",")))
+        label = ((os.path.basename(os.path.dirname(source)) if args.smoke else source)
+                 + (" fp8" if args.fp8 else "") + "".join(f" +{name}" for name in sorted(fused)))
         batches, context = ((1, 4), 32) if args.smoke else (args.batch, args.context)
         specs = model.cache_specs(cfg)[2:4]
         per_layer_bytes = {b: layer_bytes(params["layers"][2:4], specs, hf, b, context) / 2 for b in batches}
@@ -175,7 +180,7 @@ def main():
             params = model.fuse_projections(cfg, params)
         params = split_expert_weights(params)
         measure(model, cfg, params, per_layer_bytes, batches, context,
-                "xla" if args.smoke else args.impl, label)
+                "xla" if args.smoke else args.impl, label, fused)
         del params
     if args.json:
         with open(args.json, "w") as f:

@@ -299,3 +299,25 @@ def test_mla_latent_write(tokens, index, dtype):
     got = mlw.mla_latent_write(inv_freq_H=inv, factor=factor, impl="pallas", interpret=False, **args)
     want = highest(mlw.ref_mla_latent_write, inv_freq_H=inv, factor=factor, **args)
     lw_cpu.compare(got, want, slots, 2e-2 if dtype == BF16 else 1e-5)
+
+
+@pytest.mark.parametrize("shape,tokens,chunks", [((128, 2048, 768, 8), 1, 1), ((128, 2048, 768, 8), 4, 1),
+                                                 ((256, 7168, 2048, 8), 1, 2)])
+def test_moe_decode(shape, tokens, chunks):
+    """The fused MoE decode kernels at Qwen3-30B-A3B's experts (gate|up fused) and DeepSeek-V3's
+    (in two expert chunks, as the engine holds them), bf16, against the jnp reference."""
+    from jaxserve.pallas_kernels import moe_decode as md
+
+    x, d, f, k = shape
+    rng = np.random.default_rng(tokens)
+    key = jax.random.key(tokens)
+    gate_up = (jax.random.normal(key, (x, d, 2 * f), BF16) * d ** -0.5)
+    down = (jax.random.normal(jax.random.fold_in(key, 1), (x, f, d), BF16) * f ** -0.5)
+    h = jnp.asarray(rng.standard_normal((tokens, d)), BF16)
+    experts = jnp.asarray(np.stack([rng.choice(x, k, replace=False) for _ in range(tokens)]), jnp.int32)
+    weights = jnp.asarray(rng.random((tokens, k)), F32)
+    gu = tuple(jnp.split(gate_up, chunks)) if chunks > 1 else gate_up
+    dn = tuple(jnp.split(down, chunks)) if chunks > 1 else down
+    got = md.moe_decode(h, weights, experts, gu, None, dn, impl="pallas", interpret=False)
+    want = highest(md.ref_moe_decode, h, weights, experts, gate_up, None, down)
+    close(got, want, 3e-2)
