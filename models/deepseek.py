@@ -42,6 +42,7 @@ from jaxserve.config import ModelConfig
 from jaxserve.kv_cache.specs import PagedSpec
 from jaxserve.models import layers, llama, mla, moe
 from jaxserve.pallas_kernels.dispatch import resolve_impl
+from jaxserve.pallas_kernels.indexer_scores import indexer_scores
 from jaxserve.pallas_kernels.mla_attention import mla_attention
 from jaxserve.pallas_kernels.mla_latent_write import mla_latent_write
 from jaxserve.pallas_kernels.moe_router import moe_router
@@ -303,9 +304,12 @@ def indexer(cfg: DeepseekConfig, q_TIJ, w_TI, index_k, x: StepInput, rope: Rope,
     i, j, r = cfg.index_n_heads, cfg.index_head_dim, cfg.qk_rope_head_dim
     q_TIJ = _rope_first(q_TIJ.reshape(-1, i, j), r, x.positions, rope)
     w_TI = w_TI.astype(jnp.float32) * i ** -0.5
-    scores_TL = mla.index_scores_xla(q_TIJ, w_TI, index_k, x.block_tables, x.token_seq_ids,
-                                     x.positions, scale=j ** -0.5)
-    # the scores are replicated (so is the indexer): every rank selects the same positions
+    args = (q_TIJ, w_TI, index_k, x.block_tables, x.token_seq_ids, x.positions)
+    if impl == "xla":
+        scores_TL = mla.index_scores_xla(*args, scale=j ** -0.5)
+    else:   # the indexer is replicated (its weights and keys): every rank scores and selects alike
+        score = functools.partial(indexer_scores, scale=j ** -0.5, impl=impl)
+        scores_TL = sharded.replicated(score, len(args))(*args)
     topk_fn = None if impl == "xla" else (
         lambda s, k: sharded.replicated(functools.partial(topk, k=k, impl=impl), 1, 2)(s))
     return mla.select_topk(scores_TL, cfg.index_topk, topk_fn)

@@ -321,3 +321,20 @@ def test_moe_decode(shape, tokens, chunks):
     got = md.moe_decode(h, weights, experts, gu, None, dn, impl="pallas", interpret=False)
     want = highest(md.ref_moe_decode, h, weights, experts, gate_up, None, down)
     close(got, want, 3e-2)
+
+
+@pytest.mark.parametrize("case", ["decode", "prefill", "mixed"])
+def test_indexer_scores(case):
+    """V3.2's indexer scores at its shapes (64 heads of 128, 64-token blocks), bf16, against
+    the model's XLA path: decode rows up to 40K keys, a 1K-token prefill, a mix."""
+    import test_indexer_scores as is_cpu
+    from jaxserve.pallas_kernels import indexer_scores as isc
+
+    qlens, ctxs = {"decode": ([1] * 4, [40000, 2048, 77, 1]), "prefill": ([1024], [1500]),
+                   "mixed": ([1, 300, 1], [9000, 300, 5])}[case]
+    args = is_cpu.batch(np.random.default_rng(0), qlens, ctxs, heads=64, j=128, p=64, dtype=BF16)
+    got = isc.indexer_scores(*args, scale=128 ** -0.5, impl="pallas", interpret=False)
+    want = highest(isc.ref_indexer_scores, *args, scale=128 ** -0.5)
+    finite = np.isfinite(np.asarray(want))
+    np.testing.assert_array_equal(np.isfinite(np.asarray(got)), finite)
+    close(np.asarray(got)[finite], np.asarray(want)[finite], 2e-2)

@@ -138,13 +138,13 @@ def check_matches(source, meshes, load_format="auto", pallas_meshes=()):
 
 def kernel_regions(cfg, tp):
     """How many shard_maps a Pallas step has on a `model` axis of size tp: one per layer (MLA;
-    paged attention or the DeltaNet kernels), plus MLA's cache writes and V3.2's top-k (both
-    run replicated)."""
+    paged attention or the DeltaNet kernels), plus MLA's cache writes and V3.2's indexer
+    scores and top-k (all three run replicated)."""
     if tp == 1:
         return 0
     mla_writes = 1 if hasattr(cfg, "kv_lora_rank") else 0
-    topk = 1 if getattr(cfg, "index_topk", 0) else 0
-    return cfg.num_layers * (1 + mla_writes + topk)
+    indexer = 2 if getattr(cfg, "index_topk", 0) else 0
+    return cfg.num_layers * (1 + mla_writes + indexer)
 
 
 def as_on_mesh(cfg, params, mesh):
