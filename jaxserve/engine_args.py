@@ -79,7 +79,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--fused-kernels", type=fused_kernels, default="auto", metavar="auto|none|NAME[,NAME]",
                    help="fused Pallas kernels of the step (with the Pallas attention): 'linear' "
                         "(each projection with its norm, gate or residual add: small dense "
-                        "models), 'norm', 'rope'; 'auto' picks by model (models/llama.py "
+                        "models), 'norm', 'rope', 'moe' (the routed experts of 1-4 token "
+                        "steps in two kernels: MoE models); 'auto' picks by model (models/llama.py "
                         "auto_fused_kernels)")
     g.add_argument("--no-warmup", dest="warmup", action="store_false",
                    help="compile step buckets lazily instead of at start-up")
