@@ -96,6 +96,8 @@ kernels() {
   step 300 kernels_fused_linear python3 benchmarks/kernels.py --only linear --sweep --json "$OUT/kernels_linear.json"
   # issue 30: DeepSeek's experts kept in FP8 against dequantized to bf16 (the kernel side of the choice)
   step 240 kernels_moe_fp8 python3 benchmarks/kernels.py --only moe-fp8 --json "$OUT/kernels_moe_fp8.json"
+  # issue 33: the fused MoE decode kernels (--fused-kernels moe) against the grouped path
+  step 200 kernels_moe_decode python3 benchmarks/kernels.py --only moe-decode --json "$OUT/kernels_moe_decode.json"
 }
 
 startup() {   # the first engine of a fresh machine is the cold start; the second the warm one

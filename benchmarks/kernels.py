@@ -472,6 +472,38 @@ def bench_moe_fp8(rng, quick: bool, n_exp: int = 256, shapes=((7168, 2048), (204
                        bytes_=used * k * n + m * (k + n) * 2, flops=2 * m * k * n, err=rel_err(out, ref))
 
 
+def bench_moe_decode(rng, quick: bool):
+    """Issue 33's fused MoE decode (--fused-kernels moe) against the grouped path the engine
+    takes by default (moe.expert_rows_sum under "pallas": the sort by expert, gathers and
+    grouped matmuls), the routed experts of 1 (and 4) tokens at Qwen3-30B-A3B's and
+    DeepSeek-V3's expert shapes (gate|up fused, chunked as the engine holds them)."""
+    from jaxserve.models import moe
+    from jaxserve.pallas_kernels import moe_decode as md
+    from jaxserve.pallas_kernels.grouped_matmul import split_experts
+    key = jax.random.key(int(rng.integers(1 << 30)))
+    for name, (x, d, f, top) in (("qwen3-30b-a3b", (128, 2048, 768, 8)), ("deepseek-v3", (256, 7168, 2048, 8))):
+        kg, kd, kh, key = jax.random.split(key, 4)
+        gate_up = split_experts(jax.random.normal(kg, (x, d, 2 * f), jnp.bfloat16) * d ** -0.5)
+        down = split_experts(jax.random.normal(kd, (x, f, d), jnp.bfloat16) * f ** -0.5)
+        lp = {"w_gate_up": gate_up, "w_down": down}
+        for t in ((1,) if quick else (1, 4)):
+            e = jnp.asarray(np.stack([rng.choice(x, top, replace=False) for _ in range(t)]), jnp.int32)
+            w = jnp.asarray(rng.random((t, top)), jnp.float32)
+            h = jax.random.normal(kh, (t, d), jnp.bfloat16)
+            byts = len(set(np.asarray(e).ravel().tolist())) * 3 * d * f * 2
+            grouped = jax.jit(lambda h, w, e, lp: moe.expert_rows_sum(lp, h, w, e, x, "pallas"))
+            fused = jax.jit(lambda h, w, e, lp: md.moe_decode(h, w, e, lp["w_gate_up"], None, lp["w_down"],
+                                                              impl="pallas"))
+            ref = grouped(h, w, e, lp)
+            case = f"{name} T={t} routed experts"
+            record("moe_decode", case, "grouped path (default)", gpu_time_ms(grouped, h, w, e, lp), bytes_=byts)
+            out = try_run("moe_decode", lambda: fused(h, w, e, lp))
+            if out is not None:
+                record("moe_decode", case, "moe_decode (--fused-kernels moe)", gpu_time_ms(fused, h, w, e, lp),
+                       bytes_=byts, err=rel_err(out, ref))
+        del lp, gate_up, down
+
+
 def bench_mgpu(case, x, w, gs, ref, byts, flops):
     """JAX's Mosaic GPU ragged dot at a few tile shapes."""
     from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu as rdm
@@ -823,7 +855,8 @@ def main():
                     help="comma list of: attention, decode (the decode cases only: ours "
                          "and cuDNN), buckets (prefill-heavy engine steps), decode-buckets "
                          "(decode steps in partly filled buckets), rmsnorm, rope, "
-                         "topk, moe, moe-fp8 (DeepSeek's experts kept in FP8 against bf16), "
+                         "topk, moe, moe-fp8 (DeepSeek's experts kept in FP8 against bf16), moe-decode "
+                         "(the fused MoE decode kernels against the grouped path), "
                          "router, linear, deltanet (Qwen3.5's linear-attention prefill)")
     ap.add_argument("--moe-auto-only", action="store_true",
                     help="MoE: no Mosaic tile shapes beside lax.ragged_dot, auto and pallas")
@@ -852,7 +885,8 @@ def main():
                    deltanet=lambda: bench_deltanet(rng, args.quick),
                    topk=lambda: bench_topk(rng, args.quick, args.sweep),
                    moe=lambda: bench_moe(rng, args.quick, args.moe_auto_only, args.sweep),
-                   **{"moe-fp8": lambda: bench_moe_fp8(rng, args.quick)})
+                   **{"moe-fp8": lambda: bench_moe_fp8(rng, args.quick),
+                      "moe-decode": lambda: bench_moe_decode(rng, args.quick)})
     for name in groups:
         try_run(name, benches[name])   # one failing group does not hide the others
     if args.json:

@@ -307,6 +307,7 @@ def test_moe_decode(shape, tokens, chunks):
     """The fused MoE decode kernels at Qwen3-30B-A3B's experts (gate|up fused) and DeepSeek-V3's
     (in two expert chunks, as the engine holds them), bf16, against the jnp reference."""
     from jaxserve.pallas_kernels import moe_decode as md
+    from jaxserve.pallas_kernels.grouped_matmul import split_experts
 
     x, d, f, k = shape
     rng = np.random.default_rng(tokens)
@@ -316,8 +317,7 @@ def test_moe_decode(shape, tokens, chunks):
     h = jnp.asarray(rng.standard_normal((tokens, d)), BF16)
     experts = jnp.asarray(np.stack([rng.choice(x, k, replace=False) for _ in range(tokens)]), jnp.int32)
     weights = jnp.asarray(rng.random((tokens, k)), F32)
-    gu = tuple(jnp.split(gate_up, chunks)) if chunks > 1 else gate_up
-    dn = tuple(jnp.split(down, chunks)) if chunks > 1 else down
+    gu, dn = (split_experts(gate_up), split_experts(down)) if chunks > 1 else (gate_up, down)
     got = md.moe_decode(h, weights, experts, gu, None, dn, impl="pallas", interpret=False)
     want = highest(md.ref_moe_decode, h, weights, experts, gate_up, None, down)
     close(got, want, 3e-2)
