@@ -38,6 +38,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import kernels as kb  # noqa: E402  (benchmarks/kernels.py: timing and rows)
 from jaxserve.bench import roofline  # noqa: E402
+from jaxserve.engine.llm_engine import fused_kernel_names  # noqa: E402
 from jaxserve.kv_cache.specs import PagedSpec  # noqa: E402
 from jaxserve.models import dummy, hf_loader, registry  # noqa: E402
 from jaxserve.models.attention import AttentionBackend  # noqa: E402
@@ -168,7 +169,7 @@ def main():
         params = dummy.dummy_params(with_layers(cfg, 4), "bfloat16")
         if args.fp8:
             params = quantize_experts_fp8(params)
-        fused = frozenset(filter(None, args.fused.split(",")))
+        fused = frozenset(fused_kernel_names(args.fused) or ())
         label = ((os.path.basename(os.path.dirname(source)) if args.smoke else source)
                  + (" fp8" if args.fp8 else "") + "".join(f" +{name}" for name in sorted(fused)))
         batches, context = ((1, 4), 32) if args.smoke else (args.batch, args.context)

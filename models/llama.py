@@ -138,12 +138,12 @@ class Kernels:
                                #   -> (q', k_cache, v_cache): q/k norm, RoPE, KV write
     impl: str                  # "xla" | "pallas": also picks the MoE grouped matmul
     linear: bool = False       # dense layers and the LM head through fused_linear (fused_stack)
-    moe: str | None = None     # the MoE layers' impl (models/moe.py: "fused" is "pallas" with the
-                               # fused decode kernels for small steps); None: `impl`
+    fused_moe: bool = False    # small steps' routed experts through pallas_kernels/moe_decode.py
 
     @property
     def moe_impl(self) -> str:
-        return self.moe or self.impl
+        """The MoE layers' impl (models/moe.py): "fused" is "pallas" with the decode kernels."""
+        return "fused" if self.fused_moe else self.impl
 
 
 # Fused Pallas kernels a runner may switch on (EngineConfig.fused_kernels): fused add+RMSNorm
@@ -169,7 +169,7 @@ def make_kernels(cfg: ModelConfig, backend: "AttentionBackend | str" = "xla",
     if not fused <= set(FUSABLE):
         raise ValueError(f"fused_kernels must name some of {', '.join(FUSABLE)}; got {sorted(fused)}")
     impl = backend.impl
-    moe_impl = "fused" if "moe" in fused and impl == "pallas" else impl
+    fused_moe = "moe" in fused and impl == "pallas"
 
     def attention(q_TNE, k_cache, v_cache, x):
         return backend.attention(q_TNE, k_cache, v_cache, x, plan)
@@ -182,9 +182,9 @@ def make_kernels(cfg: ModelConfig, backend: "AttentionBackend | str" = "xla",
 
     rope_write = functools.partial(layers.qk_norm_rope_write, eps=eps)
     if impl == "xla" or not fused:
-        return Kernels(attention, add_norm, rope_write, impl, moe=moe_impl)
+        return Kernels(attention, add_norm, rope_write, impl, fused_moe=fused_moe)
     if "linear" in fused and fused_stack_fits(cfg):
-        return Kernels(attention, add_norm, rope_write, impl, linear=True, moe=moe_impl)
+        return Kernels(attention, add_norm, rope_write, impl, linear=True, fused_moe=fused_moe)
 
     from jaxserve.pallas_kernels.fused_add_rms_norm import fused_add_rms_norm
     from jaxserve.pallas_kernels.qk_norm_rope_kv_write import qk_norm_rope_kv_write
@@ -208,7 +208,7 @@ def make_kernels(cfg: ModelConfig, backend: "AttentionBackend | str" = "xla",
     e = cfg.head_dim
     use_rope = "rope" in fused and e >= 32 and e & (e - 1) == 0
     return Kernels(attention, fused_add_norm if "norm" in fused else add_norm,
-                   fused_rope_write if use_rope else rope_write, "pallas", moe=moe_impl)
+                   fused_rope_write if use_rope else rope_write, "pallas", fused_moe=fused_moe)
 
 
 # auto_fused_kernels turns "linear" on up to this model width (measured on the H200: BENCHMARKS.md,
