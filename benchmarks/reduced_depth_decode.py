@@ -6,17 +6,20 @@ the kernels a layer launches (issues 30, 32, 33: DeepSeek V3 / V3.2, Qwen3.5, Mi
     python benchmarks/reduced_depth_decode.py --config Qwen3.5-397B-A17B-4L
     python benchmarks/reduced_depth_decode.py --smoke    # the tests' tiny checkpoints' shapes, any backend
     python benchmarks/reduced_depth_decode.py --config DeepSeek-V3-4L --fp8   # experts kept in FP8
+    python benchmarks/reduced_depth_decode.py --config DeepSeek-V3-4L --depth 3  # fits an 80 GB card
 
 The step is the model's forward + logits over B decode tokens at `--context` cached tokens
 each (no sampler, no host): one jitted program looping it over its caches, timed by
 benchmarks/kernels.py gpu_time_ms (CUPTI kernel time). Per layer = (step of 4 layers - step of
 2 layers) / 2, which removes the embedding and the LM head: layers 2 and 3 of the config (for
 DeepSeek-V3-4L two MoE layers; for Qwen3.5-4L one linear-attention and one full-attention
-layer, so the figure is their mean). Roofline per layer: those layers' weights (routed experts
+layer, so the figure is their mean). `--depth 3` builds and times 3 layers against 2: layer 2
+alone (DeepSeek-V3's 4 layers of weights, 72 GB, do not fit an H100's 80 GB with the runner's
+copies; 3 do). Roofline per layer: those layers' weights (routed experts
 counted as the expected distinct experts a uniform top-k router reaches at that batch), their
-paged cache rows read, their recurrent state read and written, over 4.24 TB/s. Kernels a layer:
-fusions and custom calls of the compiled one-step program, (4 layers - 2 layers) / 2 (on a CPU
-these are XLA:CPU's, not the GPU's).
+paged cache rows read, their recurrent state read and written, over the device's measured copy
+rate (H200 4.24 TB/s, H100 3.0). Kernels a layer: fusions and custom calls of the compiled
+one-step program, (4 layers - 2 layers) / 2 (on a CPU these are XLA:CPU's, not the GPU's).
 NOTE: written without a GPU at hand: it ran only with --smoke on a CPU.
 
 Legend: B batch (decode sequences), L context per sequence, X routed experts, k chosen per token.
@@ -112,11 +115,11 @@ def with_layers(cfg, n: int):
 
 
 def measure(model, cfg, params, layer_bytes_of: dict, batches, context: int, impl: str, label: str,
-            fused=frozenset()):
+            fused=frozenset(), depth: int = 4):
     reps = 3 if jax.default_backend() == "cpu" else 20
     for b in batches:
         times, counts = {}, {}
-        for n in (4, 2):
+        for n in (depth, 2):
             c = with_layers(cfg, n)
             p = dict(params, layers=params["layers"][:n])
             step, caches, _ = step_program(model, c, b, context, impl, fused)
@@ -131,12 +134,12 @@ def measure(model, cfg, params, layer_bytes_of: dict, batches, context: int, imp
                     return kv, acc + s
                 return jax.lax.fori_loop(0, reps, body, (kv, jnp.float32(0)))[1]
             times[n] = kb.gpu_time_ms(jax.jit(run), p, caches, iters=5) / reps
-        per_layer = (times[4] - times[2]) / 2
+        per_layer = (times[depth] - times[2]) / (depth - 2)
         byts = layer_bytes_of[b]
         kb.record("decode", f"{label} B={b} L={context} per layer", impl, per_layer, bytes_=byts,
-                  note=f"step 4L {times[4] * 1e3:.0f} us, 2L {times[2] * 1e3:.0f} us; roofline "
-                       f"{byts / kb.HBM_BYTES_PER_S * 1e6:.0f} us/layer; "
-                       f"kernels/layer {(counts[4] - counts[2]) / 2:.1f}")
+                  note=f"step {depth}L {times[depth] * 1e3:.0f} us, 2L {times[2] * 1e3:.0f} us; "
+                       f"roofline {byts / kb.HBM_BYTES_PER_S * 1e6:.0f} us/layer; "
+                       f"kernels/layer {(counts[depth] - counts[2]) / (depth - 2):.1f}")
 
 
 def main():
@@ -152,6 +155,8 @@ def main():
                          "checkpoint's; DeepSeek V3 / V3.2 only)")
     ap.add_argument("--fused", default="", help="fused kernels to switch on, comma-separated "
                     "(models/llama.py FUSABLE; e.g. moe: the MoE decode kernels)")
+    ap.add_argument("--depth", type=int, default=4, choices=(3, 4),
+                    help="layers built and timed against 2 (3: layer 2 alone, less memory)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     kb.COLD = False
@@ -166,22 +171,23 @@ def main():
         model = registry.get_model_module(cfg.architecture)
         if args.fp8 and cfg.architecture not in hf_loader.FP8_KEEPING_ARCHITECTURES:
             continue
-        params = dummy.dummy_params(with_layers(cfg, 4), "bfloat16")
+        params = dummy.dummy_params(with_layers(cfg, args.depth), "bfloat16")
         if args.fp8:
             params = quantize_experts_fp8(params)
         fused = frozenset(fused_kernel_names(args.fused) or ())
         label = ((os.path.basename(os.path.dirname(source)) if args.smoke else source)
                  + (" fp8" if args.fp8 else "") + "".join(f" +{name}" for name in sorted(fused)))
         batches, context = ((1, 4), 32) if args.smoke else (args.batch, args.context)
-        specs = model.cache_specs(cfg)[2:4]
-        per_layer_bytes = {b: layer_bytes(params["layers"][2:4], specs, hf, b, context) / 2 for b in batches}
+        specs = model.cache_specs(cfg)[2:args.depth]
+        per_layer_bytes = {b: layer_bytes(params["layers"][2:args.depth], specs, hf, b, context)
+                           / (args.depth - 2) for b in batches}
         # The weights as the engine's runner holds them (runner.ModelRunner, unsharded): fused
         # projections, and expert arrays past the grouped-matmul kernel's reach in chunks.
         if hasattr(model, "fuse_projections"):
             params = model.fuse_projections(cfg, params)
         params = split_expert_weights(params)
         measure(model, cfg, params, per_layer_bytes, batches, context,
-                "xla" if args.smoke else args.impl, label, fused)
+                "xla" if args.smoke else args.impl, label, fused, args.depth)
         del params
     if args.json:
         with open(args.json, "w") as f:

@@ -22,9 +22,11 @@ Implementations:
   many rows, where every expert has some and skipping pays nothing.
 - "xla": jax.lax.ragged_dot; runs everywhere. Like "mosaic" it streams every expert's weights,
   used or not.
-"auto": on a GPU, "pallas" up to SPARSE_MAX_ROWS rows (when the shapes suit it; the largest
-size where it was measured to win), "mosaic" above on Hopper when the shapes suit its tiles,
-else "xla"; on CPU "xla".
+"auto": on a GPU, "pallas" up to sparse_max_rows(G) rows (when the shapes suit it): 512, the
+largest size where it was measured to win at 128 experts, or 4 rows an expert where there are
+more (Qwen3.5's 512 experts: 2,048; at 640 rows, batch 64 x top-10, some 28 % of them are still
+empty, which "mosaic" would read anyway), "mosaic" above on Hopper when the shapes suit its
+tiles, else "xla"; on CPU "xla".
 
 Block-scaled FP8 weights (`BlockScaledFp8`: DeepSeek's checkpoints kept as they are, e4m3
 values and one f32 scale per B x B block, B = 128 in the real models): the "pallas" kernel
@@ -48,6 +50,7 @@ from jaxserve.pallas_kernels.dispatch import checked_block, resolve_impl, whole
 
 MOSAIC_TILES = dict(block_m=64, block_n=256, block_k=64, max_concurrent_steps=3, grid_block_n=1)
 SPARSE_MAX_ROWS = 512   # "auto" takes the "pallas" kernel up to this M (measured: module doc)
+SPARSE_MAX_ROWS_PER_GROUP = 4   # ... or up to this many rows an expert, if more (module doc)
 # The kernel addresses w as [G*K, N] with int32 offsets, the last one G*K*N - 1. A larger
 # weight falls back to lax.ragged_dot, which reads every expert: DeepSeek-V3's 256 x 7168 x
 # 2048 experts took 5.29 ms a layer at batch 1 that way, 5 % of its roofline (H200, session 20).
@@ -171,6 +174,11 @@ def _over_chunks(x_MK, chunks, group_sizes_G, tuning):
         raise ValueError(f"group_sizes_G must be i32[G = {g0}] (the chunks' experts); got "
                          f"{group_sizes_G.shape}")
     return out
+
+
+def sparse_max_rows(num_groups: int) -> int:
+    """The most rows "auto" gives the "pallas" kernel over num_groups experts."""
+    return max(SPARSE_MAX_ROWS, SPARSE_MAX_ROWS_PER_GROUP * num_groups)
 
 
 def _mosaic_fits(x_MK, w_GKN) -> bool:
@@ -363,7 +371,7 @@ def grouped_matmul(x_MK, w_GKN, group_sizes_G, *, impl: str = "auto",
     impl, on_gpu = resolve_impl(impl, ("pallas", "mosaic", "xla"))
     if auto and on_gpu:
         sparse_ok = _sparse_problem(x_MK, w_GKN) is None
-        if sparse_ok and (x_MK.shape[0] <= SPARSE_MAX_ROWS or fp8):
+        if sparse_ok and (x_MK.shape[0] <= sparse_max_rows(w_GKN.shape[0]) or fp8):
             impl = "pallas"
         else:
             impl = "mosaic" if not fp8 and _mosaic_fits(x_MK, w_GKN) else "xla"

@@ -118,7 +118,7 @@ def bench_batch(llm, batch: int, args, bar=None) -> dict:
         kv_tok = roofline.kv_bytes_per_token(cfg, engine.runner.dtype.itemsize)
         mean_ctx = args.input_len + args.output_len / 2
         step_bytes = roofline.decode_step_bytes(weight_bytes, kv_tok, [mean_ctx] * batch)
-        bw = args.hbm_bandwidth or roofline.H200_HBM_BYTES_PER_S
+        bw = args.hbm_bandwidth or roofline.device_hbm_bytes_per_s()
         floor_s = roofline.roofline_seconds(step_bytes, bw)
         row.update(weight_gb=weight_bytes / 1e9, step_bytes_gb=step_bytes / 1e9, roofline_ms=1e3 * floor_s,
                    roofline_fraction=floor_s / step_s)

@@ -139,7 +139,7 @@ def test_grouped_matmul(rows, k, n):
     sizes = routed(rows, seed=rows)
     x = rand(rng, (rows, k))
     w = rand(rng, (128, k, n), scale=1 / np.sqrt(k))
-    if rows <= gm.SPARSE_MAX_ROWS:
+    if rows <= gm.sparse_max_rows(128):
         check_grouped(x, w, sizes, "pallas")
     check_grouped(x, w, sizes, "auto")                       # Mosaic GPU ragged dot above 512
     if gm._mosaic_fits(x, w):
@@ -181,7 +181,7 @@ def test_grouped_matmul_over_expert_chunks(rows):
     x, w = rand(rng, (rows, 2048)), rand(rng, (128, 2048, 1536), scale=1 / 45)
     chunks = gm.split_experts(w, limit=w.size // 4)
     want = group_reference(x, w, sizes)
-    for impl in (("pallas", "auto") if rows <= gm.SPARSE_MAX_ROWS else ("auto",)):
+    for impl in (("pallas", "auto") if rows <= gm.sparse_max_rows(128) else ("auto",)):
         got = np.asarray(gm.grouped_matmul(x, chunks, sizes, impl=impl), np.float32)
         np.testing.assert_allclose(got, want, rtol=5e-2, atol=5e-2, err_msg=impl)
 

@@ -100,6 +100,14 @@ def test_tile_list_bound_is_tight():
         assert (covered == 1).all()
 
 
+def test_auto_keeps_the_sparse_kernel_while_experts_can_be_empty():
+    # 512 rows at 128 experts (measured); 4 rows an expert beyond: Qwen3.5's batch 64 x top-10
+    # over 512 experts (640 rows) stays sparse, as do DeepSeek's 64 x 8 over 256
+    assert gm.sparse_max_rows(128) == 512 and gm.sparse_max_rows(8) == 512
+    assert gm.sparse_max_rows(512) == 2048 >= 64 * 10
+    assert gm.sparse_max_rows(256) >= 64 * 8
+
+
 def test_validation():
     x = jnp.zeros((4, 16))
     with pytest.raises(ValueError, match="same K"):
