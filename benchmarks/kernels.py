@@ -474,7 +474,7 @@ def bench_moe_fp8(rng, quick: bool, n_exp: int = 256, shapes=((7168, 2048), (204
                        bytes_=used * k * n + m * (k + n) * 2, flops=2 * m * k * n, err=rel_err(out, ref))
 
 
-def bench_moe_decode(rng, quick: bool):
+def bench_moe_decode(rng, quick: bool, sweep: bool = False):
     """Issue 33's fused MoE decode (--fused-kernels moe) against the grouped path the engine
     takes by default (moe.expert_rows_sum under "pallas": the sort by expert, gathers and
     grouped matmuls), the routed experts of 1 (and 4) tokens at Qwen3-30B-A3B's and
@@ -503,6 +503,13 @@ def bench_moe_decode(rng, quick: bool):
             if out is not None:
                 record("moe_decode", case, "moe_decode (--fused-kernels moe)", gpu_time_ms(fused, h, w, e, lp),
                        bytes_=byts, err=rel_err(out, ref))
+            for bf, bd, ns in (((32, 64, 4), (32, 128, 4), (64, 64, 4), (64, 128, 3)) if sweep else ()):
+                tuned = jax.jit(functools.partial(md.moe_decode, up=None, impl="pallas", block_f=bf,
+                                                  block_d=bd, num_stages=ns))
+                g = lambda h, w, e, lp, tuned=tuned: tuned(h, w, e, lp["w_gate_up"], down=lp["w_down"])  # noqa: E731
+                if try_run("moe_decode sweep", lambda: g(h, w, e, lp)) is not None:
+                    record("moe_decode", case, f"moe_decode bf{bf} bd{bd} s{ns}",
+                           gpu_time_ms(jax.jit(g), h, w, e, lp), bytes_=byts)
         del lp, gate_up, down
 
 
@@ -888,7 +895,7 @@ def main():
                    topk=lambda: bench_topk(rng, args.quick, args.sweep),
                    moe=lambda: bench_moe(rng, args.quick, args.moe_auto_only, args.sweep),
                    **{"moe-fp8": lambda: bench_moe_fp8(rng, args.quick),
-                      "moe-decode": lambda: bench_moe_decode(rng, args.quick)})
+                      "moe-decode": lambda: bench_moe_decode(rng, args.quick, args.sweep)})
     for name in groups:
         try_run(name, benches[name])   # one failing group does not hide the others
     if args.json:

@@ -1,4 +1,4 @@
-"""The routed experts of a few tokens in two kernels, with no sorting, gathering or combining
+"""The routed experts of a few tokens in two kernels, with no sorting, gathering or tile list
 around them (the MoE layer of a small decode step):
 
     out_TD = moe_decode(h_TD, weights_Tk, experts_Tk, gate, up, down)      f32[T, D]
@@ -6,20 +6,26 @@ around them (the MoE layer of a small decode step):
 
 Kernel 1 (program (r, j), r = t * k + i): the SwiGLU activations of row r, columns j*BF..,
 from that row's expert's gate and up columns -> act f[T*k, F].
-Kernel 2 (program (t, j)): output columns j*BD.. of token t: each of its k rows' activations
-times its expert's down rows, rounded to the input dtype (as the grouped path's down output
-is), weighted and summed in f32 -> out f32[T, D].
+Kernel 2 (program (r, j)): columns j*BD.. of row r's down projection, act[r] @ down_e, rounded
+to the input dtype (as the grouped path's down output is) -> y f[T*k, D]; the weighted sum
+over each token's k rows in f32 is one small XLA fusion after it (no float atomics: the sum's
+order is fixed, so a token's output does not depend on its batch).
 
-Why: the grouped path (models/moe.py expert_rows_sum) runs, besides its three grouped matmuls,
-the rows' sort by expert (a few fusions), the gather of their inputs, the SwiGLU and the
-gather-back with the weighted sum; with expert arrays past the grouped kernel's int32 reach
-in chunks (DeepSeek-V3) each projection adds a rotation and a sum per chunk. At one token
-that is 8 to 24 small launches a layer for a few MB of weights (issue 33). Here the work per
-row is a matrix-vector product, so neither kernel needs Triton's dot (M >= 16): a [BK, BF]
-weight tile times the input's BK values, summed over BK. Each (token, expert) row reads its
-own expert's weights: for T tokens that is up to T * k expert reads where the grouped path
-reads each distinct expert once, so the models take this path only for steps of at most a
-few tokens (models/moe.py FUSED_MAX_TOKENS).
+Each program streams its expert's [BK, BF] weight tiles through a tensor-core dot with its one
+input row repeated to the 16-row tile Triton's dot needs (row 0 is stored): the weights are
+read exactly as the grouped kernel reads them (its 16-row tiles, BK = 128, 4 stages), so the
+pipelined loads keep as many bytes in flight, with one program per (row, column block).
+Why: the grouped path (models/moe.py expert_rows_sum) runs, besides its grouped matmuls, the
+rows' grouping by expert, the gather of their inputs, each matmul's tile list, the SwiGLU and
+the gather-back with the weighted sum; with expert arrays past the grouped kernel's int32
+reach in chunks (DeepSeek-V3) each projection adds a rotation and a sum per chunk. At one
+token that is 8 to 24 small launches a layer for a few MB of weights (issue 33). Each
+(token, expert) row reads its own expert's weights: for T tokens that is up to T * k expert
+reads where the grouped path reads each distinct expert once, so the models take this path
+only for steps of at most a few tokens (models/moe.py FUSED_MAX_TOKENS).
+(The first version summed matrix-vector products on the CUDA cores, one program per token
+looping over its k experts in kernel 2: 126 us against the grouped path's 44 at
+Qwen3-30B-A3B's experts, H100; BENCHMARKS.md.)
 
 Weights: gate / up / down [X, D, F] / [X, D, F] / [X, F, D] ([in, out], the grouped path's
 layout), or gate|up fused as one [X, D, 2F] (gate columns first; pass it as `gate` with
@@ -27,8 +33,8 @@ layout), or gate|up fused as one [X, D, 2F] (gate columns first; pass it as `gat
 kernels address one chunk at a time, within int32). Block-scaled FP8 weights are not taken
 here (the grouped path reads them).
 
-Legend: T tokens, k experts per token, X experts, D model dim, F expert MLP dim, BK / BF / BD
-block sizes (powers of two >= 16 dividing their dims).
+Legend: T tokens, k experts per token, R = T * k rows, X experts, D model dim, F expert MLP
+dim, BK / BF / BD block sizes (powers of two >= 16 dividing their dims), TM = 16 tile rows.
 """
 
 from __future__ import annotations
@@ -41,7 +47,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jaxserve.pallas_kernels.dispatch import resolve_impl, whole
-from jaxserve.pallas_kernels.grouped_matmul import BlockScaledFp8
+from jaxserve.pallas_kernels.grouped_matmul import BLOCK_M as TILE_M, BlockScaledFp8
 
 # ---------------------------------------------------------------------------------------------
 # Reference
@@ -138,6 +144,17 @@ def _chunk_sum(expert, per_chunk: int, refs, steps: int, tile_sum, out_shape):
     return total
 
 
+def _row_tile_dot(in_ref, row, ref, local, cols, block, step, acc):
+    """acc + in[row, step's BK] (as row 0 of a TM-row tile, zeros below) @ ref[local, those
+    rows, cols]."""
+    kk = step * block + jnp.arange(block, dtype=jnp.int32)
+    first = (jnp.arange(TILE_M, dtype=jnp.int32) == 0)[:, None]
+    x = plgpu.load(in_ref.at[jnp.full((TILE_M, 1), row, jnp.int32), kk[None, :]],
+                   mask=first, other=0)                                             # [TM, BK]
+    w = plgpu.load(ref.at[local, kk[:, None], cols[None, :]])                       # [BK, BN]
+    return acc + plgpu.dot(x, w, precision=jax.lax.Precision.HIGHEST)
+
+
 def _act_kernel(h_ref, e_ref, *refs, k, d, gate_chunk, up_chunk, n_gate, n_up, up_off, block_k,
                 block_f):
     """Program (r, j): act[r, j*BF..] of row r = t * k + i."""
@@ -146,44 +163,29 @@ def _act_kernel(h_ref, e_ref, *refs, k, d, gate_chunk, up_chunk, n_gate, n_up, u
     t = r // k
     expert = e_ref[t, r % k]
     cols = j * block_f + jnp.arange(block_f, dtype=jnp.int32)
-    kk_K = jnp.arange(block_k, dtype=jnp.int32)
-
-    def tile_sum(col_off, ref, local, step, acc):
-        kk = step * block_k + kk_K
-        x = plgpu.load(h_ref.at[t, kk]).astype(jnp.float32)                        # [BK]
-        w = plgpu.load(ref.at[local, kk[:, None], col_off + cols[None, :]])         # [BK, BF]
-        return acc + jnp.sum(x[:, None] * w.astype(jnp.float32), axis=0)
-
-    steps = d // block_k
-    gate = _chunk_sum(expert, gate_chunk, gate_refs, steps, functools.partial(tile_sum, 0), (block_f,))
+    steps, shape = d // block_k, (TILE_M, block_f)
+    dot = functools.partial(_row_tile_dot, h_ref, t)
+    gate = _chunk_sum(expert, gate_chunk, gate_refs, steps,
+                      lambda ref, local, step, acc: dot(ref, local, cols, block_k, step, acc), shape)
     up = _chunk_sum(expert, up_chunk, up_refs or gate_refs, steps,
-                    functools.partial(tile_sum, up_off), (block_f,))
-    dtype = act_ref.dtype
-    g = gate.astype(dtype).astype(jnp.float32)
-    act = g / (1.0 + jnp.exp(-g)) * up.astype(dtype).astype(jnp.float32)
-    plgpu.store(act_ref.at[r, cols], act.astype(dtype))
+                    lambda ref, local, step, acc: dot(ref, local, up_off + cols, block_k, step, acc),
+                    shape)
+    dtype = act_ref.dtype       # (rows 1.. of the tiles are 0: their sum is row 0)
+    g = jnp.sum(gate, axis=0).astype(dtype).astype(jnp.float32)
+    u = jnp.sum(up, axis=0).astype(dtype).astype(jnp.float32)
+    plgpu.store(act_ref.at[r, cols], (g / (1.0 + jnp.exp(-g)) * u).astype(dtype))
 
 
-def _down_kernel(act_ref, w_ref, e_ref, *refs, k, f, per_chunk, block_f, block_d):
-    """Program (t, j): out[t, j*BD..] = sum_i weights[t, i] * (act[t*k+i] @ down_e)[those]."""
-    down_refs, out_ref = refs[:-1], refs[-1]
-    t, j = pl.program_id(0), pl.program_id(1)
+def _down_kernel(act_ref, e_ref, *refs, k, f, per_chunk, block_f, block_d):
+    """Program (r, j): y[r, j*BD..] = (act[r] @ down_e)[those columns], e = row r's expert."""
+    down_refs, y_ref = refs[:-1], refs[-1]
+    r, j = pl.program_id(0), pl.program_id(1)
     cols = j * block_d + jnp.arange(block_d, dtype=jnp.int32)
-    ff_F = jnp.arange(block_f, dtype=jnp.int32)
-    dtype = act_ref.dtype
-    out = jnp.zeros((block_d,), jnp.float32)
-    for i in range(k):
-        row = t * k + i
-
-        def tile_sum(ref, local, step, acc, row=row):
-            ff = step * block_f + ff_F
-            a = plgpu.load(act_ref.at[row, ff]).astype(jnp.float32)                 # [BF]
-            w = plgpu.load(ref.at[local, ff[:, None], cols[None, :]])               # [BF, BD]
-            return acc + jnp.sum(a[:, None] * w.astype(jnp.float32), axis=0)
-
-        y = _chunk_sum(e_ref[t, i], per_chunk, down_refs, f // block_f, tile_sum, (block_d,))
-        out = out + w_ref[t, i].astype(jnp.float32) * y.astype(dtype).astype(jnp.float32)
-    plgpu.store(out_ref.at[t, cols], out)
+    dot = functools.partial(_row_tile_dot, act_ref, r)
+    y = _chunk_sum(e_ref[r // k, r % k], per_chunk, down_refs, f // block_f,
+                   lambda ref, local, step, acc: dot(ref, local, cols, block_f, step, acc),
+                   (TILE_M, block_d))
+    plgpu.store(y_ref.at[r, cols], jnp.sum(y, axis=0).astype(y_ref.dtype))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -192,14 +194,15 @@ def _down_kernel(act_ref, w_ref, e_ref, *refs, k, f, per_chunk, block_f, block_d
 
 
 @functools.partial(jax.jit, static_argnames=("impl", "block_k", "block_f", "block_d", "num_warps",
-                                             "interpret"))
+                                             "num_stages", "interpret"))
 def moe_decode(h_TD, weights_Tk, experts_Tk, gate, up, down, *, impl: str = "auto",
-               block_k: int = 128, block_f: int = 64, block_d: int = 64, num_warps: int = 4,
-               interpret: bool | None = None):
+               block_k: int = 128, block_f: int = 64, block_d: int = 128, num_warps: int = 4,
+               num_stages: int = 4, interpret: bool | None = None):
     """f32[T, D]: the routed experts' weighted sum for each token (module docstring).
     impl: "pallas" (the two kernels; interpreted on a CPU), "xla" (the reference) or "auto".
     block_k / block_f / block_d: preferred block sizes (the largest power of two up to each
-    that divides its dim is used)."""
+    that divides its dim is used); the defaults tile the weights as the grouped kernel does
+    (kernel 1's gate and up tiles together are its 128 columns of gate|up)."""
     _validate(h_TD, weights_Tk, experts_Tk, gate, up, down)
     impl, on_gpu = resolve_impl(impl)
     if impl == "xla":
@@ -207,30 +210,32 @@ def moe_decode(h_TD, weights_Tk, experts_Tk, gate, up, down, *, impl: str = "aut
     interpret = (not on_gpu) if interpret is None else interpret
     t, d = h_TD.shape
     k = weights_Tk.shape[1]
+    r = t * k
     gates, ups, downs = _chunks(gate), (_chunks(up) if up is not None else ()), _chunks(down)
     f = downs[0].shape[1]
     bk, bf, bd = _block(d, block_k), _block(f, block_f), _block(d, block_d)
     experts_Tk = experts_Tk.astype(jnp.int32)
-    params = plgpu.CompilerParams(num_warps=num_warps, num_stages=2)
-    weight_specs = [whole(*w.shape) for w in gates + ups]
+    params = plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
     act = pl.pallas_call(
         functools.partial(_act_kernel, k=k, d=d, gate_chunk=gates[0].shape[0],
                           up_chunk=(ups or gates)[0].shape[0], n_gate=len(gates), n_up=len(ups),
                           up_off=0 if ups else f, block_k=bk, block_f=bf),
-        grid=(t * k, f // bf),
-        in_specs=[whole(t, d), whole(t, k)] + weight_specs,
-        out_specs=whole(t * k, f),
-        out_shape=jax.ShapeDtypeStruct((t * k, f), h_TD.dtype),
+        grid=(r, f // bf),
+        in_specs=[whole(t, d), whole(t, k)] + [whole(*w.shape) for w in gates + ups],
+        out_specs=whole(r, f),
+        out_shape=jax.ShapeDtypeStruct((r, f), h_TD.dtype),
         compiler_params=params, interpret=interpret,
         name=f"moe_decode_act_bk{bk}_bf{bf}",
     )(h_TD, experts_Tk, *gates, *ups)
-    return pl.pallas_call(
+    y_RD = pl.pallas_call(
         functools.partial(_down_kernel, k=k, f=f, per_chunk=downs[0].shape[0], block_f=bf,
                           block_d=bd),
-        grid=(t, d // bd),
-        in_specs=[whole(t * k, f), whole(t, k), whole(t, k)] + [whole(*w.shape) for w in downs],
-        out_specs=whole(t, d),
-        out_shape=jax.ShapeDtypeStruct((t, d), jnp.float32),
+        grid=(r, d // bd),
+        in_specs=[whole(r, f), whole(t, k)] + [whole(*w.shape) for w in downs],
+        out_specs=whole(r, d),
+        out_shape=jax.ShapeDtypeStruct((r, d), h_TD.dtype),
         compiler_params=params, interpret=interpret,
         name=f"moe_decode_down_bf{bf}_bd{bd}",
-    )(act, weights_Tk.astype(jnp.float32), experts_Tk, *downs)
+    )(act, experts_Tk, *downs)
+    y_TkD = y_RD.reshape(t, k, d).astype(jnp.float32)
+    return jnp.sum(y_TkD * weights_Tk.astype(jnp.float32)[:, :, None], axis=1)
