@@ -285,10 +285,19 @@ def ungroup_channels(conv_TC, num_k_heads: int, k_dim: int):
     return jnp.concatenate([p.reshape(t, -1) for p in jnp.split(x, [k_dim, 2 * k_dim], axis=-1)], -1)
 
 
+# The chunked rule of steps with prompt chunks runs as its jnp form (chunked_gated_delta: XLA's
+# batched matmuls over all chunks at once, a scan only for the state between chunks) rather
+# than pallas_kernels/gated_delta_chunked.py, whose programs (sequence, value head, row block)
+# walk every chunk in order with a row-by-row forward substitution each: one 2,048-token
+# prompt at Qwen3.5-397B's heads took 79.9 ms there against 2.96 ms (H100, BENCHMARKS.md).
+CHUNKED_IMPL = "xla"
+
+
 def pallas_delta_rule(cfg, conv_TC, a_TH, b_TH, a_log_H, dt_bias_H, ssm_NHBA, query_start_loc,
                       seq_lens, state_slots, *, grouped: bool = False):
     """The Pallas path: fused post-conv, then the recurrent decode kernel when no sequence has
-    more than one token, else the chunked kernel; both update the state cache in place. Runs
+    more than one token, else the chunked rule (CHUNKED_IMPL); both update the state cache in
+    place. Runs
     on whatever heads it is given (one rank's under a mesh: H / TP value heads and their key
     heads). Returns (o f32[T, H, B], ssm cache)."""
     from jaxserve.pallas_kernels.gated_delta_chunked import gated_delta_chunked
@@ -309,7 +318,7 @@ def pallas_delta_rule(cfg, conv_TC, a_TH, b_TH, a_log_H, dt_bias_H, ssm_NHBA, qu
         return jnp.where(real_T[:, None, None], o_SHB[seq_T], 0.0), ssm
 
     def chunked(ssm):
-        return gated_delta_chunked(*args, ssm, impl="pallas")
+        return gated_delta_chunked(*args, ssm, impl=CHUNKED_IMPL)
 
     return jax.lax.cond(jnp.max(jnp.diff(query_start_loc)) <= 1, decode, chunked, ssm_NHBA)
 

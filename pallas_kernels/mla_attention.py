@@ -22,7 +22,10 @@ and each prefill token walks only its own causal range) or as the k selected pos
 (sparse: k / BK steps, whatever the context length), both gathered through the block table.
 Prefill tokens do not share key loads across query tokens here (one program per token);
 that is the thing to change first if prefill MLA is measured to matter.
-Untuned and not yet measured on the H200.
+Steps of few tokens split each token's key range (flash-decoding, key_splits): the splits'
+normalised partials and log2-sum-exp2 are merged by pallas_kernels/split_merge.py. Without
+splits one decode token at DeepSeek's 128 heads was 8 programs: 291 us over a 4K context,
+against XLA's 32 (H100, BENCHMARKS.md).
 
 Legend: T tokens, S sequences, N heads, C kv latent (value width), R rope dims, W = C + R,
 NB cache blocks, P slots per block, B blocks per sequence, L = B * P context slots,
@@ -38,7 +41,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jaxserve.pallas_kernels.dispatch import resolve_impl, whole
+from jaxserve.pallas_kernels.dispatch import num_sms, resolve_impl, whole
+from jaxserve.pallas_kernels.split_merge import merge_splits
 
 
 def _selected_mask(selected_k, ctx_len: int):
@@ -88,9 +92,11 @@ def _validate(q_TNW, latent_NPW, block_tables_SB, token_seq_ids_T, positions_T, 
         raise ValueError(f"selected_Tk must be [T={t}, k]; got {selected_Tk.shape}")
 
 
-def _mla_kernel(q_ref, lat_ref, bt_ref, seq_ref, pos_ref, sel_ref, o_ref, *, n, c, r, p,
-                blocks_per_seq, block_h, block_k, sm_scale, num_sel):
-    tok, hb = pl.program_id(0), pl.program_id(1)
+def _mla_kernel(q_ref, lat_ref, bt_ref, seq_ref, pos_ref, sel_ref, o_ref, *lse_ref, n, c, r, p,
+                blocks_per_seq, block_h, block_k, sm_scale, num_sel, splits):
+    """Program (token, head tile, split): with splits > 1 (lse_ref given) the split's share of
+    the token's key steps, written as a normalised partial and its log2-sum-exp2."""
+    tok, hb, x = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     seq, pos = seq_ref[tok], pos_ref[tok]
     head_H = hb * block_h + jnp.arange(block_h, dtype=jnp.int32)
     out_head_H = head_H                   # the output has room for the padded heads
@@ -128,13 +134,33 @@ def _mla_kernel(q_ref, lat_ref, bt_ref, seq_ref, pos_ref, sel_ref, o_ref, *, n, 
     init = (jnp.full((block_h,), -1e30, jnp.float32), jnp.zeros((block_h,), jnp.float32),
             jnp.zeros((block_h, c), jnp.float32))
     steps = pl.cdiv(num_sel, block_k) if num_sel else pos // block_k + 1
-    _, l, acc = jax.lax.fori_loop(0, steps, body, init)
+    per_split = pl.cdiv(steps, splits)
+    first, last = x * per_split, jnp.minimum((x + 1) * per_split, steps)
+    m, l, acc = jax.lax.fori_loop(first, jnp.maximum(first, last), body, init)
     o = acc / jnp.where(l > 0, l, 1.0)[:, None]
-    plgpu.store(o_ref.at[tok, out_head_H[:, None], cols_C[None, :]], o.astype(o_ref.dtype))
+    if not lse_ref:
+        plgpu.store(o_ref.at[tok, out_head_H[:, None], cols_C[None, :]], o.astype(o_ref.dtype))
+        return
+    plgpu.store(o_ref.at[x, tok, out_head_H[:, None], cols_C[None, :]], o)
+    lse = jnp.where(l > 0, m * LOG2E + jnp.log2(jnp.where(l > 0, l, 1.0)), -jnp.inf)
+    plgpu.store(lse_ref[0].at[x, tok, out_head_H], lse)
+
+
+def key_splits(num_tokens: int, num_heads: int, block_h: int) -> int:
+    """Key-range splits a step of num_tokens tokens takes (flash-decoding): enough programs for
+    about two per SM, up to 16 splits; one where the tokens fill the GPU already. Why: at one
+    decode token DeepSeek's 128 heads are 8 programs, and a 4K context took 291 us against
+    XLA's 32 (H100, BENCHMARKS.md)."""
+    programs = num_tokens * pl.cdiv(num_heads, block_h)
+    return max(1, min(MAX_SPLITS, (2 * num_sms()) // programs))
+
+
+MAX_SPLITS = 16
+LOG2E = 1.4426950408889634
 
 
 def _pallas(q_TNW, latent_NPW, block_tables_SB, token_seq_ids_T, positions_T, selected_Tk, *,
-            sm_scale, value_dim, block_h, block_k, num_warps, num_stages, interpret):
+            sm_scale, value_dim, block_h, block_k, num_warps, num_stages, interpret, splits):
     t, n, w = q_TNW.shape
     nb, p, _ = latent_NPW.shape
     s, b = block_tables_SB.shape
@@ -145,33 +171,49 @@ def _pallas(q_TNW, latent_NPW, block_tables_SB, token_seq_ids_T, positions_T, se
     block_h = block_h or 16
     # heads padded to whole tiles in the output (sliced off after), so no store is masked
     n_pad = pl.cdiv(n, block_h) * block_h
+    splits = key_splits(t, n, block_h) if splits is None else splits
     kernel = functools.partial(_mla_kernel, n=n, c=c, r=r, p=p, blocks_per_seq=b, block_h=block_h,
-                               block_k=block_k, sm_scale=sm_scale, num_sel=num_sel)
-    return pl.pallas_call(
-        kernel, grid=(t, pl.cdiv(n, block_h)),
+                               block_k=block_k, sm_scale=sm_scale, num_sel=num_sel, splits=splits)
+    if splits == 1:
+        out_specs = whole(t, n_pad, c)
+        out_shape = jax.ShapeDtypeStruct((t, n_pad, c), q_TNW.dtype)
+    else:
+        out_specs = [whole(splits, t, n_pad, c), whole(splits, t, n_pad)]
+        out_shape = [jax.ShapeDtypeStruct((splits, t, n_pad, c), jnp.float32),
+                     jax.ShapeDtypeStruct((splits, t, n_pad), jnp.float32)]
+    name = ("mla_sparse_attention" if num_sel else "mla_attention") + (f"_x{splits}" if splits > 1 else "")
+    out = pl.pallas_call(
+        kernel, grid=(t, pl.cdiv(n, block_h), splits),
         in_specs=[whole(t, n, w), whole(nb * p, w), whole(s * b), whole(t), whole(t),
                   whole(*selected_Tk.shape)],
-        out_specs=whole(t, n_pad, c), out_shape=jax.ShapeDtypeStruct((t, n_pad, c), q_TNW.dtype),
+        out_specs=out_specs, out_shape=out_shape,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-        interpret=interpret, name="mla_sparse_attention" if num_sel else "mla_attention",
+        interpret=interpret, name=name,
     )(q_TNW, latent_NPW.reshape(nb * p, w), block_tables_SB.reshape(-1),
       token_seq_ids_T.astype(jnp.int32), positions_T.astype(jnp.int32),
-      selected_Tk.astype(jnp.int32))[:, :n]
+      selected_Tk.astype(jnp.int32))
+    if splits > 1:
+        o_part, lse = out
+        kernel_merge = not interpret and c >= 16 and c & (c - 1) == 0   # (its tiles: 2^n >= 16)
+        out = merge_splits(o_part, lse, out_dtype=q_TNW.dtype,
+                           impl="pallas" if kernel_merge else "xla", interpret=interpret)
+    return out[:, :n]
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "value_dim", "impl", "block_h", "block_k",
-                                             "num_warps", "num_stages", "interpret"))
+                                             "num_warps", "num_stages", "interpret", "splits"))
 def mla_attention(q_TNW, latent_NPW, block_tables_SB, token_seq_ids_T, positions_T, selected_Tk=None,
                   *, sm_scale: float, value_dim: int, impl: str = "auto", block_h: int | None = None,
                   block_k: int = 32, num_warps: int = 4, num_stages: int = 2,
-                  interpret: bool | None = None):
+                  interpret: bool | None = None, splits: int | None = None):
     """Absorbed MLA over the paged latent cache: o f[T, N, C] (see the module docstring).
 
     impl: "pallas" (interpreted on CPU), "xla" (ref_mla_attention) or "auto" (pallas on a GPU).
     block_h: heads per program (default 16: the [BH, C] f32 accumulator of C = 512 is then 64
     registers a thread at 4 warps; more heads a program would read each latent row for more
     heads at once, fewer programs re-reading it, but spill); block_k: keys per step (for the
-    sparse form, of the selected positions)."""
+    sparse form, of the selected positions); splits: key-range splits per token, merged after
+    (default key_splits: more than one only for steps of few tokens)."""
     _validate(q_TNW, latent_NPW, block_tables_SB, token_seq_ids_T, positions_T, value_dim, selected_Tk)
     impl, on_gpu = resolve_impl(impl)
     if impl == "xla":
@@ -180,4 +222,4 @@ def mla_attention(q_TNW, latent_NPW, block_tables_SB, token_seq_ids_T, positions
     return _pallas(q_TNW, latent_NPW, block_tables_SB, token_seq_ids_T, positions_T, selected_Tk,
                    sm_scale=sm_scale, value_dim=value_dim, block_h=block_h, block_k=block_k,
                    num_warps=num_warps, num_stages=num_stages,
-                   interpret=(not on_gpu) if interpret is None else interpret)
+                   interpret=(not on_gpu) if interpret is None else interpret, splits=splits)

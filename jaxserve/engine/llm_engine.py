@@ -69,10 +69,9 @@ def resolve_fused_kernels(option: str | tuple | list, cfg, num_devices: int) -> 
     from jaxserve.models import llama, registry
     names = fused_kernel_names(option)
     if names is None:
-        family = registry.get_model_module(cfg.architecture)
-        if jax.default_backend() != "gpu" or num_devices != 1 or family is not llama:
+        if jax.default_backend() != "gpu" or num_devices != 1:
             return ()
-        return llama.auto_fused_kernels(cfg)
+        return llama.auto_fused_kernels(cfg, registry.get_model_module(cfg.architecture) is llama)
     if "linear" in names and num_devices != 1:
         # (its kernels and [out, in] weights are unsharded; a mesh keeps the unfused weights)
         raise ValueError(f"fused_kernels 'linear' runs on one device; got {num_devices} "

@@ -217,7 +217,7 @@ def test_fused_stack_matches_the_xla_path_on_a_mixed_batch(name):
             np.testing.assert_allclose(layer_f[part][1:], layer_x[part][1:], atol=1e-5)
 
 
-def test_auto_turns_linear_on_for_small_dense_models_only():
+def test_auto_turns_linear_on_for_small_dense_models_and_moe_for_experts():
     from jaxserve.config import ModelConfig
     small = ModelConfig(architecture="LlamaForCausalLM", vocab_size=49152, hidden_size=576,
                         intermediate_size=1536, num_layers=30, num_heads=9, num_kv_heads=3,
@@ -226,6 +226,8 @@ def test_auto_turns_linear_on_for_small_dense_models_only():
     import dataclasses
     assert llama.auto_fused_kernels(dataclasses.replace(small, hidden_size=4096)) == ()
     assert llama.auto_fused_kernels(dataclasses.replace(small, head_dim=80)) == ()
+    assert llama.auto_fused_kernels(small, family_is_llama=False) == ()
+    assert llama.auto_fused_kernels(dataclasses.replace(small, num_experts=8)) == ("moe",)
 
 
 @pytest.mark.parametrize("name", ["qwen3-tied", "qwen2-bias"])

@@ -83,6 +83,25 @@ def test_selection_of_all_visible_positions_is_dense():
                                atol=2e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("sparse", [False, True])
+@pytest.mark.parametrize("splits", [1, 3, 8])
+def test_key_range_splits_match_the_reference(splits, sparse):
+    """Each token's keys split 1, 3 or 8 ways (more splits than some tokens have key steps:
+    empty splits), merged: the same as the reference on a mixed batch."""
+    q, lat, bt, seq, pos, sel, real = mla_batch(*BATCHES["mixed"], seed=9)
+    sel = sel if sparse else None
+    kw = dict(sm_scale=0.3, value_dim=C)
+    want = mk.ref_mla_attention(q, lat, bt, seq, pos, selected_Tk=sel, **kw)
+    got = mk.mla_attention(q, lat, bt, seq, pos, sel, impl="pallas", block_k=8, splits=splits, **kw)
+    np.testing.assert_allclose(np.asarray(got)[:real], np.asarray(want)[:real], atol=2e-5, rtol=1e-5)
+
+
+def test_few_tokens_take_splits_and_many_none():
+    assert mk.key_splits(1, 128, 16) == mk.MAX_SPLITS        # 8 programs: split 16 ways
+    assert mk.key_splits(16, 128, 16) == 2 * mk.num_sms() // 128
+    assert mk.key_splits(64, 128, 16) == 1
+
+
 def test_validation():
     q, lat, bt, seq, pos, sel, _ = mla_batch([1], [3])
     with pytest.raises(ValueError, match="value_dim"):
@@ -92,14 +111,21 @@ def test_validation():
 
 
 @pytest.mark.parametrize("k", [0, 2048])
-def test_lowers_for_cuda_at_deepseek_shapes(k):
-    """128 heads, a 512 + 64 latent, bf16: dense (k = 0) and sparse over 2,048 positions."""
+@pytest.mark.parametrize("t", [1, 64])
+def test_lowers_for_cuda_at_deepseek_shapes(k, t):
+    """128 heads, a 512 + 64 latent, bf16: dense (k = 0) and sparse over 2,048 positions; one
+    decode token (key splits and their merge) and 64 (no splits)."""
     sds = jax.ShapeDtypeStruct
-    t, n, nb, p, s, b = 16, 128, 512, 64, 8, 64
+    n, nb, p, s, b = 128, 512, 64, 8, 64
     args = [sds((t, n, 576), jnp.bfloat16), sds((nb, p, 576), jnp.bfloat16), sds((s, b), jnp.int32),
             sds((t,), jnp.int32), sds((t,), jnp.int32)]
     if k:
         args.append(sds((t, k), jnp.int32))
     exported = export_for_cuda(lambda *a: mk.mla_attention(*a, sm_scale=0.135, value_dim=512,
                                                            impl="pallas", interpret=False), *args)
-    assert triton_kernel_names(exported) == ["mla_sparse_attention" if k else "mla_attention"]
+    name = "mla_sparse_attention" if k else "mla_attention"
+    names = triton_kernel_names(exported)
+    if t == 64:
+        assert names == [name]
+    else:
+        assert names[0] == f"{name}_x{mk.MAX_SPLITS}" and names[1].startswith("merge_splits_x16")
