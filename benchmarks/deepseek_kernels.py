@@ -9,7 +9,7 @@ inputs rotate out of L2 the same way). TopK: S rows of L keys (the indexer's sco
 tokens), k = 2048, at L = 8K, 32K, 128K. MLA: 128 heads, a 512 + 64 latent in bf16, decode at
 batch 1, 16, 64 over a 4K context (bytes: the latent rows read + q + o), and the sparse form
 over 2,048 selected positions of a 32K context.
-NOTE: written without a GPU at hand: it ran only with --smoke on a CPU.
+Measured on an H100 in session 33 (BENCHMARKS.md, "Kernels").
 
 Legend: S rows / sequences, L keys per row / context, k chosen, N heads, W = 576 latent width.
 """

@@ -17,7 +17,7 @@ layer = (step with 4 layers - step with 2 layers) / 2, which removes the embeddi
 200K-vocabulary head. Roofline per layer: the attention and router weights, the experts the
 batch reaches (expected distinct of 256 with top-8 under uniform routing: 8 at batch 1, ~102
 at 16, ~222 at 64) and the batch's K/V context, over 4.24 TB/s.
-NOTE: written without a GPU at hand: it ran only with --smoke on a CPU.
+Measured on the H200 in session 20 (BENCHMARKS.md, "Reduced-depth MoE decode").
 
 Legend: B batch (decode sequences), L context per sequence, X experts, k chosen per token.
 """

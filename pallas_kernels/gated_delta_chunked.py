@@ -25,6 +25,12 @@ N state slots.
 Grid (S, H, V/BV): a program walks its sequence's chunks in order (a loop with a dynamic
 trip count), the [BV, K] state tile staying in registers between chunks; it is read from the
 sequence's slot once and written back once.
+Measured too slow to use: one 2,048-token sequence at Qwen3.5-397B's heads took 79.9 ms
+against its jnp form's 2.96 (H100, BENCHMARKS.md), since one sequence is only H * V/BV
+programs and each runs every chunk's forward substitution in series; the engine takes the jnp
+form (models/qwen3_next.py CHUNKED_IMPL). A fast version would compute every chunk's WY
+factors in parallel first and leave only the state pass sequential (flash-linear-attention's
+split), not built.
 """
 
 from __future__ import annotations

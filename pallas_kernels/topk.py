@@ -17,9 +17,9 @@ and those equal to it; a tiny XLA cumulative sum over the chunks gives each chun
 output slot; the second re-reads its chunk and writes each chosen entry (value and index)
 to its slot (entries above first, then as many ties as fill k, each in index order; a
 cumulative sum inside each block of the chunk ranks them). So the row is read 10 times and
-only k entries are written, against lax.top_k's sort-based selection. Untuned and not yet
-measured on the H200 (the issue's comparison against lax.top_k and a sort at 8K, 32K and
-128K keys x 2048 is still to do).
+only k entries are written, against lax.top_k's sort-based selection. At k = 2,048 over 16
+rows it takes 0.79 x lax.top_k's time at 8K keys, 0.51 x at 32K and 0.21 x at 128K (H100,
+BENCHMARKS.md "Kernels"); untuned.
 
 Legend: S rows, L entries per row, k chosen per row, C chunks of a row, BL entries a step.
 """
