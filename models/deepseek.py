@@ -218,10 +218,7 @@ def fuse_projections(cfg: DeepseekConfig, params: dict) -> dict:
     instead of two to four (V3.2: 8 launches a layer become 3). The runner calls this for
     unsharded parameters (llama.fuse_projections says why); the forward takes either form.
     Routed experts stay as they are (split_expert_weights chunks them)."""
-    def fuse(lp: dict, fused: str, names: list[str]) -> None:
-        if len(names) > 1 and all(n in lp for n in names):
-            lp[fused] = jnp.concatenate([lp.pop(n) for n in names], axis=-1)
-
+    fuse = layers.fuse_in_place
     for group in ("layers", "mtp"):
         for i, lp in enumerate(params.get(group) or []):
             lp = dict(lp)

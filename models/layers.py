@@ -37,6 +37,15 @@ def linear(x_TD: jax.Array, w_DF: jax.Array) -> jax.Array:
     return x_TD @ w_DF
 
 
+def fuse_in_place(lp: dict, fused: str, names) -> None:
+    """lp[fused] = the concatenation of lp[names] along the output (last) axis, the parts
+    popped (so each is freed as soon as the caller drops the old layer dict), when all of them
+    are there: the families' fuse_projections (one matmul where several read the same input)."""
+    names = list(names)
+    if len(names) > 1 and all(n in lp for n in names):
+        lp[fused] = jnp.concatenate([lp.pop(n) for n in names], axis=-1)
+
+
 def rms_norm(x_TD: jax.Array, w_D: jax.Array, eps: float) -> jax.Array:
     """RMSNorm computed in f32, returned in the input dtype (as HF does)."""
     x = x_TD.astype(jnp.float32)

@@ -96,12 +96,10 @@ def fuse_projections(cfg: ModelConfig, params: dict) -> dict:
     unfused weights, and a column-sharded concatenation would mix q, k and v columns."""
     for i, lp in enumerate(params["layers"]):
         lp = dict(lp)
-        if "wq" in lp:
-            lp["wqkv"] = jnp.concatenate([lp.pop("wq"), lp.pop("wk"), lp.pop("wv")], axis=-1)
-            if "bq" in lp:
-                lp["bqkv"] = jnp.concatenate([lp.pop("bq"), lp.pop("bk"), lp.pop("bv")], axis=-1)
+        layers.fuse_in_place(lp, "wqkv", ("wq", "wk", "wv"))
+        layers.fuse_in_place(lp, "bqkv", ("bq", "bk", "bv"))
         if "w_gate" in lp and (lp["w_gate"].ndim < 3 or 2 * lp["w_gate"].size <= MAX_WEIGHT_ELEMENTS):
-            lp["w_gate_up"] = jnp.concatenate([lp.pop("w_gate"), lp.pop("w_up")], axis=-1)
+            layers.fuse_in_place(lp, "w_gate_up", ("w_gate", "w_up"))
         # (experts whose fused gate|up would be over the grouped-matmul kernel's reach stay two
         # arrays: fused, each decode step would read every expert through lax.ragged_dot)
         params["layers"][i] = lp

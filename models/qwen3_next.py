@@ -348,8 +348,7 @@ def fuse_projections(cfg: Qwen3NextConfig, params: dict) -> dict:
     for i, lp in enumerate(params["layers"]):
         lp = dict(lp)
         for fused, parts in groups:
-            if parts[0] in lp:
-                lp[fused] = jnp.concatenate([lp.pop(w) for w in parts], axis=-1)
+            layers.fuse_in_place(lp, fused, parts)
         params["layers"][i] = lp
     return params
 
