@@ -130,6 +130,8 @@ reduced() {   # issues 30 and 32: reduced-depth full-width shapes (dummy bf16), 
   # issue 30's FP8 choice at the layer: DeepSeek-V3's experts kept in FP8 (against the bf16 row above)
   step 300 reduced_DeepSeek-V3-4L-fp8 python3 benchmarks/reduced_depth_decode.py --config DeepSeek-V3-4L \
     --fp8 --json "$OUT/reduced_DeepSeek-V3-4L-fp8.json"
+  # V3.2's TopK against lax.top_k and a sort, MLA against XLA (issue 30)
+  step 200 deepseek_kernels python3 benchmarks/deepseek_kernels.py --json "$OUT/deepseek_kernels.json"
   # Qwen3.5's linear-attention prefill: its kernels against their jnp references (issue 32)
   step 200 kernels_deltanet python3 benchmarks/kernels.py --only deltanet --json "$OUT/kernels_deltanet.json"
 }

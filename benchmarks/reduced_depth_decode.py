@@ -41,7 +41,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import kernels as kb  # noqa: E402  (benchmarks/kernels.py: timing and rows)
 from jaxserve.bench import roofline  # noqa: E402
-from jaxserve.engine.llm_engine import fused_kernel_names  # noqa: E402
+from jaxserve.engine.llm_engine import resolve_fused_kernels  # noqa: E402
 from jaxserve.kv_cache.specs import PagedSpec  # noqa: E402
 from jaxserve.models import dummy, hf_loader, registry  # noqa: E402
 from jaxserve.models.attention import AttentionBackend  # noqa: E402
@@ -153,8 +153,9 @@ def main():
     ap.add_argument("--fp8", action="store_true",
                     help="routed experts as block-scaled FP8 (as --quantization fp8 keeps an FP8 "
                          "checkpoint's; DeepSeek V3 / V3.2 only)")
-    ap.add_argument("--fused", default="", help="fused kernels to switch on, comma-separated "
-                    "(models/llama.py FUSABLE; e.g. moe: the MoE decode kernels)")
+    ap.add_argument("--fused", default="auto", help="fused kernels, as --fused-kernels: 'auto' (the "
+                    "engine's choice on one GPU: moe for MoE models; not 'linear', whose weight "
+                    "layout this script does not build), 'none' or names (e.g. moe)")
     ap.add_argument("--depth", type=int, default=4, choices=(3, 4),
                     help="layers built and timed against 2 (3: layer 2 alone, less memory)")
     ap.add_argument("--json", default=None)
@@ -174,7 +175,8 @@ def main():
         params = dummy.dummy_params(with_layers(cfg, args.depth), "bfloat16")
         if args.fp8:
             params = quantize_experts_fp8(params)
-        fused = frozenset(fused_kernel_names(args.fused) or ())
+        fused = frozenset(resolve_fused_kernels(args.fused, cfg, 1)) - (
+            {"linear"} if args.fused == "auto" else set())
         label = ((os.path.basename(os.path.dirname(source)) if args.smoke else source)
                  + (" fp8" if args.fp8 else "") + "".join(f" +{name}" for name in sorted(fused)))
         batches, context = ((1, 4), 32) if args.smoke else (args.batch, args.context)
