@@ -192,7 +192,7 @@ def test_serve_bench_against_the_real_http_app(llm):
 def test_profile_summary_counts_a_windows_device_kernels():
     """summarize_events: device kernels inside each marked window (not the host's, not those
     outside), their busy time as a union, averaged over the windows."""
-    from jaxserve.bench.profile import summarize_events
+    from jaxserve.bench.profile import host_time_by_name, summarize_events
 
     meta = [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/host:CPU"}},
             {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/device:GPU:0"}}]
@@ -205,6 +205,8 @@ def test_profile_summary_counts_a_windows_device_kernels():
     assert s["windows"] == 2 and s["kernels_per_window"] == 1.5
     assert s["wall_ms"] == pytest.approx(0.1) and s["device_busy_ms"] == pytest.approx(0.02)
     assert s["device_ms_by_kind"]["attention"] == pytest.approx(0.005)
+    host = host_time_by_name(events, "step")               # the host's events, per window
+    assert host == {"host_thing": pytest.approx(0.025)}
 
 
 def test_roofline_counts_only_the_experts_a_batch_reaches():

@@ -202,5 +202,9 @@ def main(argv: list[str]) -> int:
     for r in rows:
         if "profile" in r:
             report.print_table(f"profile, batch {r['batch_size']}", [r["profile"]["summary"]])
+            host = r["profile"].get("host_ms_by_name") or {}
+            if host:
+                report.print_table(f"host ms per engine step by event, batch {r['batch_size']}",
+                                   [{"event": n, "ms": round(v, 4)} for n, v in host.items()])
     report.write_json(args.output_json, result)
     return 0

@@ -50,13 +50,37 @@ def load_trace_events(trace_dir: str) -> list[dict]:
     return data["traceEvents"] if isinstance(data, dict) else data
 
 
+def _process_names(events: list[dict]) -> dict:
+    return {e["pid"]: e.get("args", {}).get("name", "") for e in events
+            if e.get("ph") == "M" and e.get("name") == "process_name"}
+
+
+def _is_device(name: str) -> bool:
+    return bool(re.search(r"gpu|device:|cuda|stream", name, re.I)) and not re.search(r"host|cpu", name, re.I)
+
+
+def host_time_by_name(events: list[dict], mark: str, top: int = 25) -> dict[str, float]:
+    """ms per window of the host's events inside the windows marked `mark`, by name (nested
+    events each count: a caller's time includes its callees'), the `top` largest: where the
+    host's part of a step goes (Python frames when the trace has the Python tracer's, XLA's
+    runtime: the executable's call, command-buffer update and launch, transfers)."""
+    device = {pid for pid, n in _process_names(events).items() if _is_device(n)}
+    spans = [e for e in events if e.get("ph") == "X" and "dur" in e]
+    windows = [(e["ts"], e["ts"] + e["dur"]) for e in spans if e.get("name") == mark]
+    totals: dict[str, float] = {}
+    for a, b in windows:
+        for e in spans:
+            if e["pid"] not in device and a <= e["ts"] < b and e.get("name") != mark:
+                totals[e["name"]] = totals.get(e["name"], 0.0) + e["dur"]
+    best = sorted(totals.items(), key=lambda kv: -kv[1])[:top]
+    return {n[:80]: v / len(windows) / 1e3 for n, v in best} if windows else {}
+
+
 def summarize_events(events: list[dict], mark: str) -> dict:
     """Per window marked `mark`: wall, device busy (union of device events), kernel count,
     and device time by kernel kind; averaged over the windows."""
-    names = {e["pid"]: e.get("args", {}).get("name", "") for e in events
-             if e.get("ph") == "M" and e.get("name") == "process_name"}
-    device_pids = {pid for pid, n in names.items() if re.search(r"gpu|device:|cuda|stream", n, re.I)
-                   and not re.search(r"host|cpu", n, re.I)}
+    names = _process_names(events)
+    device_pids = {pid for pid, n in names.items() if _is_device(n)}
     spans = [e for e in events if e.get("ph") == "X" and "dur" in e]
     windows = [(e["ts"], e["ts"] + e["dur"]) for e in spans if e.get("name") == mark]
     device = [(e["ts"], e["ts"] + e["dur"], e.get("name", "")) for e in spans if e["pid"] in device_pids]
@@ -119,7 +143,8 @@ def profile_decode_steps(engine, batch: int, args, params: dict, num_tokens: int
             per_step = lambda v: (v / replays if isinstance(v, float) else  # noqa: E731
                                   {n: x / replays for n, x in v.items()} if isinstance(v, dict) else v)
             replay = {k: per_step(v) for k, v in replay.items() if k != "windows"}
-        result.update(engine_steps=steps, device_only_replay_per_step=replay)
+        result.update(engine_steps=steps, device_only_replay_per_step=replay,
+                      host_ms_by_name=host_time_by_name(events, STEP_MARK))
         result["summary"] = {"engine_step_wall_ms": steps.get("wall_ms"),
                              "engine_step_device_busy_ms": steps.get("device_busy_ms"),
                              "engine_step_kernels": steps.get("kernels_per_window"),
