@@ -125,21 +125,31 @@ def mla_batch(kind, *, n, k, dtype, c=MLA_C, r=MLA_R, p=MLA_P, seed=0):
 
 @pytest.mark.parametrize("kind", list(MLA_BATCHES))
 @pytest.mark.parametrize("sparse", [False, True])
-def test_mla_attention(kind, sparse, dtype=BF16, n=128, k=2048, c=MLA_C, r=MLA_R, p=MLA_P):
-    """bf16, 128 heads (8 tiles of 16), k = 2,048 selected positions a token (sparse)."""
+def test_mla_attention(kind, sparse, dtype=BF16, n=128, k=2048, c=MLA_C, r=MLA_R, p=MLA_P,
+                       splits=None):
+    """bf16, 128 heads (8 tiles of 16), k = 2,048 selected positions a token (sparse); the
+    key-range splits of key_splits (or `splits`), merged by split_merge's kernel."""
     q, lat, bt, seq, pos, sel, real = mla_batch(kind, n=n, k=k, dtype=dtype, c=c, r=r, p=p,
                                                 seed=len(kind) + sparse)
     sel = sel if sparse else None
     kw = dict(sm_scale=MLA_SCALE, value_dim=c)
     want = highest(lambda *a: mk.ref_mla_attention(*a[:5], selected_Tk=a[5], **kw),
                    q, lat, bt, seq, pos, sel)
-    got = mk.mla_attention(q, lat, bt, seq, pos, sel, impl="pallas", interpret=False, **kw)
+    got = mk.mla_attention(q, lat, bt, seq, pos, sel, impl="pallas", interpret=False,
+                           splits=splits, **kw)
     assert got.shape == (q.shape[0], n, c) and got.dtype == dtype
     assert np.isfinite(np.asarray(got, np.float32)).all()
     # bf16 inputs, probabilities and output: measured max error 0.0156 (an ulp at 2-4);
     # f32 (below): the kernel's dots take TF32 inputs, measured 0.0043
     close(np.asarray(got, np.float32)[:real], np.asarray(want, np.float32)[:real],
           2e-2 if dtype == BF16 else 1e-2)
+
+
+@pytest.mark.parametrize("splits", [4, 16])
+@pytest.mark.parametrize("sparse", [False, True])
+def test_mla_attention_key_splits(sparse, splits):
+    """Each token's keys in 4 or 16 ranges (some empty for short contexts), merged."""
+    test_mla_attention("mixed", sparse, splits=splits)
 
 
 @pytest.mark.parametrize("sparse", [False, True])
