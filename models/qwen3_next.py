@@ -297,9 +297,8 @@ def pallas_delta_rule(cfg, conv_TC, a_TH, b_TH, a_log_H, dt_bias_H, ssm_NHBA, qu
                       seq_lens, state_slots, *, grouped: bool = False):
     """The Pallas path: fused post-conv, then the recurrent decode kernel when no sequence has
     more than one token, else the chunked rule (CHUNKED_IMPL); both update the state cache in
-    place. Runs
-    on whatever heads it is given (one rank's under a mesh: H / TP value heads and their key
-    heads). Returns (o f32[T, H, B], ssm cache)."""
+    place. Runs on whatever heads it is given (one rank's under a mesh: H / TP value heads and
+    their key heads). Returns (o f32[T, H, B], ssm cache)."""
     from jaxserve.pallas_kernels.gated_delta_chunked import gated_delta_chunked
     from jaxserve.pallas_kernels.gated_delta_decode import gated_delta_decode
     from jaxserve.pallas_kernels.gdn_post_conv import gdn_post_conv

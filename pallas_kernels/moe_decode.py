@@ -11,10 +11,11 @@ to the input dtype (as the grouped path's down output is) -> y f[T*k, D]; the we
 over each token's k rows in f32 is one small XLA fusion after it (no float atomics: the sum's
 order is fixed, so a token's output does not depend on its batch).
 
-Each program streams its expert's [BK, BF] weight tiles through a tensor-core dot with its one
-input row repeated to the 16-row tile Triton's dot needs (row 0 is stored): the weights are
-read exactly as the grouped kernel reads them (its 16-row tiles, BK = 128, 4 stages), so the
-pipelined loads keep as many bytes in flight, with one program per (row, column block).
+Each program streams its expert's [BK, BF] weight tiles through a tensor-core dot, its one
+input row as row 0 of the 16-row tile Triton's dot needs (zeros below, so the product's
+column sums are that row's): the weights are read exactly as the grouped kernel reads them
+(its 16-row tiles, BK = 128, 4 stages), so the pipelined loads keep as many bytes in flight,
+with one program per (row, column block).
 Why: the grouped path (models/moe.py expert_rows_sum) runs, besides its grouped matmuls, the
 rows' grouping by expert, the gather of their inputs, each matmul's tile list, the SwiGLU and
 the gather-back with the weighted sum; with expert arrays past the grouped kernel's int32
@@ -72,6 +73,11 @@ def ref_moe_decode(h_TD, weights_Tk, experts_Tk, gate, up, down):
     u_TkF = jnp.einsum("td,tkdf->tkf", h_TD, up[e_Tk], precision=hi).astype(dtype)
     act = (jax.nn.silu(g_TkF.astype(jnp.float32)) * u_TkF.astype(jnp.float32)).astype(dtype)
     y_TkD = jnp.einsum("tkf,tkfd->tkd", act, down[e_Tk], precision=hi).astype(dtype)
+    return _weighted_sum(y_TkD, weights_Tk)
+
+
+def _weighted_sum(y_TkD, weights_Tk):
+    """f32[T, D]: each token's k expert outputs times their weights, summed in f32."""
     return jnp.sum(y_TkD.astype(jnp.float32) * weights_Tk.astype(jnp.float32)[:, :, None], axis=1)
 
 
@@ -237,5 +243,4 @@ def moe_decode(h_TD, weights_Tk, experts_Tk, gate, up, down, *, impl: str = "aut
         compiler_params=params, interpret=interpret,
         name=f"moe_decode_down_bf{bf}_bd{bd}",
     )(act, experts_Tk, *downs)
-    y_TkD = y_RD.reshape(t, k, d).astype(jnp.float32)
-    return jnp.sum(y_TkD * weights_Tk.astype(jnp.float32)[:, :, None], axis=1)
+    return _weighted_sum(y_RD.reshape(t, k, d), weights_Tk)

@@ -13,7 +13,8 @@ from jaxserve.engine_args import add_engine_arguments, engine_kwargs
 def add_bench_engine_arguments(parser: argparse.ArgumentParser) -> None:
     add_engine_arguments(parser)
     parser.add_argument("--hbm-bandwidth", type=float, default=None,
-                        help="bytes/s for the roofline (default: the measured copy rate of the device's kind: H200 4.24e12, H100 3.0e12)")
+                        help="bytes/s for the roofline (default: the measured copy rate of the "
+                             "device's kind: H200 4.24e12, H100 3.0e12)")
     parser.add_argument("--output-json", default=None, help="write every figure to this JSON file")
     parser.add_argument("--disable-tqdm", action="store_true")
 
