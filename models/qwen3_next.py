@@ -285,12 +285,11 @@ def ungroup_channels(conv_TC, num_k_heads: int, k_dim: int):
     return jnp.concatenate([p.reshape(t, -1) for p in jnp.split(x, [k_dim, 2 * k_dim], axis=-1)], -1)
 
 
-# The chunked rule of steps with prompt chunks runs as its jnp form (chunked_gated_delta: XLA's
-# batched matmuls over all chunks at once, a scan only for the state between chunks) rather
-# than pallas_kernels/gated_delta_chunked.py, whose programs (sequence, value head, row block)
-# walk every chunk in order with a row-by-row forward substitution each: one 2,048-token
-# prompt at Qwen3.5-397B's heads took 79.9 ms there against 2.96 ms (H100, BENCHMARKS.md).
-CHUNKED_IMPL = "xla"
+# The chunked rule of steps with prompt chunks: pallas_kernels/gated_delta_chunked.py (every
+# chunk's WY factors in parallel, then a sequential pass of matmuls over the state), 0.98 ms for
+# one 2,048-token prompt at Qwen3.5-397B's heads against its jnp form's 2.95 (chunked_gated_delta;
+# H100, BENCHMARKS.md). "xla" takes the jnp form instead.
+CHUNKED_IMPL = "pallas"
 
 
 def pallas_delta_rule(cfg, conv_TC, a_TH, b_TH, a_log_H, dt_bias_H, ssm_NHBA, query_start_loc,

@@ -13,7 +13,8 @@ import pytest
 from gdn_batches import gdn_batch
 from jaxserve.models import gated_deltanet as gdn
 from jaxserve.pallas_kernels.cuda_lowering import export_for_cuda, triton_kernel_names
-from jaxserve.pallas_kernels.gated_delta_chunked import gated_delta_chunked, ref_gated_delta_chunked
+from jaxserve.pallas_kernels.gated_delta_chunked import (gated_delta_chunked, ref_gated_delta_chunked,
+                                                      unit_lower_inverse)
 
 G, H, K, V = 2, 4, 16, 32
 NUM_SLOTS = 8
@@ -30,15 +31,29 @@ CASES = [  # (qlens, tokens already computed, state slots); padding sequences at
     ([40], [0], [4]),                                       # one prefill over 3 chunks
     ([5, 1, 17, 0], [0, 9, 16, 0], [1, 3, 6, 0]),           # mixed: fresh, decode, continuing
     ([16, 2, 0, 0], [32, 0, 0, 0], [7, 2, 0, 0]),
+    ([23, 7, 33, 16, 1], [0, 5, 40, 0, 2], [3, 1, 6, 2, 5]),   # unaligned partial chunks
 ]
 
 
+def _correlated_keys(k, seed):
+    """Every key of a key head nearly the same direction (with write strengths near 1: the case
+    where a Neumann series for (I + A)^-1 cancels catastrophically in f32)."""
+    rng = np.random.default_rng(seed)
+    t, g, kd = k.shape
+    base = rng.standard_normal((1, g, kd))
+    return gdn.l2norm(jnp.asarray(base + 0.01 * rng.standard_normal((t, g, kd)), jnp.float32))
+
+
 @pytest.mark.parametrize("qlens, starts, slots", CASES)
-def test_chunked_kernel_matches_recurrence(qlens, starts, slots):
+def test_chunked_kernel_matches_recurrence(qlens, starts, slots, chunk=L, correlated=False):
     q, k, v, g, beta, qsl, seq_lens, slots_S, state = _batch(qlens, starts, slots, seed=sum(qlens))
-    want_o, want_state = ref_gated_delta_chunked(q, k, v, g, beta, qsl, seq_lens, slots_S, state, chunk=L)
+    if correlated:
+        k = _correlated_keys(k, seed=sum(qlens))
+        beta = 0.95 + 0.05 * beta
+    want_o, want_state = ref_gated_delta_chunked(q, k, v, g, beta, qsl, seq_lens, slots_S, state,
+                                                 chunk=chunk)
     got_o, got_state = gated_delta_chunked(q, k, v, g, beta, qsl, seq_lens, slots_S, jnp.array(state),
-                                           impl="pallas", interpret=True, chunk=L, block_v=16)
+                                           impl="pallas", interpret=True, chunk=chunk, block_v=16)
     np.testing.assert_allclose(got_o, want_o, atol=2e-5, rtol=0)
     np.testing.assert_allclose(got_state, want_state, atol=2e-5, rtol=0)
     used = {slots[i] for i, n in enumerate(qlens) if n}
@@ -56,6 +71,33 @@ def test_chunked_kernel_matches_recurrence(qlens, starts, slots):
         np.testing.assert_allclose(got_state[slots[s]], st, atol=2e-5, rtol=0)
 
 
+def test_chunked_kernel_chunk_64_correlated_keys():
+    """The model's chunk length over a 150-token prompt (two whole chunks and a partial one)
+    beside a continuing sequence, with nearly parallel keys and beta near 1."""
+    test_chunked_kernel_matches_recurrence([150, 20], [0, 10], [3, 6], chunk=64, correlated=True)
+
+
+@pytest.mark.parametrize("chunk", [16, 64, 128])
+def test_unit_lower_inverse_is_stable(chunk):
+    """(I + A)^-1 of the kernel against jnp.linalg.inv where keys are nearly parallel and
+    beta near 1 (A close to all ones below the diagonal: the inverse is ~bidiagonal, entries
+    O(1), while the powers of A grow like binomial coefficients)."""
+    rng = np.random.default_rng(chunk)
+    k = rng.standard_normal((1, 128)) + 0.01 * rng.standard_normal((chunk, 128))
+    k = np.asarray(gdn.l2norm(jnp.asarray(k, jnp.float32)))
+    beta = rng.uniform(0.95, 1.0, chunk).astype(np.float32)
+    gam = np.cumsum(-rng.uniform(0.0, 0.01, chunk)).astype(np.float32)
+    a = np.tril(beta[:, None] * (k @ k.T) * np.exp(gam[:, None] - gam[None, :]), -1).astype(np.float32)
+    got = np.asarray(jax.jit(unit_lower_inverse)(jnp.asarray(a)))
+    want = np.asarray(jnp.linalg.inv(jnp.eye(chunk) + a))
+    np.testing.assert_allclose(got, want, atol=1e-6, rtol=0)
+    neumann, power = np.eye(chunk, dtype=np.float32), -a      # what the blocked inverse avoids
+    for _ in range(int(np.log2(chunk))):
+        neumann, power = neumann + power @ neumann, power @ power
+    if chunk >= 64:
+        assert np.abs(neumann - want).max() > 1.0
+
+
 def test_chunked_kernel_lowers_for_cuda():
     sds = jax.ShapeDtypeStruct
     t, s, g, h, kd, vd = 256, 4, 16, 64, 128, 128        # Qwen3.5-397B's linear-attention heads
@@ -63,4 +105,5 @@ def test_chunked_kernel_lowers_for_cuda():
             sds((t, h), jnp.float32), sds((t, h), jnp.float32), sds((s + 1,), jnp.int32),
             sds((s,), jnp.int32), sds((s,), jnp.int32), sds((8, h, vd, kd), jnp.float32))
     exported = export_for_cuda(lambda *a: gated_delta_chunked(*a, impl="pallas", interpret=False), *args)
-    assert triton_kernel_names(exported) == ["gated_delta_chunked_l64_bv32"]
+    assert triton_kernel_names(exported) == ["gated_delta_chunked_prep_l64",
+                                             "gated_delta_chunked_state_l64_bv32"]
