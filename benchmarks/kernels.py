@@ -510,7 +510,30 @@ def bench_moe_decode(rng, quick: bool, sweep: bool = False):
                 if try_run("moe_decode sweep", lambda: g(h, w, e, lp)) is not None:
                     record("moe_decode", case, f"moe_decode bf{bf} bd{bd} s{ns}",
                            gpu_time_ms(jax.jit(g), h, w, e, lp), bytes_=byts)
+            if name == "deepseek-v3":   # FP8 experts (--quantization fp8): half the bytes
+                bench_moe_decode_fp8(lp, h, w, e, x, case, byts // 2, ref)
         del lp, gate_up, down
+
+
+def bench_moe_decode_fp8(lp, h, w, e, x, case, byts, ref):
+    """The same routed experts as block-scaled FP8 (grouped_matmul.quantize, 128 x 128 scale
+    blocks): the grouped path's FP8 kernel against moe_decode's FP8 path (BF 64, the default,
+    and 128). Errors against the bf16 experts' result (the quantization's own error included)."""
+    from jaxserve.models import moe
+    from jaxserve.pallas_kernels import moe_decode as md
+    from jaxserve.pallas_kernels.grouped_matmul import quantize
+    q = {n: tuple(quantize(c) for c in lp[n]) for n in ("w_gate_up", "w_down")}
+    grouped = jax.jit(lambda h, w, e, q: moe.expert_rows_sum(q, h, w, e, x, "pallas"))
+    record("moe_decode", case + " fp8", "grouped path", gpu_time_ms(grouped, h, w, e, q), bytes_=byts,
+           err=rel_err(grouped(h, w, e, q), ref))
+    for bf in (64, 128):
+        fused = jax.jit(lambda h, w, e, q, bf=bf: md.moe_decode(h, w, e, q["w_gate_up"], None, q["w_down"],
+                                                                impl="pallas", block_f=bf))
+        out = try_run("moe_decode fp8", lambda: fused(h, w, e, q))
+        if out is not None:
+            record("moe_decode", case + " fp8", f"moe_decode bf{bf}" + (" (default)" if bf == 64 else ""),
+                   gpu_time_ms(fused, h, w, e, q), bytes_=byts, err=rel_err(out, ref))
+    del q
 
 
 def bench_mgpu(case, x, w, gs, ref, byts, flops):
