@@ -42,6 +42,7 @@ from jax.experimental.pallas import triton as plgpu
 from jaxserve.pallas_kernels.dispatch import absent_refs, checked_block, num_sms, resolve_impl, whole
 
 HIGHEST = jax.lax.Precision.HIGHEST
+SMALL_WEIGHT_ELEMENTS = 1 << 22   # decode_warps
 
 # ---------------------------------------------------------------------------------------------
 # Reference: the model's XLA ops, in its order
@@ -115,6 +116,15 @@ def tiling(t: int, k: int, n_out: int, w_layout: str) -> tuple[int, int, int]:
     # K (the tail is masked). Shared memory bounds it: 3 stages of x and weight tiles.
     bk = 128 if w_layout == "NK" else (256 if bn <= 32 else 64)
     return bm, bn, min(bk, pl.next_power_of_2(k))
+
+
+def decode_warps(t: int, weight_elements: int) -> int:
+    """Warps a program: 2 for one row times a small weight (up to 4M elements), else 4. Those
+    programs are latency-bound; at the default model's shapes 2 warps took q|k|v 5.3 us against
+    6.6 and gate|up 6.7 against 8.7, o 3.1 either way (H100, `benchmarks/kernels.py --only
+    linear --sweep`, BENCHMARKS.md); 8 warps were slower everywhere. The LM head (28M) was not
+    swept: it keeps 4."""
+    return 2 if t == 1 and weight_elements <= SMALL_WEIGHT_ELEMENTS else 4
 
 
 # ---------------------------------------------------------------------------------------------
@@ -199,8 +209,8 @@ def _kernel(
                                              "block_n", "block_k", "num_warps", "num_stages", "interpret"))
 def fused_linear(x_TK, w, *, norm_K=None, eps: float = 1e-6, bias_N=None, residual_TN=None,
                  gated: bool = False, w_layout: str = "KN", out_dtype=None, impl: str = "auto",
-                 block_n: int | None = None, block_k: int | None = None, num_warps: int = 4,
-                 num_stages: int = 3,
+                 block_n: int | None = None, block_k: int | None = None,
+                 num_warps: int | None = None, num_stages: int = 3,
                  interpret: bool | None = None):
     """[RMSNorm(x) * norm_K] @ w [+ bias_N], then silu-gated (`gated`) or plus `residual_TN`:
     see the module docstring. impl "pallas" (Triton; interpreted on CPU), "xla", or "auto"
@@ -217,6 +227,8 @@ def fused_linear(x_TK, w, *, norm_K=None, eps: float = 1e-6, bias_N=None, residu
     n = w.shape[1] if w_layout == "KN" else w.shape[0]
     n_out = n // 2 if gated else n
     bm, bn, bk = tiling(t, k, n_out, w_layout)
+    if num_warps is None:
+        num_warps = decode_warps(t, k * n)
     if block_n is not None:
         bn = checked_block(block_n, "block_n", n_out, "N")
     if block_k is not None:          # need not divide K: the last step's loads are masked
