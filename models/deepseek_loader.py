@@ -9,7 +9,8 @@ Name mapping to models/deepseek.py's tree, with three reshapes done once here:
   format) are dequantized to the load dtype (each block times its scale); with
   quantization="fp8" (`--quantization fp8`) the routed experts, nearly all of the bytes, are
   kept as they are (grouped_matmul.BlockScaledFp8: half the bytes a decode step reads of
-  bf16), on one device (not under a mesh yet).
+  bf16); under a mesh values and scales split alike (a tensor-parallel split of F must be whole
+  scale blocks: sharding/expert_parallel.fp8_split_problem).
 Tensors are read from the files directly (header + memory map), because safetensors' numpy
 reader has no FP8 type; ml_dtypes gives numpy the float8 and bfloat16 types.
 With a mesh each parameter is placed by sharding/rules.py (sharding/family_axes.py: heads over
@@ -168,15 +169,30 @@ class _ExpertStack:
         return all(n + "_scale_inv" in self.ck for n in self.names) and \
             self.ck.raw(self.names[0]).dtype == ml_dtypes.float8_e4m3fn
 
-    def kept_fp8(self) -> BlockScaledFp8:
+    def kept_fp8(self, sharding) -> BlockScaledFp8:
         """The experts as they are stored: e4m3 [X, in, out] and their block scales [X, in
-        blocks, out blocks] (both transposed from the files' [out, in])."""
+        blocks, out blocks] (both transposed from the files' [out, in]), each placed by
+        `sharding` (under a mesh a device reads only its experts' values and scales)."""
         if self.block[0] != self.block[1]:
             raise ValueError(f"--quantization fp8 keeps square scale blocks only; the checkpoint's "
                              f"weight_block_size is {list(self.block)}")
-        values = np.stack([self.ck.raw(n).T for n in self.names])
-        scales = np.stack([np.asarray(self.ck.raw(n + "_scale_inv"), np.float32).T for n in self.names])
-        return BlockScaledFp8(jnp.asarray(values), jnp.asarray(scales), self.block[0])
+        b = self.block[0]
+        if isinstance(sharding, jax.sharding.NamedSharding):
+            from jaxserve.sharding.expert_parallel import fp8_split_problem
+            why = fp8_split_problem(self.names[0], self.shape, sharding.spec, dict(sharding.mesh.shape), b)
+            if why:
+                raise ValueError(why)
+        x, i, o = self.shape
+
+        def read(suffix, dtype, index):
+            return np.stack([np.asarray(self.ck.raw(self.names[j] + suffix), dtype).T[index[1:]]
+                             for j in range(x)[index[0]]])
+
+        values = jax.make_array_from_callback(self.shape, sharding,
+                                              lambda index: read("", ml_dtypes.float8_e4m3fn, index))
+        scales = jax.make_array_from_callback((x, -(-i // b), -(-o // b)), sharding,
+                                              lambda index: read("_scale_inv", np.float32, index))
+        return BlockScaledFp8(values, scales, b)
 
 
 def _checked(tree: dict, shapes: dict, where: str, jdtype, placement: dict, keep_fp8: bool = False) -> dict:
@@ -190,7 +206,7 @@ def _checked(tree: dict, shapes: dict, where: str, jdtype, placement: dict, keep
         # the router bias only ranks experts: keep it f32 whatever the load dtype (as HF does)
         dt = jnp.float32 if name == "router_bias" else jdtype
         if keep_fp8 and isinstance(arr, _ExpertStack) and arr.is_fp8:
-            out[name] = jax.device_put(arr.kept_fp8(), placement[name])
+            out[name] = arr.kept_fp8(placement[name])
         elif isinstance(arr, _ExpertStack):
             out[name] = jax.make_array_from_callback(arr.shape, placement[name],
                                                      lambda index, a=arr, dt=dt: a[index].astype(dt))
@@ -215,9 +231,6 @@ def load_hf(path: str, cfg, dtype: str = "float32", mesh=None, quantization: str
         raise ValueError(f"quantization 'fp8' keeps an FP8 checkpoint's experts as they are; "
                          f"{path!r} is not one (its config.json has no quantization_config with "
                          f"quant_method 'fp8'), and quantizing at load is not built")
-    if keep_fp8 and mesh is not None:
-        raise ValueError("quantization 'fp8' runs on one device for now (tensor_parallel_size and "
-                         "expert_parallel_size 1): the sharding rules place bf16 experts only")
     block = tuple(quant.get("weight_block_size") or (128, 128))
     ck = SafetensorsDir(path)
     jdtype = jnp.dtype(dtype)

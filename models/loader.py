@@ -52,10 +52,9 @@ def load_model(model: str | None, load_format: str = "auto", dtype: str = "float
                              f"or one of {', '.join(dummy.known_configs())}")
         cfg, params = dummy.load_dummy(model, dtype, mesh, seed)
         if quantization is not None:     # as an FP8 checkpoint of this shape would load
-            if cfg.architecture not in hf_loader.FP8_KEEPING_ARCHITECTURES or mesh is not None:
+            if cfg.architecture not in hf_loader.FP8_KEEPING_ARCHITECTURES:
                 raise ValueError(f"quantization {quantization!r} is built for "
-                                 f"{', '.join(hf_loader.FP8_KEEPING_ARCHITECTURES)} on one device; "
-                                 f"got {cfg.architecture}" + (" under a mesh" if mesh is not None else ""))
+                                 f"{', '.join(hf_loader.FP8_KEEPING_ARCHITECTURES)}; got {cfg.architecture}")
             from jaxserve.models.moe import quantize_experts_fp8
             params = quantize_experts_fp8(params)
         tokenizer = None

@@ -38,6 +38,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from jaxserve.pallas_kernels.grouped_matmul import BlockScaledFp8
 from jaxserve.sharding.mesh import EXPERT_AXIS, MODEL_AXIS
 
 DISPATCH = "psum"        # the engine's form (module doc); "all_to_all" for the DP layout
@@ -60,8 +61,26 @@ def splits_experts() -> bool:
 
 
 def _expert_specs(lp: dict, names: dict) -> dict:
+    """Each expert array's spec; a block-scaled FP8 one's values and scales split alike (its
+    scale blocks are whole on every rank: fp8_split_problem)."""
     e, m = names.get(EXPERT_AXIS), names.get(MODEL_AXIS)
-    return {"w_gate": P(e, None, m), "w_up": P(e, None, m), "w_down": P(e, m, None)}
+    specs = {"w_gate": P(e, None, m), "w_up": P(e, None, m), "w_down": P(e, m, None)}
+    return {n: BlockScaledFp8(spec, spec, lp[n].block) if isinstance(lp[n], BlockScaledFp8) else spec
+            for n, spec in specs.items()}
+
+
+def fp8_split_problem(name: str, shape: tuple, spec, axis_sizes: dict, block: int) -> str | None:
+    """Why a block-scaled FP8 array of `shape` ([X, in, out]) cannot be split by `spec` over
+    axes of these sizes (None if it can): each rank's part of a split in / out dim must be
+    whole B x B scale blocks, or its scales would not split with it."""
+    for dim, axes in list(enumerate(spec))[1:]:
+        n = 1
+        for a in (axes if isinstance(axes, tuple) else (axes,) if axes else ()):
+            n *= axis_sizes.get(a, 1)
+        if n > 1 and shape[dim] % (n * block):
+            return (f"{name}: its dim {shape[dim]} split {n} ways is not whole {block}-wide FP8 "
+                    f"scale blocks; tensor_parallel_size must divide {shape[dim] // block}")
+    return None
 
 
 def _check(lp: dict, num_experts: int, sizes: dict, dispatch: str):
@@ -77,6 +96,12 @@ def _check(lp: dict, num_experts: int, sizes: dict, dispatch: str):
     if num_experts % ep or f % tp:
         raise ValueError(f"num_experts ({num_experts}) must be divisible by expert_parallel_size "
                          f"({ep}) and the expert MLP dim ({f}) by tensor_parallel_size ({tp})")
+    specs = _expert_specs(lp, {a: a for a in sizes})
+    for name in EXPERT_KEYS:
+        if isinstance(lp[name], BlockScaledFp8):
+            why = fp8_split_problem(name, lp[name].shape, specs[name].values, sizes, lp[name].block)
+            if why:
+                raise ValueError(why)
 
 
 def moe_on_mesh(route_fn, lp: dict, h_TD: jax.Array, num_experts: int, impl: str,

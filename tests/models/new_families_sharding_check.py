@@ -331,6 +331,56 @@ def check_deepseek_expert_reads():
     print("ok deepseek expert reads EP=2")
 
 
+def check_deepseek_fp8_on_mesh():
+    """--quantization fp8 on a mesh: the kept FP8 experts' values and block scales split alike
+    (experts over `expert`, F over `model` in whole scale blocks), each device reading only its
+    experts, and the logits equal one device's FP8 ones; a split of F into partial blocks, and
+    dummy FP8 weights placed like a checkpoint's."""
+    import tempfile
+
+    from fp8_checkpoint import fp8_copy
+    from jaxserve.pallas_kernels.grouped_matmul import BlockScaledFp8
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = fp8_copy(ckpt("deepseek_v3"), os.path.join(tmp, "fp8"), block=8)   # F = 16: 2 blocks
+        cfg, ref, _ = load_model(path, quantization="fp8")
+        want = run(cfg, ref, None)
+        mesh = mesh_lib.make_mesh(2, 2)
+        cfg, params, _ = load_model(path, mesh=mesh, quantization="fp8")
+        w_up, w_down = params["layers"][1]["w_up"], params["layers"][1]["w_down"]
+        assert isinstance(w_up, BlockScaledFp8) and w_up.values.dtype == jnp.float8_e4m3fn
+        assert spec(w_up.values) == spec(w_up.scales) == P("expert", None, "model"), spec(w_up.scales)
+        assert spec(w_down.scales) == P("expert", "model", None), spec(w_down.scales)
+        assert w_up.scales.addressable_shards[0].data.shape == (cfg.num_experts // 2, cfg.hidden_size // 8, 1)
+        for i, (g, w) in enumerate(zip(run(cfg, params, mesh), want)):
+            err = float(np.max(np.abs(g - w)))
+            if err > ATOL:
+                sys.exit(f"FP8 experts TP=2 EP=2: step {i} logits differ by {err} (> {ATOL})")
+        try:
+            load_model(path, mesh=mesh_lib.make_mesh(4, 1), quantization="fp8")   # 4 of F's 16 a rank
+        except ValueError as e:
+            assert "scale blocks" in str(e) and "tensor_parallel_size" in str(e), str(e)
+        else:
+            sys.exit("TP=4 over two 8-wide scale blocks should raise a ValueError naming the blocks")
+        _, dummy, _ = load_model(ckpt("deepseek_v3"), "dummy", mesh=mesh_lib.make_mesh(1, 2), quantization="fp8")
+        d_up = dummy["layers"][1]["w_up"]
+        assert spec(d_up.values) == spec(d_up.scales) == P("expert", None, "model"), spec(d_up.scales)
+        # the engine: the same greedy tokens on TP 2 x EP 2 as on one device
+        from jaxserve import LLM, SamplingParams
+        tokens = []
+        for tp, ep in ((1, 1), (2, 2)):
+            llm = LLM(path, dtype="float32", tensor_parallel_size=tp, expert_parallel_size=ep,
+                      quantization="fp8", max_num_seqs=4, max_num_batched_tokens=8, max_model_len=128,
+                      block_size=4, num_kv_blocks=64, warmup=False)
+            outs = llm.generate([{"prompt_token_ids": list(range(3 + i, 20 + 3 * i))} for i in range(3)],
+                                SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
+            tokens.append([o.outputs[0].token_ids for o in outs])
+            del llm
+        if tokens[0] != tokens[1]:
+            sys.exit(f"FP8 engine TP=2 EP=2 greedy {tokens[1]} != one device's {tokens[0]}")
+    print("ok deepseek FP8 experts TP=2 EP=2 (logits, engine)")
+
+
 def check_qwen_specs(cfg, params, tp):
     lin, full = params["layers"][0], params["layers"][1]
     assert spec(lin["w_qkv_grouped"]) == P(None, "model") and spec(lin["conv_w_grouped"]) == P("model", None)
@@ -406,6 +456,7 @@ def main(family):
         check_deepseek_mtp()
         check_dummy(ckpt("deepseek_v32"), tp=2, ep=2)
         check_deepseek_expert_reads()
+        check_deepseek_fp8_on_mesh()
         check_engine("deepseek_v32", tp=2, ep=2)
     elif family == "qwen3_next":
         cfg, _ = check_matches(ckpt("qwen3_next"), [(1, 2), (2, 2), (2, 1)], pallas_meshes=[(2, 2), (2, 1)])

@@ -7,26 +7,14 @@ import os
 import shutil
 
 import jax
-import ml_dtypes
 import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
+from fp8_checkpoint import F8, fp8_copy, quantize_blocks
 from jaxserve.models import deepseek, deepseek_loader, dummy, hf_loader
 
 CKPT = os.path.join(os.path.dirname(__file__), os.pardir, "golden", "ckpt", "deepseek_v3")
-F8 = ml_dtypes.float8_e4m3fn
-
-
-def _quantize(w_OI: np.ndarray, block: int):
-    """(fp8 values, scale_inv f32[ceil(O/b), ceil(I/b)]) with each block's max at 448."""
-    o, i = w_OI.shape
-    s = np.zeros((-(-o // block), -(-i // block)), np.float32)
-    for a in range(s.shape[0]):
-        for b in range(s.shape[1]):
-            s[a, b] = np.abs(w_OI[a * block:(a + 1) * block, b * block:(b + 1) * block]).max() / 448.0
-    full = np.repeat(np.repeat(s, block, 0), block, 1)[:o, :i]
-    return (w_OI / full).astype(F8), s
 
 
 def test_dequantize_blocks_partial_blocks():
@@ -34,7 +22,7 @@ def test_dequantize_blocks_partial_blocks():
     # magnitudes that differ per block, and sides that are not multiples of 128
     w = rng.normal(size=(200, 300)).astype(np.float32) * np.repeat(
         np.repeat(np.array([[1.0, 10.0, 0.01], [100.0, 0.1, 3.0]]), 128, 0), 128, 1)[:200, :300]
-    q, s = _quantize(w, 128)
+    q, s = quantize_blocks(w, 128)
     got = deepseek_loader.dequantize_blocks(q, s, (128, 128))
     # exact: value times its block's scale
     assert got[150, 290] == np.float32(q[150, 290]) * s[1, 2]
@@ -46,21 +34,7 @@ def test_dequantize_blocks_partial_blocks():
 
 def _fp8_copy(tmp_path, block: int) -> str:
     """The tiny checkpoint with every 2-D projection stored as FP8 + block scales."""
-    src = deepseek_loader.SafetensorsDir(CKPT)
-    out = {}
-    for name in src.entries:
-        w = np.asarray(src.raw(name), np.float32)
-        if name.endswith("proj.weight") and w.ndim == 2:
-            out[name], out[name + "_scale_inv"] = _quantize(w, block)
-        else:
-            out[name] = np.asarray(src.raw(name))
-    path = tmp_path / "fp8"
-    path.mkdir()
-    save_file(out, str(path / "model.safetensors"))
-    hf = json.load(open(os.path.join(CKPT, "config.json")))
-    hf["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [block, block]}
-    json.dump(hf, open(path / "config.json", "w"))
-    return str(path)
+    return fp8_copy(CKPT, str(tmp_path / "fp8"), block)
 
 
 def test_fp8_checkpoint_loads_dequantized(tmp_path):
