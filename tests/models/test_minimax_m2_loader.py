@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
+from fp8_checkpoint import F8, quantize_blocks
 from jaxserve import LLM, SamplingParams
 from jaxserve.models import deepseek_loader, dummy, hf_loader, minimax_m2
-from test_deepseek_loader import F8, _quantize
 
 GOLDEN = os.path.join(os.path.dirname(__file__), os.pardir, "golden")
 CKPT = os.path.join(GOLDEN, "ckpt", "minimax_m2")
@@ -35,7 +35,7 @@ def _fp8_sharded_copy(tmp_path, block: int) -> str:
         w = np.asarray(src.raw(name), np.float32)
         part = files[1 if "layers.1." in name else 0]
         if w.ndim == 2 and "embed" not in name and "gate." not in name and name != "lm_head.weight":
-            part[name], part[name + "_scale_inv"] = _quantize(w, block)
+            part[name], part[name + "_scale_inv"] = quantize_blocks(w, block)
         else:
             part[name] = np.asarray(src.raw(name))
     path = tmp_path / "fp8"
