@@ -50,13 +50,16 @@ def load_trace_events(trace_dir: str) -> list[dict]:
     return data["traceEvents"] if isinstance(data, dict) else data
 
 
-def _process_names(events: list[dict]) -> dict:
-    return {e["pid"]: e.get("args", {}).get("name", "") for e in events
-            if e.get("ph") == "M" and e.get("name") == "process_name"}
-
-
-def _is_device(name: str) -> bool:
-    return bool(re.search(r"gpu|device:|cuda|stream", name, re.I)) and not re.search(r"host|cpu", name, re.I)
+def _trace_parts(events: list[dict], mark: str):
+    """(process names by pid, the device processes' pids, the complete events, the windows
+    (start, end) of the events named `mark`)."""
+    names = {e["pid"]: e.get("args", {}).get("name", "") for e in events
+             if e.get("ph") == "M" and e.get("name") == "process_name"}
+    device_pids = {pid for pid, n in names.items() if re.search(r"gpu|device:|cuda|stream", n, re.I)
+                   and not re.search(r"host|cpu", n, re.I)}
+    spans = [e for e in events if e.get("ph") == "X" and "dur" in e]
+    windows = [(e["ts"], e["ts"] + e["dur"]) for e in spans if e.get("name") == mark]
+    return names, device_pids, spans, windows
 
 
 def host_time_by_name(events: list[dict], mark: str, top: int = 25) -> dict[str, float]:
@@ -64,9 +67,7 @@ def host_time_by_name(events: list[dict], mark: str, top: int = 25) -> dict[str,
     events each count: a caller's time includes its callees'), the `top` largest: where the
     host's part of a step goes (Python frames when the trace has the Python tracer's, XLA's
     runtime: the executable's call, command-buffer update and launch, transfers)."""
-    device = {pid for pid, n in _process_names(events).items() if _is_device(n)}
-    spans = [e for e in events if e.get("ph") == "X" and "dur" in e]
-    windows = [(e["ts"], e["ts"] + e["dur"]) for e in spans if e.get("name") == mark]
+    _, device, spans, windows = _trace_parts(events, mark)
     totals: dict[str, float] = {}
     for a, b in windows:
         for e in spans:
@@ -79,10 +80,7 @@ def host_time_by_name(events: list[dict], mark: str, top: int = 25) -> dict[str,
 def summarize_events(events: list[dict], mark: str) -> dict:
     """Per window marked `mark`: wall, device busy (union of device events), kernel count,
     and device time by kernel kind; averaged over the windows."""
-    names = _process_names(events)
-    device_pids = {pid for pid, n in names.items() if _is_device(n)}
-    spans = [e for e in events if e.get("ph") == "X" and "dur" in e]
-    windows = [(e["ts"], e["ts"] + e["dur"]) for e in spans if e.get("name") == mark]
+    names, device_pids, spans, windows = _trace_parts(events, mark)
     device = [(e["ts"], e["ts"] + e["dur"], e.get("name", "")) for e in spans if e["pid"] in device_pids]
     if not windows:
         return {"windows": 0, "device_processes": sorted(names[p] for p in device_pids)}
