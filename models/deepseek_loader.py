@@ -176,12 +176,10 @@ class _ExpertStack:
         if self.block[0] != self.block[1]:
             raise ValueError(f"--quantization fp8 keeps square scale blocks only; the checkpoint's "
                              f"weight_block_size is {list(self.block)}")
+        from jaxserve.sharding.expert_parallel import check_fp8_placement
+
         b = self.block[0]
-        if isinstance(sharding, jax.sharding.NamedSharding):
-            from jaxserve.sharding.expert_parallel import fp8_split_problem
-            why = fp8_split_problem(self.names[0], self.shape, sharding.spec, dict(sharding.mesh.shape), b)
-            if why:
-                raise ValueError(why)
+        check_fp8_placement(self.names[0], self.shape, sharding, b)
         x, i, o = self.shape
 
         def read(suffix, dtype, index):

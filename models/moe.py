@@ -48,15 +48,12 @@ def quantize_experts_fp8(params):
     """In place: every MoE layer's expert arrays as block-scaled FP8 (grouped_matmul.quantize),
     as an FP8 checkpoint's are kept (dummy weights of `--quantization fp8`): values and scales
     placed as the array was (split alike under a mesh, as the loader splits a checkpoint's)."""
-    from jaxserve.sharding.expert_parallel import fp8_split_problem
+    from jaxserve.sharding.expert_parallel import check_fp8_placement
 
     def kept(w):
         s = w.sharding
         q = quantize(w)
-        if isinstance(s, jax.sharding.NamedSharding):
-            why = fp8_split_problem("an expert array", w.shape, s.spec, dict(s.mesh.shape), q.block)
-            if why:
-                raise ValueError(why)
+        check_fp8_placement("an expert array", w.shape, s, q.block)
         return type(q)(jax.device_put(q.values, s), jax.device_put(q.scales, s), q.block)
     return map_expert_weights(params, kept)
 

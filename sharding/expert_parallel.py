@@ -83,6 +83,15 @@ def fp8_split_problem(name: str, shape: tuple, spec, axis_sizes: dict, block: in
     return None
 
 
+def check_fp8_placement(name: str, shape: tuple, sharding, block: int) -> None:
+    """Raise fp8_split_problem's reason if a block-scaled FP8 array placed by `sharding` (a
+    mesh's NamedSharding; any other placement keeps it whole) would split its scale blocks."""
+    if isinstance(sharding, jax.sharding.NamedSharding):
+        why = fp8_split_problem(name, shape, sharding.spec, dict(sharding.mesh.shape), block)
+        if why:
+            raise ValueError(why)
+
+
 def _check(lp: dict, num_experts: int, sizes: dict, dispatch: str):
     if dispatch not in DISPATCH_FORMS:
         raise ValueError(f"dispatch must be one of {DISPATCH_FORMS}; got {dispatch!r}")
