@@ -72,6 +72,18 @@ class BlockScaledFp8:
     size = property(lambda self: self.values.size)
     dtype = property(lambda self: self.values.dtype)
 
+    def problem(self) -> str | None:
+        """Why these values and scales are not one e4m3 array and its block scales (None if
+        they are)."""
+        g, k, n = self.shape
+        b = self.block
+        want = (g, -(-k // b), -(-n // b))
+        if self.values.dtype != jnp.float8_e4m3fn or self.scales.shape != want:
+            return (f"BlockScaledFp8 needs float8_e4m3fn values and f32{list(want)} scales (one "
+                    f"per {b} x {b} block of {self.shape}); got {self.values.dtype} and "
+                    f"{self.scales.shape}")
+        return None
+
     def split(self, parts: int) -> tuple["BlockScaledFp8", ...]:
         return tuple(BlockScaledFp8(v, s, self.block) for v, s in
                      zip(jnp.split(self.values, parts), jnp.split(self.scales, parts)))
@@ -132,14 +144,8 @@ def _validate(x_MK, w_GKN, group_sizes_G):
                          f"{group_sizes_G.shape}")
     if w_GKN.dtype == jnp.float8_e4m3fn and not isinstance(w_GKN, BlockScaledFp8):
         raise ValueError("float8_e4m3fn w_GKN needs its block scales: pass a BlockScaledFp8")
-    if isinstance(w_GKN, BlockScaledFp8):
-        g, k, n = w_GKN.shape
-        b = w_GKN.block
-        want = (g, -(-k // b), -(-n // b))
-        if w_GKN.values.dtype != jnp.float8_e4m3fn or w_GKN.scales.shape != want:
-            raise ValueError(f"BlockScaledFp8 needs float8_e4m3fn values and f32{list(want)} scales "
-                             f"(one per {b} x {b} block of {w_GKN.shape}); got "
-                             f"{w_GKN.values.dtype} and {w_GKN.scales.shape}")
+    if isinstance(w_GKN, BlockScaledFp8) and w_GKN.problem():
+        raise ValueError(w_GKN.problem())
 
 
 def split_experts(w_GKN, limit: int | None = None) -> jax.Array | tuple[jax.Array, ...]:

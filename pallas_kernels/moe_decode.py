@@ -120,14 +120,7 @@ def _fp8_problem(h_TD, parts) -> str | None:
     blocks = {w.block for w in parts}
     if len(blocks) != 1 or min(blocks) % 16:
         return f"the FP8 weights need one scale block, a multiple of 16; got {sorted(blocks)}"
-    for w in parts:
-        x, k, n = w.shape
-        b = w.block
-        want = (x, -(-k // b), -(-n // b))
-        if w.values.dtype != jnp.float8_e4m3fn or w.scales.shape != want:
-            return (f"BlockScaledFp8 needs float8_e4m3fn values and f32{list(want)} scales (one "
-                    f"per {b} x {b} block of {w.shape}); got {w.values.dtype} and {w.scales.shape}")
-    return None
+    return next((w.problem() for w in parts if w.problem()), None)
 
 
 def problem(h_TD, gate, up, down) -> str | None:
