@@ -713,18 +713,25 @@ def bench_fused_linear(rng, sweep: bool):
         norm_k = jnp.ones((k,), jnp.bfloat16) if norm else None
         res_tn = jnp.ones((1, n_out), jnp.bfloat16) if res else None
         want = fl.ref_fused_linear(x, w, norm_K=norm_k, residual_TN=res_tn, gated=gated, w_layout="NK")
-        _, bn0, bk0 = fl.tiling(1, k, n_out, "NK")
-        tilings = [(bn0, bk0, 4)]
-        if sweep:
+        single = fl.one_row(1, w.size, "NK")
+        bn0, bk0 = fl.one_row_tiling(k, n_out) if single else fl.tiling(1, k, n_out, "NK")[1:]
+        warps0 = fl.decode_warps(1, w.size, single)
+        tilings = [(single, bn0, bk0, warps0)]
+        if sweep:     # the dot program's tilings, then the one-row program's
             full_k = 1 << (k - 1).bit_length()
-            tilings += [(bn, bk, warps) for bn in (16, 32, 64) if n_out % bn == 0
+            tilings += [(False, bn, bk, warps) for bn in (16, 32, 64) if n_out % bn == 0
                         for bk in sorted({128, 256, 512, full_k}) if bk <= full_k
-                        for warps in (2, 4, 8) if (bn, bk, warps) != (bn0, bk0, 4)]
-        for bn, bk, warps in tilings:
-            fn = jax.jit(lambda x, w, nk, r, bn=bn, bk=bk, warps=warps: fl.fused_linear(
+                        for warps in (2, 4, 8)]
+            tilings += [(True, bn, bk, warps) for bn in (2, 4, 8, 16) if n_out % bn == 0
+                        for bk in sorted({256, 512, min(1024, full_k), full_k}) if bk <= full_k
+                        for warps in (1, 2, 4)]
+        for i, (one, bn, bk, warps) in enumerate(tilings):
+            if i and (one, bn, bk, warps) == tilings[0]:
+                continue
+            fn = jax.jit(lambda x, w, nk, r, one=one, bn=bn, bk=bk, warps=warps: fl.fused_linear(
                 x, w, norm_K=nk, residual_TN=r, gated=gated, w_layout="NK", impl="pallas",
-                block_n=bn, block_k=bk, num_warps=warps))
-            label = f"bn{bn} bk{bk} w{warps}" + (" (default)" if (bn, bk, warps) == (bn0, bk0, 4) else "")
+                block_n=bn, block_k=bk, num_warps=warps, one_row_program=one))
+            label = f"{'row' if one else 'dot'} bn{bn} bk{bk} w{warps}" + (" (default)" if not i else "")
             try_run(f"fused_linear {name} {label}", lambda: record(
                 "linear", f"fused {name} T=1 {k}->{n}", label,
                 time_ms(fn, x, w, norm_k, res_tn, bytes_=w.nbytes), bytes_=w.nbytes,

@@ -126,6 +126,9 @@ class CacheConfig:
                self.kv_cache_memory_fraction)
 
 
+MAX_SCHEDULER_STEPS = 64
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_num_seqs: int = 64               # sequences in one step
@@ -136,8 +139,14 @@ class SchedulerConfig:
     # them). Smaller chunks keep the steps that carry a prefill close to a decode step's time,
     # which bounds the inter-token latency of the running requests (vLLM's name and meaning).
     long_prefill_token_threshold: int = 0
+    # Decode steps a step runs on the device when every running request is decoding and no
+    # waiting one could start (vLLM's multi-step scheduling): the host schedules, launches and
+    # reads back once per this many tokens. 1: off. See scheduler.py, "Multi-step decode".
+    num_scheduler_steps: int = 1
 
     def __post_init__(self):
+        _check(1 <= self.num_scheduler_steps <= MAX_SCHEDULER_STEPS, "num_scheduler_steps",
+               f"in [1, {MAX_SCHEDULER_STEPS}]", self.num_scheduler_steps)
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "max_waiting_requests"):
             _check(getattr(self, name) >= 1, name, ">= 1", getattr(self, name))
         _check(self.long_prefill_token_threshold >= 0, "long_prefill_token_threshold", ">= 0",
@@ -184,6 +193,9 @@ class EngineConfig:
         _check(self.attention_impl in ("auto", "xla", "pallas"), "attention_impl",
                "one of auto, xla, pallas", self.attention_impl)
         _check(0 <= self.max_logprobs <= 1024, "max_logprobs", "in [0, 1024]", self.max_logprobs)
+        if self.speculative is not None and self.scheduler.num_scheduler_steps > 1:
+            raise ValueError("num_scheduler_steps must be 1 with speculative decoding (a "
+                             f"verifying step is one step); got {self.scheduler.num_scheduler_steps}")
 
     def replace(self, **changes) -> "EngineConfig":
         return dataclasses.replace(self, **changes)

@@ -76,6 +76,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--long-prefill-token-threshold", type=int, default=0,
                    help="cut each request's prefill chunks to this many tokens (0: off); "
                         "lowers the inter-token latency of running requests when prompts arrive")
+    g.add_argument("--num-scheduler-steps", type=int_at_least(1), default=1,
+                   help="decode steps run on the device per host step while every running "
+                        "request decodes (vLLM's multi-step scheduling; 1: off); outputs then "
+                        "stream this many tokens at a time")
     g.add_argument("--attention-impl", choices=["auto", "xla", "pallas"], default="auto")
     g.add_argument("--fused-kernels", type=fused_kernels, default="auto", metavar="auto|none|NAME[,NAME]",
                    help="fused Pallas kernels of the step (with the Pallas attention): 'linear' "
@@ -188,6 +192,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         expert_parallel_size=expert_parallel_size(args),
         max_logprobs=args.max_logprobs, max_waiting_requests=args.max_waiting_requests,
         long_prefill_token_threshold=args.long_prefill_token_threshold,
+        num_scheduler_steps=args.num_scheduler_steps,
         attention_impl=args.attention_impl, fused_kernels=args.fused_kernels, warmup=args.warmup,
         warmup_all=args.warmup_all, program_cache=args.program_cache,
         speculative_config=getattr(args, "speculative_config", None),

@@ -38,7 +38,8 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0             # tokens whose KV is in the cache (or being computed)
-    num_output_placeholders: int = 0         # tokens sampled on the device, not yet seen here (0 or 1)
+    num_output_placeholders: int = 0         # tokens sampled on the device, not yet seen here
+                                             # (0 or 1; up to num_scheduler_steps with multi-step)
     spec_token_ids: list[int] = field(default_factory=list)   # draft tokens for the next step
     # The drafts of its newest step still on the device: computed, assumed right until the
     # step is read (a step after it may already be scheduled on that assumption)
@@ -61,7 +62,7 @@ class Request:
 
     @property
     def num_generated(self) -> int:
-        """Output tokens so far, counting the one still on its way back from the device."""
+        """Output tokens so far, counting those still on their way back from the device."""
         return len(self.output_token_ids) + self.num_output_placeholders
 
     @property

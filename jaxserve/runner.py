@@ -61,6 +61,7 @@ class StepVariant:
     hidden: bool = False            # also return hidden states (a proposer's input): the final
                                     # ones, or those after `aux_layers`, concatenated
     aux_layers: tuple[int, ...] = ()
+    steps: int = 1                  # multi-step decode: decode steps in one program (_decode_steps)
 
 
 # A bucket of one token for batch-1 decode (one user, a notebook): padded to 16 tokens it ran
@@ -89,7 +90,7 @@ def _step_on_mesh(*args, mesh, **kwargs):
 
 
 def _step(params, caches, packed_W, prev_ids_MC, *, model, cfg, backend: AttentionBackend,
-          fused: frozenset, variant: StepVariant, layout: packing.Layout):
+          fused: frozenset, block_size: int, variant: StepVariant, layout: packing.Layout):
     x: StepInput = packing.unpack(packed_W, layout)
     # Tokens sampled by the previous step come straight from its device output: the host
     # need not have read them (DESIGN.md §2: step N+1 never waits for step N's tokens). So
@@ -103,6 +104,12 @@ def _step(params, caches, packed_W, prev_ids_MC, *, model, cfg, backend: Attenti
         x = dataclasses.replace(x, draft_token_ids=jnp.where(
             x.draft_token_ids >= 0, token_ids_T[jnp.minimum(x.logits_indices + 1, last)], -1))
     kernels = model.make_kernels(cfg, backend, variant.attention, fused)
+    if variant.steps > 1:
+        caches, out, last_ids_S = _decode_steps(params, caches, x, model=model, cfg=cfg,
+                                                kernels=kernels, backend=backend,
+                                                variant=variant, block_size=block_size)
+        ids_MC = jnp.zeros_like(prev_ids_MC).at[:last_ids_S.shape[0], 0].set(last_ids_S)
+        return caches, out, None, ids_MC, None
     if variant.aux_layers:
         caches, hidden_TD, aux = model.forward(cfg, params, caches, x, kernels, variant.aux_layers)
     else:
@@ -121,6 +128,47 @@ def _step(params, caches, packed_W, prev_ids_MC, *, model, cfg, backend: Attenti
         layer_ids = sorted(set(variant.aux_layers))
         hidden_TD = jnp.concatenate([aux[layer_ids.index(i)] for i in variant.aux_layers], -1)
     return caches, out, prompt, ids_MC, (hidden_TD, *_after_step(x, out))
+
+
+def _decode_steps(params, caches, x: StepInput, *, model, cfg, kernels, backend, variant,
+                  block_size: int):
+    """Multi-step decode (scheduler.py): `variant.steps` one-token-per-sequence decode steps
+    in one program, each feeding its sampled ids to the next. Returns (caches, the lean
+    sampler's output with token_ids i32[steps, S], each sequence's last id).
+
+    Step i's input is the first step's shifted by i positions: its K/V slot is read off the
+    block table, and nothing is written past the table's blocks (a request nearing its
+    longest length was given blocks up to it only; its tokens past that are never read)."""
+    num_tokens, p = x.num_tokens, block_size
+    width = x.block_tables.shape[1]
+    real_T = jnp.arange(num_tokens) < x.query_start_loc[-1]
+    live_S = x.seq_lens > 0
+
+    def one(i, caches, token_ids_T):
+        positions_T = x.positions + i
+        block_T = positions_T // p
+        slots_T = x.block_tables[x.token_seq_ids, jnp.minimum(block_T, width - 1)] * p + positions_T % p
+        xi = dataclasses.replace(
+            x, token_ids=token_ids_T, positions=positions_T,
+            slot_mapping=jnp.where(real_T & (block_T < width), slots_T, 0),
+            seq_lens=jnp.where(live_S, jnp.minimum(x.seq_lens + i, width * p), 0),
+            sampling=dataclasses.replace(x.sampling, offsets=x.sampling.offsets + i))
+        caches, hidden_TD, _ = model.forward(cfg, params, caches, xi, kernels)
+        logits_SV = model.compute_logits(cfg, params, hidden_TD[xi.logits_indices], kernels)
+        ids_S = _sample(logits_SV, xi, variant, backend)[1].astype(jnp.int32)
+        return caches, ids_S
+
+    def body(i, carry):
+        caches, ids_KS = carry
+        # each sequence holds one token of a decode step: after the first, its last sampled id
+        token_ids_T = jnp.where(i == 0, x.token_ids,
+                                ids_KS[jnp.maximum(i - 1, 0)][x.token_seq_ids])
+        caches, ids_S = one(i, caches, token_ids_T)
+        return caches, ids_KS.at[i].set(ids_S)
+
+    ids_KS = jnp.zeros((variant.steps, x.num_seqs), jnp.int32)
+    caches, ids_KS = jax.lax.fori_loop(0, variant.steps, body, (caches, ids_KS))
+    return caches, sampler.SamplerOutput(ids_KS, None, None, None, None), ids_KS[-1]
 
 
 def _after_step(x: StepInput, out):
@@ -263,7 +311,8 @@ class ModelRunner:
                 and getattr(model.make_kernels(self.cfg, self.backend, fused=fused), "linear", False)):
             self.params = params = model.transpose_for_fused_stack(self.cfg, params)
         self._step = jax.jit(functools.partial(_step_on_mesh, mesh=mesh, model=model, cfg=self.cfg,
-                                               backend=self.backend, fused=fused),
+                                               backend=self.backend, fused=fused,
+                                               block_size=self.block_size),
                              donate_argnums=(1,), static_argnames=("variant", "layout"))
         self.return_hidden_states(False)
         self.batch = InputBatch(max_num_seqs=config.scheduler.max_num_seqs,
@@ -376,8 +425,14 @@ class ModelRunner:
         x, plan = self.batch.build(out, t_pad, s_pad)
         n = len(out.scheduled)
         attention = self.backend.plan(t_pad, s_pad, n, np.asarray(x.seq_lens[:n]))
+        steps = out.num_steps
+        if steps > 1 and (plan.full or plan.prompt_logprobs or self.keep_hidden
+                          or out.num_tokens != n or not all(plan.samples)):
+            raise RuntimeError(f"a {steps}-step decode needs one sampled token per request and "
+                               f"the lean sampler (scheduler.Scheduler._steps_ok)")
         variant = StepVariant(self.config.max_logprobs if plan.full else 0, plan.full,
-                              plan.prompt_logprobs, attention, self.keep_hidden, self.aux_layers)
+                              plan.prompt_logprobs, attention, self.keep_hidden, self.aux_layers,
+                              steps)
         return x, plan, variant
 
     def run(self, x: StepInput, variant: StepVariant):
@@ -471,7 +526,10 @@ class ModelRunner:
         else:                            # lean step: only the sampled ids come back
             result, prompt = None, None
             ids = np.asarray(rows_out.token_ids).tolist()
-        if not plan.draft_starts:        # one token per sampling request (the common case)
+        if variant.steps > 1:            # multi-step decode: ids[i][s], every request samples
+            sampled = [list(column) for column in zip(*ids)][:len(plan.samples)]
+            kept_rows = None
+        elif not plan.draft_starts:      # one token per sampling request (the common case)
             sampled = [[t] if s else [] for t, s in zip(ids, plan.samples)]
             kept_rows = None
         else:
@@ -534,6 +592,9 @@ class ModelRunner:
                     lean, d, k, self._with_sampling(lean, rows, extras).sampling)
                     for extras in (False, True)))
             masked = self._masked_input(lean)
+            # multi-step decode (scheduler.py): lean steps of one token per sequence
+            steps = self.config.scheduler.num_scheduler_steps
+            multi = steps > 1 and t_prev < self.config.scheduler.max_num_seqs
             for attention in self.backend.warmup_plans(t, lean.num_seqs):
                 for i, (lean_x, full_x) in enumerate(inputs):
                     for variant in variants:
@@ -541,6 +602,9 @@ class ModelRunner:
                         packed, layout = packing.pack(full_x if variant.full else lean_x)
                         (verifying if i else jobs).append((layout, variant, len(packed)))
                         self._lean_keys.setdefault(t, (layout, variant))   # (hidden_spec)
+                        if multi and not i and not variant.full:
+                            jobs.append((layout, dataclasses.replace(variant, steps=steps),
+                                         len(packed)))
                 if masked is not None:   # steps whose only extra is a grammar's mask
                     packed, layout = packing.pack(masked)
                     variant = dataclasses.replace(self.warmup_variants[0], attention=attention)

@@ -27,6 +27,15 @@ alone: the verifying step folded it into the state. So a speculating request's s
 copied to its snapshot slot before each verifying step (a state load), and when a draft is
 rejected the request goes back to the step's start: the snapshot is copied back before its
 next step, which computes the kept tokens again (a few tokens, no drafts) and samples.
+
+Multi-step decode (`num_scheduler_steps` K > 1, vLLM's multi-step scheduling): when every
+running request is decoding one token with the lean sampler (no logprobs, penalties, bias,
+truncation, grammar or min_tokens ban: `_steps_ok`), no drafts are in play and no waiting
+request could start, a step runs K decode steps on the device, each sampling the next
+input. Each request gets blocks for K positions (never past its longest length: positions
+beyond it write nothing), counts K positions as computed and K tokens as placeholders;
+update() appends the K tokens, stopping at the first that ends the request (the rest were
+computed for nothing, as a finished request's token of the next step is today).
 """
 
 from __future__ import annotations
@@ -195,6 +204,7 @@ class Scheduler:
         added: dict[str, list[list[int]]] = {}      # running requests' new ids per group
         preempted: list[str] = []
         state_loads: list[tuple[int, int]] = []
+        steps = self._num_steps()
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -205,7 +215,7 @@ class Scheduler:
                 continue
             if self._align and n > 1:
                 n = self._aligned(req, req.num_computed_tokens, n)
-            end = self._with_lookahead(req, req.num_computed_tokens + n)
+            end = self._with_lookahead(req, req.num_computed_tokens + n, steps - 1)
             need = self.kv.blocks_needed(req.request_id, end)
             while self.kv.num_free_blocks < need and self.running[-1] is not req:
                 preempted.append(self._preempt(self.running.pop()).request_id)
@@ -264,13 +274,13 @@ class Scheduler:
                     rid, list(req.prompt_token_ids), list(req.output_token_ids),
                     req.sampling_params, req.seed, req.eos_token_ids))
             new_ids = added.get(rid) if rid in added else self.kv.group_block_ids(rid)
-            scheduled.append(sched := self._advance(req, n, new_ids))
+            scheduled.append(sched := self._advance(req, n, new_ids, steps))
             if rid in self._restores:         # before the step: its state as before the drafts
                 state_loads.append(self._restores.pop(rid))
             elif self._snapshot_base and sched.spec_token_ids:
                 live = self.kv.slots[rid]
                 state_loads.append((live, self._snapshot_base + live))
-            if self._align and not sched.spec_token_ids:
+            if self._align and not sched.spec_token_ids and steps == 1:
                 slot = self.kv.plan_state_save(rid, sched.start_position + n)
                 if slot:
                     sched.save_state_slot = slot
@@ -285,11 +295,12 @@ class Scheduler:
                                preempted_ids=preempted, num_cached_tokens=cached_tokens,
                                state_loads=state_loads, state_saves=state_saves)
 
-    def _advance(self, req: Request, n: int, new_ids: list[list[int]]) -> ScheduledRequest:
+    def _advance(self, req: Request, n: int, new_ids: list[list[int]],
+                 steps: int = 1) -> ScheduledRequest:
         """Schedule n tokens of `req`: they count as computed from now on, and the token the
         step samples counts as a placeholder until update() sees it. `new_ids`: the ids per
         group the runner does not hold yet. A budget that cuts into the drafts keeps the first
-        ones."""
+        ones. steps > 1 (multi-step decode, n = 1): steps positions and tokens."""
         start = req.num_computed_tokens
         # without this step's drafts (with those of the step before, assumed kept)
         base = req.num_tokens + req.num_output_placeholders + len(req.inflight_drafts)
@@ -300,9 +311,29 @@ class Scheduler:
             req.spec_token_ids = []
         self.num_chunks_past_drafts += bool(req.inflight_drafts)
         req.inflight_drafts = drafts
-        req.num_computed_tokens += n
-        req.num_output_placeholders += int(sample)
-        return ScheduledRequest(req.request_id, start, n, new_ids, sample, drafts)
+        req.num_computed_tokens += n + steps - 1
+        req.num_output_placeholders += steps * int(sample)
+        return ScheduledRequest(req.request_id, start, n, new_ids, sample, drafts,
+                                num_steps=steps)
+
+    def _num_steps(self) -> int:
+        """Decode steps the next step runs on the device (module doc: multi-step decode)."""
+        steps = self.config.num_scheduler_steps
+        if steps == 1 or not self.running:
+            return 1
+        if self.waiting and len(self.running) < self.config.max_num_seqs:
+            return 1                 # one could start: admit it at the next step
+        return steps if all(self._steps_ok(r) for r in self.running) else 1
+
+    def _steps_ok(self, req: Request) -> bool:
+        """Whether `req` may decode several steps in one: one token to compute, no drafts,
+        and the lean sampler (the runner's StepVariant without extras) for all of them."""
+        p = req.sampling_params
+        return (not req.spec_token_ids and not req.inflight_drafts
+                and self._num_known(req) - req.num_computed_tokens == 1
+                and p.logprobs is None and p.prompt_logprobs is None and not p.uses_penalties
+                and not p.uses_truncation and not p.logit_bias and p.allowed_token_ids is None
+                and p.structured_outputs is None and req.num_generated >= p.min_tokens)
 
     def _num_known(self, req: Request) -> int:
         """Tokens whose ids exist (on the host or, as placeholders, on the device), drafts
@@ -323,7 +354,7 @@ class Scheduler:
             if id(req) in step.void:        # its counts went back when it was made void
                 continue
             if sched.sample:
-                req.num_output_placeholders -= 1
+                req.num_output_placeholders -= sched.num_steps
             if req.inflight_drafts is sched.spec_token_ids:    # no later step holds it
                 req.inflight_drafts = []
             if self.requests.get(req.request_id) is not req:   # finished or aborted meanwhile
@@ -346,7 +377,7 @@ class Scheduler:
                 if status is not None:
                     break
             if req.status == RequestStatus.RUNNING:   # the KV this step wrote is valid now
-                end = sched.start_position + sched.num_tokens - rejected
+                end = sched.start_position + sched.num_positions - rejected
                 self.kv.cache_full_blocks(req.request_id, req.token_slice,
                                           min(end, req.num_tokens))
             if sched.save_state_slot:     # never with drafts: `end` is the chunk's end
@@ -382,8 +413,8 @@ class Scheduler:
                 continue
             later.void.add(id(req))
             self.num_void_chunks += 1
-            req.num_computed_tokens -= sched.num_tokens
-            req.num_output_placeholders -= int(sched.sample)
+            req.num_computed_tokens -= sched.num_positions
+            req.num_output_placeholders -= sched.num_steps * int(sched.sample)
             req.inflight_drafts = []
 
     @property
@@ -401,23 +432,24 @@ class Scheduler:
             if sched.save_state_slot:    # the copy after the step never ran either
                 self.kv.release_state_save(sched.save_state_slot)
             req.num_computed_tokens = sched.start_position
-            req.num_output_placeholders -= int(sched.sample)
+            req.num_output_placeholders -= sched.num_steps * int(sched.sample)
             req.spec_token_ids = list(sched.spec_token_ids)
             # the drafts of the step before, if it holds the request (not void), are in flight again
             before = next((s for s in (st.chunk_of(req) for st in reversed(self._in_flight)) if s), None)
             req.inflight_drafts = before.spec_token_ids if before else []
 
     # -- helpers ---------------------------------------------------------------------------
-    def _with_lookahead(self, req: Request, end: int) -> int:
+    def _with_lookahead(self, req: Request, end: int, more: int = 0) -> int:
         """Tokens the request's blocks must hold once `end` are computed: num_lookahead_tokens
-        more, but no more than its longest possible sequence (the input processor checked
-        that this fits the cache)."""
-        if not self.num_lookahead_tokens:
+        (and `more`: a multi-step's later positions) more, but no more than its longest
+        possible sequence (the input processor checked that this fits the cache)."""
+        ahead = self.num_lookahead_tokens + more
+        if not ahead:
             return end
         cap = self.config.max_model_len
         if req.sampling_params.max_tokens is not None:
             cap = min(cap, req.num_prompt_tokens + req.sampling_params.max_tokens)
-        return max(end, min(end + self.num_lookahead_tokens, cap))
+        return max(end, min(end + ahead, cap))
 
     def _ends_with_placeholder(self, req: Request) -> bool:
         """The token on its way back will end the request (max_tokens / max_model_len): don't

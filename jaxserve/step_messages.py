@@ -50,6 +50,15 @@ class ScheduledRequest:
                                     # (DRAFT_ON_DEVICE each: the proposer's, still on the device)
     save_state_slot: int = 0        # hybrid prefix caching: the saved-state slot this chunk's
                                     # final state is copied to (0: none; also in state_saves)
+    num_steps: int = 1              # multi-step decode: the one-token chunk is computed, sampled
+                                    # and fed back this many times on the device, so positions
+                                    # start .. start + num_steps - 1 are computed and as many
+                                    # tokens sampled (the same for every request of a step)
+
+    @property
+    def num_positions(self) -> int:
+        """Positions whose K/V this step computes."""
+        return self.num_tokens + self.num_steps - 1
 
 
 @dataclass(frozen=True)
@@ -69,6 +78,11 @@ class SchedulerOutput:
     @property
     def req_ids(self) -> list[str]:
         return [r.req_id for r in self.scheduled]
+
+    @property
+    def num_steps(self) -> int:
+        """Decode steps the device runs for this step (multi-step decode; else 1)."""
+        return self.scheduled[0].num_steps if self.scheduled else 1
 
 
 @dataclass(frozen=True)

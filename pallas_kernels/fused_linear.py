@@ -28,6 +28,13 @@ norm weight as it streams, its squares summed alongside, and the scale applied a
 in bf16 the normalised x is rounded before its row scale, not after: an ulp apart at most).
 Each weight element is read once per row tile; at decode (one row tile) that is the matmul's
 traffic floor, spread over N / BN programs.
+
+One row over [N, K] weights of up to SMALL_WEIGHT_ELEMENTS (the fused stack's decode step:
+`one_row`) skips the tensor cores: a dot needs 16 output columns a program, which left the
+default model's 576-wide o and down projections 36 programs for 132 SMs, each waiting on a
+chain of loads. There each program takes 4 weight rows whole, multiplies them by the row in
+f32 and sums along K: four times the programs, each with all its loads in flight at once
+(`one_row_tiling`).
 """
 
 from __future__ import annotations
@@ -115,15 +122,38 @@ def tiling(t: int, k: int, n_out: int, w_layout: str) -> tuple[int, int, int]:
     # (H200: 24 steps of 64 made the down projection 8.8 us; BENCHMARKS.md); BK need not divide
     # K (the tail is masked). Shared memory bounds it: 3 stages of x and weight tiles.
     bk = 128 if w_layout == "NK" else (256 if bn <= 32 else 64)
+    if bm == 64 and bn > 32:
+        # [N, K] too: 64 x 128 x tiles beside gate|up's 2 x 128 x 128 weight tiles asked the
+        # H100 for 353 KB of shared memory in f32 (227 KB there)
+        bk = 64
     return bm, bn, min(bk, pl.next_power_of_2(k))
 
 
-def decode_warps(t: int, weight_elements: int) -> int:
-    """Warps a program: 2 for one row times a small weight (up to 4M elements), else 4. Those
-    programs are latency-bound; at the default model's shapes 2 warps took q|k|v 5.3 us against
-    6.6 and gate|up 6.7 against 8.7, o 3.1 either way (H100, `benchmarks/kernels.py --only
-    linear --sweep`, BENCHMARKS.md); 8 warps were slower everywhere. The LM head (28M) was not
-    swept: it keeps 4."""
+def one_row(t: int, weight_elements: int, w_layout: str) -> bool:
+    """Whether a step takes the one-row (no tensor-core) program: one row times [N, K]
+    weights of up to SMALL_WEIGHT_ELEMENTS (see the module docstring)."""
+    return t == 1 and w_layout == "NK" and weight_elements <= SMALL_WEIGHT_ELEMENTS
+
+
+def one_row_tiling(k: int, n_out: int) -> tuple[int, int]:
+    """(BN, BK) of the one-row program: 4 weight rows a program, the whole (padded) K in one
+    step up to 2048 (all of a program's loads in flight at once). Measured (H100, CUPTI,
+    BENCHMARKS.md "The fused projections' tiling"): at the default model's shapes BN 4 with
+    the whole K and 4 warps was the fastest of BN 4-16, BK 512-2048, 2 or 4 warps for all
+    four projections (q|k|v 2.8 us, o 1.8, gate|up 4.2, down 3.2)."""
+    bn = 4 if n_out % 4 == 0 else 2 if n_out % 2 == 0 else 1
+    return bn, min(2048, pl.next_power_of_2(k))
+
+
+def decode_warps(t: int, weight_elements: int, single: bool = False) -> int:
+    """Warps a program: 4 for the one-row program (`single`; see one_row_tiling), 2 for the
+    dot program's one row times a small weight (up to 4M elements), else 4. The dot
+    program's one-row steps are latency-bound: at the default model's shapes 2 warps took
+    q|k|v 5.3 us against 6.6 and gate|up 6.7 against 8.7, o 3.1 either way (H100,
+    `benchmarks/kernels.py --only linear --sweep`, BENCHMARKS.md); 8 warps were slower
+    everywhere. The LM head (28M) was not swept: it keeps 4."""
+    if single:
+        return 4
     return 2 if t == 1 and weight_elements <= SMALL_WEIGHT_ELEMENTS else 4
 
 
@@ -137,7 +167,7 @@ def _kernel(
     x_ref, norm_ref, w_ref, bias_ref, res_ref,
     # outputs
     o_ref,
-    *, t, k, n_out, bm, bn, bk, eps, gated, w_nk, round_out):
+    *, t, k, n_out, bm, bn, bk, eps, gated, w_nk, round_out, dot=True):
     i, j = pl.program_id(0), pl.program_id(1)
     rows_R = i * bm + jnp.arange(bm, dtype=jnp.int32)
     # rows past T: any value will do (never stored), so clamp the loads instead of masking
@@ -155,6 +185,8 @@ def _kernel(
         return plgpu.load(w_ref.at[kk[:, None], cols[None, :]], mask=(kk < k)[:, None], other=0)
 
     def matmul(x, w):
+        if not dot:    # one row (bm 1) times [BN, BK]: products in f32, summed along K
+            return jnp.sum(w.astype(jnp.float32) * x.astype(jnp.float32), axis=1)[None, :]
         return plgpu.dot(x, w, trans_b=w_nk, precision=HIGHEST)
 
     # RMSNorm(x) * w @ W = inv_rms[row] * ((x * w) @ W): the row's scale waits for the end, so
@@ -206,15 +238,17 @@ def _kernel(
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "gated", "w_layout", "out_dtype", "impl",
-                                             "block_n", "block_k", "num_warps", "num_stages", "interpret"))
+                                             "block_n", "block_k", "num_warps", "num_stages",
+                                             "one_row_program", "interpret"))
 def fused_linear(x_TK, w, *, norm_K=None, eps: float = 1e-6, bias_N=None, residual_TN=None,
                  gated: bool = False, w_layout: str = "KN", out_dtype=None, impl: str = "auto",
                  block_n: int | None = None, block_k: int | None = None,
                  num_warps: int | None = None, num_stages: int = 3,
-                 interpret: bool | None = None):
+                 one_row_program: bool | None = None, interpret: bool | None = None):
     """[RMSNorm(x) * norm_K] @ w [+ bias_N], then silu-gated (`gated`) or plus `residual_TN`:
     see the module docstring. impl "pallas" (Triton; interpreted on CPU), "xla", or "auto"
-    (pallas on a GPU when the shapes suit the kernel)."""
+    (pallas on a GPU when the shapes suit the kernel). one_row_program: the one-row program
+    (one row, [N, K] weights) or the dot program; None: `one_row`'s choice."""
     problem = _problem(x_TK, w, norm_K, bias_N, residual_TN, gated, w_layout, out_dtype)
     if problem and (impl != "auto" or x_TK.ndim != 2 or w.ndim != 2):
         raise ValueError(f"fused_linear: {problem}")
@@ -226,18 +260,27 @@ def fused_linear(x_TK, w, *, norm_K=None, eps: float = 1e-6, bias_N=None, residu
     t, k = x_TK.shape
     n = w.shape[1] if w_layout == "KN" else w.shape[0]
     n_out = n // 2 if gated else n
-    bm, bn, bk = tiling(t, k, n_out, w_layout)
+    single = one_row(t, k * n, w_layout) if one_row_program is None else one_row_program
+    if single and (t != 1 or w_layout != "NK"):
+        raise ValueError(f"fused_linear: the one-row program takes one row and [N, K] weights; "
+                         f"got T={t}, w_layout={w_layout!r}")
+    if single:
+        (bn, bk), bm = one_row_tiling(k, n_out), 1
+    else:
+        bm, bn, bk = tiling(t, k, n_out, w_layout)
     if num_warps is None:
-        num_warps = decode_warps(t, k * n)
-    if block_n is not None:
-        bn = checked_block(block_n, "block_n", n_out, "N")
+        num_warps = decode_warps(t, k * n, single)
+    if block_n is not None:          # the one-row program takes any power of two
+        bn = (_one_row_block(block_n, n_out) if single
+              else checked_block(block_n, "block_n", n_out, "N"))
     if block_k is not None:          # need not divide K: the last step's loads are masked
         bk = checked_block(block_k, "block_k")
     f32_out = out_dtype is not None and jnp.dtype(out_dtype) == jnp.float32
     out_dt = jnp.float32 if f32_out else x_TK.dtype
     present = [a is not None for a in (norm_K, bias_N, residual_TN)]
     kernel = functools.partial(_kernel, t=t, k=k, n_out=n_out, bm=bm, bn=bn, bk=bk, eps=float(eps),
-                               gated=gated, w_nk=w_layout == "NK", round_out=out_dt == x_TK.dtype)
+                               gated=gated, w_nk=w_layout == "NK", round_out=out_dt == x_TK.dtype,
+                               dot=not single)
     absent = [pos for pos, ok in zip((1, 3, 4), present) if not ok]
     ins = [a for a in (x_TK, norm_K, w, bias_N, residual_TN) if a is not None]
     return pl.pallas_call(
@@ -251,4 +294,11 @@ def fused_linear(x_TK, w, *, norm_K=None, eps: float = 1e-6, bias_N=None, residu
         name=f"fused_linear{'_norm' * present[0]}{'_gated' * gated}{'_res' * present[2]}"
              f"_bm{bm}_bn{bn}_bk{bk}",
     )(*ins)
+
+
+def _one_row_block(requested: int, n_out: int) -> int:
+    """The one-row program's caller-given BN: a power of two dividing the output."""
+    if requested < 1 or requested & (requested - 1) or n_out % requested:
+        raise ValueError(f"block_n must be a power of two dividing N={n_out}; got {requested}")
+    return requested
 

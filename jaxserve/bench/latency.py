@@ -107,9 +107,10 @@ def bench_batch(llm, batch: int, args, bar=None) -> dict:
            "latency_p99_s": report.percentile(latencies, 99),
            "output_tok_per_s_e2e": batch * args.output_len / statistics.mean(latencies)}
     if steps["num_steps"]:
-        step_s = steps["total"]
+        step_s = steps["per_token"]     # a multi-step decode's step makes `steps` tokens a sequence
         row.update(ms_per_output_token=1e3 * step_s, decode_tok_per_s=batch / step_s,
                    step_host_ms=1e3 * steps["host"], num_decode_steps=steps["num_steps"],
+                   decode_steps_per_step=steps["steps"],
                    **{f"step_{k}_ms": 1e3 * steps[k] for k in ("schedule", "prepare", "dispatch", "device",
                                                               "to_host", "update", "outputs")})
         # Roofline at the mean context of the decode steps (prompt + half the outputs).

@@ -137,9 +137,11 @@ def profile_decode_steps(engine, batch: int, args, params: dict, num_tokens: int
         events = load_trace_events(trace_dir)
         steps = summarize_events(events, STEP_MARK)
         replay = summarize_events(events, REPLAY_MARK)
-        if replay.get("windows"):        # one window held `replays` steps
-            per_step = lambda v: (v / replays if isinstance(v, float) else  # noqa: E731
-                                  {n: x / replays for n, x in v.items()} if isinstance(v, dict) else v)
+        # one window held `replays` programs of `multi` decode steps each (multi-step decode)
+        multi = captured[1].steps if captured is not None else 1
+        if replay.get("windows"):
+            per_step = lambda v: (v / replays / multi if isinstance(v, float) else  # noqa: E731
+                                  {n: x / replays / multi for n, x in v.items()} if isinstance(v, dict) else v)
             replay = {k: per_step(v) for k, v in replay.items() if k != "windows"}
         result.update(engine_steps=steps, device_only_replay_per_step=replay,
                       host_ms_by_name=host_time_by_name(events, STEP_MARK))
@@ -147,7 +149,9 @@ def profile_decode_steps(engine, batch: int, args, params: dict, num_tokens: int
                              "engine_step_device_busy_ms": steps.get("device_busy_ms"),
                              "engine_step_kernels": steps.get("kernels_per_window"),
                              # (the embedding, LM head and sampler's kernels spread over the layers)
+                             # per decode step: an engine step of a multi-step decode runs several
                              "kernels_per_layer": (steps["kernels_per_window"] / engine.config.model.num_layers
+                                                   / result["host_timer_decode_steps"].get("steps", 1)
                                                    if steps.get("kernels_per_window") else None),
                              "replay_step_wall_ms": replay.get("wall_ms"),
                              "replay_step_device_busy_ms": replay.get("device_busy_ms")}

@@ -27,6 +27,7 @@ class StepRecord:
     num_seqs: int               # sequences in the step
     num_tokens: int             # tokens computed in the step
     decode: bool                # every sequence computed exactly one token
+    steps: int = 1              # decode steps the device ran (multi-step decode): tokens per sequence
     total: float = 0.0          # engine.step() wall time, seconds
     schedule: float = 0.0       # scheduler.schedule()
     prepare: float = 0.0        # runner.prepare(): numpy StepInput + sampling tensors
@@ -48,7 +49,7 @@ class StepTimer:
         self.engine = engine
         self._mark = trace_mark             # name a profiler annotation around each step
         self.records: list[StepRecord] = []
-        self.decode_inputs: dict[int, tuple] = {}   # num_seqs -> (StepInput, num_top) of a decode step
+        self.decode_inputs: dict[int, tuple] = {}   # num_seqs -> (StepInput, StepVariant) of a decode step
         self._capture = capture_decode_inputs
         self._current: StepRecord | None = None
         self._originals = []
@@ -97,12 +98,15 @@ class StepTimer:
             self._current.num_seqs = len(out.scheduled)
             self._current.num_tokens = out.num_tokens
             self._current.decode = all(r.num_tokens == 1 for r in out.scheduled)
+            self._current.steps = out.num_steps
 
     def _on_prepare(self, args, result) -> None:
         rec = self._current
-        if self._capture and rec is not None and rec.decode and rec.num_seqs not in self.decode_inputs:
+        if self._capture and rec is not None and rec.decode:
             x, _, variant = result            # what runner.run() takes
-            self.decode_inputs[rec.num_seqs] = (x, variant)
+            held = self.decode_inputs.get(rec.num_seqs)
+            if held is None or held[1].steps < variant.steps:   # a multi-step one if any
+                self.decode_inputs[rec.num_seqs] = (x, variant)
 
     def _timed_run(self, fn):
         # A pipelined runner (one with `collect`) must not be waited on here: that would
@@ -164,7 +168,8 @@ class StepTimer:
 
     # -- summaries -----------------------------------------------------------------------
     def summary(self, decode_only: bool = True) -> dict:
-        """Median seconds of each phase over the recorded (decode) steps."""
+        """Median seconds of each phase over the recorded (decode) steps, and per token of a
+        sequence ("per_token": a multi-step decode's step makes several)."""
         recs = [r for r in self.records if r.decode or not decode_only]
         if not recs:
             return {"num_steps": 0}
@@ -172,23 +177,26 @@ class StepTimer:
         for field in ("total",) + PHASES:
             out[field] = statistics.median(getattr(r, field) for r in recs)
         out["host"] = statistics.median(r.host for r in recs)
+        out["per_token"] = statistics.median(r.total / r.steps for r in recs)
+        out["steps"] = statistics.median(r.steps for r in recs)
         return out
 
     def as_dicts(self) -> list[dict]:
         return [asdict(r) for r in self.records]
 
 
-def device_only_step_seconds(runner, x, num_top: int, iters: int = 20) -> float:
-    """Mean wall time of `iters` back-to-back runs of one prepared step, no host work between.
+def device_only_step_seconds(runner, x, variant, iters: int = 20) -> float:
+    """Mean wall time of `iters` back-to-back runs of one prepared step, no host work between,
+    per decode step it runs (a multi-step decode's program runs variant.steps).
 
     NOTE: this writes the step's KV into the same slots again; use it only between
     benchmark requests, never while a request whose blocks those are is still running.
     """
     run = type(runner).run          # the class's method: past any StepTimer wrapper
-    jax.block_until_ready(run(runner, x, num_top))      # input transfer and any compile
+    jax.block_until_ready(run(runner, x, variant))      # input transfer and any compile
     t0 = time.perf_counter()
     result = None
     for _ in range(iters):
-        result = run(runner, x, num_top)
+        result = run(runner, x, variant)
     jax.block_until_ready(result)
-    return (time.perf_counter() - t0) / iters
+    return (time.perf_counter() - t0) / iters / variant.steps

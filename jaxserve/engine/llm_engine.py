@@ -144,6 +144,7 @@ class LLMEngine:
                          max_num_seqs: int | None = None,
                          max_num_batched_tokens: int | None = None, max_model_len: int | None = None,
                          max_waiting_requests: int = 4096, long_prefill_token_threshold: int = 0,
+                         num_scheduler_steps: int = 1,
                          tensor_parallel_size: int = 1,
                          expert_parallel_size: int = 1, seed: int = 0, max_logprobs: int = 20,
                          attention_impl: str = "auto", fused_kernels: str | tuple = "auto",
@@ -175,7 +176,8 @@ class LLMEngine:
     def _build(cls, model, *, dtype, load_format, served_model_name, block_size, num_kv_blocks,
                kv_cache_memory_fraction, kv_cache_cpu_bytes, enable_prefix_caching,
                num_cached_states, max_num_seqs, max_num_batched_tokens, max_model_len,
-               max_waiting_requests, long_prefill_token_threshold, tensor_parallel_size,
+               max_waiting_requests, long_prefill_token_threshold, num_scheduler_steps,
+               tensor_parallel_size,
                expert_parallel_size, seed, max_logprobs, attention_impl, fused_kernels, warmup,
                warmup_all, program_cache, speculative_config, quantization, devices, device) -> "LLMEngine":
         from jaxserve import default_model, distributed
@@ -216,7 +218,8 @@ class LLMEngine:
                                       max_num_batched_tokens=max(max_num_batched_tokens, max_num_seqs),
                                       max_model_len=max_model_len,
                                       max_waiting_requests=max_waiting_requests,
-                                      long_prefill_token_threshold=long_prefill_token_threshold),
+                                      long_prefill_token_threshold=long_prefill_token_threshold,
+                                      num_scheduler_steps=num_scheduler_steps),
             parallel=parallel,
             dtype=dtype, seed=seed, max_logprobs=max_logprobs, attention_impl=attention_impl,
             fused_kernels=resolve_fused_kernels(fused_kernels, cfg,

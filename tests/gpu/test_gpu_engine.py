@@ -80,3 +80,22 @@ def test_bfloat16_logprobs_close_to_the_xla_path():
                 assert 0 <= gap < BF16_TIE_TOL, (prompt, i, gap)
             print(f"{prompt!r}: the paths part at token {i} (gaps within rounding)")
             break                                 # after that the contexts differ
+
+
+def test_multi_step_decode_gives_the_same_greedy_tokens(exact_float32, tiny_checkpoint):
+    """Eight decode steps per dispatch (num_scheduler_steps) against one, with the default
+    GPU path (Pallas attention, the fused stack), on the tiny llama checkpoint (its random
+    weights give varied tokens: each step's input is the one before's output)."""
+    prompts = [{"prompt_token_ids": [1 + (7 * i + 3 * j) % 200 for j in range(5 + 9 * i)]}
+               for i in range(4)]
+    outs = {}
+    for steps in (1, 8):
+        llm = LLM(tiny_checkpoint("llama"), dtype="float32", warmup=False, max_num_seqs=8,
+                  max_model_len=256, num_kv_blocks=256, num_scheduler_steps=steps)
+        assert llm.engine.runner.attention_impl == "pallas"
+        outs[steps] = [o.outputs[0].token_ids for o in llm.generate(
+            prompts, SamplingParams(temperature=0, max_tokens=TOKENS, ignore_eos=True))]
+        del llm
+        gc.collect()
+    assert all(len(t) == TOKENS for t in outs[1]) and len(set(outs[1][0])) > 4
+    assert outs[8] == outs[1]

@@ -87,6 +87,32 @@ def test_lm_head_over_a_tied_embedding_keeps_float32(t):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_one_row_program_matches_the_reference(variant, dtype):
+    """One row over [N, K] weights (the fused stack's decode step) takes the one-row program:
+    products in f32 summed along K, in BN-row programs, K past one step masked."""
+    x, w, kw = operands(np.random.default_rng(3), 1, 96, 160, dtype, **VARIANTS[variant])
+    w_nk = w.T
+    assert fl.one_row(1, w.size, "NK") and not fl.one_row(2, w.size, "NK")
+    want = fl.ref_fused_linear(x, w, **kw) if dtype == jnp.bfloat16 else None
+    if want is None:
+        with jax.default_matmul_precision("highest"):
+            want = fl.ref_fused_linear(x, w, **kw)
+    for block_n, block_k in ((None, None), (4, 32), (16, 64)):
+        got = fl.fused_linear(x, w_nk, w_layout="NK", impl="pallas", block_n=block_n,
+                              block_k=block_k, **kw)
+        if dtype == jnp.float32:
+            np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)
+        else:
+            assert got.dtype == jnp.bfloat16 and ulps(got, want, jnp.bfloat16) <= 8
+    with pytest.raises(ValueError, match="block_n"):
+        fl.fused_linear(x, w_nk, w_layout="NK", impl="pallas", block_n=3, **kw)
+    with pytest.raises(ValueError, match="one-row"):
+        fl.fused_linear(jnp.concatenate([x, x]), w_nk, w_layout="NK", impl="pallas",
+                        one_row_program=True, gated=kw["gated"])
+
+
 def test_block_n_and_tiling_rules():
     x, w, _ = operands(np.random.default_rng(0), 3, 32, 64, jnp.float32)
     with jax.default_matmul_precision("highest"):       # (a GPU's default f32 matmul is TF32)
@@ -138,8 +164,9 @@ def test_lowers_for_cuda_at_the_default_models_shapes():
     args = (sds((1, 576), bf), sds((960, 576), bf), sds((576,), bf), sds((3072, 576), bf),
             sds((576, 1536), bf), sds((49152, 576), bf), sds((576, 1536), bf))
     names = triton_kernel_names(export_for_cuda(layer_and_head, *args))
-    assert names == ["fused_linear_norm_bm16_bn16_bk128", "fused_linear_norm_gated_bm16_bn16_bk128",
-                     "fused_linear_res_bm16_bn16_bk128", "fused_linear_bm16_bn128_bk128",
+    # one row: the one-row program up to 4M weight elements (the layer), the dot beyond (head)
+    assert names == ["fused_linear_norm_bm1_bn4_bk1024", "fused_linear_norm_gated_bm1_bn4_bk1024",
+                     "fused_linear_res_bm1_bn4_bk2048", "fused_linear_bm16_bn128_bk128",
                      "fused_linear_bm16_bn16_bk256"]
 
 

@@ -1,0 +1,166 @@
+"""Multi-step decode (`num_scheduler_steps`): the scheduler's counts and blocks, and the
+engine's tokens equal to one step at a time (greedy and seeded), on tiny checkpoints of a
+plain, a hybrid (recurrent state) and an MLA family."""
+
+import pytest
+
+from jaxserve import SamplingParams
+from jaxserve.config import CacheConfig, EngineConfig, SchedulerConfig
+from jaxserve.request import RequestStatus
+from jaxserve.scheduler import Scheduler
+from jaxserve.step_messages import RunnerOutput
+
+from test_scheduler import req
+
+
+def make(steps=4, max_seqs=4, blocks=32, block_size=4, max_len=64):
+    return Scheduler(SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=64,
+                                     max_model_len=max_len, num_scheduler_steps=steps),
+                     CacheConfig(block_size=block_size), blocks)
+
+
+def tokens_for(out, per_request):
+    """A RunnerOutput giving each scheduled request `per_request[i]` tokens (its num_steps)."""
+    sampled = [list(t) if r.sample else [] for r, t in zip(out.scheduled, per_request)]
+    return RunnerOutput(out.req_ids, sampled, [None] * len(sampled))
+
+
+def test_decode_steps_count_positions_tokens_and_blocks():
+    s = make()
+    r = req("a", 5, max_tokens=20)
+    s.add_request(r)
+    prefill = s.schedule()
+    assert prefill.num_steps == 1                   # a prefill chunk is one step
+    decode = s.schedule()                           # pipelined: before the prefill's token
+    sched = decode.scheduled[0]
+    assert (decode.num_steps, sched.start_position, sched.num_tokens) == (4, 5, 1)
+    assert r.num_computed_tokens == 9 and r.num_output_placeholders == 5
+    assert len(s.kv.blocks["a"]) == 3            # positions 5..8 need a third 4-token block
+    s.update(prefill, tokens_for(prefill, [[11]]))
+    s.update(decode, tokens_for(decode, [[12, 13, 14, 15]]))
+    assert r.output_token_ids == [11, 12, 13, 14, 15] and r.num_output_placeholders == 0
+    nxt = s.schedule()
+    assert nxt.scheduled[0].start_position == 9 and nxt.num_steps == 4
+
+
+def test_a_stop_inside_the_steps_ends_the_request_and_drops_the_rest():
+    s = make()
+    r = req("a", 5, max_tokens=20)
+    s.add_request(r)
+    s.update(out := s.schedule(), tokens_for(out, [[11]]))
+    out = s.schedule()
+    later = s.schedule()                            # already in flight behind it
+    updates = s.update(out, tokens_for(out, [[12, 2, 13, 14]]))   # 2 is EOS
+    assert r.output_token_ids == [11, 12, 2] and r.status == RequestStatus.FINISHED_STOPPED
+    assert updates[0].new_token_ids == [12, 2] and s.pool.num_used == 0
+    s.update(later, tokens_for(later, [[1, 1, 1, 1]]))
+    assert r.output_token_ids == [11, 12, 2]
+
+
+def test_max_tokens_caps_the_blocks_and_ends_the_request_mid_step():
+    s = make()
+    r = req("a", 4, max_tokens=3)                   # positions 0..5 at most (4 + 3 - 1)
+    s.add_request(r)
+    s.update(out := s.schedule(), tokens_for(out, [[11]]))
+    out = s.schedule()
+    assert out.num_steps == 4
+    assert len(s.kv.blocks["a"]) == 2            # 7 tokens' blocks (its longest), not 4 + 4
+    s.update(out, tokens_for(out, [[12, 13, 14, 15]]))
+    assert r.output_token_ids == [11, 12, 13] and r.status == RequestStatus.FINISHED_LENGTH
+    assert s.pool.num_used == 0
+
+
+@pytest.mark.parametrize("why", ["waiting", "logprobs", "top_p", "min_tokens", "penalty"])
+def test_one_step_at_a_time_when_a_request_needs_the_host(why):
+    s = make(max_seqs=4)
+    kw = {"logprobs": dict(logprobs=2), "top_p": dict(top_p=0.9, temperature=1.0),
+          "min_tokens": dict(min_tokens=10), "penalty": dict(presence_penalty=0.5)}.get(why, {})
+    s.add_request(req("a", 5, max_tokens=20, **kw))
+    s.update(out := s.schedule(), tokens_for(out, [[11]]))
+    if why == "waiting":                            # a slot is free: admit it next step
+        s.add_request(req("b", 5, max_tokens=20))
+    assert s.schedule().num_steps == 1
+
+
+def test_a_full_batch_keeps_decoding_in_steps_while_others_wait():
+    s = make(max_seqs=1)
+    s.add_request(req("a", 5, max_tokens=20))
+    s.update(out := s.schedule(), tokens_for(out, [[11]]))
+    s.add_request(req("b", 5, max_tokens=20))      # no slot for it before "a" ends
+    assert s.schedule().num_steps == 4
+
+
+def test_num_scheduler_steps_is_checked():
+    with pytest.raises(ValueError, match="num_scheduler_steps"):
+        SchedulerConfig(num_scheduler_steps=0)
+    with pytest.raises(ValueError, match="num_scheduler_steps"):
+        SchedulerConfig(num_scheduler_steps=65)
+
+
+# -- the engine on tiny checkpoints -------------------------------------------------------------
+
+def _engine(path, steps, warmup=False, attention_impl="xla"):
+    from jaxserve.engine import LLMEngine
+    from jaxserve.models import loader, registry
+    cfg, params, tok = loader.load_model(path, dtype="float32")
+    config = EngineConfig(model=cfg, cache=CacheConfig(block_size=4, num_kv_blocks=96),
+                          scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32,
+                                                    max_model_len=64, num_scheduler_steps=steps),
+                          dtype="float32", warmup=warmup, attention_impl=attention_impl)
+    return LLMEngine(config, params, tok, registry.get_model_module(cfg.architecture))
+
+
+def _generate(engine, prompts, params):
+    """{request id: output token ids}; every block and slot is free afterwards."""
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        engine.add_request(str(i), p, sp)
+    done = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished:
+                done[o.request_id] = list(o.outputs[0].token_ids)
+    assert engine.scheduler.pool.num_used == 0 and not engine.scheduler.requests
+    return done
+
+
+PROMPTS = [[5, 9, 13, 2 + i, 40 + 3 * i, 7] for i in range(3)]
+PARAMS = [SamplingParams(temperature=0, max_tokens=9, ignore_eos=True),
+          SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+          SamplingParams(temperature=1.0, seed=123, max_tokens=11, ignore_eos=True)]
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3_5", "deepseek_v32"])
+def test_tokens_equal_one_step_at_a_time(tiny_checkpoint, name):
+    path = tiny_checkpoint(name)
+    one = _generate(_engine(path, 1), PROMPTS, PARAMS)
+    engine = _engine(path, 4)
+    seen = []
+    step = engine.scheduler.schedule
+
+    def spy():
+        out = step()
+        seen.append(out.num_steps)
+        return out
+    engine.scheduler.schedule = spy
+    four = _generate(engine, PROMPTS, PARAMS)
+    assert four == one
+    assert 4 in seen                                 # it did run several steps at once
+    assert [len(four[str(i)]) for i in range(3)] == [9, 6, 11]
+
+
+def test_pallas_attention_and_no_compilation_after_warmup(tiny_checkpoint):
+    """The interpreted Pallas attention in the loop gives the XLA path's greedy tokens, and
+    warm-up compiled every multi-step program a step of 1-4 requests takes."""
+    import jax
+    path = tiny_checkpoint("llama")
+    greedy = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (7, 5, 6)]
+    want = _generate(_engine(path, 1), PROMPTS, greedy)
+    engine = _engine(path, 3, warmup=True, attention_impl="pallas")
+    engine.wait_for_warmup()
+    compiles = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, secs, **kw: compiles.append(event)
+        if event == "/jax/core/compile/backend_compile_duration" else None)
+    assert _generate(engine, PROMPTS, greedy) == want
+    assert _generate(engine, PROMPTS[:1], greedy[:1]) == {"0": want["0"]}
+    assert compiles == []
