@@ -3,9 +3,9 @@ of several --num-scheduler-steps values, interleaved, twice (issue 33).
 
     python benchmarks/multi_step_ab.py 1,8 OUT.json -- <jaxserve bench latency arguments>
 
-The engine is built once with num_scheduler_steps = the largest value (its runner compiles
-the one-step and the multi-step programs); each value is then set on the scheduler's config
-in turn. --no-one-row (before `--`): the fused stack's one-row projections on the dot program
+The engine is built once with num_scheduler_steps = the largest value (warm-up compiles the
+one-step programs and that value's; a value between them compiles in the bench's warm-up
+iterations); each value is then set on the scheduler's config in turn. --no-one-row (before `--`): the fused stack's one-row projections on the dot program
 instead (fused_linear.one_row patched; pass --no-program-cache too, since a stored program is
 keyed on the sources, not on a patch)."""
 

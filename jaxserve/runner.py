@@ -133,8 +133,9 @@ def _step(params, caches, packed_W, prev_ids_MC, *, model, cfg, backend: Attenti
 def _decode_steps(params, caches, x: StepInput, *, model, cfg, kernels, backend, variant,
                   block_size: int):
     """Multi-step decode (scheduler.py): `variant.steps` one-token-per-sequence decode steps
-    in one program, each feeding its sampled ids to the next. Returns (caches, the lean
-    sampler's output with token_ids i32[steps, S], each sequence's last id).
+    in one program, each feeding its sampled ids to the next. Returns (caches, the sampler's
+    output of every step, stacked: token_ids i32[steps, S], the logprobs fields too when the
+    variant returns them, each sequence's last id).
 
     Step i's input is the first step's shifted by i positions: its K/V slot is read off the
     block table, and nothing is written past the table's blocks (a request nearing its
@@ -155,20 +156,28 @@ def _decode_steps(params, caches, x: StepInput, *, model, cfg, kernels, backend,
             sampling=dataclasses.replace(x.sampling, offsets=x.sampling.offsets + i))
         caches, hidden_TD, _ = model.forward(cfg, params, caches, xi, kernels)
         logits_SV = model.compute_logits(cfg, params, hidden_TD[xi.logits_indices], kernels)
-        ids_S = _sample(logits_SV, xi, variant, backend)[1].astype(jnp.int32)
-        return caches, ids_S
+        out = _sample(logits_SV, xi, variant, backend)[0]
+        ids_S = out.token_ids.astype(jnp.int32)
+        # a lean step keeps its ids alone (its logprobs would be computed for nothing)
+        if not variant.num_top:
+            return caches, sampler.SamplerOutput(ids_S, None, None, None, None)
+        return caches, dataclasses.replace(out, token_ids=ids_S)
 
     def body(i, carry):
-        caches, ids_KS = carry
+        caches, acc = carry
         # each sequence holds one token of a decode step: after the first, its last sampled id
         token_ids_T = jnp.where(i == 0, x.token_ids,
-                                ids_KS[jnp.maximum(i - 1, 0)][x.token_seq_ids])
-        caches, ids_S = one(i, caches, token_ids_T)
-        return caches, ids_KS.at[i].set(ids_S)
+                                acc.token_ids[jnp.maximum(i - 1, 0)][x.token_seq_ids])
+        caches, out = one(i, caches, token_ids_T)
+        return caches, jax.tree.map(lambda a, v: a.at[i].set(v), acc, out)
 
-    ids_KS = jnp.zeros((variant.steps, x.num_seqs), jnp.int32)
-    caches, ids_KS = jax.lax.fori_loop(0, variant.steps, body, (caches, ids_KS))
-    return caches, sampler.SamplerOutput(ids_KS, None, None, None, None), ids_KS[-1]
+    k, s, n = variant.steps, x.num_seqs, variant.num_top
+    zeros = lambda *shape, dtype=jnp.float32: jnp.zeros((k,) + shape, dtype)  # noqa: E731
+    acc = sampler.SamplerOutput(zeros(s, dtype=jnp.int32), *(
+        (zeros(s), zeros(s, dtype=jnp.int32), zeros(s, n, dtype=jnp.int32), zeros(s, n))
+        if n else (None,) * 4))
+    caches, acc = jax.lax.fori_loop(0, k, body, (caches, acc))
+    return caches, acc, acc.token_ids[-1]
 
 
 def _after_step(x: StepInput, out):
@@ -426,10 +435,10 @@ class ModelRunner:
         n = len(out.scheduled)
         attention = self.backend.plan(t_pad, s_pad, n, np.asarray(x.seq_lens[:n]))
         steps = out.num_steps
-        if steps > 1 and (plan.full or plan.prompt_logprobs or self.keep_hidden
+        if steps > 1 and (plan.prompt_logprobs or self.keep_hidden or x.draft_rows is not None
                           or out.num_tokens != n or not all(plan.samples)):
-            raise RuntimeError(f"a {steps}-step decode needs one sampled token per request and "
-                               f"the lean sampler (scheduler.Scheduler._steps_ok)")
+            raise RuntimeError(f"a {steps}-step decode needs one sampled token per request "
+                               f"(scheduler.Scheduler._steps_ok)")
         variant = StepVariant(self.config.max_logprobs if plan.full else 0, plan.full,
                               plan.prompt_logprobs, attention, self.keep_hidden, self.aux_layers,
                               steps)
@@ -546,7 +555,8 @@ class ModelRunner:
         if variant.num_top:
             for i, s in enumerate(plan.samples):
                 if s and sampled[i]:
-                    rows = kept_rows[i] if kept_rows else [i]
+                    # multi-step: request i's row of every step; else its kept rows
+                    rows = (slice(None), i) if variant.steps > 1 else kept_rows[i] if kept_rows else [i]
                     logprobs[i] = TokenLogprobs(result.logprobs[rows], result.ranks[rows],
                                                 result.top_ids[rows], result.top_logprobs[rows])
         prompt_lps = {}
@@ -602,7 +612,7 @@ class ModelRunner:
                         packed, layout = packing.pack(full_x if variant.full else lean_x)
                         (verifying if i else jobs).append((layout, variant, len(packed)))
                         self._lean_keys.setdefault(t, (layout, variant))   # (hidden_spec)
-                        if multi and not i and not variant.full:
+                        if multi and not i:
                             jobs.append((layout, dataclasses.replace(variant, steps=steps),
                                          len(packed)))
                 if masked is not None:   # steps whose only extra is a grammar's mask

@@ -29,10 +29,11 @@ rejected the request goes back to the step's start: the snapshot is copied back 
 next step, which computes the kept tokens again (a few tokens, no drafts) and samples.
 
 Multi-step decode (`num_scheduler_steps` K > 1, vLLM's multi-step scheduling): when every
-running request is decoding one token with the lean sampler (no logprobs, penalties, bias,
-truncation, grammar or min_tokens ban: `_steps_ok`), no drafts are in play and no waiting
-request could start, a step runs K decode steps on the device, each sampling the next
-input. Each request gets blocks for K positions (never past its longest length: positions
+running request is decoding one token with sampling that needs nothing from the host between
+tokens (no penalties, grammar, pending min_tokens ban or prompt logprobs, whose last one-token
+chunk the runner still counts: `_steps_ok`), no drafts are in play
+and no waiting request could start, a step runs K decode steps on the device, each sampling
+the next input. Each request gets blocks for K positions (never past its longest length: positions
 beyond it write nothing), counts K positions as computed and K tokens as placeholders;
 update() appends the K tokens, stopping at the first that ends the request (the rest were
 computed for nothing, as a finished request's token of the next step is today).
@@ -327,13 +328,13 @@ class Scheduler:
 
     def _steps_ok(self, req: Request) -> bool:
         """Whether `req` may decode several steps in one: one token to compute, no drafts,
-        and the lean sampler (the runner's StepVariant without extras) for all of them."""
+        and sampling that needs nothing from the host between tokens (penalties read the
+        tokens so far, a grammar its matcher's state, a min_tokens ban lifts at a count)."""
         p = req.sampling_params
         return (not req.spec_token_ids and not req.inflight_drafts
                 and self._num_known(req) - req.num_computed_tokens == 1
-                and p.logprobs is None and p.prompt_logprobs is None and not p.uses_penalties
-                and not p.uses_truncation and not p.logit_bias and p.allowed_token_ids is None
-                and p.structured_outputs is None and req.num_generated >= p.min_tokens)
+                and not p.uses_penalties and p.structured_outputs is None
+                and p.prompt_logprobs is None and req.num_generated >= p.min_tokens)
 
     def _num_known(self, req: Request) -> int:
         """Tokens whose ids exist (on the host or, as placeholders, on the device), drafts

@@ -70,16 +70,25 @@ def test_max_tokens_caps_the_blocks_and_ends_the_request_mid_step():
     assert s.pool.num_used == 0
 
 
-@pytest.mark.parametrize("why", ["waiting", "logprobs", "top_p", "min_tokens", "penalty"])
+@pytest.mark.parametrize("why", ["waiting", "min_tokens", "penalty", "grammar"])
 def test_one_step_at_a_time_when_a_request_needs_the_host(why):
+    from jaxserve.sampling_params import StructuredOutputsParams
     s = make(max_seqs=4)
-    kw = {"logprobs": dict(logprobs=2), "top_p": dict(top_p=0.9, temperature=1.0),
-          "min_tokens": dict(min_tokens=10), "penalty": dict(presence_penalty=0.5)}.get(why, {})
+    kw = {"min_tokens": dict(min_tokens=10), "penalty": dict(presence_penalty=0.5),
+          "grammar": dict(structured_outputs=StructuredOutputsParams(regex="[a-z]+"))}.get(why, {})
     s.add_request(req("a", 5, max_tokens=20, **kw))
     s.update(out := s.schedule(), tokens_for(out, [[11]]))
     if why == "waiting":                            # a slot is free: admit it next step
         s.add_request(req("b", 5, max_tokens=20))
     assert s.schedule().num_steps == 1
+
+
+def test_logprobs_and_truncation_decode_in_steps():
+    s = make()
+    s.add_request(req("a", 5, max_tokens=20, logprobs=2, top_p=0.9, top_k=5, temperature=1.0,
+                      logit_bias={3: 1.0}))
+    s.update(out := s.schedule(), tokens_for(out, [[11]]))
+    assert s.schedule().num_steps == 4
 
 
 def test_a_full_batch_keeps_decoding_in_steps_while_others_wait():
@@ -110,6 +119,18 @@ def _engine(path, steps, warmup=False, attention_impl="xla"):
     return LLMEngine(config, params, tok, registry.get_model_module(cfg.architecture))
 
 
+def _spy(engine) -> list[int]:
+    """The num_steps of every step the engine's scheduler makes from now on."""
+    seen, schedule = [], engine.scheduler.schedule
+
+    def spy():
+        out = schedule()
+        seen.append(out.num_steps)
+        return out
+    engine.scheduler.schedule = spy
+    return seen
+
+
 def _generate(engine, prompts, params):
     """{request id: output token ids}; every block and slot is free afterwards."""
     for i, (p, sp) in enumerate(zip(prompts, params)):
@@ -129,19 +150,39 @@ PARAMS = [SamplingParams(temperature=0, max_tokens=9, ignore_eos=True),
           SamplingParams(temperature=1.0, seed=123, max_tokens=11, ignore_eos=True)]
 
 
+def test_logprobs_top_p_and_bias_equal_one_step_at_a_time(tiny_checkpoint):
+    """The full sampler in the loop: seeded top-p / top-k sampling with a logit_bias draws the
+    same tokens, and each token's logprobs are the one-step engine's."""
+    path = tiny_checkpoint("llama")
+    params = [SamplingParams(temperature=0.8, top_p=0.9, top_k=20, seed=7, max_tokens=9,
+                             logprobs=3, ignore_eos=True, logit_bias={17: 2.0}),
+              SamplingParams(temperature=0, max_tokens=7, logprobs=1, ignore_eos=True)]
+    outs = {}
+    for steps in (1, 4):
+        engine = _engine(path, steps)
+        seen = _spy(engine)
+        for i, (p, sp) in enumerate(zip(PROMPTS, params)):
+            engine.add_request(str(i), p, sp)
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                if o.finished:
+                    outs.setdefault(steps, {})[o.request_id] = o.outputs[0]
+    assert 4 in seen
+    for rid in ("0", "1"):
+        one, four = outs[1][rid], outs[4][rid]
+        assert four.token_ids == one.token_ids and len(one.token_ids) == (9, 7)[int(rid)]
+        assert [sorted(d) for d in four.logprobs] == [sorted(d) for d in one.logprobs]
+        for a, b in zip(four.logprobs, one.logprobs):
+            for t in a:
+                assert a[t].logprob == pytest.approx(b[t].logprob, abs=1e-5) and a[t].rank == b[t].rank
+
+
 @pytest.mark.parametrize("name", ["llama", "qwen3_5", "deepseek_v32"])
 def test_tokens_equal_one_step_at_a_time(tiny_checkpoint, name):
     path = tiny_checkpoint(name)
     one = _generate(_engine(path, 1), PROMPTS, PARAMS)
     engine = _engine(path, 4)
-    seen = []
-    step = engine.scheduler.schedule
-
-    def spy():
-        out = step()
-        seen.append(out.num_steps)
-        return out
-    engine.scheduler.schedule = spy
+    seen = _spy(engine)
     four = _generate(engine, PROMPTS, PARAMS)
     assert four == one
     assert 4 in seen                                 # it did run several steps at once
@@ -164,3 +205,35 @@ def test_pallas_attention_and_no_compilation_after_warmup(tiny_checkpoint):
     assert _generate(engine, PROMPTS, greedy) == want
     assert _generate(engine, PROMPTS[:1], greedy[:1]) == {"0": want["0"]}
     assert compiles == []
+
+
+def test_a_stop_string_inside_the_steps_ends_the_output_at_its_token():
+    """Text stop strings are matched token by token: the output ends at the token that
+    completes the stop, not at the end of the step that carried it (the default model: it
+    has a tokenizer)."""
+    from jaxserve.engine import LLMEngine
+    from jaxserve.llm import LLM
+    from jaxserve.models import llama, loader
+    cfg, params, tok = loader.load_model(None, dtype="float32")
+
+    def llm(steps):
+        config = EngineConfig(model=cfg, cache=CacheConfig(num_kv_blocks=64),
+                              scheduler=SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=32,
+                                                        max_model_len=128,
+                                                        num_scheduler_steps=steps),
+                              dtype="float32", warmup=False)
+        return LLM.from_engine(LLMEngine(config, params, tok, llama))
+
+    prompt = "The capital of France is"
+    free = llm(1).generate(prompt, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+                           use_tqdm=False)[0].outputs[0]
+    stop = free.text[-3:]
+    assert stop.strip() and stop not in free.text[:-3]
+    engine = llm(4)
+    seen = _spy(engine.engine)
+    out = engine.generate(prompt, SamplingParams(temperature=0, max_tokens=12, stop=[stop],
+                                                 ignore_eos=True),
+                          use_tqdm=False)[0].outputs[0]
+    assert 4 in seen
+    assert out.token_ids == free.token_ids and out.text == free.text[:-3]
+    assert out.finish_reason == "stop" and out.stop_reason == stop

@@ -27,7 +27,7 @@ class StepRecord:
     num_seqs: int               # sequences in the step
     num_tokens: int             # tokens computed in the step
     decode: bool                # every sequence computed exactly one token
-    steps: int = 1              # decode steps the device ran (multi-step decode): tokens per sequence
+    steps: int = 1              # decode steps of the step it read (multi-step decode): tokens a sequence
     total: float = 0.0          # engine.step() wall time, seconds
     schedule: float = 0.0       # scheduler.schedule()
     prepare: float = 0.0        # runner.prepare(): numpy StepInput + sampling tensors
@@ -98,7 +98,6 @@ class StepTimer:
             self._current.num_seqs = len(out.scheduled)
             self._current.num_tokens = out.num_tokens
             self._current.decode = all(r.num_tokens == 1 for r in out.scheduled)
-            self._current.steps = out.num_steps
 
     def _on_prepare(self, args, result) -> None:
         rec = self._current
@@ -133,6 +132,8 @@ class StepTimer:
             t1 = time.perf_counter()
             result = fn(step, *args, **kwargs)
             if self._current is not None:
+                # the step this record waits for (pipelined: not the one it scheduled)
+                self._current.steps = step.variant.steps
                 self._current.device += t1 - t0
                 self._current.to_host += time.perf_counter() - t1
             return result

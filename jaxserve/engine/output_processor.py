@@ -162,23 +162,38 @@ class OutputProcessor:
             elif m.last_token_time is not None:
                 self.metrics.observe("inter_token_latency_seconds", now - m.last_token_time)
             m.last_token_time = now
-            self.metrics.inc("generation_tokens", len(new_ids))
-            sample.token_ids.extend(new_ids)
-            if sample.logprobs is not None and lps is not None:
-                for j, token in enumerate(new_ids):
-                    self._append_logprobs(group, sample, token, lps, j)
-            delta = sample.detokenizer.add(new_ids) if sample.detokenizer is not None else ""
-            sample.text += delta
-            if sample.stops is not None and delta:
-                match = sample.stops.find(sample.text, len(delta))
-                if match is not None:
-                    sample.text, sample.stop_reason = match.text, match.stop
-                    sample.finish_reason = RequestStatus.FINISHED_STOPPED.finish_reason
-                    stopped = up.finished is None
+            if sample.stops is not None and len(new_ids) > 1:
+                # several tokens a step (multi-step decode, speculation): one at a time, so a
+                # stop string ends the output at the token that completes it, as with one
+                for j in range(len(new_ids)):
+                    if self._add_tokens(group, sample, new_ids[j:j + 1], lps, j):
+                        stopped = up.finished is None
+                        break
+            elif self._add_tokens(group, sample, new_ids, lps, 0):
+                stopped = up.finished is None
         if up.finished is not None and sample.finish_reason is None:
             sample.finish_reason = up.finished.finish_reason
             sample.stop_reason = up.stop_reason
         return stopped
+
+    def _add_tokens(self, group: _Group, sample: _Sample, ids: list[int],
+                    lps: TokenLogprobs | None, first: int) -> bool:
+        """Append tokens (the step's from its `first`), their logprobs and text; True if a stop
+        string matched in the new text (it is cut there and the sample's finish set)."""
+        self.metrics.inc("generation_tokens", len(ids))
+        sample.token_ids.extend(ids)
+        if sample.logprobs is not None and lps is not None:
+            for j, token in enumerate(ids):
+                self._append_logprobs(group, sample, token, lps, first + j)
+        delta = sample.detokenizer.add(ids) if sample.detokenizer is not None else ""
+        sample.text += delta
+        if sample.stops is not None and delta:
+            match = sample.stops.find(sample.text, len(delta))
+            if match is not None:
+                sample.text, sample.stop_reason = match.text, match.stop
+                sample.finish_reason = RequestStatus.FINISHED_STOPPED.finish_reason
+                return True
+        return False
 
     def _append_logprobs(self, group: _Group, sample: _Sample, token: int, lps: TokenLogprobs,
                          j: int) -> None:
