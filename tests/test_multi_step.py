@@ -99,6 +99,20 @@ def test_a_full_batch_keeps_decoding_in_steps_while_others_wait():
     assert s.schedule().num_steps == 4
 
 
+def test_an_abort_while_steps_are_in_flight_frees_everything():
+    s = make()
+    r = req("a", 5, max_tokens=20)
+    s.add_request(r)
+    s.update(out := s.schedule(), tokens_for(out, [[11]]))
+    first, second = s.schedule(), s.schedule()      # two multi-step steps in flight
+    assert first.num_steps == second.num_steps == 4
+    s.finish_request("a", RequestStatus.FINISHED_ABORTED)
+    assert s.pool.num_used == 0
+    s.update(first, tokens_for(first, [[1, 2, 3, 4]]))
+    s.update(second, tokens_for(second, [[5, 6, 7, 8]]))
+    assert r.output_token_ids == [11] and not s.requests and s.pool.num_used == 0
+
+
 def test_num_scheduler_steps_is_checked():
     with pytest.raises(ValueError, match="num_scheduler_steps"):
         SchedulerConfig(num_scheduler_steps=0)
@@ -108,11 +122,11 @@ def test_num_scheduler_steps_is_checked():
 
 # -- the engine on tiny checkpoints -------------------------------------------------------------
 
-def _engine(path, steps, warmup=False, attention_impl="xla"):
+def _engine(path, steps, warmup=False, attention_impl="xla", num_kv_blocks=96):
     from jaxserve.engine import LLMEngine
     from jaxserve.models import loader, registry
     cfg, params, tok = loader.load_model(path, dtype="float32")
-    config = EngineConfig(model=cfg, cache=CacheConfig(block_size=4, num_kv_blocks=96),
+    config = EngineConfig(model=cfg, cache=CacheConfig(block_size=4, num_kv_blocks=num_kv_blocks),
                           scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32,
                                                     max_model_len=64, num_scheduler_steps=steps),
                           dtype="float32", warmup=warmup, attention_impl=attention_impl)
@@ -129,6 +143,17 @@ def _spy(engine) -> list[int]:
         return out
     engine.scheduler.schedule = spy
     return seen
+
+
+def test_preemption_during_multi_step_decode_keeps_tokens_and_frees_blocks(tiny_checkpoint):
+    """Few blocks: requests growing K positions a step preempt each other; each recomputes
+    and the tokens equal one step at a time."""
+    path = tiny_checkpoint("llama")
+    greedy = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (20, 18, 22)]
+    want = _generate(_engine(path, 1), PROMPTS, greedy)
+    engine = _engine(path, 4, num_kv_blocks=14)
+    got = _generate(engine, PROMPTS, greedy)
+    assert engine.scheduler.num_preemptions > 0 and got == want
 
 
 def _generate(engine, prompts, params):

@@ -88,14 +88,20 @@ def test_multi_step_decode_gives_the_same_greedy_tokens(exact_float32, tiny_chec
     weights give varied tokens: each step's input is the one before's output)."""
     prompts = [{"prompt_token_ids": [1 + (7 * i + 3 * j) % 200 for j in range(5 + 9 * i)]}
                for i in range(4)]
+    params = [SamplingParams(temperature=0, max_tokens=TOKENS, ignore_eos=True)] * 3 + [
+        # the full sampler in the loop: seeded top-p / top-k (the threshold kernels), logprobs
+        SamplingParams(temperature=0.8, top_p=0.9, top_k=20, seed=5, max_tokens=TOKENS,
+                       ignore_eos=True, logprobs=2)]
     outs = {}
     for steps in (1, 8):
         llm = LLM(tiny_checkpoint("llama"), dtype="float32", warmup=False, max_num_seqs=8,
                   max_model_len=256, num_kv_blocks=256, num_scheduler_steps=steps)
         assert llm.engine.runner.attention_impl == "pallas"
-        outs[steps] = [o.outputs[0].token_ids for o in llm.generate(
-            prompts, SamplingParams(temperature=0, max_tokens=TOKENS, ignore_eos=True))]
+        outs[steps] = [o.outputs[0] for o in llm.generate(prompts, params)]
         del llm
         gc.collect()
-    assert all(len(t) == TOKENS for t in outs[1]) and len(set(outs[1][0])) > 4
-    assert outs[8] == outs[1]
+    assert all(len(o.token_ids) == TOKENS for o in outs[1]) and len(set(outs[1][0].token_ids)) > 4
+    assert [o.token_ids for o in outs[8]] == [o.token_ids for o in outs[1]]
+    for a, b in zip(outs[8][3].logprobs, outs[1][3].logprobs):
+        assert sorted(a) == sorted(b)
+        assert all(abs(a[t].logprob - b[t].logprob) < 1e-4 for t in a)
