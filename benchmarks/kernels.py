@@ -714,7 +714,7 @@ def bench_fused_linear(rng, sweep: bool):
         res_tn = jnp.ones((1, n_out), jnp.bfloat16) if res else None
         want = fl.ref_fused_linear(x, w, norm_K=norm_k, residual_TN=res_tn, gated=gated, w_layout="NK")
         single = fl.one_row(1, w.size, "NK")
-        bn0, bk0 = fl.one_row_tiling(k, n_out) if single else fl.tiling(1, k, n_out, "NK")[1:]
+        bn0, bk0 = fl.one_row_tiling(k) if single else fl.tiling(1, k, n_out, "NK")[1:]
         warps0 = fl.decode_warps(1, w.size, single)
         tilings = [(single, bn0, bk0, warps0)]
         if sweep:     # the dot program's tilings, then the one-row program's

@@ -602,7 +602,8 @@ class ModelRunner:
                     lean, d, k, self._with_sampling(lean, rows, extras).sampling)
                     for extras in (False, True)))
             masked = self._masked_input(lean)
-            # multi-step decode (scheduler.py): lean steps of one token per sequence
+            # multi-step decode (scheduler.py): a decode bucket's plain programs (lean and
+            # full) again, running `steps` steps
             steps = self.config.scheduler.num_scheduler_steps
             multi = steps > 1 and t_prev < self.config.scheduler.max_num_seqs
             for attention in self.backend.warmup_plans(t, lean.num_seqs):

@@ -30,13 +30,13 @@ next step, which computes the kept tokens again (a few tokens, no drafts) and sa
 
 Multi-step decode (`num_scheduler_steps` K > 1, vLLM's multi-step scheduling): when every
 running request is decoding one token with sampling that needs nothing from the host between
-tokens (no penalties, grammar, pending min_tokens ban or prompt logprobs, whose last one-token
-chunk the runner still counts: `_steps_ok`), no drafts are in play
-and no waiting request could start, a step runs K decode steps on the device, each sampling
-the next input. Each request gets blocks for K positions (never past its longest length: positions
-beyond it write nothing), counts K positions as computed and K tokens as placeholders;
-update() appends the K tokens, stopping at the first that ends the request (the rest were
-computed for nothing, as a finished request's token of the next step is today).
+tokens (`_steps_ok`: no penalties, grammar, pending min_tokens ban or prompt logprobs), no
+drafts are in play and no waiting request could start, a step runs K decode steps on the
+device, each sampling the next input. Each request gets blocks for K positions (never past
+its longest length: positions beyond it write nothing), counts K positions as computed and K
+tokens as placeholders; update() appends the K tokens, stopping at the first that ends the
+request (the rest were computed for nothing, as a finished request's token of the next step
+is today).
 """
 
 from __future__ import annotations

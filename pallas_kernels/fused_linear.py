@@ -135,14 +135,14 @@ def one_row(t: int, weight_elements: int, w_layout: str) -> bool:
     return t == 1 and w_layout == "NK" and weight_elements <= SMALL_WEIGHT_ELEMENTS
 
 
-def one_row_tiling(k: int, n_out: int) -> tuple[int, int]:
+def one_row_tiling(k: int) -> tuple[int, int]:
     """(BN, BK) of the one-row program: 4 weight rows a program, the whole (padded) K in one
     step up to 2048 (all of a program's loads in flight at once). Measured (H100, CUPTI,
-    BENCHMARKS.md "The fused projections' tiling"): at the default model's shapes BN 4 with
-    the whole K and 4 warps was the fastest of BN 4-16, BK 512-2048, 2 or 4 warps for all
-    four projections (q|k|v 2.8 us, o 1.8, gate|up 4.2, down 3.2)."""
-    bn = 4 if n_out % 4 == 0 else 2 if n_out % 2 == 0 else 1
-    return bn, min(2048, pl.next_power_of_2(k))
+    BENCHMARKS.md, issue 33's "one-row program"): at the default model's shapes BN 4 with the
+    whole K and 4 warps was the fastest of BN 4-16, BK 512-2048, 2 or 4 warps for all four
+    projections (q|k|v 2.8 us, o 1.8, gate|up 4.2, down 3.2). (The output width is a
+    multiple of 16: `_problem`.)"""
+    return 4, min(2048, pl.next_power_of_2(k))
 
 
 def decode_warps(t: int, weight_elements: int, single: bool = False) -> int:
@@ -265,7 +265,7 @@ def fused_linear(x_TK, w, *, norm_K=None, eps: float = 1e-6, bias_N=None, residu
         raise ValueError(f"fused_linear: the one-row program takes one row and [N, K] weights; "
                          f"got T={t}, w_layout={w_layout!r}")
     if single:
-        (bn, bk), bm = one_row_tiling(k, n_out), 1
+        (bn, bk), bm = one_row_tiling(k), 1
     else:
         bm, bn, bk = tiling(t, k, n_out, w_layout)
     if num_warps is None:
