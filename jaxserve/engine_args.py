@@ -76,10 +76,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--long-prefill-token-threshold", type=int, default=0,
                    help="cut each request's prefill chunks to this many tokens (0: off); "
                         "lowers the inter-token latency of running requests when prompts arrive")
-    g.add_argument("--num-scheduler-steps", type=int_at_least(1), default=1,
+    g.add_argument("--num-scheduler-steps", type=int_at_least(1), default=None,
                    help="decode steps run on the device per host step while every running "
                         "request decodes (vLLM's multi-step scheduling; 1: off); outputs then "
-                        "stream this many tokens at a time")
+                        "stream this many tokens at a time (default: 8 on one GPU for a small "
+                        "dense model, whose steps the host's launch bounds; else 1)")
     g.add_argument("--attention-impl", choices=["auto", "xla", "pallas"], default="auto")
     g.add_argument("--fused-kernels", type=fused_kernels, default="auto", metavar="auto|none|NAME[,NAME]",
                    help="fused Pallas kernels of the step (with the Pallas attention): 'linear' "

@@ -262,3 +262,11 @@ def test_a_stop_string_inside_the_steps_ends_the_output_at_its_token():
     assert 4 in seen
     assert out.token_ids == free.token_ids and out.text == free.text[:-3]
     assert out.finish_reason == "stop" and out.stop_reason == stop
+
+
+def test_the_default_is_eight_steps_only_with_the_fused_stack_and_no_speculation():
+    from jaxserve.engine.llm_engine import AUTO_SCHEDULER_STEPS, resolve_scheduler_steps
+    assert resolve_scheduler_steps(None, ("linear", "moe"), None) == AUTO_SCHEDULER_STEPS == 8
+    assert resolve_scheduler_steps(None, ("moe",), None) == 1         # a MoE model: device-bound
+    assert resolve_scheduler_steps(None, ("linear",), object()) == 1  # speculating
+    assert resolve_scheduler_steps(3, (), None) == 3                  # as asked

@@ -79,6 +79,21 @@ def resolve_fused_kernels(option: str | tuple | list, cfg, num_devices: int) -> 
     return names
 
 
+# Multi-step decode where it was measured to pay: a model the fused stack covers (small, dense,
+# one GPU) is bound by the host's launch of each step (BENCHMARKS.md, issue 33: the default
+# model 2.3 -> 0.58 ms/token at 8 steps, H100); elsewhere the device bounds a step, and more
+# steps a launch would only delay new requests.
+AUTO_SCHEDULER_STEPS = 8
+
+
+def resolve_scheduler_steps(value: int | None, fused_kernels: tuple[str, ...], speculative) -> int:
+    """SchedulerConfig.num_scheduler_steps from the option: None is AUTO_SCHEDULER_STEPS with
+    the fused stack ("linear") and no speculation, else 1."""
+    if value is not None:
+        return value
+    return AUTO_SCHEDULER_STEPS if "linear" in fused_kernels and speculative is None else 1
+
+
 def _default(value, gpu, cpu):
     if value is not None:
         return value
@@ -144,7 +159,7 @@ class LLMEngine:
                          max_num_seqs: int | None = None,
                          max_num_batched_tokens: int | None = None, max_model_len: int | None = None,
                          max_waiting_requests: int = 4096, long_prefill_token_threshold: int = 0,
-                         num_scheduler_steps: int = 1,
+                         num_scheduler_steps: int | None = None,
                          tensor_parallel_size: int = 1,
                          expert_parallel_size: int = 1, seed: int = 0, max_logprobs: int = 20,
                          attention_impl: str = "auto", fused_kernels: str | tuple = "auto",
@@ -207,6 +222,7 @@ class LLMEngine:
                              f"({cfg.max_position_embeddings}); got {max_model_len}")
         max_num_seqs = _default(max_num_seqs, 256, cpu_defaults.MAX_NUM_SEQS)
         max_num_batched_tokens = _default(max_num_batched_tokens, 2048, cpu_defaults.MAX_NUM_BATCHED_TOKENS)
+        fused = resolve_fused_kernels(fused_kernels, cfg, tensor_parallel_size * expert_parallel_size)
         config = EngineConfig(
             model=cfg,
             cache=CacheConfig(block_size=block_size, num_kv_blocks=num_kv_blocks,
@@ -219,11 +235,11 @@ class LLMEngine:
                                       max_model_len=max_model_len,
                                       max_waiting_requests=max_waiting_requests,
                                       long_prefill_token_threshold=long_prefill_token_threshold,
-                                      num_scheduler_steps=num_scheduler_steps),
+                                      num_scheduler_steps=resolve_scheduler_steps(
+                                          num_scheduler_steps, fused, speculative)),
             parallel=parallel,
             dtype=dtype, seed=seed, max_logprobs=max_logprobs, attention_impl=attention_impl,
-            fused_kernels=resolve_fused_kernels(fused_kernels, cfg,
-                                                tensor_parallel_size * expert_parallel_size),
+            fused_kernels=fused,
             warmup=warmup, warmup_all=warmup_all, speculative=speculative,
             # NOTE: off unless asked (the CLI does): a program is keyed on the package's
             # sources, so code changed in memory (a notebook's monkeypatch) would not be seen
