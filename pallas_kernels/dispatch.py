@@ -73,12 +73,13 @@ def resolve_impl(impl: str, allowed: tuple[str, ...] = ("pallas", "xla")) -> tup
     return impl, on_gpu
 
 
-def checked_block(requested: int, name: str, dim: int | None = None, dim_name: str = "") -> int:
-    """A caller's block size: a power of two >= 16 (Triton's dot needs 16), and dividing `dim`
-    when given (a kernel that masks no load)."""
-    if requested < 16 or requested & (requested - 1) or (dim is not None and dim % requested):
+def checked_block(requested: int, name: str, dim: int | None = None, dim_name: str = "",
+                  least: int = 16) -> int:
+    """A caller's block size: a power of two >= `least` (16: Triton's dot needs 16; a block
+    no dot reads may be smaller), and dividing `dim` when given (a kernel that masks no load)."""
+    if requested < least or requested & (requested - 1) or (dim is not None and dim % requested):
         divides = f" dividing {dim_name}={dim}" if dim is not None else ""
-        raise ValueError(f"{name} must be a power of two >= 16{divides}; got {requested}")
+        raise ValueError(f"{name} must be a power of two >= {least}{divides}; got {requested}")
     return requested
 
 
