@@ -699,12 +699,22 @@ def bench_linear(rng, quick: bool, sweep: bool = False):
 
 
 def bench_fused_linear(rng, sweep: bool):
+    """The fused stack's projections, one row: the default model's (SmolLM2-135M), or with
+    --model qwen3-30b-a3b an MoE layer's (q|k|v, o and the router: the fused stack's MoE
+    layers, models/moe.py residual_moe)."""
     from jaxserve.pallas_kernels import fused_linear as fl
-    d, f, q_heads, kv_heads, hd = 576, 1536, 9, 3, 64            # SmolLM2-135M
-    shapes = {"q|k|v": (d, (q_heads + 2 * kv_heads) * hd, False, True, False),
-              "o": (q_heads * hd, d, False, False, True),
-              "gate|up": (d, 2 * f, True, True, False),
-              "down": (f, d, False, False, True)}
+    moe = D_MODEL == MODELS["qwen3-30b-a3b"]["d"]
+    if moe:
+        d, q_heads, kv_heads, hd = D_MODEL, N, KH, E
+        shapes = {"q|k|v": (d, (q_heads + 2 * kv_heads) * hd, False, True, False),
+                  "o": (q_heads * hd, d, False, False, True),
+                  "router": (d, 128, False, True, False)}
+    else:
+        d, f, q_heads, kv_heads, hd = 576, 1536, 9, 3, 64            # SmolLM2-135M
+        shapes = {"q|k|v": (d, (q_heads + 2 * kv_heads) * hd, False, True, False),
+                  "o": (q_heads * hd, d, False, False, True),
+                  "gate|up": (d, 2 * f, True, True, False),
+                  "down": (f, d, False, False, True)}
     for name, (k, n, gated, norm, res) in shapes.items():
         kx, kw = jax.random.split(jax.random.key(int(rng.integers(1 << 30))))
         x = jax.random.normal(kx, (1, k), jnp.bfloat16)
@@ -717,7 +727,10 @@ def bench_fused_linear(rng, sweep: bool):
         bn0, bk0 = fl.one_row_tiling(k) if single else fl.tiling(1, k, n_out, "NK")[1:]
         warps0 = fl.decode_warps(1, w.size, single)
         tilings = [(single, bn0, bk0, warps0)]
-        if sweep:     # the dot program's tilings, then the one-row program's
+        if sweep and moe:     # the one-row program at these larger weights, against the dot
+            tilings += [(False, *fl.tiling(1, k, n_out, "NK")[1:], warps0)] + [
+                (True, bn, bk, warps) for bn in (4, 8) for bk in (1024, 2048) for warps in (4, 8)]
+        elif sweep:     # the dot program's tilings, then the one-row program's
             full_k = 1 << (k - 1).bit_length()
             tilings += [(False, bn, bk, warps) for bn in (16, 32, 64) if n_out % bn == 0
                         for bk in sorted({128, 256, 512, full_k}) if bk <= full_k

@@ -154,8 +154,8 @@ def main():
                     help="routed experts as block-scaled FP8 (as --quantization fp8 keeps an FP8 "
                          "checkpoint's; DeepSeek V3 / V3.2 only)")
     ap.add_argument("--fused", default="auto", help="fused kernels, as --fused-kernels: 'auto' (the "
-                    "engine's choice on one GPU: moe for MoE models; not 'linear', whose weight "
-                    "layout this script does not build), 'none' or names (e.g. moe)")
+                    "engine's choice on one GPU), 'none' or names (e.g. moe, or linear,moe: the "
+                    "fused stack, its projections stored [out, in] as the runner stores them)")
     ap.add_argument("--depth", type=int, default=4, choices=(3, 4),
                     help="layers built and timed against 2 (3: layer 2 alone, less memory)")
     ap.add_argument("--json", default=None)
@@ -175,8 +175,7 @@ def main():
         params = dummy.dummy_params(with_layers(cfg, args.depth), "bfloat16")
         if args.fp8:
             params = quantize_experts_fp8(params)
-        fused = frozenset(resolve_fused_kernels(args.fused, cfg, 1)) - (
-            {"linear"} if args.fused == "auto" else set())
+        fused = frozenset(resolve_fused_kernels(args.fused, cfg, 1))
         label = ((os.path.basename(os.path.dirname(source)) if args.smoke else source)
                  + (" fp8" if args.fp8 else "") + "".join(f" +{name}" for name in sorted(fused)))
         batches, context = ((1, 4), 32) if args.smoke else (args.batch, args.context)
@@ -188,6 +187,8 @@ def main():
         if hasattr(model, "fuse_projections"):
             params = model.fuse_projections(cfg, params)
         params = split_expert_weights(params)
+        if getattr(model.make_kernels(cfg, "pallas", fused=fused), "linear", False):
+            params = model.transpose_for_fused_stack(cfg, params)
         measure(model, cfg, params, per_layer_bytes, batches, context,
                 "xla" if args.smoke else args.impl, label, fused, args.depth)
         del params

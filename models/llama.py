@@ -107,21 +107,29 @@ def fuse_projections(cfg: ModelConfig, params: dict) -> dict:
 
 
 STACK_WEIGHTS = ("wqkv", "wo", "w_gate_up", "w_down")
+MOE_STACK_WEIGHTS = ("wqkv", "wo", "router")   # the experts keep the grouped path's layout
+
+
+def stack_weights(lp: dict) -> tuple[str, ...]:
+    """The projections fused_stack reads [out, in] in this layer, a dense or an MoE one."""
+    return MOE_STACK_WEIGHTS if "router" in lp or "router_t" in lp else STACK_WEIGHTS
 
 
 def transpose_for_fused_stack(cfg: ModelConfig, params: dict) -> dict:
-    """The fused projections of dense layers stored [out, in] (as name + "_t"), in place: what
-    fused_stack reads. Why: a decode program of fused_linear reads a block of 16 output columns;
-    over [in, out] weights that is 32 contiguous bytes a row (H200: the gate|up projection at
-    ~10 % of HBM), over [out, in] ones whole rows (the LM head over the tied [V, D] embedding:
-    ~85 %). Measured, the projections gained only ~10 % from it: they are latency-bound. The
-    XLA path (steps over FUSED_STACK_MAX_TOKENS tokens) multiplies by the transpose, which XLA
-    folds into the GEMM."""
+    """The fused projections of each layer stored [out, in] (as name + "_t"), in place: what
+    fused_stack reads (an MoE layer's attention and router; its experts stay [X, in, out], as
+    moe_decode and the grouped path read them). Why: a decode program of fused_linear reads a
+    block of 16 output columns; over [in, out] weights that is 32 contiguous bytes a row
+    (H200: the gate|up projection at ~10 % of HBM), over [out, in] ones whole rows (the LM
+    head over the tied [V, D] embedding: ~85 %). Measured, the projections gained only ~10 %
+    from it: they are latency-bound. The XLA path (steps over FUSED_STACK_MAX_TOKENS tokens)
+    multiplies by the transpose, which XLA folds into the GEMM."""
     del cfg
     for i, lp in enumerate(params["layers"]):
-        if all(name in lp for name in STACK_WEIGHTS) and lp["w_down"].ndim == 2:
+        names = stack_weights(lp)
+        if all(name in lp and lp[name].ndim == 2 for name in names):
             lp = dict(lp)
-            for name in STACK_WEIGHTS:
+            for name in names:
                 lp[name + "_t"] = lp.pop(name).T      # (a new array: jax arrays are row-major)
             params["layers"][i] = lp
     return params
@@ -225,35 +233,49 @@ FUSED_STACK_MAX_TOKENS = 32
 def auto_fused_kernels(cfg: ModelConfig, family_is_llama: bool = True) -> tuple[str, ...]:
     """The fused kernels an engine on one GPU uses by default for this model: "moe" for any
     family with routed experts (moe_decode: 32.6 against 41.3 us for one token's experts at
-    Qwen3-30B-A3B's shapes, 246 against 337 at DeepSeek-V3's; a Qwen3-30B-A3B layer 84
-    against 92 us, 20 kernels against 26; H100, BENCHMARKS.md), "linear" for narrow dense
-    llama-family models (the fused stack's projections)."""
+    Qwen3-30B-A3B's shapes, 246 against 337 at DeepSeek-V3's; H100, BENCHMARKS.md), with
+    "linear" too where the fused stack takes the llama family's MoE layers (a Qwen3-30B-A3B
+    layer at batch 1: 68 against 82 us, 10 kernels against 20; H100), and "linear" for narrow
+    dense llama-family models (the fused stack's projections)."""
+    stack = family_is_llama and fused_stack_fits(cfg)
     if getattr(cfg, "is_moe", False):
-        return ("moe",)
-    narrow = family_is_llama and fused_stack_fits(cfg) and cfg.hidden_size <= AUTO_LINEAR_MAX_HIDDEN
-    return ("linear",) if narrow else ()
+        return ("linear", "moe") if stack else ("moe",)
+    return ("linear",) if stack and cfg.hidden_size <= AUTO_LINEAR_MAX_HIDDEN else ()
 
 
 def fused_stack_fits(cfg: ModelConfig) -> bool:
-    """Whether fused_stack can run this model: dense layers, and shapes the kernels tile
-    (a power-of-two head dim >= 32 for the rope kernel, widths in multiples of 16)."""
+    """Whether fused_stack can run this model: shapes the kernels tile (a power-of-two head
+    dim >= 32 for the rope kernel, widths in multiples of 16: the MLP's, or an MoE layer's
+    expert count (the router's output) and expert width)."""
     e = cfg.head_dim
-    return (not cfg.is_moe and e >= 32 and e & (e - 1) == 0 and cfg.hidden_size % 16 == 0
-            and cfg.intermediate_size % 16 == 0 and cfg.vocab_size % 16 == 0)
+    mlp = ((cfg.num_experts, cfg.moe_intermediate_size) if cfg.is_moe
+           else (cfg.intermediate_size,))
+    return (e >= 32 and e & (e - 1) == 0 and cfg.hidden_size % 16 == 0
+            and all(w % 16 == 0 for w in mlp) and cfg.vocab_size % 16 == 0)
 
 
 def fused_stack(cfg: ModelConfig, params: dict, caches: Caches, x: StepInput, kernels: Kernels,
                 inv_freq: jax.Array, aux_layers: tuple[int, ...] = ()):
-    """decoder_stack for dense layers in five fused kernels each plus attention (Kernels.linear):
-    the residual stream is written only by the projections that add into it (o and down), and
-    each norm is computed by the projection that reads it (qkv and gate|up). Same results as
-    decoder_stack up to the order of sums; needs the fused projections stored [out, in]
-    (fuse_projections, then transpose_for_fused_stack)."""
+    """decoder_stack in a few fused kernels a layer plus attention (Kernels.linear): the
+    residual stream is written only by the kernels that add into it (o and down, or the MoE
+    layer's weighted sum), and each norm is computed by the kernel that reads it (qkv, gate|up,
+    the router and the experts). Dense layers: five kernels plus attention; MoE layers:
+    models/moe.py residual_moe. Same results as decoder_stack up to the order of sums; needs
+    the fused projections stored [out, in] (fuse_projections, then transpose_for_fused_stack)."""
+    from jaxserve.models import moe  # local: moe builds on this module
     from jaxserve.pallas_kernels.fused_linear import fused_linear
     from jaxserve.pallas_kernels.qk_norm_rope_kv_write import qkv_norm_rope_kv_write
+    from jaxserve.pallas_kernels.fused_linear import SMALL_WEIGHT_ELEMENTS, one_row
     t = x.token_ids.shape[0]
     n, kh, e, eps = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps
-    linear = functools.partial(fused_linear, eps=eps, w_layout="NK", impl=kernels.impl)
+
+    def linear(x_TK, w, **kw):
+        # Weights past a few million elements take the kernel only for one row (its one-row
+        # program): over several rows its dot program read Qwen3-30B-A3B's q|k|v and o at a
+        # third of XLA's GEMM speed (H100, BENCHMARKS.md), so there XLA runs the same ops.
+        small = one_row(x_TK.shape[0], w.size, "NK") or w.size <= SMALL_WEIGHT_ELEMENTS
+        return fused_linear(x_TK, w, eps=eps, w_layout="NK", impl=kernels.impl if small else "xla",
+                            **kw)
     residual_TD = params["embed"][x.token_ids]
     new_caches, aux = [], []
     for i, (lp, kv) in enumerate(zip(params["layers"], caches)):
@@ -264,8 +286,11 @@ def fused_stack(cfg: ModelConfig, params: dict, caches: Caches, x: StepInput, ke
         new_caches.append({"k": k_cache, "v": v_cache})
         o_TNE = kernels.attention(q_TNE, k_cache, v_cache, x)
         residual_TD = linear(o_TNE.reshape(t, n * e), lp["wo_t"], residual_TN=residual_TD)
-        act_TF = linear(residual_TD, lp["w_gate_up_t"], norm_K=lp["mlp_norm"], gated=True)
-        residual_TD = linear(act_TF, lp["w_down_t"], residual_TN=residual_TD)
+        if "router_t" in lp:
+            residual_TD = moe.residual_moe(cfg, lp, residual_TD, linear, kernels.moe_impl)
+        else:
+            act_TF = linear(residual_TD, lp["w_gate_up_t"], norm_K=lp["mlp_norm"], gated=True)
+            residual_TD = linear(act_TF, lp["w_down_t"], residual_TN=residual_TD)
         if i in aux_layers:
             aux.append(residual_TD)
     return new_caches, layers.rms_norm(residual_TD, params["final_norm"], eps), tuple(aux)
@@ -291,7 +316,7 @@ def forward(cfg: ModelConfig, params: dict, caches: Caches, x: StepInput,
         kernels = make_kernels(cfg, kernels)
     inv_freq = layers.rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling_dict)
     first = params["layers"][0] if params["layers"] else {}
-    if (kernels.linear and all(name + "_t" in first for name in STACK_WEIGHTS)
+    if (kernels.linear and all(name + "_t" in first for name in stack_weights(first))
             and x.token_ids.shape[0] <= FUSED_STACK_MAX_TOKENS):
         return fused_stack(cfg, params, caches, x, kernels, inv_freq, aux_layers)
     return decoder_stack(
@@ -323,13 +348,12 @@ def decoder_stack(params: dict, caches: Caches, x: StepInput, kernels: Kernels, 
 
 def compute_logits(cfg: ModelConfig, params: dict, hidden_SD: jax.Array,
                    kernels: Kernels | None = None) -> jax.Array:
-    """f32 logits; through fused_linear with Kernels.linear (a tied embedding read as [V, D],
-    without the transpose XLA's dot reads it through)."""
-    if kernels is not None and kernels.linear:
+    """f32 logits; a tied embedding through fused_linear with Kernels.linear (read as [V, D],
+    without the transpose XLA's dot reads it through). An untied [D, V] head stays XLA's GEMM,
+    which reads Qwen3-30B-A3B's 622 MB head at ~93 % of HBM (H100, BENCHMARKS.md)."""
+    if kernels is not None and kernels.linear and cfg.tie_word_embeddings:
         from jaxserve.pallas_kernels.fused_linear import fused_linear
-        tied = cfg.tie_word_embeddings
-        return fused_linear(hidden_SD, params["embed"] if tied else params["lm_head"],
-                            w_layout="NK" if tied else "KN", out_dtype=jnp.float32,
+        return fused_linear(hidden_SD, params["embed"], w_layout="NK", out_dtype=jnp.float32,
                             impl=kernels.impl)
     head = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
     return jnp.dot(hidden_SD, head, preferred_element_type=jnp.float32)

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.config import ModelConfig
-from jaxserve.models import llama
+from jaxserve.models import layers, llama
 from jaxserve.pallas_kernels import moe_decode
 from jaxserve.pallas_kernels.grouped_matmul import grouped_matmul, quantize, split_experts
 from jaxserve.pallas_kernels.moe_router import moe_router
@@ -119,8 +119,27 @@ def moe_mlp(cfg: ModelConfig, lp: dict, h_TD: jax.Array, impl: str = "xla") -> j
     few rows (decode: it reads only the chosen experts' weights), the Mosaic GPU ragged dot on
     Hopper for more (4-37x faster than lax.ragged_dot, measured); "fused" as "pallas", with
     steps of up to FUSED_MAX_TOKENS tokens through moe_decode."""
-    return routed_experts(lambda p, h: route(cfg, h @ p["router"], kernel_impl(impl)), lp, h_TD,
-                          cfg.num_experts, impl)
+    return routed_experts(lambda p, h: route(cfg, llama.project(h, p, "router"), kernel_impl(impl)),
+                          lp, h_TD, cfg.num_experts, impl)
+
+
+def residual_moe(cfg: ModelConfig, lp: dict, residual_TD: jax.Array, linear, impl: str) -> jax.Array:
+    """The fused stack's MoE sub-block (models/llama.py fused_stack), residual +
+    moe_mlp(RMSNorm(residual)): for steps of up to FUSED_MAX_TOKENS tokens ("fused" impl) in
+    five kernels: the router projection with the norm in it, which also writes the normalised
+    rows (`linear`: fused_linear over lp["router_t"], normed_out), the router kernel,
+    moe_decode's two, and the weighted sum with the residual add (one XLA fusion). Larger
+    steps: the norm, then moe_mlp."""
+    gate, up = (lp["w_gate_up"], None) if "w_gate_up" in lp else (lp["w_gate"], lp["w_up"])
+    if (impl == "fused" and residual_TD.shape[0] <= FUSED_MAX_TOKENS
+            and moe_decode.problem(residual_TD, gate, up, lp["w_down"]) is None):
+        logits_TX, h_TD = linear(residual_TD, lp["router_t"], norm_K=lp["mlp_norm"], normed_out=True)
+        weights_Tk, experts_Tk = route(cfg, logits_TX, "pallas")
+        y_TD = moe_decode.moe_decode(h_TD, weights_Tk, experts_Tk, gate, up, lp["w_down"],
+                                     impl="pallas")
+        return residual_TD + y_TD.astype(residual_TD.dtype)
+    h_TD = layers.rms_norm(residual_TD, lp["mlp_norm"], cfg.rms_norm_eps)
+    return residual_TD + moe_mlp(cfg, lp, h_TD, impl)
 
 
 def routed_experts(route_fn, lp: dict, h_TD: jax.Array, num_experts: int, impl: str) -> jax.Array:

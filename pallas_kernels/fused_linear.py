@@ -8,6 +8,11 @@ dense layer is five kernels plus attention.
         | silu(y[:, :F]) * y[:, F:]       (gated: W = [W_gate | W_up], out f[T, F])
         | residual + y                    (residual)
 
+With `normed_out` (and a norm) it also returns the normalised rows, RMSNorm(x) * norm_K in x's
+dtype (as models/layers.py rms_norm rounds them), written by the programs of the first column
+block in a second pass over their rows: the fused stack's MoE layer reads them into its experts
+(models/moe.py residual_moe) from the router projection, with no norm kernel of its own.
+
 Rounding follows the model's XLA ops one by one (models/llama.py: `layers.rms_norm` in f32 to
 the input dtype, the matmul's output to the input dtype, each elementwise op to it again), so in
 f32 the two agree to the order of the sums; in bf16 to an ulp here and there (XLA's own
@@ -29,7 +34,7 @@ in bf16 the normalised x is rounded before its row scale, not after: an ulp apar
 Each weight element is read once per row tile; at decode (one row tile) that is the matmul's
 traffic floor, spread over N / BN programs.
 
-One row over [N, K] weights of up to SMALL_WEIGHT_ELEMENTS (the fused stack's decode step:
+One row over [N, K] weights of up to ONE_ROW_MAX_ELEMENTS (the fused stack's decode step:
 `one_row`) skips the tensor cores: a dot needs 16 output columns a program, which left the
 default model's 576-wide o and down projections 36 programs for 132 SMs, each waiting on a
 chain of loads. There each program takes 4 weight rows whole, multiplies them by the row in
@@ -50,6 +55,10 @@ from jaxserve.pallas_kernels.dispatch import absent_refs, checked_block, num_sms
 
 HIGHEST = jax.lax.Precision.HIGHEST
 SMALL_WEIGHT_ELEMENTS = 1 << 22   # decode_warps
+# one_row: up to Qwen3-30B-A3B's q|k|v (10.5M) and o (8.4M), where the one-row program took
+# 9.2 and 7.8 us against the dot program's 29.7 and 23.4 (H100, `kernels.py --only linear
+# --model qwen3-30b-a3b --sweep`, BENCHMARKS.md); heads (tens of millions and up) unmeasured
+ONE_ROW_MAX_ELEMENTS = 1 << 24
 
 # ---------------------------------------------------------------------------------------------
 # Reference: the model's XLA ops, in its order
@@ -57,11 +66,15 @@ SMALL_WEIGHT_ELEMENTS = 1 << 22   # decode_warps
 
 
 def ref_fused_linear(x_TK, w, *, norm_K=None, eps: float = 1e-6, bias_N=None, residual_TN=None,
-                     gated: bool = False, w_layout: str = "KN", out_dtype=None):
+                     gated: bool = False, w_layout: str = "KN", out_dtype=None,
+                     normed_out: bool = False):
     if norm_K is not None:
         h = x_TK.astype(jnp.float32)
         h = h * jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + eps)
         x_TK = (h * norm_K.astype(jnp.float32)).astype(x_TK.dtype)
+    if normed_out:
+        return ref_fused_linear(x_TK, w, bias_N=bias_N, residual_TN=residual_TN, gated=gated,
+                                w_layout=w_layout, out_dtype=out_dtype), x_TK
     w_KN = w.T if w_layout == "NK" else w
     if out_dtype is not None and jnp.dtype(out_dtype) == jnp.float32:
         return jnp.dot(x_TK, w_KN, preferred_element_type=jnp.float32)
@@ -81,8 +94,11 @@ def ref_fused_linear(x_TK, w, *, norm_K=None, eps: float = 1e-6, bias_N=None, re
 # ---------------------------------------------------------------------------------------------
 
 
-def _problem(x_TK, w, norm_K, bias_N, residual_TN, gated, w_layout, out_dtype) -> str | None:
+def _problem(x_TK, w, norm_K, bias_N, residual_TN, gated, w_layout, out_dtype,
+             normed_out=False) -> str | None:
     """Why the Pallas kernel cannot take these operands (None if it can)."""
+    if normed_out and norm_K is None:
+        return "normed_out needs norm_K"
     if x_TK.ndim != 2 or w.ndim != 2:
         return f"x_TK and w must be matrices; got {x_TK.shape} and {w.shape}"
     if w_layout not in ("KN", "NK"):
@@ -131,8 +147,8 @@ def tiling(t: int, k: int, n_out: int, w_layout: str) -> tuple[int, int, int]:
 
 def one_row(t: int, weight_elements: int, w_layout: str) -> bool:
     """Whether a step takes the one-row (no tensor-core) program: one row times [N, K]
-    weights of up to SMALL_WEIGHT_ELEMENTS (see the module docstring)."""
-    return t == 1 and w_layout == "NK" and weight_elements <= SMALL_WEIGHT_ELEMENTS
+    weights of up to ONE_ROW_MAX_ELEMENTS (see the module docstring)."""
+    return t == 1 and w_layout == "NK" and weight_elements <= ONE_ROW_MAX_ELEMENTS
 
 
 def one_row_tiling(k: int) -> tuple[int, int]:
@@ -166,7 +182,7 @@ def _kernel(
     # inputs
     x_ref, norm_ref, w_ref, bias_ref, res_ref,
     # outputs
-    o_ref,
+    o_ref, normed_ref,
     *, t, k, n_out, bm, bn, bk, eps, gated, w_nk, round_out, dot=True):
     i, j = pl.program_id(0), pl.program_id(1)
     rows_R = i * bm + jnp.arange(bm, dtype=jnp.int32)
@@ -230,6 +246,18 @@ def _kernel(
             y = y + plgpu.load(res_ref.at[xrows_R1, cols_N[None, :]]).astype(jnp.float32)
     plgpu.store(o_ref.at[rows_R[:, None], cols_N[None, :]], y.astype(o_ref.dtype),
                 mask=(rows_R < t)[:, None])
+    if normed_ref is not None:
+        @pl.when(j == 0)
+        def _():   # a second pass over x (in cache by now), rounded as layers.rms_norm
+            def store_normed(s, carry):
+                kk = s * bk + kk_K
+                x = plgpu.load(x_ref.at[xrows_R1, kk[None, :]], mask=(kk < k)[None, :], other=0)
+                nw = plgpu.load(norm_ref.at[kk], mask=kk < k, other=0).astype(jnp.float32)
+                h = x.astype(jnp.float32) * inv_R1 * nw[None, :]
+                plgpu.store(normed_ref.at[rows_R[:, None], kk[None, :]], h.astype(dtype),
+                            mask=(rows_R < t)[:, None] & (kk < k)[None, :])
+                return carry
+            jax.lax.fori_loop(jnp.int32(0), steps, store_normed, jnp.int32(0))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -237,26 +265,28 @@ def _kernel(
 # ---------------------------------------------------------------------------------------------
 
 
-@functools.partial(jax.jit, static_argnames=("eps", "gated", "w_layout", "out_dtype", "impl",
-                                             "block_n", "block_k", "num_warps", "num_stages",
-                                             "one_row_program", "interpret"))
+@functools.partial(jax.jit, static_argnames=("eps", "gated", "w_layout", "out_dtype", "normed_out",
+                                             "impl", "block_n", "block_k", "num_warps",
+                                             "num_stages", "one_row_program", "interpret"))
 def fused_linear(x_TK, w, *, norm_K=None, eps: float = 1e-6, bias_N=None, residual_TN=None,
-                 gated: bool = False, w_layout: str = "KN", out_dtype=None, impl: str = "auto",
+                 gated: bool = False, w_layout: str = "KN", out_dtype=None,
+                 normed_out: bool = False, impl: str = "auto",
                  block_n: int | None = None, block_k: int | None = None,
                  num_warps: int | None = None, num_stages: int = 3,
                  one_row_program: bool | None = None, interpret: bool | None = None):
     """[RMSNorm(x) * norm_K] @ w [+ bias_N], then silu-gated (`gated`) or plus `residual_TN`:
     see the module docstring. impl "pallas" (Triton; interpreted on CPU), "xla", or "auto"
     (pallas on a GPU when the shapes suit the kernel). one_row_program: the one-row program
-    (one row, [N, K] weights) or the dot program; None: `one_row`'s choice."""
-    problem = _problem(x_TK, w, norm_K, bias_N, residual_TN, gated, w_layout, out_dtype)
-    if problem and (impl != "auto" or x_TK.ndim != 2 or w.ndim != 2):
+    (one row, [N, K] weights) or the dot program; None: `one_row`'s choice. normed_out: return
+    (output, RMSNorm(x) * norm_K) (module docstring)."""
+    problem = _problem(x_TK, w, norm_K, bias_N, residual_TN, gated, w_layout, out_dtype, normed_out)
+    if problem and (impl != "auto" or x_TK.ndim != 2 or w.ndim != 2 or normed_out):
         raise ValueError(f"fused_linear: {problem}")
     impl, on_gpu = resolve_impl(impl)
     if impl == "xla" or problem:
         return ref_fused_linear(x_TK, w, norm_K=norm_K, eps=eps, bias_N=bias_N,
                                 residual_TN=residual_TN, gated=gated, w_layout=w_layout,
-                                out_dtype=out_dtype)
+                                out_dtype=out_dtype, normed_out=normed_out)
     t, k = x_TK.shape
     n = w.shape[1] if w_layout == "KN" else w.shape[0]
     n_out = n // 2 if gated else n
@@ -280,17 +310,19 @@ def fused_linear(x_TK, w, *, norm_K=None, eps: float = 1e-6, bias_N=None, residu
     kernel = functools.partial(_kernel, t=t, k=k, n_out=n_out, bm=bm, bn=bn, bk=bk, eps=float(eps),
                                gated=gated, w_nk=w_layout == "NK", round_out=out_dt == x_TK.dtype,
                                dot=not single)
-    absent = [pos for pos, ok in zip((1, 3, 4), present) if not ok]
+    absent = [pos for pos, ok in zip((1, 3, 4, 6), present + [normed_out]) if not ok]
     ins = [a for a in (x_TK, norm_K, w, bias_N, residual_TN) if a is not None]
+    out_shape = jax.ShapeDtypeStruct((t, n_out), out_dt)
+    normed_shape = jax.ShapeDtypeStruct((t, k), x_TK.dtype)
     return pl.pallas_call(
         absent_refs(kernel, *absent),
         grid=(pl.cdiv(t, bm), n_out // bn),
         in_specs=[whole(*a.shape) for a in ins],
-        out_specs=whole(t, n_out),
-        out_shape=jax.ShapeDtypeStruct((t, n_out), out_dt),
+        out_specs=(whole(t, n_out), whole(t, k)) if normed_out else whole(t, n_out),
+        out_shape=(out_shape, normed_shape) if normed_out else out_shape,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=(not on_gpu) if interpret is None else interpret,
         name=f"fused_linear{'_norm' * present[0]}{'_gated' * gated}{'_res' * present[2]}"
-             f"_bm{bm}_bn{bn}_bk{bk}",
+             f"{'_normed' * normed_out}_bm{bm}_bn{bn}_bk{bk}",
     )(*ins)
 

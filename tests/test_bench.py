@@ -223,3 +223,11 @@ def test_roofline_counts_only_the_experts_a_batch_reaches():
     assert roofline.expected_experts(10_000, 8, 2) == pytest.approx(8)
     assert roofline.touched_param_bytes([layer], 8, 2, 10_000) == pytest.approx(roofline.param_bytes([layer]))
     assert roofline.touched_param_bytes([layer], 0, 0, 1) == roofline.param_bytes([layer])
+    # an untied embedding: the step gathers its tokens' rows; tied, it is the LM head, read whole
+    embed, head = np.zeros((100, 4), np.float32), np.zeros((4, 100), np.float32)
+    untied = {"embed": embed, "lm_head": head, "layers": [layer]}
+    assert roofline.decode_weight_bytes(untied, 8, 2, 3) == pytest.approx(
+        roofline.touched_param_bytes([layer], 8, 2, 3) + head.nbytes + 3 * 4 * 4)
+    tied = {"embed": embed, "layers": [layer]}
+    assert roofline.decode_weight_bytes(tied, 8, 2, 3) == pytest.approx(
+        roofline.touched_param_bytes([layer], 8, 2, 3) + embed.nbytes)

@@ -114,7 +114,7 @@ def bench_batch(llm, batch: int, args, bar=None) -> dict:
                    **{f"step_{k}_ms": 1e3 * steps[k] for k in ("schedule", "prepare", "dispatch", "device",
                                                               "to_host", "update", "outputs")})
         # Roofline at the mean context of the decode steps (prompt + half the outputs).
-        weight_bytes = roofline.touched_param_bytes(engine.runner.params, cfg.num_experts or 0,
+        weight_bytes = roofline.decode_weight_bytes(engine.runner.params, cfg.num_experts or 0,
                                                     cfg.num_experts_per_tok or 0, batch)
         kv_tok = roofline.kv_bytes_per_token(cfg, engine.runner.dtype.itemsize)
         mean_ctx = args.input_len + args.output_len / 2

@@ -79,10 +79,11 @@ def resolve_fused_kernels(option: str | tuple | list, cfg, num_devices: int) -> 
     return names
 
 
-# Multi-step decode where it was measured to pay: a model the fused stack covers (small, dense,
-# one GPU) is bound by the host's launch of each step (BENCHMARKS.md, issue 33: the default
-# model 2.3 -> 0.58 ms/token at 8 steps, H100); elsewhere the device bounds a step, and more
-# steps a launch would only delay new requests.
+# Multi-step decode where it was measured to pay: a model the fused stack covers (small dense
+# ones and the llama family's MoE, one GPU) is bound by the host's launch of each step at
+# small batch (BENCHMARKS.md, issue 33, H100: the default model 2.3 -> 0.58 ms/token at 8
+# steps; an 8-layer Qwen3-30B-A3B cut 1.4-1.8 -> 0.73, batch 16 the same either way);
+# elsewhere the device bounds a step, and more steps a launch would only delay new requests.
 AUTO_SCHEDULER_STEPS = 8
 
 

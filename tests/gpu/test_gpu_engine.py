@@ -63,6 +63,31 @@ def test_float32_greedy_tokens_equal_to_the_xla_path(fused_kernels, exact_float3
         assert a.token_ids == b.token_ids, prompt
 
 
+def test_moe_fused_stack_float32_greedy_tokens_equal_to_the_xla_path(exact_float32, tmp_path):
+    """A small Qwen3-MoE (dummy f32 weights, 16 experts, top-4): the fused stack with moe_decode
+    (fused_kernels "linear,moe": one-token steps through models/moe.py residual_moe, several
+    steps a dispatch) gives the XLA path's greedy tokens."""
+    import json
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({
+        "architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 512, "hidden_size": 256,
+        "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 64,
+        "num_experts": 16, "num_experts_per_tok": 4, "moe_intermediate_size": 128,
+        "norm_topk_prob": True, "intermediate_size": 512, "max_position_embeddings": 512,
+        "tie_word_embeddings": False}))
+    outs = {}
+    for impl, fused in (("pallas", "linear,moe"), ("xla", "none")):
+        llm = LLM(str(config), load_format="dummy", dtype="float32", attention_impl=impl,
+                  fused_kernels=fused, warmup=False, max_num_seqs=4, max_model_len=256,
+                  num_kv_blocks=64)
+        prompts = [{"prompt_token_ids": list(range(5 + i, 25 + 3 * i))} for i in range(3)]
+        outs[impl] = [o.outputs[0].token_ids for o in llm.generate(
+            prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)]
+        del llm
+        gc.collect()
+    assert outs["pallas"] == outs["xla"]
+
+
 def test_bfloat16_logprobs_close_to_the_xla_path():
     pallas, xla = run("bfloat16", "pallas", logprobs=2), run("bfloat16", "xla", logprobs=2)
     for prompt, a, b in zip(PROMPTS, pallas, xla):

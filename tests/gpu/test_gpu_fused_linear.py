@@ -1,6 +1,7 @@
 """The fused linear layer (pallas_kernels/fused_linear.py) compiled for the GPU against its
 reference at the default model's shapes (SmolLM2-135M: D 576, F 1536, q|k|v 960, vocabulary
-49152 tied) and a wide one, on decode, small-batch and prefill row counts."""
+49152 tied), a wide one and Qwen3-30B-A3B's attention and router (the fused stack's MoE layers),
+on decode, small-batch and prefill row counts."""
 
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ SHAPES = {   # name: (K, N, operands)
     "gate_up": (576, 3072, dict(norm=True, gated=True)),
     "down": (1536, 576, dict(residual=True)),
     "wide_gate_up": (4096, 28672, dict(norm=True, gated=True)),
+    "moe_qkv": (2048, 5120, dict(norm=True)),            # Qwen3-30B-A3B: one-row up to 16M
+    "moe_o": (4096, 2048, dict(residual=True)),
 }
 
 
@@ -60,3 +63,22 @@ def test_lm_head_over_the_tied_embedding_on_the_gpu(t):
     got = fl.fused_linear(x, embed, w_layout="NK", out_dtype=jnp.float32, impl="pallas")
     want = jnp.dot(x, embed.T, preferred_element_type=jnp.float32)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("t", [1, 4])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_router_with_normed_rows_on_the_gpu(t, dtype):
+    """Qwen3-30B-A3B's router (2048 -> 128) with normed_out: the product, and the normalised
+    rows as models/layers.py rms_norm gives them (moe_decode's input in the fused stack)."""
+    from jaxserve.models import layers
+    rng = np.random.default_rng(t)
+    x = jnp.asarray(rng.standard_normal((t, 2048)) * 4 + 1, dtype)
+    w = jnp.asarray(rng.standard_normal((128, 2048)) / np.sqrt(2048), dtype)
+    norm = jnp.asarray(rng.uniform(0.5, 1.5, 2048), dtype)
+    y, h = fl.fused_linear(x, w, norm_K=norm, w_layout="NK", normed_out=True, impl="pallas")
+    with jax.default_matmul_precision("highest"):
+        want_y = fl.ref_fused_linear(x, w, norm_K=norm, w_layout="NK")
+    tol = 1e-4 if dtype == jnp.float32 else 3e-2
+    np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(want_y, np.float32), rtol=tol, atol=tol)
+    want_h = np.asarray(layers.rms_norm(x, norm, 1e-6), np.float32)
+    np.testing.assert_allclose(np.asarray(h, np.float32), want_h, rtol=tol / 10, atol=tol / 10)

@@ -113,6 +113,30 @@ def test_one_row_program_matches_the_reference(variant, dtype):
                         one_row_program=True, gated=kw["gated"])
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("t,block_k", [(1, None), (1, 32), (3, None), (20, 32)])
+def test_normed_out_is_the_models_norm(t, block_k, dtype):
+    """normed_out: the normalised rows too, bit for bit as models/layers.py rms_norm gives them
+    (a few f32 ulps apart: the mean square is summed in another order), from the one-row and the dot program, over
+    one K step and several; the product as without it."""
+    rng = np.random.default_rng(t)
+    x = jnp.asarray(rng.standard_normal((t, 96)) * 3 + 1, dtype)
+    w = jnp.asarray(rng.standard_normal((32, 96)) * 0.1, dtype)
+    norm = jnp.asarray(rng.standard_normal(96) * 0.5 + 1, dtype)
+    y, h = fl.fused_linear(x, w, norm_K=norm, eps=1e-5, w_layout="NK", normed_out=True,
+                           impl="pallas", block_k=block_k)
+    y_alone = fl.fused_linear(x, w, norm_K=norm, eps=1e-5, w_layout="NK", impl="pallas",
+                              block_k=block_k)
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(y_alone))
+    want = layers.rms_norm(x, norm, 1e-5)
+    assert h.dtype == dtype
+    assert ulps(h, want, dtype) <= (4 if dtype == jnp.float32 else 1)
+    ref_y, ref_h = fl.ref_fused_linear(x, w, norm_K=norm, eps=1e-5, w_layout="NK", normed_out=True)
+    np.testing.assert_array_equal(np.asarray(ref_h), np.asarray(want))
+    with pytest.raises(ValueError, match="normed_out needs norm_K"):
+        fl.fused_linear(x, w, w_layout="NK", normed_out=True, impl="pallas")
+
+
 def test_block_n_and_tiling_rules():
     x, w, _ = operands(np.random.default_rng(0), 3, 32, 64, jnp.float32)
     with jax.default_matmul_precision("highest"):       # (a GPU's default f32 matmul is TF32)
@@ -164,10 +188,27 @@ def test_lowers_for_cuda_at_the_default_models_shapes():
     args = (sds((1, 576), bf), sds((960, 576), bf), sds((576,), bf), sds((3072, 576), bf),
             sds((576, 1536), bf), sds((49152, 576), bf), sds((576, 1536), bf))
     names = triton_kernel_names(export_for_cuda(layer_and_head, *args))
-    # one row: the one-row program up to 4M weight elements (the layer), the dot beyond (head)
+    # one row: the one-row program up to 16M weight elements (the layer), the dot beyond (head)
     assert names == ["fused_linear_norm_bm1_bn4_bk1024", "fused_linear_norm_gated_bm1_bn4_bk1024",
                      "fused_linear_res_bm1_bn4_bk2048", "fused_linear_bm16_bn128_bk128",
                      "fused_linear_bm16_bn16_bk256"]
+
+
+def test_lowers_for_cuda_at_qwen3_moe_shapes():
+    """The fused stack's MoE layer projections (Qwen3-30B-A3B): q|k|v and o on the one-row
+    program (up to 16M weight elements), the router with its normalised rows."""
+    sds, bf = jax.ShapeDtypeStruct, jnp.bfloat16
+
+    def projections(x, wqkv, wn, wo, o, wr):
+        nk = dict(w_layout="NK", impl="pallas", interpret=False)
+        return (fl.fused_linear(x, wqkv, norm_K=wn, **nk), fl.fused_linear(o, wo, residual_TN=x, **nk),
+                fl.fused_linear(x, wr, norm_K=wn, normed_out=True, **nk))
+
+    args = (sds((1, 2048), bf), sds((5120, 2048), bf), sds((2048,), bf), sds((2048, 4096), bf),
+            sds((1, 4096), bf), sds((128, 2048), bf))
+    assert triton_kernel_names(export_for_cuda(projections, *args)) == [
+        "fused_linear_norm_bm1_bn4_bk2048", "fused_linear_res_bm1_bn4_bk2048",
+        "fused_linear_norm_normed_bm1_bn4_bk2048"]
 
 
 @pytest.mark.parametrize("qk_norm", [False, True])
@@ -194,11 +235,16 @@ def test_packed_qkv_rope_write_equals_the_unpacked_kernel(qk_norm):
 # -- the fused dense stack inside the model step ----------------------------------------------
 
 BLOCK_SIZE, NUM_BLOCKS, BLOCKS_PER_SEQ, STEP_T, S = 8, 32, 6, 24, 4
-MODELS = {   # tied embeddings + q/k norms (Qwen3); qkv bias (Qwen2); plain Llama, untied
+MODELS = {   # tied embeddings + q/k norms (Qwen3); qkv bias (Qwen2); plain Llama, untied; MoE
     "qwen3-tied": {"architectures": ["Qwen3ForCausalLM"], "tie_word_embeddings": True},
     "qwen2-bias": {"architectures": ["Qwen2ForCausalLM"], "tie_word_embeddings": False},
     "llama": {"architectures": ["LlamaForCausalLM"], "tie_word_embeddings": False},
+    "qwen3-moe": {"architectures": ["Qwen3MoeForCausalLM"], "tie_word_embeddings": False,
+                  "num_experts": 16, "num_experts_per_tok": 4, "moe_intermediate_size": 48,
+                  "norm_topk_prob": True},
 }
+# the fused kernels each takes: MoE layers also through moe_decode (models/moe.py residual_moe)
+FUSED = {name: frozenset({"linear", "moe"} if "moe" in name else {"linear"}) for name in MODELS}
 
 
 @functools.partial(jax.jit, static_argnums=(0, 4))
@@ -208,9 +254,19 @@ def _step(cfg, params, kv_cache, x, fused):
     return kv_cache, llama.compute_logits(cfg, params, hidden_TD, kernels), aux
 
 
-@pytest.mark.parametrize("name", list(MODELS))
-def test_fused_stack_matches_the_xla_path_on_a_mixed_batch(name):
+STEPS = {   # (chunks as (sequence, tokens, start), padded tokens)
+    # a prefill chunk, a whole short prompt and a chunk continuing at position 9: a mixed batch
+    "mixed": ([(0, 5, 0), (1, 9, 0), (2, 3, 9)], STEP_T),
+    # three sequences decoding one token each (MoE layers: moe_decode, its input normalised by
+    # the router projection)
+    "decode": ([(0, 1, 11), (1, 1, 4), (2, 1, 30)], 4),
+}
+
+
+@pytest.mark.parametrize("name,step", [(name, "mixed") for name in MODELS] + [("qwen3-moe", "decode")])
+def test_fused_stack_matches_the_xla_path(name, step, monkeypatch):
     from jaxserve.models.dummy import load_dummy
+    from jaxserve.pallas_kernels import moe_decode as md
 
     cfg, params = load_dummy({**MODELS[name], "vocab_size": 128, "hidden_size": 64,
                               "intermediate_size": 96, "num_hidden_layers": 2,
@@ -220,21 +276,26 @@ def test_fused_stack_matches_the_xla_path_on_a_mixed_batch(name):
     params = llama.fuse_projections(cfg, jax.tree.map(lambda a: a, params))
     params_t = llama.transpose_for_fused_stack(cfg, jax.tree.map(lambda a: a, params))
     assert "wqkv_t" in params_t["layers"][0] and "wqkv" not in params_t["layers"][0]
+    assert ("router_t" in params_t["layers"][0]) == cfg.is_moe
     assert llama.make_kernels(cfg, "pallas", fused={"linear"}).linear
     assert not llama.make_kernels(cfg, "xla", fused={"linear"}).linear
     rng = np.random.default_rng(0)
     tables = scattered_block_tables(3, BLOCKS_PER_SEQ, NUM_BLOCKS, seed=2)
-    # a prefill chunk, a whole short prompt and a chunk continuing at position 9: a mixed batch
-    chunks = [Chunk(0, rng.integers(0, 128, 5).tolist(), 0), Chunk(1, rng.integers(0, 128, 9).tolist(), 0),
-              Chunk(2, rng.integers(0, 128, 3).tolist(), 9)]
-    x = build_step(chunks, tables, BLOCK_SIZE, STEP_T, S)
+    spans, step_t = STEPS[step]
+    chunks = [Chunk(seq, rng.integers(0, 128, n).tolist(), start) for seq, n, start in spans]
+    x = build_step(chunks, tables, BLOCK_SIZE, step_t, S)
+    calls = []
+    real_md = md.moe_decode
+    monkeypatch.setattr(md, "moe_decode", lambda *a, **kw: calls.append(a[0].shape) or real_md(*a, **kw))
     outs = []
     # the XLA path, on both layouts of the weights, then the fused stack
-    for p, fused in ((params, frozenset()), (params_t, frozenset()), (params_t, frozenset({"linear"}))):
+    for p, fused in ((params, frozenset()), (params_t, frozenset()), (params_t, FUSED[name])):
         kv = empty_kv_cache(cfg, NUM_BLOCKS, BLOCK_SIZE)
         with jax.default_matmul_precision("highest"):   # (a GPU's default f32 matmul is TF32)
             outs.append(jax.device_get(_step(cfg, p, kv, x, fused)))
     (kv_x, logits_x, aux_x), (_, logits_xt, _), (kv_f, logits_f, aux_f) = outs
+    # a decode step of an MoE model: every MoE layer through moe_decode (residual_moe)
+    assert calls == ([(step_t, 64)] * cfg.num_layers if cfg.is_moe and step == "decode" else [])
     real = int(x.query_start_loc[3])
     np.testing.assert_allclose(logits_xt[:real], logits_x[:real], atol=1e-5, rtol=1e-5)
     np.testing.assert_allclose(logits_f[:real], logits_x[:real], atol=1e-4, rtol=1e-4)
@@ -254,14 +315,21 @@ def test_auto_turns_linear_on_for_small_dense_models_and_moe_for_experts():
     assert llama.auto_fused_kernels(dataclasses.replace(small, hidden_size=4096)) == ()
     assert llama.auto_fused_kernels(dataclasses.replace(small, head_dim=80)) == ()
     assert llama.auto_fused_kernels(small, family_is_llama=False) == ()
-    assert llama.auto_fused_kernels(dataclasses.replace(small, num_experts=8)) == ("moe",)
+    # MoE: the fused stack where its router's width (the experts) tiles, moe_decode always
+    moe = dataclasses.replace(small, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
+                              hidden_size=2048)
+    assert llama.auto_fused_kernels(moe) == ("linear", "moe")
+    assert llama.auto_fused_kernels(dataclasses.replace(moe, num_experts=8)) == ("moe",)   # Mixtral
+    assert llama.auto_fused_kernels(moe, family_is_llama=False) == ("moe",)
 
 
-@pytest.mark.parametrize("name", ["qwen3-tied", "qwen2-bias"])
+@pytest.mark.parametrize("name", ["qwen3-tied", "qwen2-bias", "qwen3-moe"])
 def test_engine_with_fused_linear_equals_the_engine_without(name, tmp_path):
     """The runner stores the projections [out, in] for fused_stack, and greedy output with it
     (decode steps through the fused stack, a prefill step of 40 tokens through XLA over the
-    transposed weights) equals the Pallas engine without it, batched (dummy weights)."""
+    transposed weights) equals the Pallas engine without it, batched (dummy weights). An MoE
+    model's decode steps of up to 4 tokens run its experts through moe_decode, larger ones
+    through the grouped path."""
     import json
 
     from jaxserve import LLM, SamplingParams
@@ -274,14 +342,15 @@ def test_engine_with_fused_linear_equals_the_engine_without(name, tmp_path):
     prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (5, 40, 9)]
     greedy = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
     outs = {}
-    for fused in ("none", "linear"):
+    stack = ",".join(sorted(FUSED[name]))
+    for fused in ("none", stack):
         llm = LLM(str(config), load_format="dummy", dtype="float32", attention_impl="pallas",
                   fused_kernels=fused, warmup=False, max_num_seqs=4, max_num_batched_tokens=64,
                   max_model_len=64, num_kv_blocks=32)
         layer = llm.engine.runner.params["layers"][0]
-        assert ("wqkv_t" in layer) == (fused == "linear")
+        assert ("wqkv_t" in layer) == (fused == stack)
         outs[fused] = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
-    assert outs["linear"] == outs["none"]
+    assert outs[stack] == outs["none"]
     with pytest.raises(ValueError, match="fused_kernels"):
         LLM(str(config), load_format="dummy", fused_kernels="linear,lineer", warmup=False)
 

@@ -172,7 +172,8 @@ def test_fp8_lowers_for_cuda_at_deepseek_v3_shapes():
 @pytest.mark.parametrize("name", ["qwen3_moe", "deepseek_v32", "minimax_m2", "qwen3_5_moe"])
 def test_engine_with_fused_moe_matches_transformers(name, monkeypatch):
     """fused_kernels="moe" (Pallas, interpreted): each request alone decodes in one-token steps,
-    whose routed experts take moe_decode; greedy tokens equal the transformers goldens."""
+    whose routed experts take moe_decode; greedy tokens equal the transformers goldens. (With
+    "linear" too, the fused stack's MoE layers: tests/pallas_kernels/test_fused_linear.py.)"""
     import os
 
     from jaxserve import LLM, SamplingParams
