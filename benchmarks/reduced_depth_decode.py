@@ -7,6 +7,8 @@ the kernels a layer launches (issues 30, 32, 33: DeepSeek V3 / V3.2, Qwen3.5, Mi
     python benchmarks/reduced_depth_decode.py --smoke    # the tests' tiny checkpoints' shapes, any backend
     python benchmarks/reduced_depth_decode.py --config DeepSeek-V3-4L --fp8   # experts kept in FP8
     python benchmarks/reduced_depth_decode.py --config DeepSeek-V3-4L --depth 3  # fits an 80 GB card
+    python benchmarks/reduced_depth_decode.py --config Qwen3-30B-A3B --batch 1 --kernels DIR
+        # also each kernel's device time in the deepest step (a jax.profiler trace under DIR)
 
 The step is the model's forward + logits over B decode tokens at `--context` cached tokens
 each (no sampler, no host): one jitted program looping it over its caches, timed by
@@ -107,6 +109,35 @@ def launches(step, params, caches) -> int:
     return len(re.findall(r"= [^=]*? (?:fusion|custom-call)\(", entry))
 
 
+def kernel_table(step, params, caches, trace_dir: str, reps: int = 5) -> None:
+    """Print the device kernels of `reps` runs of the step, by name: launches a run, mean us,
+    us a run (from a jax.profiler trace: what each kernel of a layer costs)."""
+    from jaxserve.bench import profile
+    mark = "reduced_depth_step"
+    f = jax.jit(step, donate_argnums=(1,))
+    for _ in range(3):
+        caches, s = f(params, caches)
+    s.block_until_ready()
+    with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+        for _ in range(reps):
+            with jax.profiler.TraceAnnotation(mark):
+                caches, s = f(params, caches)
+                s.block_until_ready()
+    events = profile.load_trace_events(trace_dir)
+    _, device, spans, windows = profile._trace_parts(events, mark)
+    rows: dict[str, list] = {}
+    for a, b in windows:
+        for e in spans:
+            if e["pid"] in device and a <= e["ts"] < b:
+                row = rows.setdefault(e["name"][:80], [0, 0.0])
+                row[0] += 1
+                row[1] += e["dur"]
+    n = max(len(windows), 1)
+    print(f"#   launches a run x mean us = us a run  kernel ({len(windows)} runs)")
+    for name, (count, total) in sorted(rows.items(), key=lambda kv: -kv[1][1]):
+        print(f"#   {count / n:5.1f} x {total / count:7.2f} = {total / n:8.1f}  {name}")
+
+
 def with_layers(cfg, n: int):
     """cfg cut to its first n layers (a hybrid's layer types too)."""
     if hasattr(cfg, "layer_types"):
@@ -115,7 +146,7 @@ def with_layers(cfg, n: int):
 
 
 def measure(model, cfg, params, layer_bytes_of: dict, batches, context: int, impl: str, label: str,
-            fused=frozenset(), depth: int = 4):
+            fused=frozenset(), depth: int = 4, kernels_dir: str | None = None):
     reps = 3 if jax.default_backend() == "cpu" else 20
     for b in batches:
         times, counts = {}, {}
@@ -124,6 +155,9 @@ def measure(model, cfg, params, layer_bytes_of: dict, batches, context: int, imp
             p = dict(params, layers=params["layers"][:n])
             step, caches, _ = step_program(model, c, b, context, impl, fused)
             counts[n] = launches(step, p, caches)
+            if kernels_dir and n == depth:
+                kernel_table(step, p, caches, os.path.join(kernels_dir, f"b{b}"))
+                caches = step_program(model, c, b, context, impl, fused)[1]   # (donated above)
 
             def run(p, kv, step=step):
                 """`reps` steps over the carried caches; only a scalar comes out, so the
@@ -158,6 +192,9 @@ def main():
                     "fused stack, its projections stored [out, in] as the runner stores them)")
     ap.add_argument("--depth", type=int, default=4, choices=(3, 4),
                     help="layers built and timed against 2 (3: layer 2 alone, less memory)")
+    ap.add_argument("--kernels", default=None, metavar="DIR",
+                    help="also print each kernel's device time in the deepest step, from a "
+                         "jax.profiler trace written under DIR")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     kb.COLD = False
@@ -190,7 +227,7 @@ def main():
         if getattr(model.make_kernels(cfg, "pallas", fused=fused), "linear", False):
             params = model.transpose_for_fused_stack(cfg, params)
         measure(model, cfg, params, per_layer_bytes, batches, context,
-                "xla" if args.smoke else args.impl, label, fused, args.depth)
+                "xla" if args.smoke else args.impl, label, fused, args.depth, args.kernels)
         del params
     if args.json:
         with open(args.json, "w") as f:
