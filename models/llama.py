@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import sys
 from collections.abc import Callable
 
 import jax
@@ -235,8 +236,9 @@ def auto_fused_kernels(cfg: ModelConfig, family_is_llama: bool = True) -> tuple[
     family with routed experts (moe_decode: 32.6 against 41.3 us for one token's experts at
     Qwen3-30B-A3B's shapes, 246 against 337 at DeepSeek-V3's; H100, BENCHMARKS.md), with
     "linear" too where the fused stack takes the llama family's MoE layers (a Qwen3-30B-A3B
-    layer at batch 1: 68 against 82 us, 10 kernels against 20; H100), and "linear" for narrow
-    dense llama-family models (the fused stack's projections)."""
+    layer at batch 1: 68 against 82 us, 10 kernels against 20; at 4 tokens 157 against 151,
+    at 16 318 against 326; H100), and "linear" for narrow dense llama-family models (the fused
+    stack's projections)."""
     stack = family_is_llama and fused_stack_fits(cfg)
     if getattr(cfg, "is_moe", False):
         return ("linear", "moe") if stack else ("moe",)
@@ -247,6 +249,9 @@ def fused_stack_fits(cfg: ModelConfig) -> bool:
     """Whether fused_stack can run this model: shapes the kernels tile (a power-of-two head
     dim >= 32 for the rope kernel, widths in multiples of 16: the MLP's, or an MoE layer's
     expert count (the router's output) and expert width)."""
+    from jaxserve.models import registry  # local: the registry imports this module
+    if cfg.is_moe and registry.get_model_module(cfg.architecture) is not sys.modules[__name__]:
+        return False    # other families' MoE layers (DeepSeek, MiniMax, Qwen3.5) have their own
     e = cfg.head_dim
     mlp = ((cfg.num_experts, cfg.moe_intermediate_size) if cfg.is_moe
            else (cfg.intermediate_size,))
@@ -260,8 +265,10 @@ def fused_stack(cfg: ModelConfig, params: dict, caches: Caches, x: StepInput, ke
     residual stream is written only by the kernels that add into it (o and down, or the MoE
     layer's weighted sum), and each norm is computed by the kernel that reads it (qkv, gate|up,
     the router and the experts). Dense layers: five kernels plus attention; MoE layers:
-    models/moe.py residual_moe. Same results as decoder_stack up to the order of sums; needs
-    the fused projections stored [out, in] (fuse_projections, then transpose_for_fused_stack)."""
+    models/moe.py residual_moe. Same results as decoder_stack in f32 up to the order of sums;
+    in bf16 an ulp here and there (fused_linear rounds x * norm before the row's scale, not
+    after), which may flip a near-tied top-k choice of the router. Needs the fused projections
+    stored [out, in] (fuse_projections, then transpose_for_fused_stack)."""
     from jaxserve.models import moe  # local: moe builds on this module
     from jaxserve.pallas_kernels.fused_linear import fused_linear
     from jaxserve.pallas_kernels.qk_norm_rope_kv_write import qkv_norm_rope_kv_write
@@ -270,9 +277,10 @@ def fused_stack(cfg: ModelConfig, params: dict, caches: Caches, x: StepInput, ke
     n, kh, e, eps = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps
 
     def linear(x_TK, w, **kw):
-        # Weights past a few million elements take the kernel only for one row (its one-row
-        # program): over several rows its dot program read Qwen3-30B-A3B's q|k|v and o at a
-        # third of XLA's GEMM speed (H100, BENCHMARKS.md), so there XLA runs the same ops.
+        # Weights past a few million elements take the kernel only for one row up to 16M
+        # elements (its one-row program): the dot program read Qwen3-30B-A3B's q|k|v and o at a
+        # third of the one-row program's speed (H100, BENCHMARKS.md), so over several rows, or
+        # past 16M, XLA runs the same ops (its GEMM, the norm and the add in fusions).
         small = one_row(x_TK.shape[0], w.size, "NK") or w.size <= SMALL_WEIGHT_ELEMENTS
         return fused_linear(x_TK, w, eps=eps, w_layout="NK", impl=kernels.impl if small else "xla",
                             **kw)

@@ -130,8 +130,10 @@ def residual_moe(cfg: ModelConfig, lp: dict, residual_TD: jax.Array, linear, imp
     rows (`linear`: fused_linear over lp["router_t"], normed_out), the router kernel,
     moe_decode's two, and the weighted sum with the residual add (one XLA fusion). Larger
     steps: the norm, then moe_mlp."""
+    from jaxserve.sharding import expert_parallel  # local: it builds on this module
     gate, up = (lp["w_gate_up"], None) if "w_gate_up" in lp else (lp["w_gate"], lp["w_up"])
     if (impl == "fused" and residual_TD.shape[0] <= FUSED_MAX_TOKENS
+            and not expert_parallel.splits_experts()
             and moe_decode.problem(residual_TD, gate, up, lp["w_down"]) is None):
         logits_TX, h_TD = linear(residual_TD, lp["router_t"], norm_K=lp["mlp_norm"], normed_out=True)
         weights_Tk, experts_Tk = route(cfg, logits_TX, "pallas")

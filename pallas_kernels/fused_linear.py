@@ -94,11 +94,8 @@ def ref_fused_linear(x_TK, w, *, norm_K=None, eps: float = 1e-6, bias_N=None, re
 # ---------------------------------------------------------------------------------------------
 
 
-def _problem(x_TK, w, norm_K, bias_N, residual_TN, gated, w_layout, out_dtype,
-             normed_out=False) -> str | None:
+def _problem(x_TK, w, norm_K, bias_N, residual_TN, gated, w_layout, out_dtype) -> str | None:
     """Why the Pallas kernel cannot take these operands (None if it can)."""
-    if normed_out and norm_K is None:
-        return "normed_out needs norm_K"
     if x_TK.ndim != 2 or w.ndim != 2:
         return f"x_TK and w must be matrices; got {x_TK.shape} and {w.shape}"
     if w_layout not in ("KN", "NK"):
@@ -279,8 +276,10 @@ def fused_linear(x_TK, w, *, norm_K=None, eps: float = 1e-6, bias_N=None, residu
     (pallas on a GPU when the shapes suit the kernel). one_row_program: the one-row program
     (one row, [N, K] weights) or the dot program; None: `one_row`'s choice. normed_out: return
     (output, RMSNorm(x) * norm_K) (module docstring)."""
-    problem = _problem(x_TK, w, norm_K, bias_N, residual_TN, gated, w_layout, out_dtype, normed_out)
-    if problem and (impl != "auto" or x_TK.ndim != 2 or w.ndim != 2 or normed_out):
+    if normed_out and norm_K is None:
+        raise ValueError("fused_linear: normed_out needs norm_K")
+    problem = _problem(x_TK, w, norm_K, bias_N, residual_TN, gated, w_layout, out_dtype)
+    if problem and (impl != "auto" or x_TK.ndim != 2 or w.ndim != 2):
         raise ValueError(f"fused_linear: {problem}")
     impl, on_gpu = resolve_impl(impl)
     if impl == "xla" or problem:

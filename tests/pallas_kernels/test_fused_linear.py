@@ -260,10 +260,16 @@ STEPS = {   # (chunks as (sequence, tokens, start), padded tokens)
     # three sequences decoding one token each (MoE layers: moe_decode, its input normalised by
     # the router projection)
     "decode": ([(0, 1, 11), (1, 1, 4), (2, 1, 30)], 4),
+    # one sequence, one token: the one-row program, the router's normalised rows too
+    "one": ([(0, 1, 11)], 1),
+    # the same, with every weight "large": the projections through XLA (the stack's rule for
+    # weights past the one-row program's reach), moe_decode still
+    "one-xla": ([(0, 1, 11)], 1),
 }
 
 
-@pytest.mark.parametrize("name,step", [(name, "mixed") for name in MODELS] + [("qwen3-moe", "decode")])
+@pytest.mark.parametrize("name,step", [(name, "mixed") for name in MODELS]
+                         + [("qwen3-moe", s) for s in ("decode", "one", "one-xla")])
 def test_fused_stack_matches_the_xla_path(name, step, monkeypatch):
     from jaxserve.models.dummy import load_dummy
     from jaxserve.pallas_kernels import moe_decode as md
@@ -284,6 +290,14 @@ def test_fused_stack_matches_the_xla_path(name, step, monkeypatch):
     spans, step_t = STEPS[step]
     chunks = [Chunk(seq, rng.integers(0, 128, n).tolist(), start) for seq, n, start in spans]
     x = build_step(chunks, tables, BLOCK_SIZE, step_t, S)
+    _step.clear_cache()      # traced anew: the patches and the recorders below see the trace
+    if step == "one-xla":
+        monkeypatch.setattr(fl, "SMALL_WEIGHT_ELEMENTS", 0)
+        monkeypatch.setattr(fl, "ONE_ROW_MAX_ELEMENTS", 0)
+    kernel_names = []
+    real_call = fl.pl.pallas_call
+    monkeypatch.setattr(fl.pl, "pallas_call", lambda *a, **kw: kernel_names.append(
+        kw.get("name", "")) or real_call(*a, **kw))
     calls = []
     real_md = md.moe_decode
     monkeypatch.setattr(md, "moe_decode", lambda *a, **kw: calls.append(a[0].shape) or real_md(*a, **kw))
@@ -295,7 +309,12 @@ def test_fused_stack_matches_the_xla_path(name, step, monkeypatch):
             outs.append(jax.device_get(_step(cfg, p, kv, x, fused)))
     (kv_x, logits_x, aux_x), (_, logits_xt, _), (kv_f, logits_f, aux_f) = outs
     # a decode step of an MoE model: every MoE layer through moe_decode (residual_moe)
-    assert calls == ([(step_t, 64)] * cfg.num_layers if cfg.is_moe and step == "decode" else [])
+    assert calls == ([(step_t, 64)] * cfg.num_layers if cfg.is_moe and step != "mixed" else [])
+    if step == "one":        # (traced once: the names of one layer's fused_linear kernels)
+        assert any("normed_bm1" in n for n in kernel_names), kernel_names
+        assert any(n.startswith("fused_linear_norm_bm1") for n in kernel_names), kernel_names
+    if step == "one-xla":
+        assert not any("fused_linear" in n and "bm1_" in n for n in kernel_names), kernel_names
     real = int(x.query_start_loc[3])
     np.testing.assert_allclose(logits_xt[:real], logits_x[:real], atol=1e-5, rtol=1e-5)
     np.testing.assert_allclose(logits_f[:real], logits_x[:real], atol=1e-4, rtol=1e-4)
@@ -321,6 +340,15 @@ def test_auto_turns_linear_on_for_small_dense_models_and_moe_for_experts():
     assert llama.auto_fused_kernels(moe) == ("linear", "moe")
     assert llama.auto_fused_kernels(dataclasses.replace(moe, num_experts=8)) == ("moe",)   # Mixtral
     assert llama.auto_fused_kernels(moe, family_is_llama=False) == ("moe",)
+    # other families' MoE models keep their own stacks, and "linear" named for one changes
+    # nothing (before the MoE fused stack it never applied to MoE models)
+    from jaxserve.models import dummy, hf_loader, minimax_m2
+    golden = os.path.join(os.path.dirname(__file__), os.pardir, "golden", "ckpt")
+    for name in ("minimax_m2", "deepseek_v3", "qwen3_5_moe"):
+        cfg = hf_loader.model_config_from_hf(dummy.read_config(os.path.join(golden, name, "config.json")))
+        assert cfg.is_moe and not llama.fused_stack_fits(cfg), name
+    cfg = hf_loader.model_config_from_hf(dummy.read_config(os.path.join(golden, "minimax_m2", "config.json")))
+    assert not minimax_m2.make_kernels(cfg, "pallas", fused={"linear", "norm"}).linear
 
 
 @pytest.mark.parametrize("name", ["qwen3-tied", "qwen2-bias", "qwen3-moe"])
