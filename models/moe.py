@@ -125,23 +125,29 @@ def moe_mlp(cfg: ModelConfig, lp: dict, h_TD: jax.Array, impl: str = "xla") -> j
 
 def residual_moe(cfg: ModelConfig, lp: dict, residual_TD: jax.Array, linear, impl: str) -> jax.Array:
     """The fused stack's MoE sub-block (models/llama.py fused_stack), residual +
-    moe_mlp(RMSNorm(residual)): for steps of up to FUSED_MAX_TOKENS tokens ("fused" impl) in
-    five kernels: the router projection with the norm in it, which also writes the normalised
-    rows (`linear`: fused_linear over lp["router_t"], normed_out), the router kernel,
-    moe_decode's two, and the weighted sum with the residual add (one XLA fusion). Larger
-    steps: the norm, then moe_mlp."""
+    moe_mlp(RMSNorm(residual)): for the steps moe_decode takes (`decode_experts`) in five
+    kernels: the router projection with the norm in it, which also writes the normalised rows
+    (`linear`: fused_linear over lp["router_t"], normed_out), the router kernel, moe_decode's
+    two, and the weighted sum with the residual add (one XLA fusion). Other steps: the norm,
+    then moe_mlp."""
     from jaxserve.sharding import expert_parallel  # local: it builds on this module
+    experts = None if expert_parallel.splits_experts() else decode_experts(lp, residual_TD, impl)
+    if experts is None:
+        h_TD = layers.rms_norm(residual_TD, lp["mlp_norm"], cfg.rms_norm_eps)
+        return residual_TD + moe_mlp(cfg, lp, h_TD, impl)
+    logits_TX, h_TD = linear(residual_TD, lp["router_t"], norm_K=lp["mlp_norm"], normed_out=True)
+    weights_Tk, experts_Tk = route(cfg, logits_TX, "pallas")
+    y_TD = moe_decode.moe_decode(h_TD, weights_Tk, experts_Tk, *experts, lp["w_down"], impl="pallas")
+    return residual_TD + y_TD.astype(residual_TD.dtype)
+
+
+def decode_experts(lp: dict, h_TD: jax.Array, impl: str) -> tuple | None:
+    """moe_decode's (gate, up) operands when it takes this step's routed experts (impl "fused",
+    at most FUSED_MAX_TOKENS tokens, weights it can read), else None."""
+    if impl != "fused" or h_TD.shape[0] > FUSED_MAX_TOKENS:
+        return None
     gate, up = (lp["w_gate_up"], None) if "w_gate_up" in lp else (lp["w_gate"], lp["w_up"])
-    if (impl == "fused" and residual_TD.shape[0] <= FUSED_MAX_TOKENS
-            and not expert_parallel.splits_experts()
-            and moe_decode.problem(residual_TD, gate, up, lp["w_down"]) is None):
-        logits_TX, h_TD = linear(residual_TD, lp["router_t"], norm_K=lp["mlp_norm"], normed_out=True)
-        weights_Tk, experts_Tk = route(cfg, logits_TX, "pallas")
-        y_TD = moe_decode.moe_decode(h_TD, weights_Tk, experts_Tk, gate, up, lp["w_down"],
-                                     impl="pallas")
-        return residual_TD + y_TD.astype(residual_TD.dtype)
-    h_TD = layers.rms_norm(residual_TD, lp["mlp_norm"], cfg.rms_norm_eps)
-    return residual_TD + moe_mlp(cfg, lp, h_TD, impl)
+    return (gate, up) if moe_decode.problem(h_TD, gate, up, lp["w_down"]) is None else None
 
 
 def routed_experts(route_fn, lp: dict, h_TD: jax.Array, num_experts: int, impl: str) -> jax.Array:
@@ -150,16 +156,15 @@ def routed_experts(route_fn, lp: dict, h_TD: jax.Array, num_experts: int, impl: 
     (an ambient `expert` or `model` axis > 1) it runs per rank, sharding/expert_parallel.py."""
     from jaxserve.sharding import expert_parallel  # local: it builds on this module
 
-    fused, impl = impl == "fused", kernel_impl(impl)
     if expert_parallel.splits_experts():
-        return expert_parallel.moe_on_mesh(route_fn, lp, h_TD, num_experts, impl)
+        return expert_parallel.moe_on_mesh(route_fn, lp, h_TD, num_experts, kernel_impl(impl))
     weights_Tk, experts_Tk = route_fn(lp, h_TD)
-    if fused and h_TD.shape[0] <= FUSED_MAX_TOKENS:
-        gate, up = (lp["w_gate_up"], None) if "w_gate_up" in lp else (lp["w_gate"], lp["w_up"])
-        if moe_decode.problem(h_TD, gate, up, lp["w_down"]) is None:
-            return moe_decode.moe_decode(h_TD, weights_Tk, experts_Tk, gate, up, lp["w_down"],
-                                         impl="pallas").astype(h_TD.dtype)
-    return expert_rows_sum(lp, h_TD, weights_Tk, experts_Tk, num_experts, impl).astype(h_TD.dtype)
+    experts = decode_experts(lp, h_TD, impl)
+    if experts is not None:
+        return moe_decode.moe_decode(h_TD, weights_Tk, experts_Tk, *experts, lp["w_down"],
+                                     impl="pallas").astype(h_TD.dtype)
+    return expert_rows_sum(lp, h_TD, weights_Tk, experts_Tk, num_experts,
+                           kernel_impl(impl)).astype(h_TD.dtype)
 
 
 def expert_rows_sum(lp: dict, h_TD: jax.Array, weights_Tk: jax.Array, experts_Tk: jax.Array,
