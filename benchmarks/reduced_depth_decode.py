@@ -110,8 +110,8 @@ def launches(step, params, caches) -> int:
 
 
 def kernel_table(step, params, caches, trace_dir: str, reps: int = 5) -> None:
-    """Print the device kernels of `reps` runs of the step, by name: launches a run, mean us,
-    us a run (from a jax.profiler trace: what each kernel of a layer costs)."""
+    """Print the device kernels of `reps` runs of the step, by name (the 40 longest): launches a
+    run, mean us, us a run (from a jax.profiler trace: what each kernel of a layer costs)."""
     from jaxserve.bench import profile
     mark = "reduced_depth_step"
     f = jax.jit(step, donate_argnums=(1,))
@@ -123,19 +123,11 @@ def kernel_table(step, params, caches, trace_dir: str, reps: int = 5) -> None:
             with jax.profiler.TraceAnnotation(mark):
                 caches, s = f(params, caches)
                 s.block_until_ready()
-    events = profile.load_trace_events(trace_dir)
-    _, device, spans, windows = profile._trace_parts(events, mark)
-    rows: dict[str, list] = {}
-    for a, b in windows:
-        for e in spans:
-            if e["pid"] in device and a <= e["ts"] < b:
-                row = rows.setdefault(e["name"][:80], [0, 0.0])
-                row[0] += 1
-                row[1] += e["dur"]
-    n = max(len(windows), 1)
-    print(f"#   launches a run x mean us = us a run  kernel ({len(windows)} runs)")
-    for name, (count, total) in sorted(rows.items(), key=lambda kv: -kv[1][1]):
-        print(f"#   {count / n:5.1f} x {total / count:7.2f} = {total / n:8.1f}  {name}")
+    summary = profile.summarize_events(profile.load_trace_events(trace_dir), mark)
+    print(f"#   launches a run x mean us = us a run  kernel ({summary['windows']} runs)")
+    for name, ms in summary.get("top_kernels_ms", {}).items():
+        count = summary["top_kernels_launches"][name]
+        print(f"#   {count:5.1f} x {1e3 * ms / count:7.2f} = {1e3 * ms:8.1f}  {name}")
 
 
 def with_layers(cfg, n: int):

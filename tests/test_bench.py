@@ -205,6 +205,10 @@ def test_profile_summary_counts_a_windows_device_kernels():
     assert s["windows"] == 2 and s["kernels_per_window"] == 1.5
     assert s["wall_ms"] == pytest.approx(0.1) and s["device_busy_ms"] == pytest.approx(0.02)
     assert s["device_ms_by_kind"]["attention"] == pytest.approx(0.005)
+    # by name: the fusion at 150 is outside both windows
+    assert s["top_kernels_launches"] == {"gemm_fusion_dot": 0.5, "fusion": 0.5,
+                                         "ragged_paged_attention": 0.5}
+    assert s["top_kernels_ms"]["fusion"] == pytest.approx(0.01)
     host = host_time_by_name(events, "step")               # the host's events, per window
     assert host == {"host_thing": pytest.approx(0.025)}
 

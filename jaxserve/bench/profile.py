@@ -79,13 +79,15 @@ def host_time_by_name(events: list[dict], mark: str, top: int = 25) -> dict[str,
 
 def summarize_events(events: list[dict], mark: str) -> dict:
     """Per window marked `mark`: wall, device busy (union of device events), kernel count,
-    and device time by kernel kind; averaged over the windows."""
+    device time by kernel kind, and the 40 longest kernels' time and launches by name;
+    averaged over the windows."""
     names, device_pids, spans, windows = _trace_parts(events, mark)
     device = [(e["ts"], e["ts"] + e["dur"], e.get("name", "")) for e in spans if e["pid"] in device_pids]
     if not windows:
         return {"windows": 0, "device_processes": sorted(names[p] for p in device_pids)}
     by_kind: dict[str, float] = {}
     by_name: dict[str, float] = {}
+    launches: dict[str, int] = {}
     wall = busy = count = 0.0
     for a, b in windows:
         inside = [(s, e, n) for s, e, n in device if s >= a and s < b]
@@ -95,12 +97,14 @@ def summarize_events(events: list[dict], mark: str) -> dict:
         for s, e, n in inside:
             by_kind[kernel_kind(n)] = by_kind.get(kernel_kind(n), 0.0) + (e - s)
             by_name[n] = by_name.get(n, 0.0) + (e - s)
+            launches[n] = launches.get(n, 0) + 1
     k = len(windows)
     top = sorted(by_name.items(), key=lambda kv: -kv[1])[:40]
     return {"windows": k, "wall_ms": wall / k / 1e3, "device_busy_ms": busy / k / 1e3,
             "device_idle_ms": (wall - busy) / k / 1e3, "kernels_per_window": count / k,
             "device_ms_by_kind": {n: v / k / 1e3 for n, v in sorted(by_kind.items())},
-            "top_kernels_ms": {n[:80]: v / k / 1e3 for n, v in top}}
+            "top_kernels_ms": {n[:80]: v / k / 1e3 for n, v in top},
+            "top_kernels_launches": {n[:80]: launches[n] / k for n, _ in top}}
 
 
 def profile_decode_steps(engine, batch: int, args, params: dict, num_tokens: int = 8,
