@@ -604,7 +604,7 @@ def bench_topk(rng, quick: bool, sweep: bool = False):
     """Top-k and top-p thresholds (our radix-select kernels) beside a full sort and
     lax.top_k(2048), and the sampler's truncation (min_p, top_k, top_p) by the kernels and by
     one sort of each row."""
-    from jaxserve import sampler
+    from jaxserve.sample import sampler
     from jaxserve.pallas_kernels import topk_threshold as tk
     from jaxserve.sampling_params import SamplingParams
     v = VOCAB
@@ -760,7 +760,7 @@ def bench_deltanet(rng, quick: bool, heads=(16, 64, 128, 128), lengths=None, sta
     (the XLA path of the same layer), one sequence of T tokens: fresh (a prompt's first chunk)
     and continuing from a state (a later chunk of a long prompt). Bytes: what each must read
     and write once (the rule's f32 q/k/v/g/beta and state, the post-conv's conv output)."""
-    from jaxserve.models import gated_deltanet as gdn
+    from jaxserve.models.layers import deltanet as gdn
     from jaxserve.pallas_kernels import gated_delta_chunked as gdc
     from jaxserve.pallas_kernels import gdn_post_conv as gpc
     g, h, kd, vd = heads
@@ -832,7 +832,7 @@ def engine_hint(slots: int, ctxs: list[int], context: int) -> tuple[int, bool]:
     len(ctxs) hold decodes of ctxs keys, in a cache of `context` keys a sequence (16-slot
     blocks)."""
     import types
-    from jaxserve.runner import ModelRunner
+    from jaxserve.worker.runner import ModelRunner
     runner = types.SimpleNamespace(
         cfg=types.SimpleNamespace(num_heads=N, num_kv_heads=KH, head_dim=E),
         dtype=jnp.dtype(jnp.bfloat16), _pallas_attention=True, _tilings={},

@@ -44,12 +44,14 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import kernels as kb  # noqa: E402  (benchmarks/kernels.py: timing and rows)
 from jaxserve.bench import roofline  # noqa: E402
 from jaxserve.engine.llm_engine import resolve_fused_kernels  # noqa: E402
-from jaxserve.kv_cache.specs import PagedSpec  # noqa: E402
-from jaxserve.models import dummy, hf_loader, registry  # noqa: E402
+from jaxserve.core.kv_cache.specs import PagedSpec  # noqa: E402
+from jaxserve.models import registry
+from jaxserve.models.loaders import dummy
+from jaxserve.models.loaders import hf as hf_loader  # noqa: E402
 from jaxserve.models.attention import AttentionBackend  # noqa: E402
 from jaxserve.models.moe import quantize_experts_fp8, split_expert_weights  # noqa: E402
-from jaxserve.runner import allocate_caches  # noqa: E402
-from jaxserve.step_input import StepInput  # noqa: E402
+from jaxserve.worker.runner import allocate_caches  # noqa: E402
+from jaxserve.core.step_input import StepInput  # noqa: E402
 
 BLOCK = 16
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -120,7 +120,7 @@ def write_head(path: str, cfg, tiny: bool) -> str:
 def ngram_cost_ms(batch: int, context: int, k: int, vocab: int, repeats: int = 20) -> float:
     """Host ms of one n-gram proposal for `batch` requests of `context` tokens (vLLM's
     default lookup of 5 tokens down to 1; random tokens: the worst case, every length tried)."""
-    from jaxserve.request import Request
+    from jaxserve.core.request import Request
     from jaxserve.sampling_params import SamplingParams
     from jaxserve.spec_decode.config import SpeculativeConfig
     from jaxserve.spec_decode.ngram import NgramProposer
@@ -153,7 +153,7 @@ def load_target(tiny: bool, dtype: str):
 def build_engine(args):
     from jaxserve.config import CacheConfig, EngineConfig, SchedulerConfig
     from jaxserve.engine import LLMEngine
-    from jaxserve.llm import LLM
+    from jaxserve.engine.llm import LLM
     from jaxserve.models import registry
 
     cfg, params, dtype = load_target(args.tiny, args.dtype)

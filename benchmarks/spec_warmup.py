@@ -31,7 +31,7 @@ def build(args):
     """(LLM, seconds to a ready engine, seconds until every program is compiled)."""
     from jaxserve.config import EngineConfig, SchedulerConfig
     from jaxserve.engine import LLMEngine
-    from jaxserve.llm import LLM
+    from jaxserve.engine.llm import LLM
     from jaxserve.models import registry
     from jaxserve.spec_decode.config import SpeculativeConfig
 
@@ -87,7 +87,7 @@ def main() -> None:
 
     llm, ready, all_compiled = build(args)
     runner, proposer = llm.engine.runner, llm.engine.core.proposer
-    from jaxserve.spec_decode.verify_rows import warmup_draft_rows
+    from jaxserve.worker.verify_rows import warmup_draft_rows
 
     buckets = runner.buckets
     programs = {"target": len(runner._executables),

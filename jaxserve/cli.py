@@ -6,8 +6,8 @@ import argparse
 import os
 import sys
 
-from jaxserve.engine_args import add_engine_arguments, engine_kwargs
-from jaxserve.server_args import add_frontend_arguments, add_server_arguments
+from jaxserve.engine.args import add_engine_arguments, engine_kwargs
+from jaxserve.server.args import add_frontend_arguments, add_server_arguments
 
 # Set to see the traceback behind a one-line start-up error.
 TRACEBACK_ENV = "JAXSERVE_TRACEBACK"
@@ -20,14 +20,14 @@ def _serve(args) -> int:
 
 
 def _generate(args) -> int:
-    from jaxserve.batch import run_batch_file
+    from jaxserve.server.batch import run_batch_file
     return run_batch_file(args)
 
 
 def _chat(args) -> int:
     from jaxserve import LLM, SamplingParams
-    from jaxserve.serving_checks import StartupError, check_model_argument
-    from jaxserve.startup import read_chat_template
+    from jaxserve.engine.checks import StartupError, check_model_argument
+    from jaxserve.server.startup import read_chat_template
 
     kwargs = engine_kwargs(args)
     check_model_argument(kwargs["model"], kwargs["load_format"])
@@ -48,7 +48,7 @@ def _chat(args) -> int:
 
 
 def _download(args) -> int:
-    from jaxserve.startup import fetch_default_model
+    from jaxserve.server.startup import fetch_default_model
     print(fetch_default_model())
     return 0
 
@@ -111,15 +111,15 @@ def main(argv: list[str] | None = None) -> int:
         from jaxserve.bench import main as bench_main
         return bench_main(argv[1:])
     args = build_parser().parse_args(argv)
-    from jaxserve.serving_checks import StartupError
-    from jaxserve.startup import configure_logging
+    from jaxserve.engine.checks import StartupError
+    from jaxserve.server.startup import configure_logging
 
     configure_logging(getattr(args, "log_level", "info"))
     try:
         if getattr(args, "nnodes", None) is not None or os.environ.get("JAX_NUM_PROCESSES"):
             # Several hosts: jax.distributed first, before anything touches jax
-            from jaxserve import distributed
-            from jaxserve.engine_args import distributed_config
+            from jaxserve.engine import distributed
+            from jaxserve.engine.args import distributed_config
             cluster = distributed.initialize(distributed_config(args))
             if cluster is not None and cluster.config.is_worker:
                 return distributed.worker_main(engine_kwargs(args))

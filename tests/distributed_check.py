@@ -26,14 +26,14 @@ def generate(llm):
 
 
 def host(rank: int, port: int, model: str, lose_worker: bool) -> int:
-    from jaxserve import distributed
+    from jaxserve.engine import distributed
 
     distributed.initialize(distributed.DistributedConfig(2, rank, "127.0.0.1", port))
     kwargs = dict(ENGINE, tensor_parallel_size=4)
     if rank:
         return distributed.worker_main(dict(kwargs, model=model))
     from jaxserve import LLM
-    from jaxserve.step_channel import WorkerLostError
+    from jaxserve.worker.step_channel import WorkerLostError
 
     llm = LLM(model, **kwargs)
     if not lose_worker:

@@ -2,7 +2,7 @@
 
 from jaxserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from jaxserve.engine import LLMEngine
-from jaxserve.llm import LLM
+from jaxserve.engine.llm import LLM
 from jaxserve.models import registry
 from jaxserve.spec_decode.config import SpeculativeConfig
 
@@ -37,8 +37,8 @@ def write_tiny_llama(path, vocab_size: int, seed: int = 0, **config) -> str:
     import numpy as np
     from safetensors.numpy import save_file
 
-    from jaxserve.models import dummy
-    from jaxserve.models.hf_loader import _LAYER_TENSORS, model_config_from_hf
+    from jaxserve.models.loaders import dummy
+    from jaxserve.models.loaders.hf import _LAYER_TENSORS, model_config_from_hf
 
     hf = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 32,
           "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,

@@ -4,10 +4,10 @@ import asyncio
 import json
 
 from jaxserve import cli
-from jaxserve.batch import BatchLine, parse_line, run_line
-from jaxserve.default_model import DEFAULT_MODEL_NAME
+from jaxserve.server.batch import BatchLine, parse_line, run_line
+from jaxserve.models.loaders.default_model import DEFAULT_MODEL_NAME
 from jaxserve.engine import AsyncEngine
-from jaxserve.trace import StepTrace
+from jaxserve.engine.trace import StepTrace
 
 MALFORMED_AT, INVALID_AT = 4, 11
 CHOICE_AT, SCHEMA_AT = 6, 9          # structured output: a choice, a JSON schema

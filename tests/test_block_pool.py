@@ -2,8 +2,8 @@
 
 import pytest
 
-from jaxserve.kv_cache.block_pool import BlockPool
-from jaxserve.kv_cache.prefix_cache import extend_block_hashes
+from jaxserve.core.kv_cache.block_pool import BlockPool
+from jaxserve.core.kv_cache.prefix_cache import extend_block_hashes
 
 
 def test_block_zero_is_never_handed_out():

@@ -3,9 +3,9 @@ freeing and prefix hits per group."""
 
 import pytest
 
-from jaxserve.kv_cache.manager import (PAGED, STATE, KVCacheManager, bytes_per_block,
+from jaxserve.core.kv_cache.manager import (PAGED, STATE, KVCacheManager, bytes_per_block,
                                        bytes_per_slot, group_kinds, size_caches)
-from jaxserve.kv_cache.specs import PagedSpec, StateSpec
+from jaxserve.core.kv_cache.specs import PagedSpec, StateSpec
 
 KV = PagedSpec((("k", (2, 8)), ("v", (2, 8))))            # 32 elements per token
 STATE_SPEC = StateSpec((("conv", (6, 3)), ("ssm", (2, 4, 4))))   # 18 + 32 = 50 per slot

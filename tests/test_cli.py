@@ -11,8 +11,8 @@ from types import SimpleNamespace
 import pytest
 
 from jaxserve import cli
-from jaxserve.engine_args import engine_kwargs, served_model_names
-from jaxserve.serving_checks import StartupError, check_can_serve, check_model_argument
+from jaxserve.engine.args import engine_kwargs, served_model_names
+from jaxserve.engine.checks import StartupError, check_can_serve, check_model_argument
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "tests", "golden", "ckpt", "llama")   # no tokenizer; max_position 256

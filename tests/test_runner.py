@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from jaxserve import LLM, SamplingParams
-from jaxserve import compiling
-from jaxserve import runner as runner_module
+from jaxserve.worker import compiling
+from jaxserve.worker import runner as runner_module
 
 TINY = os.path.join(os.path.dirname(__file__), "golden", "ckpt", "llama")
 
@@ -267,7 +267,7 @@ def test_a_skewed_step_runs_as_an_even_one_until_its_program_is_ready():
     # skewed programs compile in warm-up's background batch: a step does not wait for one
     import dataclasses
     from jaxserve.models.attention import AttentionPlan
-    from jaxserve.step_messages import SchedulerOutput
+    from jaxserve.core.step_messages import SchedulerOutput
     llm = LLM(TINY, dtype="float32", max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64)
     runner = llm.engine.runner
     x, _, variant = runner.prepare(SchedulerOutput([], [], [], 16, [], 0))
@@ -353,7 +353,8 @@ def test_exiting_while_programs_compile_in_the_background_exits_cleanly(tmp_path
 
 STORE_SCRIPT = """
 import json, sys
-from jaxserve import LLM, SamplingParams, compiling
+from jaxserve import LLM, SamplingParams
+from jaxserve.worker import compiling
 compiling.STORE_PLATFORMS += ("cpu",)     # one engine a process: see STORE_PLATFORMS
 llm = LLM(sys.argv[1], dtype="float32", max_num_seqs=4, max_num_batched_tokens=32,
           max_model_len=64, warmup_all=True, program_cache=True, max_logprobs=int(sys.argv[2]))
@@ -439,7 +440,7 @@ def test_preparing_the_mosaic_runtime_imports_the_module_that_names_its_library(
     # (a CUDA jaxlib; the CPU one has none): a fresh process that only loads programs has not
     # imported it
     script = ("import sys, os\n"
-              "from jaxserve import compiling\n"
+              "from jaxserve.worker import compiling\n"
               "assert 'jax.experimental.mosaic.gpu' not in sys.modules\n"
               "compiling.prepare_mosaic_gpu_runtime()\n"
               "assert 'jax.experimental.mosaic.gpu' in sys.modules\n"
@@ -493,7 +494,7 @@ def test_the_source_digest_follows_the_traced_packages_files(tmp_path, monkeypat
 def test_the_cli_keeps_programs_unless_told_not_to():
     import argparse
 
-    from jaxserve.engine_args import add_engine_arguments, engine_kwargs
+    from jaxserve.engine.args import add_engine_arguments, engine_kwargs
 
     parser = argparse.ArgumentParser()
     add_engine_arguments(parser)

@@ -6,7 +6,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxserve.sampler import (SamplingRow, make_sampling_tensors, needs_extras, processed_logits,
+from jaxserve.sample.sampler import (SamplingRow, make_sampling_tensors, needs_extras, processed_logits,
                               prompt_logprobs, sample)
 from jaxserve.sampling_params import SamplingParams
 
@@ -217,7 +217,7 @@ def test_truncation_thresholds_of_the_gpu_kernels_match_the_sort(monkeypatch):
     # on a GPU _truncate finds the top-k / top-p thresholds by radix select (Pallas kernels,
     # interpreted here); rows with ties, bans and every truncation option keep the same tokens
     # as the one-sort path
-    from jaxserve import sampler
+    from jaxserve.sample import sampler
     from jaxserve.pallas_kernels import topk_threshold as tk
 
     rng = np.random.default_rng(3)
@@ -248,7 +248,7 @@ def test_truncation_thresholds_of_the_gpu_kernels_match_the_sort(monkeypatch):
 def test_threshold_kernels_only_where_they_were_measured_faster(monkeypatch):
     # the runner's XLA path (and a device mesh) passes kernels=False; past
     # THRESHOLD_KERNEL_MAX_ROWS rows one sort serves both thresholds faster (H200)
-    from jaxserve import sampler
+    from jaxserve.sample import sampler
 
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     assert sampler.threshold_kernels_apply(1, True)

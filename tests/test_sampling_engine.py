@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.step_input import StepInput
+from jaxserve.core.step_input import StepInput
 
 PROMPT = "The capital of France is"
 OTHERS = ["Once upon a time", "def fibonacci(n):", "My favourite colour"]

@@ -1,10 +1,10 @@
 """Scheduler: token budget, chunked prefill, prefix hits, preemption, stop checks."""
 
 from jaxserve.config import CacheConfig, SchedulerConfig
-from jaxserve.request import Request, RequestStatus
+from jaxserve.core.request import Request, RequestStatus
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.scheduler import Scheduler
-from jaxserve.step_messages import RunnerOutput
+from jaxserve.core.scheduler import Scheduler
+from jaxserve.core.step_messages import RunnerOutput
 
 
 def make(max_tokens=64, max_seqs=4, blocks=32, block_size=4, max_len=64, caching=True, long_prefill=0):
@@ -236,7 +236,7 @@ def test_fit_cuts_the_last_chunk_that_can_take_the_cut():
 def test_messages_are_plain_data_and_round_trip_through_pickle():
     import pickle
 
-    from jaxserve.request import Request as LiveRequest
+    from jaxserve.core.request import Request as LiveRequest
 
     s = make(max_tokens=8)
     s.add_request(req("a", 10))

@@ -66,7 +66,7 @@ def test_ngram_matches_its_definition_on_random_sequences():
 
 
 def test_ngram_proposer_keeps_each_requests_ids_up_to_date():
-    from jaxserve.request import Request
+    from jaxserve.core.request import Request
 
     prop = ngram.NgramProposer(SpeculativeConfig("ngram", 2, 1, 2))
     req = Request("a", [1, 2, 3], SamplingParams())
@@ -170,7 +170,7 @@ def test_the_interface_takes_vllms_speculative_config(capsys):
     import argparse
 
     from jaxserve.engine import LLMEngine
-    from jaxserve.engine_args import add_engine_arguments, engine_kwargs
+    from jaxserve.engine.args import add_engine_arguments, engine_kwargs
     from jaxserve.spec_decode.ngram import NgramProposer
 
     parser = argparse.ArgumentParser()
@@ -229,7 +229,7 @@ def test_metrics_count_accepted_drafts_per_position_on_the_server_too():
 
     from jaxserve.metrics import EngineMetrics
     from jaxserve.spec_decode import metrics as spec_metrics
-    from jaxserve.step_messages import RunnerOutput, ScheduledRequest, SchedulerOutput
+    from jaxserve.core.step_messages import RunnerOutput, ScheduledRequest, SchedulerOutput
 
     m = EngineMetrics()
     before = m.as_dict()

@@ -7,7 +7,7 @@ and the head's cache is paid from the KV budget."""
 import jax.numpy as jnp
 
 from jaxserve import SamplingParams
-from jaxserve.kv_cache import manager as cache_manager
+from jaxserve.core.kv_cache import manager as cache_manager
 from jaxserve.models import llama
 from jaxserve.spec_decode import eagle3
 from tests.spec_helpers import make_llm, record_drafts, spec_counts, token_ids, write_eagle3_head

@@ -142,7 +142,7 @@ def test_each_mtp_chain_is_the_layers_own_continuation_over_the_whole_sequence(m
 
 
 def test_the_mtp_cache_is_paid_from_the_kv_budget(model):
-    from jaxserve.kv_cache.manager import bytes_per_block
+    from jaxserve.core.kv_cache.manager import bytes_per_block
     from jaxserve.models import deepseek
 
     cfg = model[0]

@@ -12,8 +12,8 @@ import pytest
 
 from jaxserve import SamplingParams
 from jaxserve.models import loader
-from jaxserve.runner import token_buckets
-from jaxserve.spec_decode import verify_rows
+from jaxserve.worker.runner import token_buckets
+from jaxserve.worker import verify_rows
 from tests.conftest import GOLDEN_DIR
 from tests.spec_helpers import make_llm, write_eagle3_head
 from tests.test_spec_decode import prompts

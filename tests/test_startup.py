@@ -10,8 +10,8 @@ import pytest
 
 from jaxserve import cli
 from jaxserve.engine import AsyncEngine
-from jaxserve.serving_checks import StartupError
-from jaxserve.startup import start_engine
+from jaxserve.engine.checks import StartupError
+from jaxserve.server.startup import start_engine
 
 
 class _FakeEngine:

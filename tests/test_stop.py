@@ -1,6 +1,6 @@
 """Stop strings: matches across token boundaries, cut position, streaming hold-back."""
 
-from jaxserve.stop import StopStrings
+from jaxserve.engine.stop import StopStrings
 
 
 def feed(stops: StopStrings, pieces: list[str]):

@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.sampler import processed_logits
-from jaxserve.sampling_tensors import make_sampling_tensors, mask_width
+from jaxserve.sample.sampler import processed_logits
+from jaxserve.sample.tensors import make_sampling_tensors, mask_width
 from jaxserve.structured import StructuredOutputsParams as SO
 from jaxserve.structured import masks
 from jaxserve.structured.compiler import GrammarCompiler
@@ -223,7 +223,7 @@ def test_constrained_and_plain_requests_share_a_batch_and_free_their_matchers(ll
 
 
 def test_a_resumed_request_replays_its_tokens_into_a_new_matcher():
-    from jaxserve.step_messages import NewRequestData
+    from jaxserve.core.step_messages import NewRequestData
 
     grammars = GrammarCompiler(tiny_tokenizer(), 256, [2])
     so = SO(choice=["ab", "ba"])

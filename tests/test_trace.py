@@ -4,7 +4,7 @@ import pytest
 
 from jaxserve.engine import LLMEngine
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.trace import StepTrace
+from jaxserve.engine.trace import StepTrace
 
 TINY_LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
               "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,

@@ -7,7 +7,7 @@ import argparse
 import os
 import time
 
-from jaxserve.engine_args import add_engine_arguments, engine_kwargs
+from jaxserve.engine.args import add_engine_arguments, engine_kwargs
 
 
 def add_bench_engine_arguments(parser: argparse.ArgumentParser) -> None:

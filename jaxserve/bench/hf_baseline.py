@@ -17,7 +17,7 @@ SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.ab
 def model_gguf(model: str | None) -> str:
     """The GGUF file transformers reads for `model` (None: jaxserve's default model)."""
     if model is None:
-        from jaxserve import default_model
+        from jaxserve.models.loaders import default_model
         return default_model.ensure_default_model()
     if not model.endswith(".gguf"):
         raise SystemExit(f"--baseline hf reads a GGUF file (or the default model); got {model!r}")

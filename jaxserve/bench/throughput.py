@@ -45,12 +45,12 @@ def load_tokenizer(path: str | None, fallback=None):
     if path is None and fallback is not None:
         return fallback
     if path is None:
-        from jaxserve.default_model import ensure_default_model
+        from jaxserve.models.loaders.default_model import ensure_default_model
         path = ensure_default_model()
     if path.endswith(".gguf"):
         import gguf
 
-        from jaxserve.models.gguf_loader import read_metadata
+        from jaxserve.models.loaders.gguf import read_metadata
         return Tokenizer.from_gguf_metadata(read_metadata(gguf.GGUFReader(path)))
     return Tokenizer.from_pretrained(path)
 

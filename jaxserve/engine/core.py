@@ -24,11 +24,11 @@ from dataclasses import dataclass
 import jax
 
 from jaxserve.engine.input_processor import EngineRequest
-from jaxserve.request import Request, RequestStatus
-from jaxserve.runner import ModelRunner
-from jaxserve.scheduler import RequestUpdate, Scheduler
+from jaxserve.core.request import Request, RequestStatus
+from jaxserve.worker.runner import ModelRunner
+from jaxserve.core.scheduler import RequestUpdate, Scheduler
 from jaxserve.spec_decode import drafting
-from jaxserve.step_messages import RunnerOutput, SchedulerOutput
+from jaxserve.core.step_messages import RunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 

@@ -80,7 +80,7 @@ class DataParallelEngine:
                          **kwargs) -> "DataParallelEngine":
         import jax
 
-        from jaxserve import distributed
+        from jaxserve.engine import distributed
         from jaxserve.engine.llm_engine import LLMEngine
 
         if distributed.current() is not None:

@@ -10,17 +10,17 @@ import time
 
 import jax
 
-from jaxserve import cpu_defaults
+from jaxserve.engine import cpu_defaults
 from jaxserve.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
 from jaxserve.engine.core import EngineCore
 from jaxserve.engine.input_processor import InputProcessor
 from jaxserve.engine.output_processor import OutputProcessor
 from jaxserve.metrics import EngineMetrics
 from jaxserve.outputs import RequestOutput
-from jaxserve.request import RequestStatus
-from jaxserve.runner import ModelRunner
+from jaxserve.core.request import RequestStatus
+from jaxserve.worker.runner import ModelRunner
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.scheduler import Scheduler
+from jaxserve.core.scheduler import Scheduler
 from jaxserve.spec_decode import drafting
 from jaxserve.spec_decode import metrics as spec_metrics
 from jaxserve.structured.compiler import GrammarCompiler
@@ -40,7 +40,7 @@ class EngineDeadError(RuntimeError):
 def enable_compilation_cache() -> None:
     """Turn on JAX's persistent compilation cache (step programs, Pallas kernels included), so a
     restart skips most of warm-up. JAX_COMPILATION_CACHE_DIR, if set, wins."""
-    from jaxserve.default_model import cache_dir
+    from jaxserve.models.loaders.default_model import cache_dir
 
     if not jax.config.jax_compilation_cache_dir:
         jax.config.update("jax_compilation_cache_dir",
@@ -196,7 +196,8 @@ class LLMEngine:
                tensor_parallel_size,
                expert_parallel_size, seed, max_logprobs, attention_impl, fused_kernels, warmup,
                warmup_all, program_cache, speculative_config, quantization, devices, device) -> "LLMEngine":
-        from jaxserve import default_model, distributed
+        from jaxserve.models.loaders import default_model
+        from jaxserve.engine import distributed
         from jaxserve.models import loader, registry
 
         from jaxserve.spec_decode.config import SpeculativeConfig

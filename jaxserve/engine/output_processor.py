@@ -15,10 +15,10 @@ from dataclasses import dataclass, field
 from jaxserve.engine.input_processor import EngineRequest
 from jaxserve.metrics import EngineMetrics
 from jaxserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from jaxserve.request import RequestStatus
-from jaxserve.scheduler import RequestUpdate
-from jaxserve.step_messages import PromptLogprobs, RunnerOutput, TokenLogprobs
-from jaxserve.stop import StopStrings
+from jaxserve.core.request import RequestStatus
+from jaxserve.core.scheduler import RequestUpdate
+from jaxserve.core.step_messages import PromptLogprobs, RunnerOutput, TokenLogprobs
+from jaxserve.engine.stop import StopStrings
 from jaxserve.tokenizer import IncrementalDetokenizer, Tokenizer
 
 

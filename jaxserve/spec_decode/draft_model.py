@@ -28,9 +28,9 @@ import math
 
 import numpy as np
 
-from jaxserve.kv_cache.manager import PAGED, KVCacheManager
+from jaxserve.core.kv_cache.manager import PAGED, KVCacheManager
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.step_messages import NewRequestData, ScheduledRequest, SchedulerOutput
+from jaxserve.core.step_messages import NewRequestData, ScheduledRequest, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ class DraftModelProposer:
         """draft: (ModelConfig, params, model module) already loaded (else spec_config.model
         is loaded); num_blocks: at most this many draft cache blocks (the target's count)."""
         from jaxserve.models import loader, registry
-        from jaxserve.runner import ModelRunner
+        from jaxserve.worker.runner import ModelRunner
 
         if draft is None:
             cfg, params, _ = loader.load_model(spec_config.model, dtype=engine_config.dtype)

@@ -20,7 +20,7 @@ draft, the drafts its pass left there. A rejected draft voids the chunk (schedul
 
 from __future__ import annotations
 
-from jaxserve.request import Request, RequestStatus
+from jaxserve.core.request import Request, RequestStatus
 
 
 def draft_limit(req: Request, k: int, max_model_len: int, ahead: int = 0) -> int:
@@ -105,7 +105,7 @@ def make_proposer(spec_config, engine_config, runner=None):
     `runner`."""
     if spec_config is None:
         return None
-    from jaxserve.kv_cache.manager import STATE
+    from jaxserve.core.kv_cache.manager import STATE
     if runner is not None and STATE in runner.group_kinds and spec_config.method not in HYBRID_METHODS:
         # NOTE: the scheduler rolls the target's recurrent state back (scheduler.py); a
         # proposer reading the target's hidden states would also see the recomputed rows

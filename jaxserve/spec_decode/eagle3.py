@@ -39,7 +39,7 @@ def default_aux_layers(num_layers: int) -> tuple[int, ...]:
 def head_config(path: str, target_cfg):
     """(head ModelConfig, its HF config dict) of an HF EAGLE3 head directory, checked against
     the target (the runner sizes the cache with it before the head's weights load)."""
-    from jaxserve.models.hf_loader import model_config_from_hf
+    from jaxserve.models.loaders.hf import model_config_from_hf
 
     with open(os.path.join(path, "config.json")) as f:
         hf = json.load(f)
@@ -68,7 +68,7 @@ def load_head(path: str, target_cfg, dtype: str):
     """(head ModelConfig, params, aux layer ids) of an HF EAGLE3 head directory."""
     from safetensors.numpy import load_file
 
-    from jaxserve.models.hf_loader import _LAYER_TENSORS
+    from jaxserve.models.loaders.hf import _LAYER_TENSORS
 
     cfg, hf = head_config(path, target_cfg)
     aux = tuple((hf.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
@@ -134,7 +134,7 @@ def _eagle_step(weights, kv, x, aux_TH, sample_S, *, cfg, attention_impl, k, blo
 
 class Eagle3Proposer(hidden_steps.AfterStepProposer):
     def __init__(self, spec_config, engine_config, runner):
-        from jaxserve.runner import allocate_caches
+        from jaxserve.worker.runner import allocate_caches
 
         super().__init__(runner, spec_config.num_speculative_tokens)
         self.cfg, self.params, self.aux_layers = load_head(spec_config.model, runner.cfg, engine_config.dtype)

@@ -39,9 +39,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.compiling import BackgroundCompiler, abstract, wait_all
-from jaxserve.step_input import StepInput
-from jaxserve.step_messages import DRAFT_ON_DEVICE, SchedulerOutput
+from jaxserve.worker.compiling import BackgroundCompiler, abstract, wait_all
+from jaxserve.core.step_input import StepInput
+from jaxserve.core.step_messages import DRAFT_ON_DEVICE, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 

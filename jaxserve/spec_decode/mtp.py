@@ -41,7 +41,7 @@ def _mtp_step(params, caches, x, hidden_TD, sample_S, *, model, cfg, attention_i
 
 class MtpProposer(hidden_steps.AfterStepProposer):
     def __init__(self, spec_config, runner):
-        from jaxserve.runner import allocate_caches
+        from jaxserve.worker.runner import allocate_caches
 
         model, cfg = runner.model, runner.cfg
         layers = len(runner.params.get("mtp", ())) if isinstance(runner.params, dict) else 0

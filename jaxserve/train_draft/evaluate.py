@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from jaxserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from jaxserve.engine import LLMEngine
-from jaxserve.llm import LLM
+from jaxserve.engine.llm import LLM
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.spec_decode.config import SpeculativeConfig
 from jaxserve.spec_decode.metrics import mean_acceptance_length

@@ -121,7 +121,7 @@ def export_head(path: str, hp: dict, target_cfg, draft_ids: np.ndarray, aux_laye
     offset of each draft id's target id, t2d which target ids are in the draft vocabulary)."""
     from safetensors.numpy import save_file
 
-    from jaxserve.models.hf_loader import _LAYER_TENSORS
+    from jaxserve.models.loaders.hf import _LAYER_TENSORS
 
     host = jax.tree.map(lambda a: np.asarray(a, np.float32), hp)
     tensors = {"fc.weight": host["fc"].T, "norm.weight": host["norm"], "lm_head.weight": host["lm_head"].T,

@@ -14,7 +14,7 @@ import json
 import os
 import time
 
-from jaxserve.arg_types import int_at_least
+from jaxserve.engine.arg_types import int_at_least
 
 positive_int = int_at_least(1)
 non_negative_int = int_at_least(0)
@@ -272,7 +272,7 @@ def run(args) -> dict:
 
 
 def main(args) -> int:
-    from jaxserve.serving_checks import StartupError
+    from jaxserve.engine.checks import StartupError
 
     try:
         import optax  # noqa: F401

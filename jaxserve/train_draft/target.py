@@ -18,8 +18,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.kv_cache.specs import PagedSpec
-from jaxserve.step_input import StepInput
+from jaxserve.core.kv_cache.specs import PagedSpec
+from jaxserve.core.step_input import StepInput
 
 BLOCK_SIZE = 16         # the scratch cache's block size (T is a multiple: data.bucket_len)
 

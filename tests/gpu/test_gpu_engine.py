@@ -15,7 +15,7 @@ import jax
 import pytest
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.default_model import default_model_path
+from jaxserve.models.loaders.default_model import default_model_path
 
 pytestmark = pytest.mark.gpu
 

@@ -306,7 +306,7 @@ def test_deepseek_router(tokens):
 def test_mla_latent_write(tokens, index, dtype):
     """DeepSeek-V3.2's widths (C 512, R 64, J 128), YaRN's factor, 64-token blocks."""
     import test_mla_latent_write as lw_cpu
-    from jaxserve.models import mla
+    from jaxserve.models.layers import mla
     from jaxserve.pallas_kernels import mla_latent_write as mlw
 
     rng = np.random.default_rng(tokens)

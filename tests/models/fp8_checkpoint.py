@@ -10,7 +10,7 @@ import ml_dtypes
 import numpy as np
 from safetensors.numpy import save_file
 
-from jaxserve.models import deepseek_loader
+from jaxserve.models.loaders import deepseek as deepseek_loader
 
 F8 = ml_dtypes.float8_e4m3fn
 

@@ -8,7 +8,7 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.kv_cache.specs import PagedSpec, StateSpec
+from jaxserve.core.kv_cache.specs import PagedSpec, StateSpec
 from model_step_builder import Chunk, build_step, scattered_block_tables  # noqa: F401
 
 

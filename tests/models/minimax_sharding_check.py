@@ -22,7 +22,8 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import PartitionSpec  # noqa: E402
 
-from jaxserve.models import hf_loader, minimax_m2  # noqa: E402
+from jaxserve.models import minimax_m2
+from jaxserve.models.loaders import hf as hf_loader  # noqa: E402
 from jaxserve.sharding import mesh as mesh_lib, rules  # noqa: E402
 from model_sharding_check import FUSED, GOLDEN, _forward_logits, _run, check_matches  # noqa: E402
 from model_step_builder import Chunk, build_step, scattered_block_tables  # noqa: E402
@@ -108,7 +109,7 @@ def check_engine(tp, ep):
 
 def check_ready_config():
     """MiniMax-M2's full width splits over a whole 8-device mesh (specs only: nothing allocated)."""
-    from jaxserve.models import dummy
+    from jaxserve.models.loaders import dummy
 
     cfg = hf_loader.model_config_from_hf(dummy.read_config("MiniMax-M2-4L"))
     for tp, ep in ((8, 1), (4, 2), (1, 8)):

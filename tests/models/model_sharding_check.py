@@ -132,7 +132,8 @@ def check_errors():
 
 def check_ready_configs():
     """The benchmark shapes split over a full 8-device mesh (specs only: nothing allocated)."""
-    from jaxserve.models import dummy, hf_loader
+    from jaxserve.models.loaders import dummy
+    from jaxserve.models.loaders import hf as hf_loader
 
     for name, tp, ep in (("Llama-3.1-8B", 8, 1), ("Qwen3-8B", 8, 1), ("Qwen3-30B-A3B", 4, 2)):
         cfg = hf_loader.model_config_from_hf(dummy.read_config(name))

@@ -12,7 +12,7 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.step_input import StepInput
+from jaxserve.core.step_input import StepInput
 
 
 @dataclasses.dataclass(frozen=True)

@@ -31,7 +31,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from hybrid_step_builder import Chunk, build_hybrid_step, scattered_block_tables  # noqa: E402
 from model_step_builder import moe_regions  # noqa: E402
-from jaxserve.kv_cache.specs import PagedSpec  # noqa: E402
+from jaxserve.core.kv_cache.specs import PagedSpec  # noqa: E402
 from jaxserve.models import registry  # noqa: E402
 from jaxserve.models.loader import load_model  # noqa: E402
 from jaxserve.sharding import mesh as mesh_lib, rules  # noqa: E402
@@ -151,7 +151,7 @@ def as_on_mesh(cfg, params, mesh):
     """The parameter tree as the loaders lay it out on `mesh` (Qwen's conv channels grouped
     per key head), whatever the arrays' placement."""
     if registry.get_model_module(cfg.architecture).__name__.endswith("qwen3_next"):
-        from jaxserve.models.qwen3_next_loader import group_conv_channels
+        from jaxserve.models.loaders.qwen3_next import group_conv_channels
         return group_conv_channels(cfg, params, mesh)
     return params
 
@@ -249,7 +249,7 @@ def mtp_checkpoint() -> str:
 
     from safetensors.numpy import save_file
 
-    from jaxserve.models.deepseek_loader import SafetensorsDir
+    from jaxserve.models.loaders.deepseek import SafetensorsDir
 
     path = os.path.join(tempfile.mkdtemp(), "deepseek_v3_mtp")
     shutil.copytree(ckpt("deepseek_v3"), path)
@@ -298,7 +298,7 @@ def check_deepseek_mtp():
 def check_deepseek_expert_reads():
     """On EP 2 each device's slice reads only its own 4 of the 8 experts (per projection), so
     the host never holds a layer's experts at once."""
-    from jaxserve.models.deepseek_loader import SafetensorsDir
+    from jaxserve.models.loaders.deepseek import SafetensorsDir
 
     groups, inside = [], [False]      # the tensors read by each device's slice callback
     weight, make = SafetensorsDir.weight, jax.make_array_from_callback

@@ -12,7 +12,10 @@ import pytest
 from safetensors.numpy import save_file
 
 from fp8_checkpoint import F8, fp8_copy, quantize_blocks
-from jaxserve.models import deepseek, deepseek_loader, dummy, hf_loader
+from jaxserve.models import deepseek
+from jaxserve.models.loaders import deepseek as deepseek_loader
+from jaxserve.models.loaders import dummy
+from jaxserve.models.loaders import hf as hf_loader
 
 CKPT = os.path.join(os.path.dirname(__file__), os.pardir, "golden", "ckpt", "deepseek_v3")
 

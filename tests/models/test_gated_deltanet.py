@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve.models import gated_deltanet as gdn
+from jaxserve.models.layers import deltanet as gdn
 
 H, G, K, V = 4, 2, 8, 6
 

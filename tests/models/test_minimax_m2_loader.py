@@ -15,7 +15,10 @@ from safetensors.numpy import save_file
 
 from fp8_checkpoint import F8, quantize_blocks
 from jaxserve import LLM, SamplingParams
-from jaxserve.models import deepseek_loader, dummy, hf_loader, minimax_m2
+from jaxserve.models import minimax_m2
+from jaxserve.models.loaders import deepseek as deepseek_loader
+from jaxserve.models.loaders import dummy
+from jaxserve.models.loaders import hf as hf_loader
 
 GOLDEN = os.path.join(os.path.dirname(__file__), os.pardir, "golden")
 CKPT = os.path.join(GOLDEN, "ckpt", "minimax_m2")
@@ -198,7 +201,7 @@ def _write_gguf(path: str) -> None:
 
 
 def test_gguf_loads_like_the_hf_checkpoint(tmp_path):
-    from jaxserve.models import gguf_loader
+    from jaxserve.models.loaders import gguf as gguf_loader
 
     path = str(tmp_path / "tiny-minimax-m2.gguf")
     _write_gguf(path)

@@ -14,7 +14,8 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from jaxserve.config import ModelConfig
-from jaxserve.models import dummy, llama
+from jaxserve.models import llama
+from jaxserve.models.loaders import dummy
 from jaxserve.models.loader import load_model
 
 

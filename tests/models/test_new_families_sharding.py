@@ -28,10 +28,10 @@ def test_grouped_conv_channels_give_the_same_heads():
     heads as HF's q | k | v order: post_conv(grouped) on permuted channels equals post_conv."""
     import numpy as np
 
-    from jaxserve.models import gated_deltanet as gdn
+    from jaxserve.models.layers import deltanet as gdn
     from jaxserve.models import qwen3_next
-    from jaxserve.models.hf_loader import read_hf_config
-    from jaxserve.models.qwen3_next_loader import grouped_channel_order
+    from jaxserve.models.loaders.hf import read_hf_config
+    from jaxserve.models.loaders.qwen3_next import grouped_channel_order
 
     cfg = qwen3_next.config_from_hf(read_hf_config(os.path.join(HERE, os.pardir, "golden", "ckpt", "qwen3_next")))
     rng = np.random.default_rng(0)

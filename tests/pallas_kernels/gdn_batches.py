@@ -6,7 +6,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.models import gated_deltanet as gdn
+from jaxserve.models.layers import deltanet as gdn
 
 
 def gdn_batch(qlens, starts, slots, *, g, h, k, v, num_slots, pad_tokens=3, max_decay=1.5,

@@ -271,7 +271,7 @@ STEPS = {   # (chunks as (sequence, tokens, start), padded tokens)
 @pytest.mark.parametrize("name,step", [(name, "mixed") for name in MODELS]
                          + [("qwen3-moe", s) for s in ("decode", "one", "one-xla")])
 def test_fused_stack_matches_the_xla_path(name, step, monkeypatch):
-    from jaxserve.models.dummy import load_dummy
+    from jaxserve.models.loaders.dummy import load_dummy
     from jaxserve.pallas_kernels import moe_decode as md
 
     cfg, params = load_dummy({**MODELS[name], "vocab_size": 128, "hidden_size": 64,
@@ -342,7 +342,9 @@ def test_auto_turns_linear_on_for_small_dense_models_and_moe_for_experts():
     assert llama.auto_fused_kernels(moe, family_is_llama=False) == ("moe",)
     # other families' MoE models keep their own stacks, and "linear" named for one changes
     # nothing (before the MoE fused stack it never applied to MoE models)
-    from jaxserve.models import dummy, hf_loader, minimax_m2
+    from jaxserve.models import minimax_m2
+    from jaxserve.models.loaders import dummy
+    from jaxserve.models.loaders import hf as hf_loader
     golden = os.path.join(os.path.dirname(__file__), os.pardir, "golden", "ckpt")
     for name in ("minimax_m2", "deepseek_v3", "qwen3_5_moe"):
         cfg = hf_loader.model_config_from_hf(dummy.read_config(os.path.join(golden, name, "config.json")))
@@ -387,7 +389,7 @@ def test_fused_kernels_option():
     import argparse
 
     from jaxserve.engine.llm_engine import resolve_fused_kernels
-    from jaxserve.engine_args import add_engine_arguments
+    from jaxserve.engine.args import add_engine_arguments
 
     cfg = llama.ModelConfig(architecture="LlamaForCausalLM", vocab_size=256, hidden_size=64,
                             intermediate_size=96, num_layers=1, num_heads=2, num_kv_heads=1,

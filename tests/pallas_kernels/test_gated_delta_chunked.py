@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from gdn_batches import gdn_batch
-from jaxserve.models import gated_deltanet as gdn
+from jaxserve.models.layers import deltanet as gdn
 from jaxserve.pallas_kernels.cuda_lowering import export_for_cuda, triton_kernel_names
 from jaxserve.pallas_kernels.gated_delta_chunked import (gated_delta_chunked, ref_gated_delta_chunked,
                                                       unit_lower_inverse)

@@ -191,7 +191,7 @@ def check_fp8(x, w, sizes, tol=1e-5, impls=("pallas", "xla"), **tuning):
 
 
 def test_fp8_dequantize_is_the_loaders():
-    from jaxserve.models.deepseek_loader import dequantize_blocks
+    from jaxserve.models.loaders.deepseek import dequantize_blocks
 
     _, w, _ = fp8_operands([1, 1], k=200, n=136)      # partial last blocks
     ours = np.asarray(gm.dequantize(w))

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve.models import mla
+from jaxserve.models.layers import mla
 from jaxserve.pallas_kernels import mla_latent_write as mlw
 from jaxserve.pallas_kernels.cuda_lowering import export_for_cuda, triton_kernel_names
 

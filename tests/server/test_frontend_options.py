@@ -12,11 +12,11 @@ import pytest
 from fastapi.testclient import TestClient
 from stubs import RecordingEngine
 
-from jaxserve.generation_config import default_sampling
+from jaxserve.engine.generation_config import default_sampling
 from jaxserve.server.app import api_keys_from, build_app
 from jaxserve.server.context import ServerContext
-from jaxserve.serving_checks import StartupError
-from jaxserve.startup import read_chat_template
+from jaxserve.engine.checks import StartupError
+from jaxserve.server.startup import read_chat_template
 
 
 def test_generation_config_defaults_fill_only_what_the_request_leaves_out():

@@ -1,0 +1,273 @@
+"""The cache manager: groups a model's layers by cache spec and hands each request its share.
+
+Layers whose spec is a `PagedSpec` (K/V, an MLA latent, an indexer's keys) form the paged
+group: one block table per request, blocks from one `BlockPool`, prefix caching over full
+blocks (a hash chain, LRU). Layers whose spec is a `StateSpec` (linear attention's conv and
+recurrent state) form the state group: one slot per running request, slot 0 the null slot
+that padding sequences point at. All paged layers share the block table, sliding-window ones
+included (they keep every block: simple, and no model mixes the two kinds yet).
+
+Prefix caching of a model with a state group (vLLM's "align" mode): a hit must be a hit in
+every group, and a state cannot be rebuilt from blocks, so a hit resumes only at a block
+boundary where some request's state was saved (kv_cache/state_cache.py: extra slots after the
+live ones, keyed by the block hash chain). The scheduler plans a save when a chunk ends on a
+block boundary (`plan_state_save`; it aligns chunk ends for this), the runner copies the live
+slot there after the step, and `commit_state_save` registers it once the block itself is
+registered. On a hit, `admit` returns the copy of the saved state into the request's slot. A
+saved state goes when its block is evicted, or least recently used first when a save needs
+its slot.
+
+Sizing: one memory budget pays for the state slots first (max_num_seqs + 1, so admission never
+waits for one, plus the saved states'), then for as many blocks as fit.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+from jaxserve.core.kv_cache.block_pool import BlockPool
+from jaxserve.core.kv_cache.prefix_cache import extend_block_hashes
+from jaxserve.core.kv_cache.specs import PagedSpec, StateSpec
+from jaxserve.core.kv_cache.state_cache import NO_SLOT, StateCache
+
+NULL_SLOT = 0
+PAGED, STATE = "paged", "state"
+
+
+def _elements(arrays) -> int:
+    return sum(math.prod(shape) for _, shape in arrays)
+
+
+def group_kinds(specs: Sequence[PagedSpec | StateSpec]) -> list[str]:
+    """The cache groups a model's layers form, in a fixed order (paged first)."""
+    kinds = {PAGED if isinstance(s, PagedSpec) else STATE for s in specs}
+    for s in specs:
+        if not isinstance(s, (PagedSpec, StateSpec)):
+            raise TypeError(f"a layer's cache spec must be a PagedSpec or a StateSpec; got {s!r}")
+    return [k for k in (PAGED, STATE) if k in kinds]
+
+
+def bytes_per_block(specs, block_size: int, itemsize: int) -> int:
+    """Bytes one block takes over every paged layer."""
+    return block_size * itemsize * sum(_elements(s.arrays) for s in specs if isinstance(s, PagedSpec))
+
+
+def bytes_per_slot(specs, itemsize: int) -> int:
+    """Bytes one state slot takes over every state layer (its float32 arrays at 4 bytes)."""
+    return sum((4 if name in s.float32 else itemsize) * math.prod(shape)
+               for s in specs if isinstance(s, StateSpec) for name, shape in s.arrays)
+
+
+# Saved states for prefix caching take at most this share of what the budget leaves after the
+# live state slots, when their number is not configured: one saved state of a large hybrid
+# model weighs as much as hundreds of blocks (Qwen3.5-397B: ~190 MB, 45 linear layers of
+# 64 value heads' 128 x 128 f32 recurrent state).
+CACHED_STATES_BUDGET_SHARE = 0.25
+
+
+def auto_cached_states(specs, *, itemsize: int, budget_bytes: int | None, max_num_seqs: int) -> int:
+    """Saved states kept for prefix hits when not configured: one per sequence of a step, but
+    no more than CACHED_STATES_BUDGET_SHARE of the budget left after the live slots (no budget
+    given: an explicit block count, so max_num_seqs)."""
+    if STATE not in group_kinds(specs) or PAGED not in group_kinds(specs):
+        return 0
+    if budget_bytes is None:
+        return max_num_seqs
+    per_slot = bytes_per_slot(specs, itemsize)
+    left = budget_bytes - (max_num_seqs + 1) * per_slot
+    return max(0, min(max_num_seqs, int(left * CACHED_STATES_BUDGET_SHARE) // per_slot))
+
+
+def size_caches(specs, *, block_size: int, itemsize: int, budget_bytes: int, max_num_seqs: int,
+                useful_blocks: int, cached_states: int = 0) -> tuple[int, int]:
+    """(num_blocks, num_slots) for one memory budget: the state slots first (live ones and
+    `cached_states` saved ones), then as many blocks as fit, but no more than `useful_blocks`
+    (every sequence at full length) and at least 2."""
+    kinds = group_kinds(specs)
+    num_slots = max_num_seqs + 1 + cached_states if STATE in kinds else 0
+    left = budget_bytes - num_slots * bytes_per_slot(specs, itemsize)
+    if PAGED not in kinds:
+        return 2, num_slots          # a stub pool: nothing pages
+    per_block = bytes_per_block(specs, block_size, itemsize)
+    return max(2, min(left // per_block, useful_blocks)), num_slots
+
+
+class KVCacheManager:
+    def __init__(self, specs, *, block_size: int, num_blocks: int, num_slots: int = 0,
+                 enable_prefix_caching: bool = True, num_cached_states: int = 0):
+        """num_slots: every state slot, the null one and the last `num_cached_states` (saved
+        states for prefix hits) included."""
+        self.kinds = group_kinds(specs)
+        self.block_size = block_size
+        self.has_state = STATE in self.kinds
+        live = num_slots - num_cached_states
+        if self.has_state and live < 2:
+            raise ValueError(f"a model with per-request state needs >= 2 state slots besides the "
+                             f"{num_cached_states} saved ones; got {num_slots}")
+        self.pool = BlockPool(num_blocks, enable_prefix_caching)
+        self.num_slots = num_slots
+        self.num_live_slots = live             # the null slot and the requests' own
+        self.free_slots = list(range(live - 1, NULL_SLOT, -1))   # pop() takes the lowest
+        # Saved states (module docstring): only with prefix caching, a paged group and slots.
+        self.states: StateCache | None = None
+        if (self.has_state and PAGED in self.kinds and enable_prefix_caching
+                and num_cached_states > 0):
+            self.states = StateCache(range(live, num_slots))
+            self.pool.on_evict = self.states.drop
+        self.blocks: dict[str, list[int]] = {}     # request -> its block table (paged group)
+        self.slots: dict[str, int] = {}            # request -> its state slot
+        self.hashes: dict[str, list[bytes]] = {}   # request -> hashes of its full blocks
+        self.registered: dict[str, int] = {}       # request -> its leading blocks already cached
+        self.output_saves: dict[str, bytes] = {}   # request -> its latest state saved past its prompt
+
+    # -- figures ---------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free
+
+    @property
+    def usage(self) -> float:
+        return self.pool.usage
+
+    def blocks_needed(self, request_id: str, num_tokens: int) -> int:
+        """Blocks the request lacks to hold `num_tokens` tokens."""
+        have = len(self.blocks.get(request_id, ()))
+        return max(0, -(-num_tokens // self.block_size) - have)
+
+    # -- prefix hits -----------------------------------------------------------------------
+    def prefix_hits(self, request_id: str, token_ids: list[int]) -> list[int]:
+        """Cached blocks matching the request's leading full blocks, a hit in every group. At
+        least one token is always left to compute, so the step still produces its logits."""
+        hashes = self.hashes.setdefault(request_id, [])
+        extend_block_hashes(hashes, token_ids, self.block_size)
+        if self.has_state and self.states is None:
+            return []                # no saved states: no hit could resume the state
+        hits = []
+        for h in hashes[:(len(token_ids) - 1) // self.block_size]:
+            block = self.pool.lookup(h)
+            if block is None:
+                break
+            hits.append(block)
+        if self.has_state:           # the longest run that ends where a state was saved
+            n = len(hits)
+            while n and not self.states.has(hashes[n - 1]):
+                n -= 1
+            del hits[n:]
+        return hits
+
+    def free_blocks_after_hits(self, hits: list[int]) -> int:
+        """Free blocks left once `hits` are taken (unreferenced cached blocks count as free)."""
+        return self.pool.num_free - self.pool.num_reclaimable(hits)
+
+    # -- allocation ------------------------------------------------------------------------
+    def admit(self, request_id: str, hits: list[int], num_tokens: int) -> tuple[int, int] | None:
+        """Start a request's tables: take its prefix hits, blocks for `num_tokens` tokens and a
+        state slot. The caller has checked that the blocks are free. Returns the state copy a
+        hit of a model with state needs before its first step, (saved slot, its live slot)."""
+        self.pool.touch(hits)
+        need = max(0, -(-num_tokens // self.block_size) - len(hits))
+        self.blocks[request_id] = hits + self.pool.allocate(need)
+        if not self.has_state:
+            return None
+        slot = self.slots[request_id] = self.free_slots.pop()
+        if not hits:
+            return None
+        return self.states.use(self.hashes[request_id][len(hits) - 1]), slot
+
+    # -- saved states (models with a state group) -----------------------------------------
+    @property
+    def saves_states(self) -> bool:
+        """Chunks ending on block boundaries save their state (the scheduler aligns them)."""
+        return self.states is not None
+
+    def plan_state_save(self, request_id: str, end: int) -> int:
+        """A slot to copy the request's state into after the step that computes its first `end`
+        tokens (a block boundary), or NO_SLOT: not a boundary, already saved, or no slot."""
+        if self.states is None or end % self.block_size:
+            return NO_SLOT
+        hashes = self.hashes.get(request_id, ())
+        j = end // self.block_size - 1
+        if j < len(hashes) and self.states.has(hashes[j]):
+            return NO_SLOT
+        return self.states.reserve()
+
+    def commit_state_save(self, request_id: str, end: int, slot: int, in_output: bool) -> None:
+        """The step saving the state after `end` tokens into `slot` ran: findable once the block
+        ending there is registered (call after cache_full_blocks), else the slot goes back.
+        `in_output`: `end` lies past the prompt. Such a save replaces the request's previous
+        one there: only the latest can serve a hit (a preempted request resuming, the next
+        turn of a chat), and saving every block of every decode would flush the prompts'."""
+        hashes = self.hashes.get(request_id, ())
+        j = end // self.block_size - 1
+        if j >= len(hashes) or self.pool.lookup(hashes[j]) is None:
+            self.states.release(slot)
+            return
+        if self.states.register(slot, hashes[j]) and in_output:
+            previous = self.output_saves.get(request_id)
+            if previous is not None and previous != hashes[j]:   # (equal: recomputed after
+                self.states.drop(previous)                        # a preemption, saved again)
+            self.output_saves[request_id] = hashes[j]
+
+    def release_state_save(self, slot: int) -> None:
+        """A planned save that will not be registered (its request ended, its step never ran)."""
+        self.states.release(slot)
+
+    def reset_prefix_cache(self) -> None:
+        self.pool.reset_prefix_cache()     # drops the saved states too (pool.on_evict)
+
+    def grow(self, request_id: str, num_tokens: int, need: int | None = None) -> list[int]:
+        """Blocks so the request holds `num_tokens` tokens (`need`: blocks_needed of that,
+        when the caller has it); returns the new ones."""
+        if need is None:
+            need = self.blocks_needed(request_id, num_tokens)
+        if not need:
+            return []
+        new = self.pool.allocate(need)
+        self.blocks[request_id] += new
+        return new
+
+    def new_group_ids(self, new_blocks: list[int]) -> list[list[int]]:
+        """Per group, the ids a running request gained: `grow`'s new blocks in each paged
+        group; nothing in a state group (its slot was sent at admission)."""
+        if self.kinds == [PAGED]:        # the common case, at every step of every request
+            return [new_blocks]
+        return [new_blocks if k == PAGED else [] for k in self.kinds]
+
+    def group_block_ids(self, request_id: str) -> list[list[int]]:
+        """The request's ids per group, in self.kinds order: its block table, its [state slot]."""
+        return [list(self.blocks.get(request_id, ())) if k == PAGED else [self.slots[request_id]]
+                for k in self.kinds]
+
+    def cache_full_blocks(self, request_id: str, token_slice: Callable[[int, int], list[int]],
+                          num_computed: int) -> None:
+        """Register the blocks that the first `num_computed` tokens fill (their KV is written).
+        `token_slice(start, end)`: the request's token ids there, asked for only when a block
+        was filled (building every request's whole token list each step cost ~0.2 ms at 256)."""
+        if not self.pool.enable_caching:
+            return
+        hashes = self.hashes.setdefault(request_id, [])
+        full = num_computed // self.block_size
+        if len(hashes) < full:
+            extend_block_hashes(hashes, token_slice(0, full * self.block_size), self.block_size)
+        blocks = self.blocks.get(request_id, [])
+        # Only the blocks filled since the last call: the earlier ones are registered already
+        # (a step at 256 sequences otherwise walked every block of every table).
+        first, end = self.registered.get(request_id, 0), min(full, len(hashes), len(blocks))
+        for j in range(first, end):
+            self.pool.cache_block(blocks[j], hashes[j])
+        if end > first:
+            self.registered[request_id] = end
+
+    def free(self, request_id: str, forget: bool = True) -> None:
+        """Give back the request's blocks and slot (preemption keeps its hashes: forget=False)."""
+        blocks = self.blocks.pop(request_id, None)
+        self.registered.pop(request_id, None)
+        if blocks:
+            self.pool.free(blocks)
+        slot = self.slots.pop(request_id, None)
+        if slot is not None:
+            self.free_slots.append(slot)
+        if forget:
+            self.hashes.pop(request_id, None)
+            self.output_saves.pop(request_id, None)     # its last save stays (a next turn's)

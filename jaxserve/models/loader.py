@@ -1,0 +1,89 @@
+"""Load a model by name or path: (ModelConfig, params on the device, Tokenizer).
+
+`model` may be None (the embedded default model), a `.gguf` file, or a HF directory
+(config.json + safetensors). `load_format` is "auto", "gguf", "safetensors" or "dummy".
+With a `mesh` (jaxserve.sharding.mesh.make_mesh), parameters are placed sharded as they load.
+The tokenizer is None when the source has no tokenizer (see `load_model`).
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxserve.config import ModelConfig
+from jaxserve.tokenizer import Tokenizer
+
+
+def resolve_model_path(model: str | None) -> str:
+    from jaxserve.models.loaders import default_model
+
+    if model is None or model in ("default", default_model.DEFAULT_MODEL_NAME):
+        return default_model.ensure_default_model()
+    if not os.path.exists(model):
+        raise FileNotFoundError(
+            f"model {model!r} not found: pass a .gguf file, a HF model directory, or nothing "
+            f"for the default model (jaxserve never downloads from a model hub)")
+    return model
+
+
+def load_model(model: str | None, load_format: str = "auto", dtype: str = "float32", *,
+               mesh=None, seed: int = 0,
+               quantization: str | None = None) -> tuple[ModelConfig, dict, Tokenizer | None]:
+    """(config, params on the device or sharded over `mesh`, tokenizer).
+
+    The tokenizer is None when there is nothing to build it from (a HF directory without
+    tokenizer files, or dummy weights from a bare config): the engine then accepts only
+    `prompt_token_ids`, and anything that needs text must say so.
+    For `load_format="dummy"`, `model` may also be a config.json path or the name of a ready
+    config in models/configs/ (e.g. "Qwen3-30B-A3B"). quantization "fp8": an FP8 HF
+    checkpoint's experts stay FP8 (hf_loader.FP8_KEEPING_ARCHITECTURES).
+    """
+    from jaxserve.models.loaders import dummy
+    from jaxserve.models.loaders import gguf as gguf_loader
+    from jaxserve.models.loaders import hf as hf_loader
+
+    if load_format not in ("auto", "gguf", "safetensors", "dummy"):
+        raise ValueError(f"load_format must be one of auto, gguf, safetensors, dummy; got {load_format!r}")
+    if load_format == "dummy":
+        if model is None:
+            raise ValueError(f"load_format='dummy' needs a model config: a config.json, a HF directory "
+                             f"or one of {', '.join(dummy.known_configs())}")
+        cfg, params = dummy.load_dummy(model, dtype, mesh, seed)
+        if quantization is not None:     # as an FP8 checkpoint of this shape would load
+            if cfg.architecture not in hf_loader.FP8_KEEPING_ARCHITECTURES:
+                raise ValueError(f"quantization {quantization!r} is built for "
+                                 f"{', '.join(hf_loader.FP8_KEEPING_ARCHITECTURES)}; got {cfg.architecture}")
+            from jaxserve.models.moe import quantize_experts_fp8
+            params = quantize_experts_fp8(params)
+        tokenizer = None
+        if isinstance(model, str) and hf_loader.is_hf_dir(model) and hf_loader.has_tokenizer_files(model):
+            tokenizer = Tokenizer.from_pretrained(model, cfg.eos_token_ids)
+        return cfg, params, tokenizer
+    path = resolve_model_path(model)
+    jdtype = jnp.dtype(dtype)
+    if quantization is not None and not (load_format in ("auto", "safetensors") and hf_loader.is_hf_dir(path)):
+        raise ValueError(f"quantization {quantization!r} keeps an FP8 HF checkpoint's weights as they "
+                         f"are; {path!r} is not a HF directory")
+    if load_format == "gguf" or (load_format == "auto" and path.endswith(".gguf")):
+        cfg, params, meta = gguf_loader.load_gguf(path)
+        tokenizer = Tokenizer.from_gguf_metadata(meta, cfg.eos_token_ids)
+        if mesh is not None:
+            from jaxserve.sharding import rules
+            return cfg, rules.shard_params(params, cfg, mesh, jdtype), tokenizer
+        return cfg, to_device(params, jdtype), tokenizer
+    if load_format == "safetensors" or (load_format == "auto" and hf_loader.is_hf_dir(path)):
+        cfg, params = hf_loader.load_hf(path, dtype, mesh, quantization)
+        tokenizer = (Tokenizer.from_pretrained(path, cfg.eos_token_ids)
+                     if hf_loader.has_tokenizer_files(path) else None)
+        return cfg, params, tokenizer
+    raise ValueError(f"cannot load {path!r} with load_format={load_format!r}: expected a .gguf file "
+                     f"or a directory with config.json and *.safetensors")
+
+
+def to_device(params: dict, dtype) -> dict:
+    """Move a numpy parameter tree onto the default device in `dtype` (norm weights too)."""
+    return jax.tree.map(lambda a: jnp.asarray(np.asarray(a), dtype=dtype), params)

@@ -1,0 +1,60 @@
+"""Command-line flags of `jaxserve serve` beyond the engine's (engine_args.py), vLLM's names.
+
+add_frontend_arguments: what shapes requests and responses, shared with `generate` and
+`run-batch` (they run the server's code on a batch file).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from jaxserve.engine.arg_types import int_at_least
+
+LOG_LEVELS = ["critical", "error", "warning", "info", "debug", "trace"]
+
+
+def add_frontend_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("requests and responses")
+    g.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="names clients use for the model; each is listed by /v1/models and accepted "
+                        "as `model`, the first is the one responses carry (default: the model path)")
+    g.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
+                   help="a Jinja chat template, as a file or inline, instead of the model's own")
+    g.add_argument("--generation-config", default="auto", metavar="auto|vllm|FOLDER",
+                   help="default sampling parameters (temperature, top_p, top_k, min_p, "
+                        "repetition_penalty, max_new_tokens as max_tokens) for requests that leave "
+                        "them out: 'auto' reads generation_config.json from the model folder (a .gguf "
+                        "has none), a FOLDER reads it from there, 'vllm' uses none (vLLM's defaults); "
+                        "a request's own values always win")
+    g.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='allow tool_choice "auto": the tools go through the chat template and the '
+                        "model's tool calls are parsed (needs --tool-call-parser)")
+    g.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json"],
+                   help="the model's tool-call format: hermes (Hermes, Qwen: <tool_call>{...}</tool_call>) "
+                        "or llama3_json (Llama 3.x: a JSON object with name and parameters)")
+
+
+def add_server_arguments(parser: argparse.ArgumentParser) -> None:
+    add_frontend_arguments(parser)
+    g = parser.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1")
+    g.add_argument("--port", type=int_at_least(0), default=8000)
+    g.add_argument("--api-key", action="append", default=None,
+                   help="require this bearer key on /v1/* and the tokenize routes (repeatable; default: "
+                        "$JAXSERVE_API_KEY, else $VLLM_API_KEY); /health, /version, /metrics and /docs "
+                        "stay open")
+    g.add_argument("--max-request-body-bytes", type=int_at_least(1), default=4 << 20,
+                   help="larger request bodies are refused (HTTP 413)")
+    g.add_argument("--protect-health-and-metrics", action="store_true",
+                   help="also require the API key on /health and /metrics")
+    g.add_argument("--log-level", "--uvicorn-log-level", dest="log_level", default="info",
+                   choices=LOG_LEVELS, help="jaxserve's and uvicorn's log level (--uvicorn-log-level "
+                                            "is vLLM's name for it)")
+    g.add_argument("--disable-uvicorn-access-log", action="store_true",
+                   help="no access-log line per HTTP request")
+    g.add_argument("--disable-log-requests", action="store_true",
+                   help="accepted for vLLM's command lines: jaxserve never logs prompts or outputs "
+                        "(the access log is uvicorn's: --disable-uvicorn-access-log)")
+    g.add_argument("--disable-log-stats", action="store_true",
+                   help="accepted for vLLM's command lines: jaxserve logs no periodic statistics "
+                        "(they are on /metrics)")

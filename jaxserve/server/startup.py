@@ -1,0 +1,100 @@
+"""What `serve`, `generate` and `run-batch` do before their first request, with a log line per
+phase (the first start downloads and compiles, which takes a while; the user should see why):
+check the model argument, fetch the default model, load, compile, check that the
+configuration can serve, then apply --chat-template and --generation-config.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+
+from jaxserve.engine.args import engine_kwargs, served_model_names
+from jaxserve.engine.checks import StartupError, check_can_serve, check_model_argument
+
+logger = logging.getLogger("jaxserve")
+
+
+def configure_logging(level: str = "info") -> None:
+    """jaxserve's log lines to stderr at `level`, once (uvicorn configures its own loggers)."""
+    root = logging.getLogger("jaxserve")
+    root.setLevel("DEBUG" if level == "trace" else level.upper())
+    if not any(getattr(h, "_jaxserve", False) for h in root.handlers):
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s %(name)s: %(message)s",
+                                               "%H:%M:%S"))
+        handler._jaxserve = True
+        root.addHandler(handler)
+        root.propagate = False
+
+
+def read_chat_template(value: str | None) -> str | None:
+    """--chat-template: a file's contents, or the value itself if it is a Jinja template."""
+    if value is None:
+        return None
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    if "{{" in value or "{%" in value:
+        return value
+    raise StartupError(f"--chat-template {value!r}: no such file, and not an inline Jinja template "
+                       f"(one holds '{{{{' or '{{%')")
+
+
+def fetch_default_model() -> str:
+    """The default model's path, downloaded on first use; StartupError if that fails."""
+    from jaxserve.models.loaders.default_model import ensure_default_model
+
+    try:
+        return ensure_default_model()    # shows its own progress the first time
+    except RuntimeError as e:
+        raise StartupError(str(e)) from e
+
+
+def start_engine(args: argparse.Namespace):
+    """(the AsyncEngine for the parsed flags, ready to serve; the sampling defaults of
+    --generation-config). StartupError, before anything loads where it can, if it cannot."""
+    from jaxserve.models.loaders.default_model import DEFAULT_MODEL_NAME
+    from jaxserve.engine import AsyncEngine
+    from jaxserve.engine.generation_config import default_sampling
+
+    kwargs = engine_kwargs(args)
+    check_model_argument(kwargs["model"], kwargs["load_format"])
+    template = read_chat_template(getattr(args, "chat_template", None))
+    defaults = default_sampling(getattr(args, "generation_config", "vllm"), kwargs["model"])
+    t0 = time.perf_counter()
+    if kwargs["model"] is None and kwargs["load_format"] != "dummy":
+        fetch_default_model()
+    logger.info("loading %s%s", kwargs["model"] or DEFAULT_MODEL_NAME,
+                "; then compiling the step programs (the first start compiles them all, later "
+                "ones load them from the cache)" if kwargs["warmup"] else "")
+    try:
+        engine = AsyncEngine.from_engine_args(**kwargs)
+    except (ValueError, OSError) as e:   # a bad file or a limit the model cannot take
+        raise StartupError(str(e)) from e
+    try:
+        check_can_serve(engine.config, engine.engine.runner.num_blocks)
+        if template is not None:
+            if engine.tokenizer is None:
+                raise StartupError("--chat-template: this model has no tokenizer, so chat is not served")
+            engine.tokenizer.hf.chat_template = template
+    except BaseException:
+        engine.shutdown()
+        raise
+    seconds = engine.engine.startup_seconds
+    logger.info("ready in %.1f s (loading %.1f s, warm-up %.1f s)", time.perf_counter() - t0,
+                seconds.get("load", 0.0), seconds.get("warmup", 0.0))
+    return engine, defaults
+
+
+def server_context(engine, args: argparse.Namespace, default_sampling: dict, **kwargs):
+    """The ServerContext for `engine`: the served names of `args`, the sampling defaults."""
+    from jaxserve.server.context import ServerContext
+
+    return ServerContext(engine, served_model_names=served_model_names(args) or (engine.model_name,),
+                         default_sampling=default_sampling,
+                         enable_auto_tool_choice=getattr(args, "enable_auto_tool_choice", False),
+                         tool_call_parser=getattr(args, "tool_call_parser", None), **kwargs)

@@ -1,0 +1,251 @@
+"""The runner's persistent batch: its own copy of every running request, patched each step.
+
+The scheduler sends a request's prompt and parameters once (`NewRequestData`) and after that
+only diffs (`ScheduledRequest`: how many tokens, new block ids); the runner appends the tokens
+it samples itself. Block tables live in one numpy array, a row per request, written only
+where blocks are added, so a step's tables are one fancy-index, not rebuilt from lists.
+
+A token the previous step sampled and the host has not read yet (the engine dispatches step
+N+1 before it reads step N's tokens) is taken on the device from that step's output: its
+`prev_token_rows` entry names the row, and the host's copy of the id is 0. So are drafts a
+proposer made on the device after that step (spec_decode/hidden_steps.py): the scheduler
+sends them as DRAFT_ON_DEVICE, and they sit in the columns after the sampled id.
+
+Legend: T tokens (padded), S sequences (padded), R rows of the persistent batch
+(max_num_seqs), B blocks per sequence, P tokens per block, N logprobs per token.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from jaxserve.core.kv_cache.manager import PAGED, STATE
+from jaxserve.sampling_params import SamplingParams
+from jaxserve.sample.tensors import SamplingRow, make_sampling_tensors, needs_extras
+from jaxserve.worker import verify_rows
+from jaxserve.core.step_input import StepInput
+from jaxserve.core.step_messages import DRAFT_ON_DEVICE, NewRequestData, SchedulerOutput
+from jaxserve.structured import masks as structured_masks
+
+
+@dataclasses.dataclass
+class CachedRequest:
+    """The runner's state of one running request."""
+    req_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]     # the tokens this runner has read back (or was sent)
+    sampling_params: SamplingParams
+    seed: int
+    eos_token_ids: tuple[int, ...]
+    row: int                        # its row of InputBatch.block_table
+    num_blocks: int = 0             # filled entries of that row
+    state_slot: int = 0             # its state slot (0: the model keeps no state)
+    grammar: object | None = None   # structured output: its structured.masks.RequestGrammar
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def tokens(self, start: int, end: int) -> list[int]:
+        """Token ids at positions start..end-1 (all known to the host)."""
+        n = len(self.prompt_token_ids)
+        if end <= n:
+            return self.prompt_token_ids[start:end]
+        if start >= n:
+            return self.output_token_ids[start - n:end - n]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:end - n]
+
+
+@dataclasses.dataclass(frozen=True)
+class StepPlan:
+    """What the host knows of a built step besides its StepInput (to read the results)."""
+    req_ids: list[str]
+    requests: list[CachedRequest]   # the runner's copies the step ran (an id may be reused)
+    samples: list[bool]             # per request: the chunk samples
+    prompt_lp_starts: dict[str, tuple[int, int]]   # req -> (first position, rows) of prompt logprobs
+    query_start_loc: np.ndarray     # i32[S+1]
+    full: bool                      # the step needs the full sampler (logprobs, penalties, masks)
+    prompt_logprobs: bool
+    draft_starts: dict[int, tuple[int, int]] = dataclasses.field(default_factory=dict)
+    # seq -> (logits row of its first draft, drafts) in a verifying step (verify_rows.py)
+    input_ends: list[int] = dataclasses.field(default_factory=list)
+    # per request: its chunk's inputs are its tokens before this position (drafts aside)
+
+    def is_void(self, i: int) -> bool:
+        """Request i's chunk started past what the request now holds: it assumed drafts of
+        the step before were kept and one was not (scheduler.py: scheduling past drafts)."""
+        return self.input_ends[i] > self.requests[i].num_tokens
+
+
+class InputBatch:
+    def __init__(self, *, max_num_seqs: int, max_blocks_per_seq: int, block_size: int,
+                 vocab_size: int, max_model_len: int, group_kinds: list[str],
+                 max_spec_tokens: int = 0):
+        self.max_spec_tokens = max_spec_tokens    # K of a verifying step (at least its most drafts)
+        self.block_size = block_size
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.group_kinds = group_kinds
+        self.block_table = np.zeros((max_num_seqs, max_blocks_per_seq), np.int32)   # i32[R, B]
+        self.free_rows = list(range(max_num_seqs - 1, -1, -1))
+        self.requests: dict[str, CachedRequest] = {}
+        self.prev_rows: dict[str, int] = {}     # req -> its sampled id's index in the last step's
+        self.prev_stride = 1                    # ... ids (flat: [rows, 1 + device draft columns])
+        self.grammars = None    # the engine's structured.compiler.GrammarCompiler (None: no tokenizer)
+        self.last_sampled = None   # () -> the last step's sampled ids on the host (the runner's)
+
+    # -- the diffs ---------------------------------------------------------------------------
+    def apply(self, out: SchedulerOutput) -> None:
+        """Take in a step's diffs: drop finished requests, add new ones, append block ids."""
+        for rid in out.finished_req_ids:
+            self.remove(rid)
+        for new in out.new_requests:
+            self.add(new)
+        for sched in out.scheduled:
+            req = self.requests[sched.req_id]
+            for kind, ids in zip(self.group_kinds, sched.new_block_ids):
+                if kind == PAGED and ids:
+                    self.block_table[req.row, req.num_blocks:req.num_blocks + len(ids)] = ids
+                    req.num_blocks += len(ids)
+                elif kind == STATE and ids:
+                    req.state_slot = ids[0]
+
+    def add(self, new: NewRequestData) -> None:
+        if new.req_id in self.requests:      # resumed after preemption: start again
+            self.remove(new.req_id)
+        row = self.free_rows.pop()
+        self.block_table[row] = 0
+        self.requests[new.req_id] = req = CachedRequest(
+            new.req_id, list(new.prompt_token_ids), list(new.output_token_ids),
+            new.sampling_params, new.seed, tuple(new.eos_token_ids), row)
+        if new.sampling_params.structured_outputs is not None:
+            req.grammar = structured_masks.RequestGrammar.for_request(self.grammars, new)
+
+    def remove(self, req_id: str) -> None:
+        req = self.requests.pop(req_id, None)
+        if req is not None:
+            self.free_rows.append(req.row)
+        self.prev_rows.pop(req_id, None)
+
+    def append_tokens(self, req: CachedRequest, tokens: list[int]) -> None:
+        """Tokens this runner sampled for `req` and has read back (ignored once it was
+        dropped, also when its id now names a new request)."""
+        if self.requests.get(req.req_id) is req:
+            req.output_token_ids.extend(tokens)
+
+    def grammar_drafts(self, req_id: str, drafts: list[int]) -> list[int]:
+        """`drafts` cut at the first token the request's grammar rejects (all of them for a
+        request without one, or one this runner does not hold)."""
+        req = self.requests.get(req_id)
+        if req is None or req.grammar is None:
+            return drafts
+        return drafts[:req.grammar.valid_drafts(req.output_token_ids, drafts)]
+
+    # -- one step's input --------------------------------------------------------------------
+    def build(self, out: SchedulerOutput, num_tokens: int, num_seqs: int) -> tuple[StepInput, StepPlan]:
+        """Host-side numpy StepInput of the step, padded to (num_tokens, num_seqs)."""
+        p = self.block_size
+        token_ids, positions, seq_ids = [], [], []
+        rows = np.zeros(num_seqs, np.int64)
+        next_ids = np.zeros(num_tokens, np.int32)
+        prev_rows = np.full(num_tokens, -1, np.int32)
+        qsl = np.zeros(num_seqs + 1, np.int32)
+        seq_lens = np.zeros(num_seqs, np.int32)
+        logits_idx = np.zeros(num_seqs, np.int32)
+        slots_S = np.zeros(num_seqs, np.int32)
+        sampling_rows, samples, prompt_lp, reqs, draft_seqs, ends = [], [], {}, [], [], []
+        constrained = []            # structured.masks.ConstrainedRows
+        full = False
+        t = 0
+        for s, sched in enumerate(out.scheduled):
+            req = self.requests[sched.req_id]
+            reqs.append(req)
+            start, n = sched.start_position, sched.num_tokens
+            drafts = list(sched.spec_token_ids)
+            real = start + n - len(drafts)         # the drafts are the chunk's last tokens
+            on_device = bool(drafts) and drafts[0] == DRAFT_ON_DEVICE
+            ends.append(real)
+            known = min(real, req.num_tokens)
+            token_ids += req.tokens(start, known)
+            if known < real:           # the last token is still on the device
+                # (a draft model's proposer runs several steps ahead of what it read back:
+                # only the chunk's own tokens must be known, so max(known, start))
+                if max(known, start) + 1 != real or sched.req_id not in self.prev_rows:
+                    raise RuntimeError(f"request {sched.req_id}: tokens {known}..{real - 1} "
+                                       f"are neither known nor on their way from the last step")
+                prev_rows[t + real - start - 1] = self.prev_rows[sched.req_id]
+                token_ids.append(0)
+            if on_device:            # after the sampled id, in its row of the last step's ids
+                if sched.req_id not in self.prev_rows or len(drafts) >= self.prev_stride:
+                    raise RuntimeError(f"request {sched.req_id}: its drafts are not on the device")
+                first = t + real - start
+                prev_rows[first:first + len(drafts)] = self.prev_rows[sched.req_id] + 1 + np.arange(len(drafts))
+                drafts = [0] * len(drafts)
+            token_ids += drafts
+            positions += range(start, start + n)
+            seq_ids += [s] * n
+            rows[s] = req.row
+            slots_S[s] = req.state_slot
+            qsl[s + 1] = t + n
+            seq_lens[s] = start + n
+            logits_idx[s] = t + n - 1
+            params = req.sampling_params
+            n_prompt = len(req.prompt_token_ids)
+            if params.prompt_logprobs is not None and start < n_prompt:
+                # Position q's logits predict prompt token q + 1: keep q < n_prompt - 1.
+                nxt = req.prompt_token_ids[start + 1:min(start + n, n_prompt - 1) + 1]
+                next_ids[t:t + len(nxt)] = nxt
+                prompt_lp[sched.req_id] = (start, len(nxt))
+            sampling_rows.append(SamplingRow(
+                params=params, prompt_token_ids=req.prompt_token_ids,
+                # (penalties alone read the history: no copy of it per step otherwise)
+                output_token_ids=req.output_token_ids + drafts if drafts and params.uses_penalties
+                else req.output_token_ids,
+                seed=req.seed, offset=start + n - n_prompt if sched.sample else 0,
+                eos_token_ids=req.eos_token_ids))
+            if drafts:
+                draft_seqs.append(verify_rows.DraftSeq(s, t + n - len(drafts) - 1, drafts,
+                                                       sampling_rows[-1]))
+            samples.append(sched.sample)
+            if req.grammar is not None and sched.sample:
+                constrained.append(structured_masks.ConstrainedRows(
+                    s, req, self.prev_rows[sched.req_id] if known < real else None, tuple(drafts)))
+            full = full or params.logprobs is not None or params.uses_truncation
+            t += n
+        qsl[len(out.scheduled) + 1:] = t
+        pad = num_tokens - t
+        positions_T = np.array(positions + [0] * pad, np.int32)
+        tables_SB = self.block_table[rows]
+        tables_SB[len(out.scheduled):] = 0
+        seq_T = np.array(seq_ids + [0] * pad, np.int32)
+        # Padding tokens write slot 0 of the null block (step_input.py's conventions).
+        slots_T = tables_SB[seq_T, positions_T // p] * p + positions_T % p
+        slots_T[t:] = 0
+        spec = None
+        if draft_seqs:       # verification: draft rows after the sequence rows
+            spec = verify_rows.build(draft_seqs, num_seqs, self.max_spec_tokens)
+            logits_idx = np.concatenate([logits_idx, spec.logits_indices])
+            sampling_rows += [verify_rows.PAD_ROW] * (num_seqs - len(sampling_rows)) + spec.sampling_rows
+            constrained = [dataclasses.replace(c, draft_rows=verify_rows.rows_of(c.row, spec.starts))
+                           for c in constrained]
+        full = full or bool(prompt_lp) or needs_extras(sampling_rows)
+        sampling = make_sampling_tensors(sampling_rows, len(logits_idx), self.vocab_size,
+                                         self.max_model_len, with_extras=full,
+                                         with_mask=full or bool(constrained))
+        if constrained:   # last: it may wait for the last step's tokens (structured/masks.py)
+            structured_masks.fill_step_masks(self.grammars, sampling.allowed_mask, constrained,
+                                             self.last_sampled)
+        x = StepInput(token_ids=np.array(token_ids + [0] * pad, np.int32), positions=positions_T,
+                      slot_mapping=slots_T.astype(np.int32), token_seq_ids=seq_T,
+                      query_start_loc=qsl, seq_lens=seq_lens, block_tables=tables_SB,
+                      logits_indices=logits_idx, next_token_ids=next_ids,
+                      prev_token_rows=prev_rows, sampling=sampling,
+                      state_slots=slots_S if STATE in self.group_kinds else None,
+                      draft_token_ids=spec.draft_token_ids if spec else None,
+                      draft_rows=spec.draft_rows if spec else None,
+                      num_drafts=spec.num_drafts if spec else None)
+        plan = StepPlan(out.req_ids, reqs, samples, prompt_lp, qsl, full, bool(prompt_lp),
+                        spec.starts if spec else {}, ends)
+        return x, plan
