@@ -18,6 +18,6 @@ cfg, params, tok = loader.load_model(None, dtype="float32")            # the def
 _, held = load_regenerated(regenerated, 768, cfg.vocab_size)
 prompts = [e.token_ids[:e.prompt_len].tolist() for e in held[:n]]
 t0 = time.time()
-report = engine_acceptance(cfg, params, tok, registry.get_model_module(cfg.architecture), "float32", head_dir,
+report = engine_acceptance(cfg, params, tok, registry.get_family(cfg.architecture), "float32", head_dir,
                            prompts, max_tokens, 3)
 print(json.dumps({"dtype": "float32", "seconds": round(time.time() - t0, 1), **report}))

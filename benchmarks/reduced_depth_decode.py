@@ -200,7 +200,7 @@ def main():
         if "layer_types" in hf:       # hybrid: repeat the pattern up to 4 layers
             hf["layer_types"] = (hf["layer_types"] * 4)[:hf["num_hidden_layers"]]
         cfg = hf_loader.model_config_from_hf(hf)
-        model = registry.get_model_module(cfg.architecture)
+        model = registry.get_family(cfg.architecture)
         if args.fp8 and cfg.architecture not in hf_loader.FP8_KEEPING_ARCHITECTURES:
             continue
         params = dummy.dummy_params(with_layers(cfg, args.depth), "bfloat16")

@@ -165,7 +165,7 @@ def build_engine(args):
                                   max_num_batched_tokens=args.max_num_batched_tokens,
                                   max_model_len=max_len),
         dtype=dtype, warmup=not args.tiny)
-    return LLM.from_engine(LLMEngine(config, params, None, registry.get_model_module(cfg.architecture)))
+    return LLM.from_engine(LLMEngine(config, params, None, registry.get_family(cfg.architecture)))
 
 
 def timed(llm, prompts, n):

@@ -48,7 +48,7 @@ def build(args):
                                              max_model_len=args.max_model_len),
         dtype=dtype, speculative=SpeculativeConfig.from_dict(spec))
     t = time.perf_counter()
-    engine = LLMEngine(config, params, None, registry.get_model_module(cfg.architecture))
+    engine = LLMEngine(config, params, None, registry.get_family(cfg.architecture))
     ready = time.perf_counter() - t
     engine.wait_for_warmup()
     return LLM.from_engine(engine), ready, time.perf_counter() - t

@@ -37,7 +37,7 @@ def worker(args) -> None:
     cfg, params, tok = loader.load_model(args.model, dtype="bfloat16")
     examples = data.load_examples(args.dataset, tok, args.max_len, args.max_examples, cfg.vocab_size)
     mine = [e for e in examples[args.skip:][args.worker::args.workers] if args.max_len - e.prompt_len >= 1]
-    engine = make_llm(cfg, params, tok, registry.get_model_module(cfg.architecture), "bfloat16", None,
+    engine = make_llm(cfg, params, tok, registry.get_family(cfg.architecture), "bfloat16", None,
                       args.max_len, args.seqs).engine
     for i, e in enumerate(mine):
         engine.add_request(str(i), e.token_ids[:e.prompt_len].tolist(),

@@ -10,7 +10,7 @@ from jaxserve.train_draft import head, target, train, data
 
 B, T = int(sys.argv[2]), int(sys.argv[3])
 cfg, params, _ = loader.load_model(sys.argv[1], load_format="dummy", dtype="bfloat16", seed=0)
-module = registry.get_model_module(cfg.architecture)
+module = registry.get_family(cfg.architecture)
 draft_ids = np.arange(32000, dtype=np.int32)
 rng = np.random.default_rng(0)
 ids = jnp.asarray(rng.integers(0, cfg.vocab_size, (B, T)), jnp.int32)

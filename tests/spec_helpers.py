@@ -17,7 +17,7 @@ def make_llm(model, spec: dict | None = None, *, max_num_seqs=8, max_tokens=32, 
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_tokens,
                                   max_model_len=max_len),
         dtype="float32", warmup=warmup, speculative=SpeculativeConfig.from_dict(spec))
-    return LLM.from_engine(LLMEngine(config, params, tok, registry.get_model_module(cfg.architecture)))
+    return LLM.from_engine(LLMEngine(config, params, tok, registry.get_family(cfg.architecture)))
 
 
 def token_ids(outs):

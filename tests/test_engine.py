@@ -10,7 +10,7 @@ from jaxserve import SamplingParams
 from jaxserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from jaxserve.engine import AsyncEngine, LLMEngine
 from jaxserve.engine.llm import LLM
-from jaxserve.models import llama, loader
+from jaxserve.models import llama, loader, registry
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6)
 
@@ -29,7 +29,7 @@ def make_llm(model, *, max_num_seqs=16, max_tokens=128, max_len=256, num_kv_bloc
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_tokens,
                                   max_model_len=max_len),
         dtype="float32", warmup=warmup)
-    return LLM.from_engine(LLMEngine(config, params, tok, llama))
+    return LLM.from_engine(LLMEngine(config, params, tok, registry.LLAMA))
 
 
 def prompts(n):

@@ -130,7 +130,7 @@ def _engine(path, steps, warmup=False, attention_impl="xla", num_kv_blocks=96):
                           scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32,
                                                     max_model_len=64, num_scheduler_steps=steps),
                           dtype="float32", warmup=warmup, attention_impl=attention_impl)
-    return LLMEngine(config, params, tok, registry.get_model_module(cfg.architecture))
+    return LLMEngine(config, params, tok, registry.get_family(cfg.architecture))
 
 
 def _spy(engine) -> list[int]:
@@ -238,7 +238,7 @@ def test_a_stop_string_inside_the_steps_ends_the_output_at_its_token():
     has a tokenizer)."""
     from jaxserve.engine import LLMEngine
     from jaxserve.engine.llm import LLM
-    from jaxserve.models import llama, loader
+    from jaxserve.models import llama, loader, registry
     cfg, params, tok = loader.load_model(None, dtype="float32")
 
     def llm(steps):
@@ -247,7 +247,7 @@ def test_a_stop_string_inside_the_steps_ends_the_output_at_its_token():
                                                         max_model_len=128,
                                                         num_scheduler_steps=steps),
                               dtype="float32", warmup=False)
-        return LLM.from_engine(LLMEngine(config, params, tok, llama))
+        return LLM.from_engine(LLMEngine(config, params, tok, registry.LLAMA))
 
     prompt = "The capital of France is"
     free = llm(1).generate(prompt, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),

@@ -52,8 +52,8 @@ def test_mtp_needs_mtp_layers(model):
 
     from jaxserve.spec_decode.config import SpeculativeConfig
     from jaxserve.spec_decode.mtp import MtpProposer
-    from models import qwen3_next
-    runner = SimpleNamespace(model=qwen3_next, cfg=SimpleNamespace(architecture="Qwen3_5ForCausalLM"),
+    from jaxserve.models import registry
+    runner = SimpleNamespace(model=registry.QWEN3_NEXT, cfg=SimpleNamespace(architecture="Qwen3_5ForCausalLM"),
                              params={"mtp": {"fc": None}})
     with pytest.raises(ValueError, match=r"'mtp' is not built for Qwen3_5ForCausalLM yet"):
         MtpProposer(SpeculativeConfig("mtp", 3), runner)

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from jaxserve import cli
-from jaxserve.models import loader
+from jaxserve.models import loader, registry
 from jaxserve.spec_decode import eagle3
 from jaxserve.train_draft import data, head
 from tests.conftest import GOLDEN_DIR
@@ -195,7 +195,7 @@ def test_regenerate_replaces_replies_by_the_targets_greedy_ones(target):
     from jaxserve.train_draft.regenerate import regenerate
 
     cfg, params, _ = loader.load_model(target, dtype="float32")
-    llm = make_llm(cfg, params, None, llama, "float32", None, 32, 4)
+    llm = make_llm(cfg, params, None, registry.LLAMA, "float32", None, 32, 4)
     ex = [data.Example(np.arange(10, 30, dtype=np.int32), 6), data.Example(np.arange(40, 52, dtype=np.int32), 11)]
     new = regenerate(llm, ex, 32, use_tqdm=False)
     from jaxserve import SamplingParams

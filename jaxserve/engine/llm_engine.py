@@ -71,7 +71,7 @@ def resolve_fused_kernels(option: str | tuple | list, cfg, num_devices: int) -> 
     if names is None:
         if jax.default_backend() != "gpu" or num_devices != 1:
             return ()
-        return llama.auto_fused_kernels(cfg, registry.get_model_module(cfg.architecture) is llama)
+        return llama.auto_fused_kernels(cfg, registry.get_family(cfg.architecture).name == "llama")
     if "linear" in names and num_devices != 1:
         # (its kernels and [out, in] weights are unsharded; a mesh keeps the unfused weights)
         raise ValueError(f"fused_kernels 'linear' runs on one device; got {num_devices} "
@@ -248,7 +248,7 @@ class LLMEngine:
             program_cache_dir=os.path.join(default_model.cache_dir(), "steps") if program_cache
             else None)
         name = served_model_name or (default_model.DEFAULT_MODEL_NAME if model is None else model)
-        engine = cls(config, params, tokenizer, registry.get_model_module(cfg.architecture), name, mesh=mesh,
+        engine = cls(config, params, tokenizer, registry.get_family(cfg.architecture), name, mesh=mesh,
                      device=device)
         engine.startup_seconds["load"] = load_s
         if cluster is not None and not cluster.config.is_worker:

@@ -249,7 +249,7 @@ def fused_stack_fits(cfg: ModelConfig) -> bool:
     dim >= 32 for the rope kernel, widths in multiples of 16: the MLP's, or an MoE layer's
     expert count (the router's output) and expert width)."""
     from jaxserve.models import registry  # local: the registry imports this module
-    if cfg.is_moe and registry.get_model_module(cfg.architecture).__name__ != __name__:
+    if cfg.is_moe and registry.get_family(cfg.architecture).name != "llama":
         return False    # other families' MoE layers (DeepSeek, MiniMax, Qwen3.5) have their own
     e = cfg.head_dim
     mlp = ((cfg.num_experts, cfg.moe_intermediate_size) if cfg.is_moe

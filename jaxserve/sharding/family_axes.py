@@ -69,9 +69,9 @@ FAMILY_AXES: dict[str, dict] = {
 
 def family(architecture: str) -> str:
     """The family module's short name ("llama", "deepseek", ...) of an architecture."""
-    from jaxserve.models.registry import get_model_module
+    from jaxserve.models.registry import get_family
 
-    return get_model_module(architecture).__name__.rsplit(".", 1)[-1]
+    return get_family(architecture).name
 
 
 # Cache array name -> logical axes of [num_blocks, P, ...] (paged) or [num_slots, ...] (state).

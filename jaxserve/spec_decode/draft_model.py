@@ -55,7 +55,7 @@ class DraftModelProposer:
 
         if draft is None:
             cfg, params, _ = loader.load_model(spec_config.model, dtype=engine_config.dtype)
-            draft = (cfg, params, registry.get_model_module(cfg.architecture))
+            draft = (cfg, params, registry.get_family(cfg.architecture))
         cfg, params, module = draft
         sched = engine_config.scheduler
         _check_compatible(cfg, engine_config.model, sched.max_model_len)

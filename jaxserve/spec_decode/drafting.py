@@ -83,7 +83,7 @@ def cache_on_target_blocks(spec_config, model, cfg) -> tuple[list, int]:
     if spec_config.method == "eagle3":
         from jaxserve.spec_decode import eagle3
         return eagle3.cache_specs(spec_config.model, cfg), eagle3.weight_bytes(spec_config.model)
-    if spec_config.method == "mtp" and hasattr(model, "mtp_cache_specs"):
+    if spec_config.method == "mtp" and model.supports_mtp:
         return model.mtp_cache_specs(cfg), 0       # its weights are the target's, loaded already
     return [], 0
 

@@ -45,7 +45,7 @@ class MtpProposer(hidden_steps.AfterStepProposer):
 
         model, cfg = runner.model, runner.cfg
         layers = len(runner.params.get("mtp", ())) if isinstance(runner.params, dict) else 0
-        if layers and not hasattr(model, "mtp_forward"):
+        if layers and not model.supports_mtp:
             raise ValueError(f"speculative_config['method'] 'mtp' is not built for {cfg.architecture} "
                              f"yet: its MTP layers load, but jaxserve has no forward for them "
                              f"(DeepSeek V3 / V3.2 have one)")

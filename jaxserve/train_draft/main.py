@@ -107,7 +107,7 @@ def _load(args) -> tuple[Target, tuple[int, ...]]:
     dtype = args.dtype or _backend_dtype()
     cfg, params, tokenizer = loader.load_model(args.model, load_format=args.load_format, dtype=dtype,
                                                seed=args.seed)
-    tgt = Target(cfg, params, tokenizer, registry.get_model_module(cfg.architecture), dtype)
+    tgt = Target(cfg, params, tokenizer, registry.get_family(cfg.architecture), dtype)
     return tgt, _aux_layers(args.aux_layers, cfg.num_layers)
 
 

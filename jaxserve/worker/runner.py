@@ -35,7 +35,6 @@ from jaxserve.worker.input_batch import InputBatch, StepPlan
 from jaxserve.core.kv_cache import manager as cache_manager
 from jaxserve.core.kv_cache.specs import PagedSpec
 from jaxserve.models.attention import AttentionBackend, AttentionPlan
-from jaxserve.models.moe import split_expert_weights
 from jaxserve.sample.tensors import make_sampling_tensors
 from jaxserve.spec_decode import drafting
 from jaxserve.sample import rejection_sampler
@@ -263,21 +262,21 @@ class ModelRunner:
         self.config = config
         self.device = device
         self.cfg = config.model
-        # One matmul per group of projections that share an input (unsharded only; see
-        # models/llama.py fuse_projections). In place, so no second copy of the weights.
-        # NOTE: off under a mesh: the sharding rules name the unfused weights, and wq|wk|wv
-        # concatenated then split by columns would give rank 0 all of q and none of k, v
-        # (a per-shard interleaved concatenation would need every family's split to know TP).
-        if mesh is None and hasattr(model, "fuse_projections"):
-            params = model.fuse_projections(config.model, params)
-        if mesh is None:     # expert arrays past the grouped-matmul kernel's reach, as chunks
-            params = split_expert_weights(params)
-        self.params = params
         self.model = model
         self.block_size = config.cache.block_size
         self.max_blocks_per_seq = math.ceil(config.scheduler.max_model_len / self.block_size)
         self.buckets = token_buckets(config.scheduler.max_num_batched_tokens)
         self.dtype = jnp.dtype(config.dtype)
+        # Under a mesh the kernels run per `model` shard, or on replicated inputs
+        # (sharding/kernels.py), so the impl is the configured one with or without a mesh.
+        self.backend = AttentionBackend(self.cfg, config.attention_impl,
+                                        context=self.max_blocks_per_seq * self.block_size,
+                                        itemsize=self.dtype.itemsize)
+        self.attention_impl = self.backend.impl
+        fused = frozenset(config.fused_kernels)
+        # The weights re-laid for the step's kernels, in place (the family's contract)
+        self.params = params = model.prepare_weights(self.cfg, params, fused=fused, mesh=mesh,
+                                                     backend=self.backend)
         self.cache_specs = model.cache_specs(self.cfg)
         # A proposer's cache on the target's block tables (MTP, EAGLE3) is sized with it.
         self.proposer_cache_specs, self.proposer_weight_bytes = drafting.cache_on_target_blocks(
@@ -312,17 +311,6 @@ class ModelRunner:
             self.state_copier = StateCopier(
                 [i for i, spec in enumerate(self.cache_specs) if not isinstance(spec, PagedSpec)],
                 config.scheduler.max_num_seqs)
-        # Under a mesh the kernels run per `model` shard, or on replicated inputs
-        # (sharding/kernels.py), so the impl is the configured one with or without a mesh.
-        self.backend = AttentionBackend(self.cfg, config.attention_impl,
-                                        context=self.max_blocks_per_seq * self.block_size,
-                                        itemsize=self.dtype.itemsize)
-        self.attention_impl = self.backend.impl
-        fused = frozenset(config.fused_kernels)
-        # fused_stack reads its projections [out, in] (models/llama.py transpose_for_fused_stack)
-        if (mesh is None and hasattr(model, "transpose_for_fused_stack")
-                and getattr(model.make_kernels(self.cfg, self.backend, fused=fused), "linear", False)):
-            self.params = params = model.transpose_for_fused_stack(self.cfg, params)
         self._step = jax.jit(functools.partial(_step_on_mesh, mesh=mesh, model=model, cfg=self.cfg,
                                                backend=self.backend, fused=fused,
                                                block_size=self.block_size),
@@ -351,7 +339,7 @@ class ModelRunner:
         # Compiled step programs by (input layout, variant): warm-up fills it, run() uses it.
         # NOTE: the identity names what the jitted step closes over: a stored program is
         # loaded only for the same ones (compiling.ProgramStore)
-        identity = repr((getattr(model, "__name__", repr(model)), self.cfg, self.backend.impl,
+        identity = repr((model.module.__name__, self.cfg, self.backend.impl,
                          repr(mesh), sorted(fused)))
         self._compiler = StepCompiler(self._step, self.params, self.kv_cache, self.prev_ids,
                                       self.input_sharding, store=config.program_cache_dir,

@@ -115,7 +115,7 @@ def check_models():
              [Chunk(0, [21], 11), Chunk(1, [22], 3)]]
 
     def run(cfg, params, mesh, impl):
-        model = registry.get_model_module(cfg.architecture)
+        model = registry.get_family(cfg.architecture)
         caches = empty_caches(cfg, mesh)
 
         def step(p, c, xs):

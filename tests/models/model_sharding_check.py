@@ -65,7 +65,7 @@ def _run(cfg, params, mesh, impl="xla", fused=frozenset()):
 
 
 def _forward_logits(cfg, params, kv, x, mesh=None, impl="xla", fused=frozenset()):
-    model = registry.get_model_module(cfg.architecture)    # llama's families, MiniMax-M2, ...
+    model = registry.get_family(cfg.architecture)    # llama's families, MiniMax-M2, ...
     if impl == "xla":
         kv, hidden, _ = model.forward(cfg, params, kv, x)
     else:   # traced with the mesh as the ambient one, as the runner's step is

@@ -58,7 +58,7 @@ def ckpt(name):
 
 def empty_caches(cfg, mesh):
     """Zeroed caches from the family's specs, each array placed as the runner places it."""
-    model = registry.get_model_module(cfg.architecture)
+    model = registry.get_family(cfg.architecture)
     out = []
     for spec in model.cache_specs(cfg):
         lead = (NUM_BLOCKS, BLOCK) if isinstance(spec, PagedSpec) else (NUM_SLOTS,)
@@ -75,7 +75,7 @@ def run(cfg, params, mesh, impl="xla"):
     """Logits of every step: prefill in two chunks (ragged, beside short prompts), then two
     batched decode steps. impl "pallas": the family's kernels (interpreted), traced with the
     mesh as the ambient one as the runner's step is, so they run per shard (sharding/kernels.py)."""
-    model = registry.get_model_module(cfg.architecture)
+    model = registry.get_family(cfg.architecture)
     caches = empty_caches(cfg, mesh)
     tables = scattered_block_tables(3, 4, NUM_BLOCKS, seed=1)
     slots = np.array([1, 3, 4])
@@ -150,7 +150,7 @@ def kernel_regions(cfg, tp):
 def as_on_mesh(cfg, params, mesh):
     """The parameter tree as the loaders lay it out on `mesh` (Qwen's conv channels grouped
     per key head), whatever the arrays' placement."""
-    if registry.get_model_module(cfg.architecture).__name__.endswith("qwen3_next"):
+    if registry.get_family(cfg.architecture).name == "qwen3_next":
         from jaxserve.models.loaders.qwen3_next import group_conv_channels
         return group_conv_channels(cfg, params, mesh)
     return params
@@ -160,7 +160,7 @@ def check_random(cfg, meshes, seed=0, impls=("xla",)):
     """Host weights larger than the dummies' (N(0, 0.08^2); zero-centred norms near 0) put on
     each mesh by rules.shard_params: logits equal one device's (XLA), with each impl."""
     rng = np.random.default_rng(seed)
-    model = registry.get_model_module(cfg.architecture)
+    model = registry.get_family(cfg.architecture)
     one = lambda shape: (0.08 * rng.normal(size=shape)).astype(np.float32)  # noqa: E731
     shapes = model.param_shapes(cfg)
     host = {k: one(v) for k, v in shapes.items() if k != "layers"}

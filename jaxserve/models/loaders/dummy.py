@@ -87,7 +87,7 @@ def dummy_params(cfg: ModelConfig, dtype: str = "float32", mesh=None, seed: int 
     from jaxserve.models import registry
     from jaxserve.sharding import rules
 
-    module = registry.get_model_module(cfg.architecture)
+    module = registry.get_family(cfg.architecture).module
     if hasattr(module, "dummy_params"):        # a family with its own parameter layout
         return module.dummy_params(cfg, dtype, mesh, seed)
     return draw_params(module.param_shapes(cfg), rules.param_placements(cfg, mesh), dtype, seed)

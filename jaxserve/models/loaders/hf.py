@@ -63,7 +63,7 @@ def read_hf_config(path: str) -> dict[str, Any]:
 def model_config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     """ModelConfig of a supported architecture; unsupported variants are refused by name."""
     arch = (hf.get("architectures") or ["?"])[0]
-    module = registry.get_model_module(arch)   # raises, listing the supported architectures
+    module = registry.get_family(arch).module   # raises, listing the supported architectures
     if hasattr(module, "config_from_hf"):      # a family with a config of its own (deepseek)
         return module.config_from_hf(hf)
     if hf.get("mlp_only_layers") or hf.get("decoder_sparse_step", 1) != 1:
@@ -190,7 +190,7 @@ def load_hf(path: str, dtype: str = "float32", mesh=None,
     from jaxserve.sharding import rules
 
     cfg = model_config_from_hf(read_hf_config(path))
-    module = registry.get_model_module(cfg.architecture)
+    module = registry.get_family(cfg.architecture).module
     if quantization is not None and cfg.architecture not in FP8_KEEPING_ARCHITECTURES:
         raise ValueError(f"quantization {quantization!r} is built for "
                          f"{', '.join(FP8_KEEPING_ARCHITECTURES)} checkpoints; {path!r} is "
