@@ -19,7 +19,7 @@ import jax.numpy as jnp
 
 from jaxserve.config import ModelConfig
 
-CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
+CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
 INIT_STD = 0.02          # HF's usual initializer_range: keeps activations finite over many layers
 
 
