@@ -203,18 +203,15 @@ def bench_prefill_buckets(rng):
 
 
 def engine_hint(slots: int, ctxs: list[int], context: int) -> tuple[int, bool]:
-    """The (busy_seqs, skewed) the engine passes the attention kernel
-    (runner.ModelRunner.attention_hint) for a bucket of `slots` one-token slots whose first
-    len(ctxs) hold decodes of ctxs keys, in a cache of `context` keys a sequence (16-slot
-    blocks)."""
+    """The (busy_seqs, skewed) the engine passes the attention kernel (the runner's
+    AttentionBackend.plan) for a bucket of `slots` one-token slots whose first len(ctxs) hold
+    decodes of ctxs keys, in a cache of `context` keys a sequence (bf16)."""
     import types
-    from jaxserve.worker.runner import ModelRunner
-    runner = types.SimpleNamespace(
-        cfg=types.SimpleNamespace(num_heads=kt.N, num_kv_heads=kt.KH, head_dim=kt.E),
-        dtype=jnp.dtype(jnp.bfloat16), _pallas_attention=True, _tilings={},
-        max_blocks_per_seq=context // 16, block_size=16)
-    runner.bucket_tilings = types.MethodType(ModelRunner.bucket_tilings, runner)
-    return ModelRunner.attention_hint(runner, slots, slots, len(ctxs), np.asarray(ctxs))
+    from jaxserve.models.attention import AttentionBackend
+    cfg = types.SimpleNamespace(num_heads=kt.N, num_kv_heads=kt.KH, head_dim=kt.E)
+    backend = AttentionBackend(cfg, "pallas", context=context, itemsize=2)
+    plan = backend.plan(slots, slots, len(ctxs), np.asarray(ctxs))
+    return plan.busy_seqs, plan.skewed
 
 
 def bench_decode_buckets(rng, sweep: bool):
