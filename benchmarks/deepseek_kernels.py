@@ -4,7 +4,7 @@ MLA paged attention (dense and sparse) against its jnp reference, at DeepSeek-V3
     python benchmarks/deepseek_kernels.py [--only topk,mla] [--json out.json]
     python benchmarks/deepseek_kernels.py --smoke     # tiny shapes, any backend (a CPU interprets)
 
-Timing, rows and HBM fractions as benchmarks/kernels.py (whose helpers this uses; MLA decode
+Timing, rows and HBM fractions as benchmarks/kernel_timing.py (whose helpers this uses; MLA decode
 inputs rotate out of L2 the same way). TopK: S rows of L keys (the indexer's scores of S query
 tokens), k = 2048, at L = 8K, 32K, 128K. MLA: 128 heads, a 512 + 64 latent in bf16, decode at
 batch 1, 16, 64 over a 4K context (bytes: the latent rows read + q + o), and the sparse form
@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import kernels as kb  # noqa: E402  (benchmarks/kernels.py: timing and rows)
+import kernel_timing as kb  # noqa: E402  (benchmarks/kernel_timing.py: timing and rows)
 
 from jaxserve.pallas_kernels import mla_attention as mk  # noqa: E402
 from jaxserve.pallas_kernels import topk as tk  # noqa: E402

@@ -53,13 +53,13 @@ latency() {
 
 hf() {
   local hf=(python3 benchmarks/hf_generate_baseline.py)
-  step 150 hf_8b "${hf[@]}" models/configs/Llama-3.1-8B.json --batch-size 1 64 --input-len 128 \
+  step 150 hf_8b "${hf[@]}" jaxserve/models/configs/Llama-3.1-8B.json --batch-size 1 64 --input-len 128 \
     --output-len 128 --num-iters 2 --output-json "$OUT/hf_8b.json"
-  step 300 hf_8b_static "${hf[@]}" models/configs/Llama-3.1-8B.json --batch-size 1 --input-len 128 \
+  step 300 hf_8b_static "${hf[@]}" jaxserve/models/configs/Llama-3.1-8B.json --batch-size 1 --input-len 128 \
     --output-len 128 --num-iters 2 --cache-implementation static --output-json "$OUT/hf_8b_static.json"
-  step 150 hf_qwen3_8b "${hf[@]}" models/configs/Qwen3-8B.json --batch-size 1 64 --input-len 128 \
+  step 150 hf_qwen3_8b "${hf[@]}" jaxserve/models/configs/Qwen3-8B.json --batch-size 1 64 --input-len 128 \
     --output-len 128 --num-iters 1 --output-json "$OUT/hf_qwen3_8b.json"
-  step 200 hf_qwen3_moe "${hf[@]}" models/configs/Qwen3-30B-A3B.json --batch-size 1 16 --input-len 64 \
+  step 200 hf_qwen3_moe "${hf[@]}" jaxserve/models/configs/Qwen3-30B-A3B.json --batch-size 1 16 --input-len 64 \
     --output-len 32 --num-iters 1 --output-json "$OUT/hf_qwen3_moe.json"
 }
 

@@ -1,7 +1,7 @@
 """Baseline: Hugging Face transformers `generate` on a random-weight model of a given config,
 in bf16 on one CUDA GPU (torch), at the same batch sizes and lengths as `jaxserve bench latency`.
 
-    python benchmarks/hf_generate_baseline.py models/configs/Llama-3.1-8B.json \
+    python benchmarks/hf_generate_baseline.py jaxserve/models/configs/Llama-3.1-8B.json \
         --batch-size 1 64 --input-len 128 --output-len 128 --output-json hf.json
 
 Per batch size: the median time of `generate` for 1 new token (prefill) and for

@@ -1,5 +1,5 @@
 """Hybrid prefix caching (kv_cache/state_cache.py) on Qwen3.5-397B's reduced-depth shape
-(models/configs/Qwen3.5-397B-A17B-4L.json, dummy bf16 weights): what a hit saves and what the
+(jaxserve/models/configs/Qwen3.5-397B-A17B-4L.json, dummy bf16 weights): what a hit saves and what the
 state saves cost.
 
     # H200 (one device call; ~6 minutes with compiles, ~2.5 of them each engine's warm-up;

@@ -1,4 +1,4 @@
-"""MiniMax-M2 decode on the GPU, reduced depth at full width (models/configs/MiniMax-M2-4L.json,
+"""MiniMax-M2 decode on the GPU, reduced depth at full width (jaxserve/models/configs/MiniMax-M2-4L.json,
 dummy bf16 weights): the model's decode step per layer at batch 1 / 16 / 64 against its HBM
 roofline, with the XLA QK-norm + RoPE + KV write and with the fused Pallas kernel inside the
 step; and that kernel alone against XLA.
@@ -12,7 +12,7 @@ On the H200, one device call each (a step figure compiles 4 programs per batch s
     python benchmarks/minimax_m2_decode.py --only step --batch 64 --json $OUT/m2_step_64.json
 
 The step is the model's forward + logits (no sampler, no host): one jitted program looping the
-step over its caches, timed by benchmarks/kernels.py gpu_time_ms (CUPTI kernel time). Per
+step over its caches, timed by benchmarks/kernel_timing.py gpu_time_ms (CUPTI kernel time). Per
 layer = (step with 4 layers - step with 2 layers) / 2, which removes the embedding and the
 200K-vocabulary head. Roofline per layer: the attention and router weights, the experts the
 batch reaches (expected distinct of 256 with top-8 under uniform routing: 8 at batch 1, ~102
@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import kernels as kb  # noqa: E402  (benchmarks/kernels.py: timing and rows)
+import kernel_timing as kb  # noqa: E402  (benchmarks/kernel_timing.py: timing and rows)
 from reduced_depth_decode import decode_input  # noqa: E402
 
 from jaxserve.models import minimax_m2

@@ -4,7 +4,7 @@ mode is reached through jax._src.cudnn.fused_attention_stablehlo.paged_attention
 dot_product_attention takes no page table in jax 0.11.2); it needs exactly batch x
 blocks-per-sequence cache blocks, so here the cache holds only the batch's blocks, scattered (a
 shuffled pool), and our kernel reads the same cache through the same tables. Timed as
-benchmarks/kernels.py times decode (CUPTI, inputs out of L2), two timings each, interleaved.
+benchmarks/kernels.py (kernel_timing.py) times decode (CUPTI, inputs out of L2), two timings each, interleaved.
 
     python3 benchmarks/paged_cudnn.py
 """
@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import kernels as kb   # noqa: E402  (benchmarks/kernels.py)
+import kernel_timing as kb   # noqa: E402  (benchmarks/kernel_timing.py)
 
 from jaxserve.pallas_kernels import ragged_paged_attention as rpa   # noqa: E402
 

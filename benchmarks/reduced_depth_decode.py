@@ -12,7 +12,7 @@ the kernels a layer launches (issues 30, 32, 33: DeepSeek V3 / V3.2, Qwen3.5, Mi
 
 The step is the model's forward + logits over B decode tokens at `--context` cached tokens
 each (no sampler, no host): one jitted program looping it over its caches, timed by
-benchmarks/kernels.py gpu_time_ms (CUPTI kernel time). Per layer = (step of 4 layers - step of
+benchmarks/kernel_timing.py gpu_time_ms (CUPTI kernel time). Per layer = (step of 4 layers - step of
 2 layers) / 2, which removes the embedding and the LM head: layers 2 and 3 of the config (for
 DeepSeek-V3-4L two MoE layers; for Qwen3.5-4L one linear-attention and one full-attention
 layer, so the figure is their mean). `--depth 3` builds and times 3 layers against 2: layer 2
@@ -41,7 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import kernels as kb  # noqa: E402  (benchmarks/kernels.py: timing and rows)
+import kernel_timing as kb  # noqa: E402  (benchmarks/kernel_timing.py: timing and rows)
 from jaxserve.bench import roofline  # noqa: E402
 from jaxserve.engine.llm_engine import resolve_fused_kernels  # noqa: E402
 from jaxserve.core.kv_cache.specs import PagedSpec  # noqa: E402
@@ -173,7 +173,7 @@ def measure(model, cfg, params, layer_bytes_of: dict, batches, context: int, imp
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", nargs="+", default=["DeepSeek-V3-4L"],
-                    help="models/configs names (or config.json paths) of 4 layers or more")
+                    help="jaxserve/models/configs names (or config.json paths) of 4 layers or more")
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 16, 64])
     ap.add_argument("--context", type=int, default=1024, help="cached tokens per sequence")
     ap.add_argument("--impl", default="pallas", help="attention implementation")
