@@ -86,7 +86,7 @@ class LlamaFamily(ModelFamily):
             return llama.make_kernels(cfg, backend, fused=fused)
         return llama.make_kernels(cfg, backend, plan, fused)
 
-    def forward(self, cfg, params, caches, x, kernels, aux_layers=()):
+    def forward(self, cfg, params, caches, x, kernels="xla", aux_layers=()):
         return llama.forward(cfg, params, caches, x, kernels, aux_layers)
 
     def compute_logits(self, cfg, params, hidden_SD, kernels=None):
@@ -142,7 +142,7 @@ class DeepseekFamily(ModelFamily):
     def make_kernels(self, cfg, backend, plan=None, fused=frozenset()):
         return deepseek.make_kernels(cfg, backend, plan, fused)
 
-    def forward(self, cfg, params, caches, x, kernels, aux_layers=()):
+    def forward(self, cfg, params, caches, x, kernels="xla", aux_layers=()):
         return deepseek.forward(cfg, params, caches, x, kernels, aux_layers)
 
     def compute_logits(self, cfg, params, hidden_SD, kernels=None):
@@ -182,7 +182,7 @@ class MiniMaxM2Family(ModelFamily):
     def make_kernels(self, cfg, backend, plan=None, fused=frozenset()):
         return minimax_m2.make_kernels(cfg, backend, plan, fused)
 
-    def forward(self, cfg, params, caches, x, kernels, aux_layers=()):
+    def forward(self, cfg, params, caches, x, kernels="xla", aux_layers=()):
         return minimax_m2.forward(cfg, params, caches, x, kernels, aux_layers)
 
     def compute_logits(self, cfg, params, hidden_SD, kernels=None):
@@ -248,7 +248,7 @@ class Qwen3NextFamily(ModelFamily):
     def make_kernels(self, cfg, backend, plan=None, fused=frozenset()):
         return qwen3_next.make_kernels(cfg, backend, plan, fused)
 
-    def forward(self, cfg, params, caches, x, kernels, aux_layers=()):
+    def forward(self, cfg, params, caches, x, kernels="xla", aux_layers=()):
         return qwen3_next.forward(cfg, params, caches, x, kernels, aux_layers)
 
     def compute_logits(self, cfg, params, hidden_SD, kernels=None):

@@ -127,8 +127,10 @@ class ModelFamily(abc.ABC):
         """The kernels of one compiled step (the attention backend's `plan`, the fused names)."""
 
     @abc.abstractmethod
-    def forward(self, cfg: ModelConfig, params, caches, x, kernels, aux_layers: tuple[int, ...] = ()):
-        """(caches, hidden f[T, D], aux hidden states after `aux_layers`)."""
+    def forward(self, cfg: ModelConfig, params, caches, x, kernels="xla",
+                aux_layers: tuple[int, ...] = ()):
+        """(caches, hidden f[T, D], aux hidden states after `aux_layers`); `kernels` a
+        make_kernels result or an attention impl name."""
 
     @abc.abstractmethod
     def compute_logits(self, cfg: ModelConfig, params, hidden_SD, kernels=None):
