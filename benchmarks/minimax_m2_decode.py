@@ -38,9 +38,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import kernels as kb  # noqa: E402  (benchmarks/kernels.py: timing and rows)
 from reduced_depth_decode import decode_input  # noqa: E402
 
-from jaxserve.models import minimax_m2
-from jaxserve.models.loaders import dummy
-from jaxserve.models import loader  # noqa: E402
+from jaxserve.models import loader, minimax_m2  # noqa: E402
+from jaxserve.models.loaders import dummy  # noqa: E402
 from jaxserve.models.attention import AttentionBackend  # noqa: E402
 from jaxserve.pallas_kernels import full_qk_norm_rope_kv_write as fqr  # noqa: E402
 

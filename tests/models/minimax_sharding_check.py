@@ -22,8 +22,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import PartitionSpec  # noqa: E402
 
-from jaxserve.models import minimax_m2, registry
-from jaxserve.models import loader  # noqa: E402
+from jaxserve.models import loader, minimax_m2, registry  # noqa: E402
 from jaxserve.sharding import mesh as mesh_lib, rules  # noqa: E402
 from model_sharding_check import FUSED, GOLDEN, _forward_logits, _run, check_matches  # noqa: E402
 from model_step_builder import Chunk, build_step, scattered_block_tables  # noqa: E402

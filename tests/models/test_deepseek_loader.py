@@ -12,10 +12,9 @@ import pytest
 from safetensors.numpy import save_file
 
 from fp8_checkpoint import F8, fp8_copy, quantize_blocks
-from jaxserve.models import deepseek
+from jaxserve.models import deepseek, loader
 from jaxserve.models.loaders import deepseek as deepseek_loader
 from jaxserve.models.loaders import dummy
-from jaxserve.models import loader
 
 CKPT = os.path.join(os.path.dirname(__file__), os.pardir, "golden", "ckpt", "deepseek_v3")
 
@@ -168,7 +167,6 @@ def test_dummy_draws_a_big_group_array_by_array(monkeypatch):
 def test_dummy_fp8_experts_are_quantized_like_a_checkpoint():
     """--load-format dummy --quantization fp8 (the H200 benchmarks' FP8 path): every MoE
     layer's experts are block-scaled FP8 within e4m3's rounding of the drawn weights."""
-    from jaxserve.models import loader
     from jaxserve.pallas_kernels import grouped_matmul as gm
 
     _, plain, _ = loader.load_model(CKPT, load_format="dummy", seed=3)

@@ -15,10 +15,9 @@ from safetensors.numpy import save_file
 
 from fp8_checkpoint import F8, quantize_blocks
 from jaxserve import LLM, SamplingParams
-from jaxserve.models import minimax_m2
+from jaxserve.models import loader, minimax_m2
 from jaxserve.models.loaders import deepseek as deepseek_loader
 from jaxserve.models.loaders import dummy
-from jaxserve.models import loader
 
 GOLDEN = os.path.join(os.path.dirname(__file__), os.pardir, "golden")
 CKPT = os.path.join(GOLDEN, "ckpt", "minimax_m2")

@@ -342,9 +342,8 @@ def test_auto_turns_linear_on_for_small_dense_models_and_moe_for_experts():
     assert llama.auto_fused_kernels(moe, family_is_llama=False) == ("moe",)
     # other families' MoE models keep their own stacks, and "linear" named for one changes
     # nothing (before the MoE fused stack it never applied to MoE models)
-    from jaxserve.models import minimax_m2
+    from jaxserve.models import loader, minimax_m2
     from jaxserve.models.loaders import dummy
-    from jaxserve.models import loader
     golden = os.path.join(os.path.dirname(__file__), os.pardir, "golden", "ckpt")
     for name in ("minimax_m2", "deepseek_v3", "qwen3_5_moe"):
         cfg = loader.model_config_from_hf(dummy.read_config(os.path.join(golden, name, "config.json")))
