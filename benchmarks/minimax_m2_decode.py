@@ -38,9 +38,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import kernel_timing as kb  # noqa: E402  (benchmarks/kernel_timing.py: timing and rows)
 from reduced_depth_decode import decode_input  # noqa: E402
 
-from jaxserve.models import minimax_m2
-from jaxserve.models.loaders import dummy
-from jaxserve.models.loaders import hf as hf_loader  # noqa: E402
+from jaxserve.models import loader, minimax_m2  # noqa: E402
+from jaxserve.models.loaders import dummy  # noqa: E402
 from jaxserve.models.attention import AttentionBackend  # noqa: E402
 from jaxserve.pallas_kernels import full_qk_norm_rope_kv_write as fqr  # noqa: E402
 
@@ -141,7 +140,7 @@ def main():
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     hf = SMOKE if args.smoke else dummy.read_config(args.config)
-    cfg = hf_loader.model_config_from_hf(hf)
+    cfg = loader.model_config_from_hf(hf)
     if cfg.num_layers < 4:
         sys.exit(f"{args.config}: needs at least 4 layers (the per-layer figure is 4L - 2L)")
     rng = np.random.default_rng(0)
@@ -149,7 +148,7 @@ def main():
     if "kernel" in args.only:
         bench_kernel(cfg, rng, (1, 16) if args.smoke else (1, 16, 64, 2048))
     if "step" in args.only:
-        params = minimax_m2.dummy_params(dataclasses.replace(cfg, num_layers=4), "bfloat16")
+        params = loader.dummy_params(dataclasses.replace(cfg, num_layers=4), "bfloat16")
         bench_steps(cfg, params, (1, 4) if args.smoke else args.batch, 32 if args.smoke else args.context,
                     "pallas")
     if args.json:

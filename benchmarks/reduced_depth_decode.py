@@ -47,9 +47,9 @@ from jaxserve.engine.llm_engine import resolve_fused_kernels  # noqa: E402
 from jaxserve.core.kv_cache.specs import PagedSpec  # noqa: E402
 from jaxserve.models import registry
 from jaxserve.models.loaders import dummy
-from jaxserve.models.loaders import hf as hf_loader  # noqa: E402
+from jaxserve.models import loader  # noqa: E402
 from jaxserve.models.attention import AttentionBackend  # noqa: E402
-from jaxserve.models.moe import quantize_experts_fp8, split_expert_weights  # noqa: E402
+from jaxserve.models.moe import quantize_experts_fp8  # noqa: E402
 from jaxserve.worker.runner import allocate_caches  # noqa: E402
 from jaxserve.core.step_input import StepInput  # noqa: E402
 
@@ -199,11 +199,11 @@ def main():
         hf = dict(hf, num_hidden_layers=max(4, hf.get("num_hidden_layers", 0)))
         if "layer_types" in hf:       # hybrid: repeat the pattern up to 4 layers
             hf["layer_types"] = (hf["layer_types"] * 4)[:hf["num_hidden_layers"]]
-        cfg = hf_loader.model_config_from_hf(hf)
+        cfg = loader.model_config_from_hf(hf)
         model = registry.get_family(cfg.architecture)
-        if args.fp8 and cfg.architecture not in hf_loader.FP8_KEEPING_ARCHITECTURES:
+        if args.fp8 and not model.keeps_fp8_experts:
             continue
-        params = dummy.dummy_params(with_layers(cfg, args.depth), "bfloat16")
+        params = loader.dummy_params(with_layers(cfg, args.depth), "bfloat16")
         if args.fp8:
             params = quantize_experts_fp8(params)
         fused = frozenset(resolve_fused_kernels(args.fused, cfg, 1))
@@ -215,11 +215,7 @@ def main():
                            / (args.depth - 2) for b in batches}
         # The weights as the engine's runner holds them (runner.ModelRunner, unsharded): fused
         # projections, and expert arrays past the grouped-matmul kernel's reach in chunks.
-        if hasattr(model, "fuse_projections"):
-            params = model.fuse_projections(cfg, params)
-        params = split_expert_weights(params)
-        if getattr(model.make_kernels(cfg, "pallas", fused=fused), "linear", False):
-            params = model.transpose_for_fused_stack(cfg, params)
+        params = model.prepare_weights(cfg, params, fused=fused, mesh=None, backend="pallas")
         measure(model, cfg, params, per_layer_bytes, batches, context,
                 "xla" if args.smoke else args.impl, label, fused, args.depth, args.kernels)
         del params

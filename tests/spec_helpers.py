@@ -37,8 +37,8 @@ def write_tiny_llama(path, vocab_size: int, seed: int = 0, **config) -> str:
     import numpy as np
     from safetensors.numpy import save_file
 
-    from jaxserve.models.loaders import dummy
-    from jaxserve.models.loaders.hf import _LAYER_TENSORS, model_config_from_hf
+    from jaxserve.models.loader import dummy_params, model_config_from_hf
+    from jaxserve.models.loaders.hf import _LAYER_TENSORS
 
     hf = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 32,
           "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
@@ -46,7 +46,7 @@ def write_tiny_llama(path, vocab_size: int, seed: int = 0, **config) -> str:
           "max_position_embeddings": 2048, "tie_word_embeddings": True, "vocab_size": vocab_size,
           "bos_token_id": 1, "eos_token_id": 2, **config}
     cfg = model_config_from_hf(hf)
-    params = dummy.dummy_params(cfg, "float32", seed=seed)
+    params = dummy_params(cfg, "float32", seed=seed)
     ours = {o: (n, t) for n, (o, t) in _LAYER_TENSORS.items()}
     tensors = {"model.embed_tokens.weight": params["embed"], "model.norm.weight": params["final_norm"]}
     if "lm_head" in params:

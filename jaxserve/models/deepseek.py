@@ -442,12 +442,6 @@ def mtp_forward(cfg: DeepseekConfig, params: dict, caches: list[dict], x: StepIn
     return caches[:depth] + [cache] + caches[depth + 1:], logits, h_TD
 
 
-def load_hf(path: str, cfg: DeepseekConfig, dtype: str = "float32", mesh=None, quantization=None):
-    """(cfg, params) from a HF directory: models/deepseek_loader.py."""
-    from jaxserve.models.loaders import deepseek as deepseek_loader
-    return deepseek_loader.load_hf(path, cfg, dtype, mesh, quantization)
-
-
 def compute_logits(cfg: DeepseekConfig, params: dict, hidden_SD: jax.Array, kernels=None) -> jax.Array:
     del kernels   # (the fused LM head is llama's Kernels.linear)
     head = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]

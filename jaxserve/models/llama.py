@@ -30,7 +30,7 @@ import jax.numpy as jnp
 
 from jaxserve.config import ModelConfig
 from jaxserve.core.kv_cache.specs import PagedSpec
-from jaxserve.models import layers
+from jaxserve.models import layers, moe
 from jaxserve.models.attention import AttentionBackend, AttentionPlan
 from jaxserve.pallas_kernels.grouped_matmul import MAX_WEIGHT_ELEMENTS
 from jaxserve.core.step_input import StepInput
@@ -45,7 +45,7 @@ def attention_block(cfg: ModelConfig, lp: dict, kv: dict, h_TD: jax.Array, x: St
     t = h_TD.shape[0]
     n, kh, e = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     if "wqkv" in lp or "wqkv_t" in lp:      # fused by fuse_projections
-        qkv = project(h_TD, lp, "wqkv")
+        qkv = layers.project(h_TD, lp, "wqkv")
         if cfg.attention_bias:
             qkv = qkv + lp["bqkv"]
         q, k, v = jnp.split(qkv, [n * e, (n + kh) * e], axis=-1)
@@ -57,30 +57,15 @@ def attention_block(cfg: ModelConfig, lp: dict, kv: dict, h_TD: jax.Array, x: St
         q.reshape(t, n, e), k.reshape(t, kh, e), v.reshape(t, kh, e), x.positions, x.slot_mapping,
         kv["k"], kv["v"], inv_freq, lp.get("q_norm"), lp.get("k_norm"))
     o_TNE = kernels.attention(q_TNE, k_cache, v_cache, x)
-    return {"k": k_cache, "v": v_cache}, project(o_TNE.reshape(t, n * e), lp, "wo")
-
-
-def project(h_TD: jax.Array, lp: dict, name: str) -> jax.Array:
-    """h_TD @ lp[name], or through its [out, in] copy lp[name + "_t"] (transpose_for_fused_stack)."""
-    if name + "_t" in lp:
-        return h_TD @ lp[name + "_t"].T
-    return layers.linear(h_TD, lp[name])
-
-
-def gate_up(lp: dict, project: Callable):
-    """(gate, up) activations of an MLP layer, fused (w_gate_up, by fuse_projections) or not;
-    `project(w)` applies the layer's input to a weight (a matmul, or a grouped one for MoE)."""
-    if "w_gate_up" in lp:
-        return jnp.split(project(lp["w_gate_up"]), 2, axis=-1)
-    return project(lp["w_gate"]), project(lp["w_up"])
+    return {"k": k_cache, "v": v_cache}, layers.project(o_TNE.reshape(t, n * e), lp, "wo")
 
 
 def dense_mlp(lp: dict, h_TD: jax.Array) -> jax.Array:
     if "w_gate_up_t" in lp:
-        gate, up = jnp.split(project(h_TD, lp, "w_gate_up"), 2, axis=-1)
+        gate, up = jnp.split(layers.project(h_TD, lp, "w_gate_up"), 2, axis=-1)
     else:
-        gate, up = gate_up(lp, lambda w: layers.linear(h_TD, w))
-    return project(jax.nn.silu(gate) * up, lp, "w_down")
+        gate, up = layers.gate_up(lp, lambda w: layers.linear(h_TD, w))
+    return layers.project(jax.nn.silu(gate) * up, lp, "w_down")
 
 
 def fuse_projections(cfg: ModelConfig, params: dict) -> dict:
@@ -268,7 +253,6 @@ def fused_stack(cfg: ModelConfig, params: dict, caches: Caches, x: StepInput, ke
     in bf16 an ulp here and there (fused_linear rounds x * norm before the row's scale, not
     after), which may flip a near-tied top-k choice of the router. Needs the fused projections
     stored [out, in] (fuse_projections, then transpose_for_fused_stack)."""
-    from jaxserve.models import moe  # local: moe builds on this module
     from jaxserve.pallas_kernels.fused_linear import fused_linear
     from jaxserve.pallas_kernels.qk_norm_rope_kv_write import qkv_norm_rope_kv_write
     from jaxserve.pallas_kernels.fused_linear import SMALL_WEIGHT_ELEMENTS, one_row
@@ -318,7 +302,6 @@ def forward(cfg: ModelConfig, params: dict, caches: Caches, x: StepInput,
     sub-block's output is added to the residual and the sum is normalised for the next
     sub-block in one step (`add_norm`), which a fused kernel can do reading and writing each
     activation once (make_kernels)."""
-    from jaxserve.models import moe  # local: moe builds on this module
     if isinstance(kernels, str):
         kernels = make_kernels(cfg, kernels)
     inv_freq = layers.rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling_dict)
@@ -376,7 +359,6 @@ def param_shapes(cfg: ModelConfig) -> dict:
     if cfg.qk_norm:
         layer.update(q_norm=(e,), k_norm=(e,))
     if cfg.is_moe:
-        from jaxserve.models import moe
         layer.update(moe.moe_param_shapes(cfg))
     else:
         layer.update(w_gate=(d, f), w_up=(d, f), w_down=(f, d))

@@ -15,6 +15,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.config import ModelConfig
+from jaxserve.models import registry
+from jaxserve.models.loaders import dummy, gguf as gguf_loader, hf as hf_loader
+from jaxserve.sharding import rules
 from jaxserve.tokenizer import Tokenizer
 
 
@@ -40,23 +43,19 @@ def load_model(model: str | None, load_format: str = "auto", dtype: str = "float
     `prompt_token_ids`, and anything that needs text must say so.
     For `load_format="dummy"`, `model` may also be a config.json path or the name of a ready
     config in models/configs/ (e.g. "Qwen3-30B-A3B"). quantization "fp8": an FP8 HF
-    checkpoint's experts stay FP8 (hf_loader.FP8_KEEPING_ARCHITECTURES).
+    checkpoint's experts stay FP8 (a family that keeps_fp8_experts).
     """
-    from jaxserve.models.loaders import dummy
-    from jaxserve.models.loaders import gguf as gguf_loader
-    from jaxserve.models.loaders import hf as hf_loader
-
     if load_format not in ("auto", "gguf", "safetensors", "dummy"):
         raise ValueError(f"load_format must be one of auto, gguf, safetensors, dummy; got {load_format!r}")
     if load_format == "dummy":
         if model is None:
             raise ValueError(f"load_format='dummy' needs a model config: a config.json, a HF directory "
                              f"or one of {', '.join(dummy.known_configs())}")
-        cfg, params = dummy.load_dummy(model, dtype, mesh, seed)
+        cfg, params = load_dummy(model, dtype, mesh, seed)
         if quantization is not None:     # as an FP8 checkpoint of this shape would load
-            if cfg.architecture not in hf_loader.FP8_KEEPING_ARCHITECTURES:
+            if not registry.get_family(cfg.architecture).keeps_fp8_experts:
                 raise ValueError(f"quantization {quantization!r} is built for "
-                                 f"{', '.join(hf_loader.FP8_KEEPING_ARCHITECTURES)}; got {cfg.architecture}")
+                                 f"{', '.join(fp8_architectures())}; got {cfg.architecture}")
             from jaxserve.models.moe import quantize_experts_fp8
             params = quantize_experts_fp8(params)
         tokenizer = None
@@ -72,11 +71,11 @@ def load_model(model: str | None, load_format: str = "auto", dtype: str = "float
         cfg, params, meta = gguf_loader.load_gguf(path)
         tokenizer = Tokenizer.from_gguf_metadata(meta, cfg.eos_token_ids)
         if mesh is not None:
-            from jaxserve.sharding import rules
-            return cfg, rules.shard_params(params, cfg, mesh, jdtype), tokenizer
+            family = registry.get_family(cfg.architecture)
+            return cfg, rules.shard_params(family, params, cfg, mesh, jdtype), tokenizer
         return cfg, to_device(params, jdtype), tokenizer
     if load_format == "safetensors" or (load_format == "auto" and hf_loader.is_hf_dir(path)):
-        cfg, params = hf_loader.load_hf(path, dtype, mesh, quantization)
+        cfg, params = load_hf(path, dtype, mesh, quantization)
         tokenizer = (Tokenizer.from_pretrained(path, cfg.eos_token_ids)
                      if hf_loader.has_tokenizer_files(path) else None)
         return cfg, params, tokenizer
@@ -87,3 +86,42 @@ def load_model(model: str | None, load_format: str = "auto", dtype: str = "float
 def to_device(params: dict, dtype) -> dict:
     """Move a numpy parameter tree onto the default device in `dtype` (norm weights too)."""
     return jax.tree.map(lambda a: jnp.asarray(np.asarray(a), dtype=dtype), params)
+
+
+def model_config_from_hf(hf: dict) -> ModelConfig:
+    """ModelConfig of a supported architecture (its family's config_from_hf); unsupported
+    architectures and variants are refused by name."""
+    arch = (hf.get("architectures") or ["?"])[0]
+    return registry.get_family(arch).config_from_hf(hf)   # raises, listing the supported ones
+
+
+def fp8_architectures() -> list[str]:
+    """The architectures whose loader can keep an FP8 checkpoint's experts in FP8."""
+    return [arch for arch, family in registry.ARCHITECTURES.items() if family.keeps_fp8_experts]
+
+
+def load_hf(path: str, dtype: str = "float32", mesh=None,
+            quantization: str | None = None) -> tuple[ModelConfig, dict]:
+    """(config, params as jax arrays in `dtype`) of a HF directory, sharded over `mesh` if
+    given. quantization "fp8": an FP8 checkpoint's experts kept in FP8 (fp8_architectures)."""
+    cfg = model_config_from_hf(hf_loader.read_hf_config(path))
+    family = registry.get_family(cfg.architecture)
+    if quantization is not None and not family.keeps_fp8_experts:
+        raise ValueError(f"quantization {quantization!r} is built for "
+                         f"{', '.join(fp8_architectures())} checkpoints; {path!r} is "
+                         f"{cfg.architecture}")
+    return family.load_hf(path, cfg, dtype, mesh, quantization)
+
+
+def dummy_params(cfg: ModelConfig, dtype: str = "float32", mesh=None, seed: int = 0) -> dict:
+    """Random parameters for `cfg` (its family's dummy_params: norm weights ones, the rest
+    N(0, INIT_STD^2) unless the family says otherwise)."""
+    return registry.get_family(cfg.architecture).dummy_params(cfg, dtype, mesh, seed)
+
+
+def load_dummy(source: str | dict, dtype: str = "float32", mesh=None,
+               seed: int = 0) -> tuple[ModelConfig, dict]:
+    """(config, random parameters) of a config dict, config.json, HF directory or ready config
+    name (loaders/dummy.py read_config)."""
+    cfg = model_config_from_hf(dummy.read_config(source))
+    return cfg, dummy_params(cfg, dtype, mesh, seed)

@@ -11,10 +11,11 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.config import ModelConfig
-from jaxserve.models import layers, llama
+from jaxserve.models import layers
 from jaxserve.pallas_kernels import moe_decode
 from jaxserve.pallas_kernels.grouped_matmul import grouped_matmul, quantize, split_experts
 from jaxserve.pallas_kernels.moe_router import moe_router
+from jaxserve.sharding import expert_parallel
 
 
 EXPERT_WEIGHTS = ("w_gate", "w_up", "w_down", "w_gate_up")
@@ -48,12 +49,10 @@ def quantize_experts_fp8(params):
     """In place: every MoE layer's expert arrays as block-scaled FP8 (grouped_matmul.quantize),
     as an FP8 checkpoint's are kept (dummy weights of `--quantization fp8`): values and scales
     placed as the array was (split alike under a mesh, as the loader splits a checkpoint's)."""
-    from jaxserve.sharding.expert_parallel import check_fp8_placement
-
     def kept(w):
         s = w.sharding
         q = quantize(w)
-        check_fp8_placement("an expert array", w.shape, s, q.block)
+        expert_parallel.check_fp8_placement("an expert array", w.shape, s, q.block)
         return type(q)(jax.device_put(q.values, s), jax.device_put(q.scales, s), q.block)
     return map_expert_weights(params, kept)
 
@@ -119,7 +118,7 @@ def moe_mlp(cfg: ModelConfig, lp: dict, h_TD: jax.Array, impl: str = "xla") -> j
     few rows (decode: it reads only the chosen experts' weights), the Mosaic GPU ragged dot on
     Hopper for more (4-37x faster than lax.ragged_dot, measured); "fused" as "pallas", with
     steps of up to FUSED_MAX_TOKENS tokens through moe_decode."""
-    return routed_experts(lambda p, h: route(cfg, llama.project(h, p, "router"), kernel_impl(impl)),
+    return routed_experts(lambda p, h: route(cfg, layers.project(h, p, "router"), kernel_impl(impl)),
                           lp, h_TD, cfg.num_experts, impl)
 
 
@@ -130,7 +129,6 @@ def residual_moe(cfg: ModelConfig, lp: dict, residual_TD: jax.Array, linear, imp
     (`linear`: fused_linear over lp["router_t"], normed_out), the router kernel, moe_decode's
     two, and the weighted sum with the residual add (one XLA fusion). Other steps: the norm,
     then moe_mlp."""
-    from jaxserve.sharding import expert_parallel  # local: it builds on this module
     experts = None if expert_parallel.splits_experts() else decode_experts(lp, residual_TD, impl)
     if experts is None:
         h_TD = layers.rms_norm(residual_TD, lp["mlp_norm"], cfg.rms_norm_eps)
@@ -154,10 +152,8 @@ def routed_experts(route_fn, lp: dict, h_TD: jax.Array, num_experts: int, impl: 
     """The routed experts' output [T, D] of any family: route_fn(lp, h_TD) -> (weights f32[T, k],
     experts i32[T, k]) is the family's router. Under a mesh that splits the experts or their F
     (an ambient `expert` or `model` axis > 1) it runs per rank, sharding/expert_parallel.py."""
-    from jaxserve.sharding import expert_parallel  # local: it builds on this module
-
     if expert_parallel.splits_experts():
-        return expert_parallel.moe_on_mesh(route_fn, lp, h_TD, num_experts, kernel_impl(impl))
+        return expert_parallel.moe_on_mesh(route_fn, EXPERT_MATHS, lp, h_TD, num_experts, kernel_impl(impl))
     weights_Tk, experts_Tk = route_fn(lp, h_TD)
     experts = decode_experts(lp, h_TD, impl)
     if experts is not None:
@@ -205,5 +201,9 @@ def expert_mlp(lp: dict, x_sorted: jax.Array, group_sizes: jax.Array, impl: str)
     """Rows sorted by expert (group_sizes rows each; rows past them come out 0) through their
     expert's SwiGLU MLP: one grouped matmul per projection."""
     mm_impl = "xla" if impl == "xla" else "auto"
-    gate, up = llama.gate_up(lp, lambda w: grouped_matmul(x_sorted, w, group_sizes, impl=mm_impl))
+    gate, up = layers.gate_up(lp, lambda w: grouped_matmul(x_sorted, w, group_sizes, impl=mm_impl))
     return grouped_matmul(jax.nn.silu(gate) * up, lp["w_down"], group_sizes, impl=mm_impl)
+
+
+# what each rank runs under a mesh (sharding/expert_parallel.py)
+EXPERT_MATHS = expert_parallel.ExpertMaths(expert_rows_sum, group_by_expert, expert_mlp)

@@ -393,16 +393,5 @@ def compute_logits(cfg: Qwen3NextConfig, params: dict, hidden_SD: jax.Array, ker
     return llama.compute_logits(cfg, params, hidden_SD)
 
 
-# Loading (HF directories, dummy weights): models/qwen3_next_loader.py.
 def config_from_hf(hf: dict) -> Qwen3NextConfig:
     return Qwen3NextConfig.from_hf(hf)
-
-
-def load_hf(path: str, cfg: Qwen3NextConfig | None = None, dtype: str = "float32", mesh=None):
-    from jaxserve.models.loaders import qwen3_next as qwen3_next_loader
-    return qwen3_next_loader.load_hf(path, dtype, mesh)
-
-
-def dummy_params(cfg: Qwen3NextConfig, dtype: str = "float32", mesh=None, seed: int = 0) -> dict:
-    from jaxserve.models.loaders import qwen3_next as qwen3_next_loader
-    return qwen3_next_loader.dummy_params(cfg, dtype, mesh, seed)

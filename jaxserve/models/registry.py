@@ -1,18 +1,16 @@
 """Architectures jaxserve runs, keyed by the HF `architectures` name: the only way from a
 config to its model family (loaders, dummy weights, sharding and the runner all ask here).
 
-A family is a `ModelFamily` (models/interface.py: the contract) over a module of pure
-functions. Most architectures are configurations of the decoder in llama.py
-(dense or MoE MLP, qkv bias, q/k norm, sliding window); DeepSeek V3 / V3.2 (MLA,
-group-limited MoE, sparse attention) have their own module, deepseek.py.
+A family is a `ModelFamily` object (models/interface.py: the contract; models/families.py:
+the four) over a module of pure functions. Most architectures are configurations of the
+decoder in llama.py (dense or MoE MLP, qkv bias, q/k norm, sliding window); DeepSeek V3 /
+V3.2 (MLA, group-limited MoE, sparse attention) have their own module, deepseek.py.
 """
 
 from __future__ import annotations
 
-from jaxserve.models import deepseek, llama, minimax_m2, qwen3_next
+from jaxserve.models.families import DEEPSEEK, LLAMA, MINIMAX_M2, QWEN3_NEXT
 from jaxserve.models.interface import ModelFamily
-
-LLAMA, DEEPSEEK, MINIMAX_M2, QWEN3_NEXT = (ModelFamily(m) for m in (llama, deepseek, minimax_m2, qwen3_next))
 
 ARCHITECTURES: dict[str, ModelFamily] = {
     "LlamaForCausalLM": LLAMA,
@@ -27,8 +25,7 @@ ARCHITECTURES: dict[str, ModelFamily] = {
     # own module: full-width q/k norm, partial rotary, biased sigmoid routing (deepseek's)
     "MiniMaxM2ForCausalLM": MINIMAX_M2,
 }
-# Hybrid gated-DeltaNet families: their own module, config class (`config_from_hf`) and
-# loaders (`load_hf`, `dummy_params`), which hf_loader.py and dummy.py dispatch to.
+# Hybrid gated-DeltaNet families: their own module, config class and loaders.
 ARCHITECTURES.update({
     "Qwen3NextForCausalLM": QWEN3_NEXT,
     "Qwen3_5MoeForCausalLM": QWEN3_NEXT,
@@ -44,7 +41,3 @@ def get_family(architecture: str) -> ModelFamily:
                          f"{', '.join(sorted(ARCHITECTURES))}")
     return ARCHITECTURES[architecture]
 
-
-def param_shapes(cfg) -> dict:
-    """Shape of every parameter of the config's architecture."""
-    return get_family(cfg.architecture).param_shapes(cfg)

@@ -34,6 +34,9 @@ reference, for the DP-attention layout.
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
@@ -45,6 +48,15 @@ DISPATCH = "psum"        # the engine's form (module doc); "all_to_all" for the 
 DISPATCH_FORMS = ("psum", "all_to_all")
 ROUTER_KEYS = ("router", "router_bias")          # replicated: every rank scores every expert
 EXPERT_KEYS = ("w_gate", "w_up", "w_down")
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertMaths:
+    """The one-device expert computation that each rank runs on its own experts (models/moe.py
+    EXPERT_MATHS), passed in so that sharding imports no model code."""
+    rows_sum: Callable     # (lp, h_TD, weights_Tk, experts_Tk, num_experts, impl, first_expert=0) -> f32[T, D]
+    group_rows: Callable   # (experts_M, num_experts) -> (sorted pos i32[M], row of each i32[M], sizes i32[X])
+    mlp: Callable          # (lp, x_sorted, group_sizes, impl) -> the rows through their expert's MLP
 
 
 def _axis_sizes() -> dict[str, int]:
@@ -113,15 +125,14 @@ def _check(lp: dict, num_experts: int, sizes: dict, dispatch: str):
                 raise ValueError(why)
 
 
-def moe_on_mesh(route_fn, lp: dict, h_TD: jax.Array, num_experts: int, impl: str,
-                dispatch: str | None = None) -> jax.Array:
+def moe_on_mesh(route_fn, maths: ExpertMaths, lp: dict, h_TD: jax.Array, num_experts: int,
+                impl: str, dispatch: str | None = None) -> jax.Array:
     """The routed experts' output [T, D] (h_TD's dtype, replicated) under the ambient mesh.
 
     route_fn(router_params, h) -> (weights f32[t, k], experts i32[t, k]) runs inside the
     shard_map on replicated router parameters (lp's ROUTER_KEYS), so a Pallas router kernel
-    sees whole local arrays. dispatch: "psum" | "all_to_all" (module doc; default DISPATCH)."""
-    from jaxserve.models import moe   # local: models.moe calls this module
-
+    sees whole local arrays; `maths` computes each rank's experts. dispatch: "psum" |
+    "all_to_all" (module doc; default DISPATCH)."""
     dispatch = DISPATCH if dispatch is None else dispatch
     sizes = _axis_sizes()
     _check(lp, num_experts, sizes, dispatch)
@@ -134,11 +145,11 @@ def moe_on_mesh(route_fn, lp: dict, h_TD: jax.Array, num_experts: int, impl: str
     def psum_form(router, experts, h_TD):
         weights_Tk, experts_Tk = route_fn(router, h_TD)
         first = _expert_rank() * local
-        partial = moe.expert_rows_sum(experts, h_TD, weights_Tk, experts_Tk, num_experts, impl, first)
+        partial = maths.rows_sum(experts, h_TD, weights_Tk, experts_Tk, num_experts, impl, first)
         return jax.lax.psum(partial, axes).astype(h_TD.dtype)
 
     def all_to_all_form(router, experts, h_TD):
-        return _all_to_all(route_fn, router, experts, h_TD, num_experts, local, impl, axes)
+        return _all_to_all(route_fn, maths, router, experts, h_TD, num_experts, local, impl, axes)
 
     body = psum_form if dispatch == "psum" else all_to_all_form
     in_specs = (jax.tree.map(lambda _: P(), router), _expert_specs(experts, names), P())
@@ -151,15 +162,13 @@ def _expert_rank():
     return jax.lax.axis_index(EXPERT_AXIS) if sizes.get(EXPERT_AXIS, 1) > 1 else jnp.int32(0)
 
 
-def _all_to_all(route_fn, router, experts, h_TD, num_experts, local, impl, axes):
+def _all_to_all(route_fn, maths, router, experts, h_TD, num_experts, local, impl, axes):
     """The all-to-all form, per rank (module doc)."""
-    from jaxserve.models import moe
-
     ep = num_experts // local
     t, d = h_TD.shape
     if ep == 1:     # nothing to dispatch: only the F split's psum
         weights_Tk, experts_Tk = route_fn(router, h_TD)
-        partial = moe.expert_rows_sum(experts, h_TD, weights_Tk, experts_Tk, num_experts, impl)
+        partial = maths.rows_sum(experts, h_TD, weights_Tk, experts_Tk, num_experts, impl)
         return jax.lax.psum(partial, axes).astype(h_TD.dtype)
     t_l = -(-t // ep)                                   # tokens per rank (T padded to EP * t_l)
     h_pad = jnp.pad(h_TD, ((0, ep * t_l - t), (0, 0)))
@@ -170,7 +179,7 @@ def _all_to_all(route_fn, router, experts, h_TD, num_experts, local, impl, axes)
     cap = t_l * k                                       # rows per destination: the worst case
     # my rows sorted by expert are consecutive per destination rank
     experts_m = experts_lk.reshape(-1)
-    pos_m, row_of_m, sizes_x = moe.group_by_expert(experts_m, num_experts)
+    pos_m, row_of_m, sizes_x = maths.group_rows(experts_m, num_experts)
     counts_EL = sizes_x.reshape(ep, local)              # rows I send each rank, per its expert
     ends_E = jnp.cumsum(counts_EL.sum(axis=1))
     starts_E = ends_E - counts_EL.sum(axis=1)
@@ -185,7 +194,7 @@ def _all_to_all(route_fn, router, experts, h_TD, num_experts, local, impl, axes)
     # means a padding slot
     ends_EL = jnp.cumsum(recv_counts_EL, axis=1)
     expert_EC = jnp.sum(ends_EL[:, None, :] <= slot_C[None, :, None], axis=2, dtype=jnp.int32)
-    y_ECD = _local_experts(experts, recv_ECD.reshape(ep * cap, d), expert_EC.reshape(-1), local,
+    y_ECD = _local_experts(maths, experts, recv_ECD.reshape(ep * cap, d), expert_EC.reshape(-1), local,
                            impl).reshape(ep, cap, d)
     back_ECD = jax.lax.all_to_all(y_ECD, EXPERT_AXIS, 0, 0)
     # my row m went to rank e = expert // local, slot pos - start_e there
@@ -198,11 +207,9 @@ def _all_to_all(route_fn, router, experts, h_TD, num_experts, local, impl, axes)
     return out_TD[:t]
 
 
-def _local_experts(experts, x_RD, expert_R, local, impl):
+def _local_experts(maths, experts, x_RD, expert_R, local, impl):
     """Received rows x_RD through their local expert expert_R (== local: padding, out 0)."""
-    from jaxserve.models import moe
-
-    pos_R, row_of_R, sizes = moe.group_by_expert(expert_R, local + 1)
+    pos_R, row_of_R, sizes = maths.group_rows(expert_R, local + 1)
     # padding sorts last: past the groups, computed as 0
-    y_sorted = moe.expert_mlp(experts, x_RD[row_of_R], sizes[:local], impl)
+    y_sorted = maths.mlp(experts, x_RD[row_of_R], sizes[:local], impl)
     return jnp.where((expert_R < local)[:, None], y_sorted[pos_R], 0)

@@ -39,7 +39,7 @@ def default_aux_layers(num_layers: int) -> tuple[int, ...]:
 def head_config(path: str, target_cfg):
     """(head ModelConfig, its HF config dict) of an HF EAGLE3 head directory, checked against
     the target (the runner sizes the cache with it before the head's weights load)."""
-    from jaxserve.models.loaders.hf import model_config_from_hf
+    from jaxserve.models.loader import model_config_from_hf
 
     with open(os.path.join(path, "config.json")) as f:
         hf = json.load(f)

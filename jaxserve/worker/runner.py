@@ -296,7 +296,7 @@ class ModelRunner:
         if mesh is not None:
             from jaxserve.sharding import rules
             self.input_sharding = rules.replicated(mesh)
-            sharding_of = functools.partial(rules.cache_array_sharding, self.cfg, mesh)
+            sharding_of = functools.partial(rules.cache_array_sharding, model, self.cfg, mesh)
         elif device is not None:     # a data-parallel replica's device (engine/data_parallel.py)
             self.input_sharding = jax.sharding.SingleDeviceSharding(device)
             self.params = params = jax.device_put(params, device)
@@ -339,7 +339,7 @@ class ModelRunner:
         # Compiled step programs by (input layout, variant): warm-up fills it, run() uses it.
         # NOTE: the identity names what the jitted step closes over: a stored program is
         # loaded only for the same ones (compiling.ProgramStore)
-        identity = repr((model.module.__name__, self.cfg, self.backend.impl,
+        identity = repr((model.name, self.cfg, self.backend.impl,
                          repr(mesh), sorted(fused)))
         self._compiler = StepCompiler(self._step, self.params, self.kv_cache, self.prev_ids,
                                       self.input_sharding, store=config.program_cache_dir,

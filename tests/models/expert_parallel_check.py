@@ -27,6 +27,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
+from jaxserve.models import moe  # noqa: E402
 from jaxserve.sharding import expert_parallel, mesh as mesh_lib  # noqa: E402
 
 ATOL = 1e-5
@@ -80,7 +81,7 @@ def check_dispatch():
         print(f"ok dispatch EP={ep} TP={tp}")
     try:
         with jax.sharding.use_abstract_mesh(mesh_lib.make_mesh(1, 2).abstract_mesh):
-            expert_parallel.moe_on_mesh(lambda p, h: p["router"], dict(w, router=None), h, x, "xla", "ring")
+            expert_parallel.moe_on_mesh(lambda p, h: p["router"], moe.EXPERT_MATHS, dict(w, router=None), h, x, "xla", "ring")
     except ValueError as e:
         assert "dispatch" in str(e), e
     else:
@@ -98,7 +99,7 @@ def route_by_index(table, h):
 
 def _on_mesh(mesh, lp, h, x, impl, dispatch):
     with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-        return expert_parallel.moe_on_mesh(route_by_index, lp, h, x, impl, dispatch)
+        return expert_parallel.moe_on_mesh(route_by_index, moe.EXPERT_MATHS, lp, h, x, impl, dispatch)
 
 
 def check_models():

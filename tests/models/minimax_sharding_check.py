@@ -22,8 +22,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import PartitionSpec  # noqa: E402
 
-from jaxserve.models import minimax_m2
-from jaxserve.models.loaders import hf as hf_loader  # noqa: E402
+from jaxserve.models import loader, minimax_m2, registry  # noqa: E402
 from jaxserve.sharding import mesh as mesh_lib, rules  # noqa: E402
 from model_sharding_check import FUSED, GOLDEN, _forward_logits, _run, check_matches  # noqa: E402
 from model_step_builder import Chunk, build_step, scattered_block_tables  # noqa: E402
@@ -56,7 +55,7 @@ def random_params(cfg, seed: int = 0) -> dict:
 
 def check_random(cfg, host, want, tp, ep, impl="xla", fused=frozenset()):
     mesh = mesh_lib.make_mesh(tp, ep)
-    params = rules.shard_params(host, cfg, mesh)
+    params = rules.shard_params(registry.get_family(cfg.architecture), host, cfg, mesh)
     q_norm = params["layers"][0]["q_norm"]
     assert q_norm.sharding.spec == PartitionSpec("model"), q_norm.sharding
     assert q_norm.addressable_shards[0].data.shape == (cfg.num_heads * cfg.head_dim // tp,)
@@ -73,9 +72,9 @@ def check_one_reduction(cfg, host, tp, impl="xla", fused=frozenset()):
     squares together), and none of f32[T] or f32[T, 1] (one of them alone); with the fused
     kernel too (its psum inside the shard_map, sharding/kernels.full_qk_norm_rope_kv_write)."""
     mesh = mesh_lib.make_mesh(tp, 1)
-    params = rules.shard_params(host, cfg, mesh)
+    params = rules.shard_params(registry.get_family(cfg.architecture), host, cfg, mesh)
     kv = [{n: jax.device_put(np.zeros((16, 8, cfg.num_kv_heads, cfg.head_dim), np.float32),
-                             rules.kv_cache_sharding(cfg, mesh)) for n in ("k", "v")}
+                             rules.kv_cache_sharding(registry.get_family(cfg.architecture), cfg, mesh)) for n in ("k", "v")}
           for _ in range(cfg.num_layers)]
     t = 24
     x = jax.device_put(build_step([Chunk(0, list(range(5, 25)), 0)], scattered_block_tables(1, 4, 16),
@@ -111,9 +110,9 @@ def check_ready_config():
     """MiniMax-M2's full width splits over a whole 8-device mesh (specs only: nothing allocated)."""
     from jaxserve.models.loaders import dummy
 
-    cfg = hf_loader.model_config_from_hf(dummy.read_config("MiniMax-M2-4L"))
+    cfg = loader.model_config_from_hf(dummy.read_config("MiniMax-M2-4L"))
     for tp, ep in ((8, 1), (4, 2), (1, 8)):
-        specs = rules.param_shardings(cfg, mesh_lib.make_mesh(tp, ep))["layers"][0]
+        specs = rules.param_shardings(registry.get_family(cfg.architecture), cfg, mesh_lib.make_mesh(tp, ep))["layers"][0]
         assert specs["q_norm"].spec == PartitionSpec("model"), specs["q_norm"]
         assert specs["w_up"].spec == PartitionSpec("expert", None, "model"), specs["w_up"]
         assert specs["router_bias"].spec == PartitionSpec(None), specs["router_bias"]
@@ -125,7 +124,7 @@ def main():
     ckpt = os.path.join(GOLDEN, "ckpt", "minimax_m2")           # 4 heads, 2 kv heads, 8 experts
     check_matches(ckpt, tp=2, ep=1, atol=ATOL)                  # the loader's sharded path
     check_matches(WIDE, tp=4, ep=1, load_format="dummy", atol=ATOL)   # dummy weights on a mesh
-    cfg = hf_loader.model_config_from_hf(WIDE)
+    cfg = loader.model_config_from_hf(WIDE)
     host = random_params(cfg)
     one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     want = _run(cfg, jax.tree.map(lambda a: jax.device_put(a, one), host), None)
@@ -134,7 +133,7 @@ def main():
     # the fused full-width q/k-norm kernel per head shard (its sums of squares psum'd), the
     # fused add+RMSNorm and the attention kernel; with weights of the goldens' size
     check_matches(ckpt, tp=2, ep=2, atol=ATOL, impl="pallas", fused=FUSED)
-    cfg = hf_loader.model_config_from_hf(WIDE_E32)
+    cfg = loader.model_config_from_hf(WIDE_E32)
     host = random_params(cfg)
     want = _run(cfg, jax.tree.map(lambda a: jax.device_put(a, one), host), None)
     check_random(cfg, host, want, tp=4, ep=1, impl="pallas", fused=FUSED)

@@ -40,7 +40,7 @@ def _run(cfg, params, mesh, impl="xla", fused=frozenset()):
     """Logits of every step: prefill in two chunks, then two batched decode steps. impl
     "pallas": the attention kernel (and the `fused` ones), run per head shard under the mesh
     (sharding/kernels.py)."""
-    sharding = rules.kv_cache_sharding(cfg, mesh) if mesh is not None else None
+    sharding = rules.kv_cache_sharding(registry.get_family(cfg.architecture), cfg, mesh) if mesh is not None else None
     kv = empty_kv_cache(cfg, NUM_BLOCKS, BLOCK, sharding=sharding)
     tables = scattered_block_tables(3, 4, NUM_BLOCKS, seed=1)
     prompts = [[5, 9, 3], list(range(10, 19)), list(range(30, 50))]
@@ -59,7 +59,7 @@ def _run(cfg, params, mesh, impl="xla", fused=frozenset()):
         kv, logits = step_fn(params, kv, x)
         out.append(np.asarray(logits)[: sum(len(c.token_ids) for c in chunks)])
     if mesh is not None:
-        want = rules.kv_cache_sharding(cfg, mesh)
+        want = rules.kv_cache_sharding(registry.get_family(cfg.architecture), cfg, mesh)
         assert kv[0]["k"].sharding.is_equivalent_to(want, 4), (kv[0]["k"].sharding, want)
     return out
 
@@ -116,7 +116,7 @@ def check_errors():
     cfg, _, _ = load_model(os.path.join(GOLDEN, "ckpt", "llama"), "dummy")   # 4 heads, 2 kv heads
     for tp, field in ((4, "num_kv_heads"), (8, "num_heads")):
         try:
-            rules.param_shardings(cfg, mesh_lib.make_mesh(tp))
+            rules.param_shardings(registry.get_family(cfg.architecture), cfg, mesh_lib.make_mesh(tp))
         except ValueError as e:
             assert field in str(e) and str(tp) in str(e), str(e)
         else:
@@ -133,11 +133,11 @@ def check_errors():
 def check_ready_configs():
     """The benchmark shapes split over a full 8-device mesh (specs only: nothing allocated)."""
     from jaxserve.models.loaders import dummy
-    from jaxserve.models.loaders import hf as hf_loader
+    from jaxserve.models import loader
 
     for name, tp, ep in (("Llama-3.1-8B", 8, 1), ("Qwen3-8B", 8, 1), ("Qwen3-30B-A3B", 4, 2)):
-        cfg = hf_loader.model_config_from_hf(dummy.read_config(name))
-        specs = rules.param_shardings(cfg, mesh_lib.make_mesh(tp, ep))
+        cfg = loader.model_config_from_hf(dummy.read_config(name))
+        specs = rules.param_shardings(registry.get_family(cfg.architecture), cfg, mesh_lib.make_mesh(tp, ep))
         assert specs["layers"][0]["wk"].spec == jax.sharding.PartitionSpec(None, "model"), name
     print("ok ready configs")
 
@@ -146,7 +146,7 @@ def check_shard_params():
     """The GGUF path: a host parameter tree put onto the mesh array by array."""
     cfg, params, _ = load_model(os.path.join(GOLDEN, "ckpt", "llama"))
     host = jax.tree.map(np.asarray, params)
-    sharded = rules.shard_params(host, cfg, mesh_lib.make_mesh(2), dtype="float32")
+    sharded = rules.shard_params(registry.get_family(cfg.architecture), host, cfg, mesh_lib.make_mesh(2), dtype="float32")
     spec = sharded["layers"][1]["w_down"].sharding.spec
     assert spec == jax.sharding.PartitionSpec("model", None), spec
     assert sharded["lm_head"].addressable_shards[0].data.shape == (64, 128)

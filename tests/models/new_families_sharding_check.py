@@ -66,7 +66,7 @@ def empty_caches(cfg, mesh):
         for name, shape in spec.arrays:
             a = jnp.zeros(lead + tuple(shape), jnp.float32)
             layer[name] = a if mesh is None else jax.device_put(
-                a, rules.cache_array_sharding(cfg, mesh, name, a.shape))
+                a, rules.cache_array_sharding(registry.get_family(cfg.architecture), cfg, mesh, name, a.shape))
         out.append(layer)
     return out
 
@@ -107,7 +107,7 @@ def run(cfg, params, mesh, impl="xla"):
     if mesh is not None:      # the step kept each cache array where the runner put it
         for layer in caches:
             for name, a in layer.items():
-                want = rules.cache_array_sharding(cfg, mesh, name, a.shape)
+                want = rules.cache_array_sharding(registry.get_family(cfg.architecture), cfg, mesh, name, a.shape)
                 assert a.sharding.is_equivalent_to(want, a.ndim), (name, a.sharding, want)
     return out
 
@@ -169,7 +169,7 @@ def check_random(cfg, meshes, seed=0, impls=("xla",)):
     want = run(cfg, jax.tree.map(lambda a: jax.device_put(a, device), host), None)
     for (tp, ep), impl in ((m, i) for m in meshes for i in impls):
         mesh = mesh_lib.make_mesh(tp, ep)
-        got = run(cfg, as_on_mesh(cfg, rules.shard_params(host, cfg, mesh), mesh), mesh, impl)
+        got = run(cfg, as_on_mesh(cfg, rules.shard_params(registry.get_family(cfg.architecture), host, cfg, mesh), mesh), mesh, impl)
         want_maps = kernel_regions(cfg, tp) + moe_regions(host, tp, ep)
         if impl == "pallas" and SHARD_MAPS[0] != want_maps:
             sys.exit(f"random TP={tp} EP={ep}: {SHARD_MAPS[0]} kernels per shard, not {want_maps}")
@@ -230,10 +230,10 @@ def check_deepseek_specs(cfg, params, tp, ep):
     assert moe["w_up"].addressable_shards[0].data.shape == (cfg.num_experts // ep, cfg.hidden_size,
                                                            cfg.moe_intermediate_size // tp)
     mesh = mesh_lib.make_mesh(tp, ep)
-    latent = rules.cache_array_sharding(cfg, mesh, "latent", (4, 8, cfg.latent_dim))
+    latent = rules.cache_array_sharding(registry.get_family(cfg.architecture), cfg, mesh, "latent", (4, 8, cfg.latent_dim))
     assert latent.spec == P(None, None, None), latent
     try:
-        rules.param_shardings(cfg, mesh_lib.make_mesh(8))
+        rules.param_shardings(registry.get_family(cfg.architecture), cfg, mesh_lib.make_mesh(8))
     except ValueError as e:
         assert "num_attention_heads" in str(e) and "8" in str(e), str(e)
     else:
@@ -388,11 +388,11 @@ def check_qwen_specs(cfg, params, tp):
     assert spec(full["wq"]) == P(None, "model") and spec(full["q_norm"]) == P(None)
     mesh = mesh_lib.make_mesh(tp)
     h, b, a = cfg.linear_num_value_heads, cfg.linear_value_head_dim, cfg.linear_key_head_dim
-    ssm = rules.cache_array_sharding(cfg, mesh, "ssm", (NUM_SLOTS, h, b, a))
-    conv = rules.cache_array_sharding(cfg, mesh, "conv", (NUM_SLOTS, cfg.conv_dim, 3))
+    ssm = rules.cache_array_sharding(registry.get_family(cfg.architecture), cfg, mesh, "ssm", (NUM_SLOTS, h, b, a))
+    conv = rules.cache_array_sharding(registry.get_family(cfg.architecture), cfg, mesh, "conv", (NUM_SLOTS, cfg.conv_dim, 3))
     assert ssm.spec == P(None, "model", None, None) and conv.spec == P(None, "model", None), (ssm, conv)
     try:
-        rules.param_shardings(cfg, mesh_lib.make_mesh(8))
+        rules.param_shardings(registry.get_family(cfg.architecture), cfg, mesh_lib.make_mesh(8))
     except ValueError as e:
         assert "num_attention_heads" in str(e) or "num_key_value_heads" in str(e), str(e)
     else:

@@ -12,10 +12,9 @@ import pytest
 from safetensors.numpy import save_file
 
 from fp8_checkpoint import F8, fp8_copy, quantize_blocks
-from jaxserve.models import deepseek
+from jaxserve.models import deepseek, loader
 from jaxserve.models.loaders import deepseek as deepseek_loader
 from jaxserve.models.loaders import dummy
-from jaxserve.models.loaders import hf as hf_loader
 
 CKPT = os.path.join(os.path.dirname(__file__), os.pardir, "golden", "ckpt", "deepseek_v3")
 
@@ -41,8 +40,8 @@ def _fp8_copy(tmp_path, block: int) -> str:
 
 
 def test_fp8_checkpoint_loads_dequantized(tmp_path):
-    cfg, ref = hf_loader.load_hf(CKPT)
-    cfg8, got = hf_loader.load_hf(_fp8_copy(tmp_path, block=16))
+    cfg, ref = loader.load_hf(CKPT)
+    cfg8, got = loader.load_hf(_fp8_copy(tmp_path, block=16))
     assert cfg8 == cfg
     raw = deepseek_loader.SafetensorsDir(str(tmp_path / "fp8")).raw("model.layers.1.self_attn.o_proj.weight")
     assert raw.dtype == F8
@@ -59,8 +58,8 @@ def test_fp8_checkpoint_keeps_its_experts_in_fp8(tmp_path):
     from jaxserve.pallas_kernels import grouped_matmul as gm
 
     path = _fp8_copy(tmp_path, block=16)
-    _, deq = hf_loader.load_hf(path)
-    _, kept = hf_loader.load_hf(path, quantization="fp8")
+    _, deq = loader.load_hf(path)
+    _, kept = loader.load_hf(path, quantization="fp8")
     moe = [i for i, lp in enumerate(kept["layers"]) if "router" in lp]
     assert moe
     for i in moe:
@@ -97,12 +96,12 @@ def test_fp8_kept_experts_give_the_dequantized_engines_tokens(tmp_path):
 
 def test_fp8_quantization_is_refused_where_it_cannot_keep(tmp_path):
     with pytest.raises(ValueError, match="is not one"):
-        hf_loader.load_hf(CKPT, quantization="fp8")                 # a bf16 checkpoint
+        loader.load_hf(CKPT, quantization="fp8")                 # a bf16 checkpoint
     with pytest.raises(ValueError, match="quantization must be"):
-        hf_loader.load_hf(_fp8_copy(tmp_path, block=16), quantization="int4")
+        loader.load_hf(_fp8_copy(tmp_path, block=16), quantization="int4")
     llama = os.path.join(os.path.dirname(CKPT), "llama")
     with pytest.raises(ValueError, match="is built for DeepseekV3ForCausalLM"):
-        hf_loader.load_hf(llama, quantization="fp8")
+        loader.load_hf(llama, quantization="fp8")
 
 
 def test_mtp_layer_loads_into_its_own_subtree(tmp_path):
@@ -117,7 +116,7 @@ def test_mtp_layer_loads_into_its_own_subtree(tmp_path):
                         ("shared_head.norm.weight", (d,)), ("shared_head.head.weight", (v, d))):
         extra["model.layers.3." + name] = rng.normal(size=shape).astype(np.float32)
     save_file(extra, str(path / "model-mtp.safetensors"))
-    cfg, params = hf_loader.load_hf(str(path))
+    cfg, params = loader.load_hf(str(path))
     assert cfg.num_mtp_layers == 1 and cfg.num_layers == 3 and len(params["layers"]) == 3
     (mtp,) = params["mtp"]
     want = deepseek.mtp_param_shapes(cfg)[0]
@@ -127,12 +126,12 @@ def test_mtp_layer_loads_into_its_own_subtree(tmp_path):
     for k in ("w_uk", "router", "router_bias", "w_down", "ws_up"):
         np.testing.assert_array_equal(np.asarray(mtp[k]), np.asarray(params["layers"][2][k]))
     # without the MTP tensors (as transformers saves them) there is no subtree
-    assert "mtp" not in hf_loader.load_hf(CKPT)[1]
+    assert "mtp" not in loader.load_hf(CKPT)[1]
 
 
 def test_dummy_weights_follow_param_shapes():
     hf = json.load(open(os.path.join(CKPT, "config.json")))
-    cfg, params = dummy.load_dummy(hf)
+    cfg, params = loader.load_dummy(hf)
     shapes = deepseek.param_shapes(cfg)
     assert jax.tree.map(lambda a: a.shape, params) == jax.tree.map(
         tuple, shapes, is_leaf=lambda x: isinstance(x, tuple))
@@ -140,7 +139,7 @@ def test_dummy_weights_follow_param_shapes():
 
 @pytest.mark.parametrize("name", ["DeepSeek-V3-4L", "DeepSeek-V3.2-4L"])
 def test_reduced_depth_configs(name):
-    cfg = hf_loader.model_config_from_hf(dummy.read_config(name))
+    cfg = loader.model_config_from_hf(dummy.read_config(name))
     assert (cfg.hidden_size, cfg.num_heads, cfg.latent_dim, cfg.num_experts) == (7168, 128, 576, 256)
     assert [cfg.is_moe_layer(i) for i in range(cfg.num_layers)] == [False, True, True, True]
     assert deepseek.make_rope(cfg).sm_scale == pytest.approx(192 ** -0.5 * (0.1 * np.log(40) + 1) ** 2)
@@ -149,16 +148,16 @@ def test_reduced_depth_configs(name):
 def test_unsupported_routing_is_refused():
     hf = json.load(open(os.path.join(CKPT, "config.json")))
     with pytest.raises(ValueError, match="topk_method"):
-        hf_loader.model_config_from_hf(dict(hf, topk_method="group_limited_greedy"))
+        loader.model_config_from_hf(dict(hf, topk_method="group_limited_greedy"))
     with pytest.raises(ValueError, match="n_group"):
-        hf_loader.model_config_from_hf(dict(hf, n_group=3))
+        loader.model_config_from_hf(dict(hf, n_group=3))
 
 
 def test_dummy_draws_a_big_group_array_by_array(monkeypatch):
     """Past BIG_GROUP_ELEMENTS a layer is drawn one array at a time (same shapes, norms ones)."""
     hf = json.load(open(os.path.join(CKPT, "config.json")))
     monkeypatch.setattr(dummy, "BIG_GROUP_ELEMENTS", 1000)
-    cfg, params = dummy.load_dummy(hf)
+    cfg, params = loader.load_dummy(hf)
     lp = params["layers"][1]
     assert lp["w_gate"].shape == (8, 64, 16) and float(lp["attn_norm"].min()) == 1.0
     assert 0.015 < float(lp["w_gate"].std()) < 0.025
@@ -168,7 +167,6 @@ def test_dummy_draws_a_big_group_array_by_array(monkeypatch):
 def test_dummy_fp8_experts_are_quantized_like_a_checkpoint():
     """--load-format dummy --quantization fp8 (the H200 benchmarks' FP8 path): every MoE
     layer's experts are block-scaled FP8 within e4m3's rounding of the drawn weights."""
-    from jaxserve.models import loader
     from jaxserve.pallas_kernels import grouped_matmul as gm
 
     _, plain, _ = loader.load_model(CKPT, load_format="dummy", seed=3)

@@ -15,10 +15,9 @@ from safetensors.numpy import save_file
 
 from fp8_checkpoint import F8, quantize_blocks
 from jaxserve import LLM, SamplingParams
-from jaxserve.models import minimax_m2
+from jaxserve.models import loader, minimax_m2
 from jaxserve.models.loaders import deepseek as deepseek_loader
 from jaxserve.models.loaders import dummy
-from jaxserve.models.loaders import hf as hf_loader
 
 GOLDEN = os.path.join(os.path.dirname(__file__), os.pardir, "golden")
 CKPT = os.path.join(GOLDEN, "ckpt", "minimax_m2")
@@ -53,9 +52,9 @@ def _fp8_sharded_copy(tmp_path, block: int) -> str:
 
 
 def test_fp8_sharded_checkpoint_loads_dequantized(tmp_path):
-    cfg, ref = hf_loader.load_hf(CKPT)
+    cfg, ref = loader.load_hf(CKPT)
     path = _fp8_sharded_copy(tmp_path, block=16)
-    cfg8, got = hf_loader.load_hf(path)
+    cfg8, got = loader.load_hf(path)
     assert cfg8 == cfg
     ck = deepseek_loader.SafetensorsDir(path)
     name = "model.layers.1.block_sparse_moe.experts.3.w2.weight"
@@ -70,7 +69,7 @@ def test_fp8_sharded_checkpoint_loads_dequantized(tmp_path):
 
 
 def test_bfloat16_load_keeps_the_router_bias_f32():
-    _, params = hf_loader.load_hf(CKPT, "bfloat16")
+    _, params = loader.load_hf(CKPT, "bfloat16")
     assert params["layers"][0]["router_bias"].dtype == np.float32
     assert params["layers"][0]["wq"].dtype == jax.numpy.bfloat16
 
@@ -84,11 +83,11 @@ def test_missing_or_misshapen_tensor_is_named(tmp_path):
     gone = "model.layers.1.block_sparse_moe.e_score_correction_bias"
     save_file({n: t for n, t in tensors.items() if n != gone}, str(path / "model.safetensors"))
     with pytest.raises(ValueError, match="e_score_correction_bias"):
-        hf_loader.load_hf(str(path))
+        loader.load_hf(str(path))
     tensors["model.layers.0.self_attn.k_norm.weight"] = np.ones(32, np.float32)   # a per-head norm
     save_file(tensors, str(path / "model.safetensors"))
     with pytest.raises(ValueError, match=r"k_norm.*\(32,\).*\(64,\)"):
-        hf_loader.load_hf(str(path))
+        loader.load_hf(str(path))
 
 
 @pytest.mark.parametrize("change, field", [
@@ -100,19 +99,19 @@ def test_missing_or_misshapen_tensor_is_named(tmp_path):
 ])
 def test_unsupported_configs_are_refused(change, field):
     with pytest.raises(ValueError, match=field):
-        hf_loader.model_config_from_hf(dict(_hf(), **change))
+        loader.model_config_from_hf(dict(_hf(), **change))
 
 
 def test_partial_rotary_factor_is_read_when_rotary_dim_is_absent():
     hf = {k: v for k, v in _hf().items() if k not in ("rotary_dim", "rope_theta")}
     for rope in ({"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.25},
                  {"rope_theta": 1e6, "partial_rotary_factor": 0.25}):         # no rope_type
-        cfg = hf_loader.model_config_from_hf(dict(hf, rope_parameters=rope))
+        cfg = loader.model_config_from_hf(dict(hf, rope_parameters=rope))
         assert (cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling) == (8, 1e6, None)
 
 
 def test_dummy_weights_follow_param_shapes():
-    cfg, params = dummy.load_dummy(_hf())
+    cfg, params = loader.load_dummy(_hf())
     assert jax.tree.map(lambda a: a.shape, params) == jax.tree.map(
         tuple, minimax_m2.param_shapes(cfg), is_leaf=lambda x: isinstance(x, tuple))
     assert params["layers"][0]["router_bias"].dtype == np.float32
@@ -121,7 +120,7 @@ def test_dummy_weights_follow_param_shapes():
 
 def test_reduced_depth_full_width_config():
     """MiniMax-M2's published dims (transformers' MiniMaxM2Config defaults), 4 layers."""
-    cfg = hf_loader.model_config_from_hf(dummy.read_config("MiniMax-M2-4L"))
+    cfg = loader.model_config_from_hf(dummy.read_config("MiniMax-M2-4L"))
     assert (cfg.hidden_size, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (3072, 4, 48, 8, 128)
     assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size) == (256, 8, 1536)
     assert (cfg.rotary_dim, cfg.rope_theta, cfg.vocab_size) == (64, 5e6, 200064)
@@ -206,7 +205,7 @@ def test_gguf_loads_like_the_hf_checkpoint(tmp_path):
     path = str(tmp_path / "tiny-minimax-m2.gguf")
     _write_gguf(path)
     cfg, host, _ = gguf_loader.load_gguf(path)
-    hf_cfg, ref = hf_loader.load_hf(CKPT)
+    hf_cfg, ref = loader.load_hf(CKPT)
     # eps passes through f32 metadata; bos / eos come from tokenizer metadata, absent here
     assert cfg.rms_norm_eps == pytest.approx(hf_cfg.rms_norm_eps)
     assert dataclasses.replace(cfg, rms_norm_eps=hf_cfg.rms_norm_eps, bos_token_id=1, eos_token_ids=(2,)) == hf_cfg

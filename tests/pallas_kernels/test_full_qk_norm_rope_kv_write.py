@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from jaxserve.models import layers, minimax_m2
+from jaxserve.models.layers import full_qk_norm
 from jaxserve.pallas_kernels import full_qk_norm_rope_kv_write as fqr
 from jaxserve.pallas_kernels.cuda_lowering import export_for_cuda, triton_kernel_names
 from jaxserve.sharding import kernels as sharded
@@ -113,10 +114,10 @@ def test_lowers_for_cuda_with_aliased_caches():
 def test_make_kernels_picks_the_fused_kernel_only_when_asked():
     """The model with the kernel against transformers: tests/models/test_minimax_m2_golden.py."""
     cfg = minimax_m2.MiniMaxM2Config.from_hf({**_TINY16, "head_dim": 32, "rotary_dim": 16})
-    assert minimax_m2.make_kernels(cfg, "pallas").rope_write.func is minimax_m2.rope_write_xla
-    assert minimax_m2.make_kernels(cfg, "xla", fused={"rope"}).rope_write.func is minimax_m2.rope_write_xla
+    assert minimax_m2.make_kernels(cfg, "pallas").rope_write.func is full_qk_norm.rope_write_xla
+    assert minimax_m2.make_kernels(cfg, "xla", fused={"rope"}).rope_write.func is full_qk_norm.rope_write_xla
     fused = minimax_m2.make_kernels(cfg, "pallas", fused={"rope"}).rope_write   # per shard under a mesh
     assert fused.func is sharded.full_qk_norm_rope_kv_write
     assert fused.args[0].func is fqr.full_qk_norm_rope_kv_write
     small = minimax_m2.MiniMaxM2Config.from_hf(_TINY16)
-    assert minimax_m2.make_kernels(small, "pallas", fused={"rope"}).rope_write.func is minimax_m2.rope_write_xla
+    assert minimax_m2.make_kernels(small, "pallas", fused={"rope"}).rope_write.func is full_qk_norm.rope_write_xla

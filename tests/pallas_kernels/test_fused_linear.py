@@ -271,7 +271,7 @@ STEPS = {   # (chunks as (sequence, tokens, start), padded tokens)
 @pytest.mark.parametrize("name,step", [(name, "mixed") for name in MODELS]
                          + [("qwen3-moe", s) for s in ("decode", "one", "one-xla")])
 def test_fused_stack_matches_the_xla_path(name, step, monkeypatch):
-    from jaxserve.models.loaders.dummy import load_dummy
+    from jaxserve.models.loader import load_dummy
     from jaxserve.pallas_kernels import moe_decode as md
 
     cfg, params = load_dummy({**MODELS[name], "vocab_size": 128, "hidden_size": 64,
@@ -342,14 +342,13 @@ def test_auto_turns_linear_on_for_small_dense_models_and_moe_for_experts():
     assert llama.auto_fused_kernels(moe, family_is_llama=False) == ("moe",)
     # other families' MoE models keep their own stacks, and "linear" named for one changes
     # nothing (before the MoE fused stack it never applied to MoE models)
-    from jaxserve.models import minimax_m2
+    from jaxserve.models import loader, minimax_m2
     from jaxserve.models.loaders import dummy
-    from jaxserve.models.loaders import hf as hf_loader
     golden = os.path.join(os.path.dirname(__file__), os.pardir, "golden", "ckpt")
     for name in ("minimax_m2", "deepseek_v3", "qwen3_5_moe"):
-        cfg = hf_loader.model_config_from_hf(dummy.read_config(os.path.join(golden, name, "config.json")))
+        cfg = loader.model_config_from_hf(dummy.read_config(os.path.join(golden, name, "config.json")))
         assert cfg.is_moe and not llama.fused_stack_fits(cfg), name
-    cfg = hf_loader.model_config_from_hf(dummy.read_config(os.path.join(golden, "minimax_m2", "config.json")))
+    cfg = loader.model_config_from_hf(dummy.read_config(os.path.join(golden, "minimax_m2", "config.json")))
     assert not minimax_m2.make_kernels(cfg, "pallas", fused={"linear", "norm"}).linear
 
 

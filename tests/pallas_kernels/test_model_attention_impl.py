@@ -69,7 +69,7 @@ def test_auto_is_xla_on_cpu_and_bad_impl_is_refused(tiny_checkpoint):
 def test_fused_kernels_in_model_match_xla_path():
     """Head dim 32 with q/k norms: with both fused kernels the Pallas step uses all three kernels
     (attention, add+RMSNorm, QK-norm+RoPE+KV write) and must give the XLA step's logits and cache."""
-    from jaxserve.models.loaders.dummy import load_dummy
+    from jaxserve.models.loader import load_dummy
 
     cfg, params = load_dummy({"architectures": ["Qwen3ForCausalLM"], "vocab_size": 128, "hidden_size": 64,
                               "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -98,7 +98,7 @@ def test_fused_kernels_in_model_match_xla_path():
 def test_fused_kernels_chosen_one_by_one():
     """Each fused kernel can be switched on alone (EngineConfig.fused_kernels: how the H200 runs
     time them in the step)."""
-    from jaxserve.models.loaders.dummy import load_dummy
+    from jaxserve.models.loader import load_dummy
 
     cfg, _ = load_dummy({"architectures": ["LlamaForCausalLM"], "vocab_size": 64, "hidden_size": 64,
                          "intermediate_size": 96, "num_hidden_layers": 1, "num_attention_heads": 2,

@@ -8,6 +8,7 @@ E head dim, P tokens per block, B blocks per sequence, L = B * P context slots.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -35,6 +36,21 @@ def linear(x_TD: jax.Array, w_DF: jax.Array) -> jax.Array:
         y_2F = jax.lax.optimization_barrier(jnp.pad(x_TD, ((0, 1), (0, 0))) @ w_DF)
         return y_2F[:1]
     return x_TD @ w_DF
+
+
+def project(h_TD: jax.Array, lp: dict, name: str) -> jax.Array:
+    """h_TD @ lp[name], or through its [out, in] copy lp[name + "_t"] (llama.transpose_for_fused_stack)."""
+    if name + "_t" in lp:
+        return h_TD @ lp[name + "_t"].T
+    return linear(h_TD, lp[name])
+
+
+def gate_up(lp: dict, project: Callable):
+    """(gate, up) activations of an MLP layer, fused (w_gate_up, by a family's fuse_projections) or not;
+    `project(w)` applies the layer's input to a weight (a matmul, or a grouped one for MoE)."""
+    if "w_gate_up" in lp:
+        return jnp.split(project(lp["w_gate_up"]), 2, axis=-1)
+    return project(lp["w_gate"]), project(lp["w_up"])
 
 
 def fuse_in_place(lp: dict, fused: str, names) -> None:

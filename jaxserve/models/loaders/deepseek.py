@@ -13,7 +13,7 @@ Name mapping to models/deepseek.py's tree, with three reshapes done once here:
   scale blocks: sharding/expert_parallel.fp8_split_problem).
 Tensors are read from the files directly (header + memory map), because safetensors' numpy
 reader has no FP8 type; ml_dtypes gives numpy the float8 and bfloat16 types.
-With a mesh each parameter is placed by sharding/rules.py (sharding/family_axes.py: heads over
+With a mesh each parameter is placed by sharding/rules.py (models/families.py: heads over
 `model`, experts over `expert`, the latent path replicated). The routed experts are read per
 device, only the experts of its slice (jax.make_array_from_callback); the attention and dense
 tensors are assembled whole on the host (the kv_b_proj split and the rope permutation work on
@@ -38,6 +38,7 @@ import numpy as np
 
 from jaxserve.models import deepseek
 from jaxserve.pallas_kernels.grouped_matmul import BlockScaledFp8
+from jaxserve.sharding import expert_parallel, rules
 
 _DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
            "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2,
@@ -176,10 +177,9 @@ class _ExpertStack:
         if self.block[0] != self.block[1]:
             raise ValueError(f"--quantization fp8 keeps square scale blocks only; the checkpoint's "
                              f"weight_block_size is {list(self.block)}")
-        from jaxserve.sharding.expert_parallel import check_fp8_placement
 
         b = self.block[0]
-        check_fp8_placement(self.names[0], self.shape, sharding, b)
+        expert_parallel.check_fp8_placement(self.names[0], self.shape, sharding, b)
         x, i, o = self.shape
 
         def read(suffix, dtype, index):
@@ -213,12 +213,10 @@ def _checked(tree: dict, shapes: dict, where: str, jdtype, placement: dict, keep
     return out
 
 
-def load_hf(path: str, cfg, dtype: str = "float32", mesh=None, quantization: str | None = None):
-    """(cfg, params): the decoder, and params["mtp"] when the checkpoint has the MTP layers;
+def load_hf(family, path: str, cfg, dtype: str = "float32", mesh=None, quantization: str | None = None):
+    """(cfg, params) of the `family` object (models/families.py): the decoder, and params["mtp"] when the checkpoint has the MTP layers;
     placed by the sharding rules over `mesh` (or on the first device). quantization "fp8":
     an FP8 checkpoint's routed experts stay FP8 (module doc)."""
-    from jaxserve.sharding import rules
-
     with open(os.path.join(path, "config.json")) as f:
         hf = json.load(f)
     quant = hf.get("quantization_config") or {}
@@ -238,7 +236,7 @@ def load_hf(path: str, cfg, dtype: str = "float32", mesh=None, quantization: str
         lambda m_ms: f"model.layers.{cfg.num_layers + m_ms[0]}.eh_proj.weight" in ck,
         enumerate(deepseek.mtp_param_shapes(cfg))))
     mtp_shapes = [ms for _, ms in mtp_shapes]
-    place = rules.param_placements(cfg, mesh, {**shapes, **({"mtp": mtp_shapes} if mtp_shapes else {})})
+    place = rules.param_placements(family, cfg, mesh, {**shapes, **({"mtp": mtp_shapes} if mtp_shapes else {})})
     top = lambda name, w: jax.device_put(np.asarray(w, jdtype), place[name])  # noqa: E731
     params = {"embed": top("embed", ck.weight("model.embed_tokens.weight")),
               "final_norm": top("final_norm", ck.weight("model.norm.weight")), "layers": []}

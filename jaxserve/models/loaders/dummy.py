@@ -17,9 +17,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxserve.config import ModelConfig
 
-CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")   # models/configs
 INIT_STD = 0.02          # HF's usual initializer_range: keeps activations finite over many layers
 
 
@@ -82,20 +81,9 @@ def _draw(key, shapes: dict, shardings: dict, dtype: str) -> dict:
     return _dict_drawer(spec, dtype, tuple(shardings[n] for n in names))(key)
 
 
-def dummy_params(cfg: ModelConfig, dtype: str = "float32", mesh=None, seed: int = 0) -> dict:
-    """Random parameters for `cfg`; norm weights are ones, everything else N(0, INIT_STD^2)."""
-    from jaxserve.models import registry
-    from jaxserve.sharding import rules
-
-    module = registry.get_family(cfg.architecture).module
-    if hasattr(module, "dummy_params"):        # a family with its own parameter layout
-        return module.dummy_params(cfg, dtype, mesh, seed)
-    return draw_params(module.param_shapes(cfg), rules.param_placements(cfg, mesh), dtype, seed)
-
-
 def draw_params(shapes: dict, shardings: dict, dtype: str, seed: int = 0) -> dict:
     """Random parameters of a {top-level..., "layers": [...]} shape tree, each array made
-    with its sharding (also for families with their own dummy_params)."""
+    with its sharding (a family's dummy_params: models/interface.py)."""
     dtype = jnp.dtype(dtype).name
     root = jax.random.key(seed)
     top = {k: v for k, v in shapes.items() if k != "layers"}
@@ -103,11 +91,3 @@ def draw_params(shapes: dict, shardings: dict, dtype: str, seed: int = 0) -> dic
     params["layers"] = [_draw(jax.random.fold_in(root, i + 1), layer, layer_sh, dtype)
                         for i, (layer, layer_sh) in enumerate(zip(shapes["layers"], shardings["layers"]))]
     return params
-
-
-def load_dummy(source: str | dict[str, Any], dtype: str = "float32", mesh=None,
-               seed: int = 0) -> tuple[ModelConfig, dict]:
-    from jaxserve.models.loaders.hf import model_config_from_hf
-
-    cfg = model_config_from_hf(read_config(source))
-    return cfg, dummy_params(cfg, dtype, mesh, seed)

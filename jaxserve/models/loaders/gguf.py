@@ -113,8 +113,7 @@ def load_gguf(path: str, dtype=np.float32) -> tuple[ModelConfig, dict, dict[str,
     hf = gguf_to_hf_config(meta)
     has_output = any(t.name == "output.weight" for t in reader.tensors)
     hf["tie_word_embeddings"] = not has_output
-    module = registry.get_family(hf["architectures"][0]).module
-    cfg = module.config_from_hf(hf) if hasattr(module, "config_from_hf") else ModelConfig.from_hf(hf)
+    cfg = registry.get_family(hf["architectures"][0]).config_from_gguf(hf)
     permute_qk = meta["general.architecture"] in ("llama", "mistral")
 
     params: dict[str, Any] = {"layers": [dict() for _ in range(cfg.num_layers)]}

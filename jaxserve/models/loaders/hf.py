@@ -22,8 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.config import ModelConfig
-from jaxserve.models import registry
-from jaxserve.models.registry import param_shapes
+from jaxserve.sharding import rules
 
 # Per-layer HF name (after "model.layers.{i}.") -> (our name, stored [out, in] -> transpose).
 _LAYER_TENSORS = {
@@ -60,12 +59,10 @@ def read_hf_config(path: str) -> dict[str, Any]:
         return json.load(f)
 
 
-def model_config_from_hf(hf: dict[str, Any]) -> ModelConfig:
-    """ModelConfig of a supported architecture; unsupported variants are refused by name."""
+def llama_config_from_hf(hf: dict[str, Any]) -> ModelConfig:
+    """ModelConfig of a llama-family architecture (models/families.py LLAMA); the variants its
+    decoder does not build are refused by name."""
     arch = (hf.get("architectures") or ["?"])[0]
-    module = registry.get_family(arch).module   # raises, listing the supported architectures
-    if hasattr(module, "config_from_hf"):      # a family with a config of its own (deepseek)
-        return module.config_from_hf(hf)
     if hf.get("mlp_only_layers") or hf.get("decoder_sparse_step", 1) != 1:
         raise ValueError(f"{arch}: dense layers between MoE layers (mlp_only_layers="
                          f"{hf.get('mlp_only_layers')}, decoder_sparse_step="
@@ -140,9 +137,9 @@ class _Checkpoint:
         return read
 
 
-def _plan(cfg: ModelConfig, ckpt: _Checkpoint) -> dict:
-    """Our parameter tree with (HF tensor name, source) at every leaf; checks names and shapes."""
-    shapes = param_shapes(cfg)
+def _plan(cfg: ModelConfig, shapes: dict, ckpt: _Checkpoint) -> dict:
+    """Our parameter tree (of `shapes`) with (HF tensor name, source) at every leaf; checks
+    names and shapes."""
 
     def leaf(hf_name: str, transpose: bool, want: tuple):
         if hf_name not in ckpt.where:
@@ -179,31 +176,14 @@ def _plan(cfg: ModelConfig, ckpt: _Checkpoint) -> dict:
     return plan
 
 
-# Families whose loader can keep an FP8 checkpoint's experts in FP8 (quantization="fp8")
-FP8_KEEPING_ARCHITECTURES = ("DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM")
-
-
-def load_hf(path: str, dtype: str = "float32", mesh=None,
-            quantization: str | None = None) -> tuple[ModelConfig, dict]:
-    """(config, params as jax arrays in `dtype`), sharded over `mesh` if given. quantization
-    "fp8": an FP8 checkpoint's experts kept in FP8 (DeepSeek V3 / V3.2 only: deepseek_loader)."""
-    from jaxserve.sharding import rules
-
-    cfg = model_config_from_hf(read_hf_config(path))
-    module = registry.get_family(cfg.architecture).module
-    if quantization is not None and cfg.architecture not in FP8_KEEPING_ARCHITECTURES:
-        raise ValueError(f"quantization {quantization!r} is built for "
-                         f"{', '.join(FP8_KEEPING_ARCHITECTURES)} checkpoints; {path!r} is "
-                         f"{cfg.architecture}")
-    if quantization is not None:
-        return module.load_hf(path, cfg, dtype, mesh, quantization=quantization)
-    if hasattr(module, "load_hf"):             # a family with its own tensor names (deepseek)
-        return module.load_hf(path, cfg, dtype, mesh)
+def load_llama_layout(family, path: str, cfg: ModelConfig, dtype: str = "float32", mesh=None) -> dict:
+    """Params of llama's tensor names (the `family` object's shapes and placements) as jax
+    arrays in `dtype`, sharded over `mesh` if given."""
     jdtype = jnp.dtype(dtype)
-    shapes = param_shapes(cfg)
-    shardings = rules.param_placements(cfg, mesh)
+    shapes = family.param_shapes(cfg)
+    shardings = rules.param_placements(family, cfg, mesh)
     with contextlib.ExitStack() as stack:
-        plan = _plan(cfg, _Checkpoint(path, stack))
+        plan = _plan(cfg, shapes, _Checkpoint(path, stack))
 
         def build(entry, shape, sharding):
             _, read = entry
@@ -212,7 +192,7 @@ def load_hf(path: str, dtype: str = "float32", mesh=None,
 
         params = jax.tree.map(build, plan, shapes, shardings,
                               is_leaf=lambda x: isinstance(x, tuple) and len(x) == 2 and callable(x[1]))
-    return cfg, params
+    return params
 
 
 def has_tokenizer_files(path: str) -> bool:

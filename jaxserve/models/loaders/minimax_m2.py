@@ -25,7 +25,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.models import minimax_m2 as mm
+from jaxserve.models.loaders import dummy
 from jaxserve.models.loaders.deepseek import SafetensorsDir
+from jaxserve.sharding import rules
 
 # our name -> Hub suffix after "model.layers.{i}." and whether it is a Linear ([out, in]: transposed)
 _LAYER = {
@@ -95,9 +97,8 @@ def _dtypes(shapes: dict, dtype) -> dict:
     return out
 
 
-def load_hf(path: str, cfg: mm.MiniMaxM2Config, dtype: str = "float32", mesh=None):
-    from jaxserve.sharding import rules
-
+def load_hf(family, path: str, cfg: mm.MiniMaxM2Config, dtype: str = "float32", mesh=None):
+    """(cfg, params) placed by the sharding rules of `family` (models/families.py)."""
     with open(os.path.join(path, "config.json")) as f:
         quant = json.load(f).get("quantization_config") or {}
     block = tuple(quant.get("weight_block_size") or (128, 128))
@@ -109,18 +110,15 @@ def load_hf(path: str, cfg: mm.MiniMaxM2Config, dtype: str = "float32", mesh=Non
         return jax.make_array_from_callback(tuple(shape), sharding,
                                             lambda index: np.asarray(read(index)).astype(dt))
 
-    params = jax.tree.map(build, plan, shapes, rules.param_placements(cfg, mesh), _dtypes(shapes, dtype),
+    params = jax.tree.map(build, plan, shapes, rules.param_placements(family, cfg, mesh), _dtypes(shapes, dtype),
                           is_leaf=callable)
     return cfg, params
 
 
-def dummy_params(cfg: mm.MiniMaxM2Config, dtype: str = "float32", mesh=None, seed: int = 0) -> dict:
+def dummy_params(family, cfg: mm.MiniMaxM2Config, dtype: str = "float32", mesh=None, seed: int = 0) -> dict:
     """models/dummy.py's draws (norms 1, the rest N(0, 0.02^2)), placed by the sharding rules;
     the router bias f32 (a random bias of that size barely moves the expert choice)."""
-    from jaxserve.models.loaders import dummy
-    from jaxserve.sharding import rules
-
-    params = dummy.draw_params(mm.param_shapes(cfg), rules.param_placements(cfg, mesh), dtype, seed)
+    params = dummy.draw_params(mm.param_shapes(cfg), rules.param_placements(family, cfg, mesh), dtype, seed)
     for lp in params["layers"]:
         lp["router_bias"] = lp["router_bias"].astype(jnp.float32)
     return params

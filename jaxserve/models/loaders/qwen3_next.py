@@ -23,8 +23,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.models.loaders import hf as hf_loader
 from jaxserve.models import qwen3_next as qn
+from jaxserve.models.loaders import dummy, hf as hf_loader
+from jaxserve.sharding import rules
 
 
 def qkvz_permutation(cfg: qn.Qwen3NextConfig):
@@ -177,11 +178,9 @@ def _mtp_plan(cfg: qn.Qwen3NextConfig, ckpt) -> dict:
     return plan
 
 
-def load_hf(path: str, dtype: str = "float32", mesh=None):
+def load_hf(family, path: str, dtype: str = "float32", mesh=None):
     """(config, params in `dtype`): on the first device, or placed by the sharding rules over
-    `mesh` (sharding/family_axes.py), each device reading only its slice of each tensor."""
-    from jaxserve.sharding import rules
-
+    `mesh` (models/families.py), each device reading only its slice of each tensor."""
     cfg = qn.config_from_hf(hf_loader.read_hf_config(path))
     jdtype = jnp.dtype(dtype)
     with contextlib.ExitStack() as stack:
@@ -192,7 +191,7 @@ def load_hf(path: str, dtype: str = "float32", mesh=None):
             plan["mtp"] = mtp
         is_leaf = lambda e: isinstance(e, tuple) and len(e) == 3 and callable(e[1])  # noqa: E731
         shapes = jax.tree.map(lambda e: e[2], plan, is_leaf=is_leaf)
-        placements = rules.param_placements(cfg, mesh, shapes)
+        placements = rules.param_placements(family, cfg, mesh, shapes)
 
         def build(entry, sharding):
             _, read, shape = entry
@@ -216,7 +215,7 @@ def grouped_channel_order(cfg: qn.Qwen3NextConfig) -> np.ndarray:
 def group_conv_channels(cfg: qn.Qwen3NextConfig, params: dict, mesh) -> dict:
     """On a mesh whose `model` axis the key heads divide: w_qkv / conv_w -> w_qkv_grouped /
     conv_w_grouped (channels in grouped_channel_order, each array keeping its sharding), so
-    each rank's contiguous channel block holds whole heads (sharding/family_axes.py says why).
+    each rank's contiguous channel block holds whole heads (models/families.py says why).
     In place; unchanged without a mesh or when the heads do not divide."""
     if mesh is None or cfg.linear_num_key_heads % mesh.shape["model"] or qn.LINEAR not in cfg.layer_types:
         return params
@@ -233,13 +232,10 @@ def group_conv_channels(cfg: qn.Qwen3NextConfig, params: dict, mesh) -> dict:
 ZERO_CENTRED = ("attn_norm", "mlp_norm", "final_norm", "q_norm", "k_norm")
 
 
-def dummy_params(cfg: qn.Qwen3NextConfig, dtype: str = "float32", mesh=None, seed: int = 0) -> dict:
+def dummy_params(family, cfg: qn.Qwen3NextConfig, dtype: str = "float32", mesh=None, seed: int = 0) -> dict:
     """Random weights (models/dummy.py's draws): zero-centred norms 0 (a scale of 1), the gated
     norm 1, a_log 0 and dt_bias 1 (decays exp(-softplus(a + 1)), about 0.27 per token)."""
-    from jaxserve.models.loaders import dummy
-    from jaxserve.sharding import rules
-
-    params = dummy.draw_params(qn.param_shapes(cfg), rules.param_placements(cfg, mesh), dtype, seed)
+    params = dummy.draw_params(qn.param_shapes(cfg), rules.param_placements(family, cfg, mesh), dtype, seed)
     like = lambda a, fill: jnp.full_like(a, fill, device=a.sharding)  # noqa: E731  (keeps the placement)
     for tree in [params] + params["layers"]:
         for name in ZERO_CENTRED:
