@@ -170,7 +170,7 @@ def test_attention_plan_marks_only_nearly_full_buckets_of_specially_tiled_grids(
     # heads, 16 slots, all; never off the GPU's Pallas path.
     from jaxserve.models import llama
     from jaxserve.models.attention import AttentionPlan
-    from jaxserve.pallas_kernels import ragged_paged_attention as rpa
+    from jaxserve.pallas_kernels.ragged_paged_attention import tiling as rt
 
     def floor(b, t, s, busy, contexts=None):
         plan = b.plan(t, s, busy, contexts)
@@ -282,11 +282,11 @@ def test_a_skewed_step_runs_as_an_even_one_until_its_program_is_ready():
 
 
 def test_skewed_contexts_threshold():
-    from jaxserve.pallas_kernels import ragged_paged_attention as rpa
-    assert not rpa.skewed_contexts([]) and not rpa.skewed_contexts([9000])
-    assert not rpa.skewed_contexts([0, 0, 0])
-    assert not rpa.skewed_contexts([1800, 200, 1000, 1000])    # max = 1.8 x the mean
-    assert rpa.skewed_contexts([1801, 200, 1000, 1000])
+    from jaxserve.pallas_kernels.ragged_paged_attention import tiling as rt
+    assert not rt.skewed_contexts([]) and not rt.skewed_contexts([9000])
+    assert not rt.skewed_contexts([0, 0, 0])
+    assert not rt.skewed_contexts([1800, 200, 1000, 1000])    # max = 1.8 x the mean
+    assert rt.skewed_contexts([1801, 200, 1000, 1000])
 
 
 def test_warmup_packs_busy_variants_like_the_steps_that_use_them(monkeypatch):

@@ -16,6 +16,7 @@ from types import ModuleType
 from typing import Any
 
 from jaxserve.config import ModelConfig
+from jaxserve.pallas_kernels.policy import KernelPlan
 
 
 class ModelFamily:
@@ -44,11 +45,13 @@ class ModelFamily:
         return self.module.cache_specs(cfg)
 
     # -- the step -----------------------------------------------------------------------
-    def make_kernels(self, cfg: ModelConfig, backend, plan=None, fused: frozenset = frozenset()):
-        """The kernels of one compiled step (the attention backend's `plan`, the fused names)."""
+    def make_kernels(self, cfg: ModelConfig, backend, plan=None,
+                     kernel_plan: KernelPlan = KernelPlan()):
+        """The kernels of one compiled step (the attention backend's `plan`, the engine's
+        `kernel_plan`)."""
         if plan is None:
-            return self.module.make_kernels(cfg, backend, fused=fused)
-        return self.module.make_kernels(cfg, backend, plan, fused)
+            return self.module.make_kernels(cfg, backend, kernel_plan=kernel_plan)
+        return self.module.make_kernels(cfg, backend, plan, kernel_plan)
 
     def forward(self, cfg: ModelConfig, params, caches, x, kernels, aux_layers: tuple[int, ...] = ()):
         """(caches, hidden f[T, D], aux hidden states after `aux_layers`)."""
@@ -60,7 +63,7 @@ class ModelFamily:
         """f32[S, V] logits of the rows `hidden_SD`."""
         return self.module.compute_logits(cfg, params, hidden_SD, kernels)
 
-    def prepare_weights(self, cfg: ModelConfig, params: dict, *, fused: frozenset, mesh,
+    def prepare_weights(self, cfg: ModelConfig, params: dict, *, kernel_plan: KernelPlan, mesh,
                         backend) -> dict:
         """The loaded parameters re-laid for the step's kernels, in place (no second copy):
         projections that read one input fused, expert arrays past the grouped kernel's reach
@@ -76,7 +79,7 @@ class ModelFamily:
             params = fuse(cfg, params)
         params = split_expert_weights(params)
         transpose = getattr(self.module, "transpose_for_fused_stack", None)
-        if transpose is not None and getattr(self.make_kernels(cfg, backend, fused=fused), "linear", False):
+        if transpose is not None and getattr(self.make_kernels(cfg, backend, kernel_plan=kernel_plan), "linear", False):
             params = transpose(cfg, params)
         return params
 

@@ -1,7 +1,7 @@
 """Fused full-width QK-norm + partial rotary + paged KV-cache write (MiniMax-M2), in place.
 
 MiniMax-M2 normalises each token's whole q row (all N heads x E) and whole k row (K x E),
-then rotates only the first R dims of each head. The XLA path (models/minimax_m2.py
+then rotates only the first R dims of each head. The XLA path (models/layers/full_qk_norm.py
 rope_write_xla) is: sums of squares, scale, rotate, scatter K and V into the cache. Here one
 program per token does all of it, reading q, k, v once:
 
@@ -33,6 +33,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from jaxserve.models.layers.full_qk_norm import rope_write_xla
 from jaxserve.pallas_kernels import qk_norm_rope_kv_write as qrk
 from jaxserve.pallas_kernels.dispatch import absent_refs, resolve_impl, whole
 
@@ -40,8 +41,7 @@ from jaxserve.pallas_kernels.dispatch import absent_refs, resolve_impl, whole
 def ref_full_qk_norm_rope_kv_write(q_TNE, k_TKE, v_TKE, positions_T, slot_mapping_T, k_cache_NPKE,
                                    v_cache_NPKE, inv_freq_R, q_norm, k_norm, *, eps: float = 1e-6):
     """The model's own XLA blocks, in the model's order."""
-    from jaxserve.models import minimax_m2
-    return minimax_m2.rope_write_xla(q_TNE, k_TKE, v_TKE, positions_T, slot_mapping_T, k_cache_NPKE,
+    return rope_write_xla(q_TNE, k_TKE, v_TKE, positions_T, slot_mapping_T, k_cache_NPKE,
                                      v_cache_NPKE, inv_freq_R, q_norm, k_norm, eps=eps)
 
 

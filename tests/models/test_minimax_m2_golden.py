@@ -17,7 +17,9 @@ import numpy as np
 import pytest
 
 from jaxserve.models import deepseek, llama, minimax_m2
+from jaxserve.models.layers import full_qk_norm
 from jaxserve.models.loader import load_model
+from jaxserve.pallas_kernels.policy import KernelPlan
 from model_step_builder import Chunk, build_step, empty_kv_cache, scattered_block_tables
 
 GOLDEN_DIR = os.path.join(os.path.dirname(__file__), os.pardir, "golden")
@@ -124,7 +126,7 @@ def test_qk_norm_and_partial_rope_against_formulas():
     t, n, kh, e, r = 3, 4, 2, 16, 8
     q, k = rng.normal(size=(t, n * e)).astype(np.float32), rng.normal(size=(t, kh * e)).astype(np.float32)
     wq, wk = rng.normal(size=n * e).astype(np.float32), rng.normal(size=kh * e).astype(np.float32)
-    gq, gk = minimax_m2.qk_norm(jnp.asarray(q), jnp.asarray(k), jnp.asarray(wq), jnp.asarray(wk), kh, 1e-6)
+    gq, gk = full_qk_norm.qk_norm(jnp.asarray(q), jnp.asarray(k), jnp.asarray(wq), jnp.asarray(wk), kh, 1e-6)
     rms = lambda a: a / np.sqrt((a * a).mean(-1, keepdims=True) + 1e-6)  # noqa: E731
     np.testing.assert_allclose(np.asarray(gq), rms(q) * wq, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(np.asarray(gk), rms(k) * wk, rtol=1e-5, atol=1e-5)
@@ -135,7 +137,7 @@ def test_qk_norm_and_partial_rope_against_formulas():
     x1, x2 = x[..., : r // 2], x[..., r // 2: r]
     want = np.concatenate([x1 * np.cos(ang) - x2 * np.sin(ang), x2 * np.cos(ang) + x1 * np.sin(ang),
                            x[..., r:]], -1)
-    got = minimax_m2.partial_rope(jnp.asarray(x), jnp.asarray(pos), jnp.asarray(inv, jnp.float32))
+    got = full_qk_norm.partial_rope(jnp.asarray(x), jnp.asarray(pos), jnp.asarray(inv, jnp.float32))
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
 
 
@@ -157,8 +159,9 @@ def test_pallas_kernels_in_the_model(fused):
     fused full-width QK-norm + partial RoPE + KV write kernel too: a chunked prefill and two
     batched decode steps match the goldens."""
     golden, cfg, params, prompts = _load()
-    kernels = minimax_m2.make_kernels(cfg, "pallas", fused=fused)
-    assert (kernels.rope_write.func is minimax_m2.rope_write_xla) == (not fused)
+    kernels = minimax_m2.make_kernels(cfg, "pallas", kernel_plan=KernelPlan.for_model(
+        cfg, "minimax_m2", fused))
+    assert (kernels.rope_write.func is full_qk_norm.rope_write_xla) == (not fused)
     tables = scattered_block_tables(3, BLOCKS_PER_SEQ, NUM_BLOCKS, seed=7)
     caches = empty_kv_cache(cfg, NUM_BLOCKS, BLOCK_SIZE)
     x = build_step([Chunk(0, prompts[0], 0), Chunk(1, prompts[1], 0), Chunk(2, prompts[2][:10], 0)],

@@ -14,7 +14,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve.models import layers, llama
+from jaxserve.models import layers, llama, registry
+from jaxserve.pallas_kernels import policy
+from jaxserve.pallas_kernels.policy import KernelPlan
 from jaxserve.pallas_kernels import fused_linear as fl
 from jaxserve.pallas_kernels import qk_norm_rope_kv_write as qrk
 from jaxserve.pallas_kernels.cuda_lowering import export_for_cuda, triton_kernel_names
@@ -249,7 +251,7 @@ FUSED = {name: frozenset({"linear", "moe"} if "moe" in name else {"linear"}) for
 
 @functools.partial(jax.jit, static_argnums=(0, 4))
 def _step(cfg, params, kv_cache, x, fused):
-    kernels = llama.make_kernels(cfg, "pallas", fused=fused)
+    kernels = llama.make_kernels(cfg, "pallas", kernel_plan=KernelPlan.for_model(cfg, "llama", fused))
     kv_cache, hidden_TD, aux = llama.forward(cfg, params, kv_cache, x, kernels, (0,))
     return kv_cache, llama.compute_logits(cfg, params, hidden_TD, kernels), aux
 
@@ -283,8 +285,9 @@ def test_fused_stack_matches_the_xla_path(name, step, monkeypatch):
     params_t = llama.transpose_for_fused_stack(cfg, jax.tree.map(lambda a: a, params))
     assert "wqkv_t" in params_t["layers"][0] and "wqkv" not in params_t["layers"][0]
     assert ("router_t" in params_t["layers"][0]) == cfg.is_moe
-    assert llama.make_kernels(cfg, "pallas", fused={"linear"}).linear
-    assert not llama.make_kernels(cfg, "xla", fused={"linear"}).linear
+    linear = KernelPlan.for_model(cfg, "llama", {"linear"})
+    assert llama.make_kernels(cfg, "pallas", kernel_plan=linear).linear
+    assert not llama.make_kernels(cfg, "xla", kernel_plan=linear).linear
     rng = np.random.default_rng(0)
     tables = scattered_block_tables(3, BLOCKS_PER_SEQ, NUM_BLOCKS, seed=2)
     spans, step_t = STEPS[step]
@@ -329,17 +332,17 @@ def test_auto_turns_linear_on_for_small_dense_models_and_moe_for_experts():
     small = ModelConfig(architecture="LlamaForCausalLM", vocab_size=49152, hidden_size=576,
                         intermediate_size=1536, num_layers=30, num_heads=9, num_kv_heads=3,
                         head_dim=64)
-    assert llama.auto_fused_kernels(small) == ("linear",)
+    assert policy.auto_fused_kernels(small, "llama") == ("linear",)
     import dataclasses
-    assert llama.auto_fused_kernels(dataclasses.replace(small, hidden_size=4096)) == ()
-    assert llama.auto_fused_kernels(dataclasses.replace(small, head_dim=80)) == ()
-    assert llama.auto_fused_kernels(small, family_is_llama=False) == ()
+    assert policy.auto_fused_kernels(dataclasses.replace(small, hidden_size=4096), "llama") == ()
+    assert policy.auto_fused_kernels(dataclasses.replace(small, head_dim=80), "llama") == ()
+    assert policy.auto_fused_kernels(small, "qwen3_next") == ()
     # MoE: the fused stack where its router's width (the experts) tiles, moe_decode always
     moe = dataclasses.replace(small, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
                               hidden_size=2048)
-    assert llama.auto_fused_kernels(moe) == ("linear", "moe")
-    assert llama.auto_fused_kernels(dataclasses.replace(moe, num_experts=8)) == ("moe",)   # Mixtral
-    assert llama.auto_fused_kernels(moe, family_is_llama=False) == ("moe",)
+    assert policy.auto_fused_kernels(moe, "llama") == ("linear", "moe")
+    assert policy.auto_fused_kernels(dataclasses.replace(moe, num_experts=8), "llama") == ("moe",)   # Mixtral
+    assert policy.auto_fused_kernels(moe, "qwen3_next") == ("moe",)
     # other families' MoE models keep their own stacks, and "linear" named for one changes
     # nothing (before the MoE fused stack it never applied to MoE models)
     from jaxserve.models import minimax_m2
@@ -348,9 +351,11 @@ def test_auto_turns_linear_on_for_small_dense_models_and_moe_for_experts():
     golden = os.path.join(os.path.dirname(__file__), os.pardir, "golden", "ckpt")
     for name in ("minimax_m2", "deepseek_v3", "qwen3_5_moe"):
         cfg = hf_loader.model_config_from_hf(dummy.read_config(os.path.join(golden, name, "config.json")))
-        assert cfg.is_moe and not llama.fused_stack_fits(cfg), name
+        family = registry.get_family(cfg.architecture).name
+        assert cfg.is_moe and not policy.fused_stack_fits(cfg, family), name
     cfg = hf_loader.model_config_from_hf(dummy.read_config(os.path.join(golden, "minimax_m2", "config.json")))
-    assert not minimax_m2.make_kernels(cfg, "pallas", fused={"linear", "norm"}).linear
+    assert not minimax_m2.make_kernels(cfg, "pallas", kernel_plan=KernelPlan.for_model(
+        cfg, "minimax_m2", {"linear", "norm"})).linear
 
 
 @pytest.mark.parametrize("name", ["qwen3-tied", "qwen2-bias", "qwen3-moe"])
@@ -388,12 +393,13 @@ def test_engine_with_fused_linear_equals_the_engine_without(name, tmp_path):
 def test_fused_kernels_option():
     import argparse
 
-    from jaxserve.engine.llm_engine import resolve_fused_kernels
     from jaxserve.engine.args import add_engine_arguments
 
     cfg = llama.ModelConfig(architecture="LlamaForCausalLM", vocab_size=256, hidden_size=64,
                             intermediate_size=96, num_layers=1, num_heads=2, num_kv_heads=1,
                             head_dim=32)
+    def resolve_fused_kernels(option, cfg, num_devices):
+        return KernelPlan.resolve(option, cfg, "llama", num_devices).fused
     assert resolve_fused_kernels("auto", cfg, 1) == ()            # (on a CPU: nothing)
     assert resolve_fused_kernels("none", cfg, 1) == ()
     assert resolve_fused_kernels("linear, rope", cfg, 1) == ("linear", "rope")
