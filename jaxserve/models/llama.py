@@ -220,7 +220,7 @@ def fused_stack(cfg: ModelConfig, params: dict, caches: Caches, x: StepInput, ke
     after), which may flip a near-tied top-k choice of the router. Needs the fused projections
     stored [out, in] (fuse_projections, then transpose_for_fused_stack)."""
     from jaxserve.models import moe  # local: moe builds on this module
-    from jaxserve.pallas_kernels.fused_linear import fused_linear
+    from jaxserve.pallas_kernels.fused_linear import LinearTiling, fused_linear
     from jaxserve.pallas_kernels.qk_norm_rope_kv_write import qkv_norm_rope_kv_write
     t = x.token_ids.shape[0]
     n, kh, e, eps = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps
@@ -229,7 +229,7 @@ def fused_stack(cfg: ModelConfig, params: dict, caches: Caches, x: StepInput, ke
         # the plan's choice: fused_linear's one-row or dot program, or the same ops in XLA
         how = kernels.kernel_plan.projection(x_TK.shape[0], w.size)
         return fused_linear(x_TK, w, eps=eps, w_layout="NK", impl="xla" if how == "xla" else kernels.impl,
-                            one_row_program=how == "one_row", **kw)
+                            tiling=LinearTiling(one_row_program=how == "one_row"), **kw)
     residual_TD = params["embed"][x.token_ids]
     new_caches, aux = [], []
     for i, (lp, kv) in enumerate(zip(params["layers"], caches)):

@@ -102,17 +102,18 @@ def test_one_row_program_matches_the_reference(variant, dtype):
         with jax.default_matmul_precision("highest"):
             want = fl.ref_fused_linear(x, w, **kw)
     for block_n, block_k in ((None, None), (4, 32), (16, 64)):
-        got = fl.fused_linear(x, w_nk, w_layout="NK", impl="pallas", block_n=block_n,
-                              block_k=block_k, **kw)
+        got = fl.fused_linear(x, w_nk, w_layout="NK", impl="pallas",
+                              tiling=fl.LinearTiling(block_n=block_n, block_k=block_k), **kw)
         if dtype == jnp.float32:
             np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)
         else:
             assert got.dtype == jnp.bfloat16 and ulps(got, want, jnp.bfloat16) <= 8
     with pytest.raises(ValueError, match="block_n"):
-        fl.fused_linear(x, w_nk, w_layout="NK", impl="pallas", block_n=3, **kw)
+        fl.fused_linear(x, w_nk, w_layout="NK", impl="pallas", tiling=fl.LinearTiling(block_n=3),
+                        **kw)
     with pytest.raises(ValueError, match="one-row"):
         fl.fused_linear(jnp.concatenate([x, x]), w_nk, w_layout="NK", impl="pallas",
-                        one_row_program=True, gated=kw["gated"])
+                        tiling=fl.LinearTiling(one_row_program=True), gated=kw["gated"])
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
@@ -126,9 +127,9 @@ def test_normed_out_is_the_models_norm(t, block_k, dtype):
     w = jnp.asarray(rng.standard_normal((32, 96)) * 0.1, dtype)
     norm = jnp.asarray(rng.standard_normal(96) * 0.5 + 1, dtype)
     y, h = fl.fused_linear(x, w, norm_K=norm, eps=1e-5, w_layout="NK", normed_out=True,
-                           impl="pallas", block_k=block_k)
+                           impl="pallas", tiling=fl.LinearTiling(block_k=block_k))
     y_alone = fl.fused_linear(x, w, norm_K=norm, eps=1e-5, w_layout="NK", impl="pallas",
-                              block_k=block_k)
+                              tiling=fl.LinearTiling(block_k=block_k))
     np.testing.assert_array_equal(np.asarray(y), np.asarray(y_alone))
     want = layers.rms_norm(x, norm, 1e-5)
     assert h.dtype == dtype
@@ -144,21 +145,21 @@ def test_block_n_and_tiling_rules():
     with jax.default_matmul_precision("highest"):       # (a GPU's default f32 matmul is TF32)
         want = np.asarray(x @ w)
     for bn in (16, 32, 64):
-        np.testing.assert_allclose(np.asarray(fl.fused_linear(x, w, impl="pallas", block_n=bn)),
+        np.testing.assert_allclose(np.asarray(fl.fused_linear(x, w, impl="pallas", tiling=fl.LinearTiling(block_n=bn))),
                                    want, rtol=1e-5, atol=1e-5)
     for bk in (16, 32, 64):      # a K step of 16..64 (64: one step, K=32 masked past half)
-        np.testing.assert_allclose(np.asarray(fl.fused_linear(x, w, impl="pallas", block_k=bk)),
+        np.testing.assert_allclose(np.asarray(fl.fused_linear(x, w, impl="pallas", tiling=fl.LinearTiling(block_k=bk))),
                                    want, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="block_n"):
-        fl.fused_linear(x, w, impl="pallas", block_n=48)
+        fl.fused_linear(x, w, impl="pallas", tiling=fl.LinearTiling(block_n=48))
     with pytest.raises(ValueError, match="block_k"):
-        fl.fused_linear(x, w, impl="pallas", block_k=24)
+        fl.fused_linear(x, w, impl="pallas", tiling=fl.LinearTiling(block_k=24))
     # decode: the widest column block that still gives each of the 132 SMs a program
-    assert fl.tiling(1, 576, 1536, "KN") == (16, 16, 256)      # 96 programs even at 16
-    assert fl.tiling(1, 576, 49152, "NK") == (16, 128, 128)    # 384 programs at 128
-    assert fl.tiling(512, 576, 576, "KN") == (64, 32, 256)     # 8 row tiles x 18
-    assert fl.tiling(512, 4096, 4096, "KN") == (64, 128, 64)   # (shared memory: see tiling)
-    assert fl.tiling(1, 32, 64, "KN") == (16, 16, 32)
+    assert fl.dot_tiling(1, 576, 1536, "KN") == (16, 16, 256)      # 96 programs even at 16
+    assert fl.dot_tiling(1, 576, 49152, "NK") == (16, 128, 128)    # 384 programs at 128
+    assert fl.dot_tiling(512, 576, 576, "KN") == (64, 32, 256)     # 8 row tiles x 18
+    assert fl.dot_tiling(512, 4096, 4096, "KN") == (64, 128, 64)   # (shared memory: see tiling)
+    assert fl.dot_tiling(1, 32, 64, "KN") == (16, 16, 32)
 
 
 def test_shapes_the_kernel_cannot_take_are_named():
