@@ -57,9 +57,9 @@ def tuning() -> DeviceTuning:
 
 @dataclasses.dataclass(frozen=True)
 class Tiling:
-    """A Triton-kernel tiling; None fields are chosen by the rules (tiling.choose_tiling). Any
-    of the fields from block_q to prefill-heavy's prefetch_slots, fill_splits and fill_programs
-    set by a caller turns the decode rules off (the rest is then the plain default)."""
+    """A Triton-kernel tiling; None fields are chosen by the rules (tiling.choose_tiling). A
+    caller that sets any field but mask_all_steps, heavy_first and heads_inner turns the decode
+    rules off (the rest is then the plain default)."""
     block_q: int | None = None          # tokens per query tile
     block_k: int | None = None          # keys per step
     num_splits: int | None = None       # key-range splits (with fill_splits: the most an item takes)
