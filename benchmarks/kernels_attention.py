@@ -16,7 +16,8 @@ from kernel_timing import dense_kv, gpu_time_ms, paged_case, record, record_cudn
 
 
 def bench_attention(rng, quick: bool, sweep: bool, decode_only: bool = False):
-    from jaxserve.pallas_kernels import ragged_paged_attention as rpa
+    from jaxserve.pallas_kernels.ragged_paged_attention import reference, wrapper
+    from jaxserve.pallas_kernels.ragged_paged_attention.tuning import Tiling
     from jaxserve.pallas_kernels.dispatch import num_sms
     scale = kt.E ** -0.5
     decode_cases = [(1, 1024), (1, 8192), (4, 4096), (16, 1024), (32, 1024), (32, 8192),
@@ -29,8 +30,8 @@ def bench_attention(rng, quick: bool, sweep: bool, decode_only: bool = False):
         kv_bytes = 2 * s * ctx * kt.KH * kt.E * 2
         byts = kv_bytes + 2 * s * kt.N * kt.E * 2
         args = (c["q"], c["k"], c["v"], c["qsl"], c["seq_lens"], c["bt"])
-        ref = jax.jit(functools.partial(rpa.xla_ragged_paged_attention, sm_scale=scale))(*args)
-        f = jax.jit(functools.partial(rpa.ragged_paged_attention, sm_scale=scale, impl="pallas"))
+        ref = jax.jit(functools.partial(reference.xla_ragged_paged_attention, sm_scale=scale))(*args)
+        f = jax.jit(functools.partial(wrapper.ragged_paged_attention, sm_scale=scale, impl="pallas"))
         out = f(*args)
         record("attention", case, "pallas (default)", time_ms(f, *args, bytes_=byts),
                bytes_=byts, err=rel_err(out, ref))
@@ -48,14 +49,14 @@ def bench_attention(rng, quick: bool, sweep: bool, decode_only: bool = False):
                                            ("s5 async slots", dict(prefetch_slots=False,
                                                                    num_stages=5)))]
             for label, kw in variants:
-                g = jax.jit(functools.partial(rpa.ragged_paged_attention, sm_scale=scale,
-                                              impl="triton", **kw))
+                g = jax.jit(functools.partial(wrapper.ragged_paged_attention, sm_scale=scale,
+                                              impl="triton", tiling=Tiling(**kw)))
                 ms = try_run("decode sweep", lambda: time_ms(g, *args, bytes_=byts, iters=10))
                 if ms is not None:
                     record("attn-sweep", case, f"pallas {label}", ms, bytes_=byts)
         try_run("mosaic decode", lambda: bench_decode_mgpu(case, args, ref, byts, sweep))
         if not decode_only:
-            fx = jax.jit(functools.partial(rpa.xla_ragged_paged_attention, sm_scale=scale))
+            fx = jax.jit(functools.partial(reference.xla_ragged_paged_attention, sm_scale=scale))
             record("attention", case, "xla fallback",
                    time_ms(fx, *args, bytes_=byts, iters=5), bytes_=byts)
         k_d, v_d = dense_kv(c)
@@ -100,13 +101,13 @@ def bench_attention(rng, quick: bool, sweep: bool, decode_only: bool = False):
         case = f"{kind} S={s} T={sum(qlens)} L={max(ctxs)}"
         flops = sum(4 * kt.N * kt.E * sum(range(cx - ql + 1, cx + 1)) for ql, cx in zip(qlens, ctxs))
         args = (c["q"], c["k"], c["v"], c["qsl"], c["seq_lens"], c["bt"])
-        fx = jax.jit(functools.partial(rpa.xla_ragged_paged_attention, sm_scale=scale))
+        fx = jax.jit(functools.partial(reference.xla_ragged_paged_attention, sm_scale=scale))
         ref = fx(*args)
-        f = jax.jit(functools.partial(rpa.ragged_paged_attention, sm_scale=scale, impl="pallas"))
+        f = jax.jit(functools.partial(wrapper.ragged_paged_attention, sm_scale=scale, impl="pallas"))
         out = f(*args)
         record("attention", case, "pallas (default)", gpu_time_ms(f, *args), flops=flops,
                err=rel_err(out, ref))
-        ft = jax.jit(functools.partial(rpa.ragged_paged_attention, sm_scale=scale, impl="triton"))
+        ft = jax.jit(functools.partial(wrapper.ragged_paged_attention, sm_scale=scale, impl="triton"))
         record("attention", case, "triton", gpu_time_ms(ft, *args), flops=flops,
                err=rel_err(ft(*args), ref))
         if sweep and kind == "prefill":
@@ -115,9 +116,9 @@ def bench_attention(rng, quick: bool, sweep: bool, decode_only: bool = False):
             for bq, bk, nw, ns in ((16, 64, 4, 1), (16, 64, 4, 2), (32, 64, 8, 1), (16, 128, 4, 1),
                                    (32, 128, 8, 1), (16, 32, 4, 1), (32, 32, 4, 1)):
                 g = jax.jit(functools.partial(
-                    rpa.ragged_paged_attention, sm_scale=scale, impl="triton", block_q=bq,
-                    block_k=bk, num_warps=nw, num_stages=ns, heavy_first=True,
-                    prefetch_slots=True))
+                    wrapper.ragged_paged_attention, sm_scale=scale, impl="triton",
+                    tiling=Tiling(block_q=bq, block_k=bk, num_warps=nw, num_stages=ns,
+                                  heavy_first=True, prefetch_slots=True)))
                 ms = try_run("sweep", lambda: gpu_time_ms(g, *args, iters=10))
                 if ms is not None:
                     record("attn-sweep", case, f"pallas bq{bq} bk{bk} w{nw} s{ns} heavy-first "
@@ -136,7 +137,7 @@ def bench_attention(rng, quick: bool, sweep: bool, decode_only: bool = False):
 def bench_decode_mgpu(case, args, ref, byts, sweep: bool):
     """Our Mosaic GPU kernel in its decode configuration (one compute warpgroup, key-range
     splits); with --sweep, the ring depth, key step and split count around it."""
-    from jaxserve.pallas_kernels import ragged_paged_attention_mgpu as mg
+    from jaxserve.pallas_kernels.ragged_paged_attention import mgpu as mg
     scale = kt.E ** -0.5
     t, s, b, p = args[0].shape[0], args[4].shape[0], args[5].shape[1], args[1].shape[1]
 
@@ -182,7 +183,8 @@ def bench_prefill_buckets(rng):
     """Prefill-heavy steps as the engine runs them: T tokens in a bucket of 256 sequence slots,
     most of them empty (max_num_seqs = 256 on a GPU); ours (the Mosaic GPU kernel for these)
     beside the Triton kernel. Times include the small XLA ops before each kernel."""
-    from jaxserve.pallas_kernels import ragged_paged_attention as rpa
+    from jaxserve.pallas_kernels.ragged_paged_attention import reference, wrapper
+    from jaxserve.pallas_kernels.ragged_paged_attention.tuning import Tiling
     scale = kt.E ** -0.5
     cases = [("2K prompt", 2048, [2048], [2048]), ("1K prompt", 1024, [1024], [1024]),
              ("8 x 256-token chunks at 2K", 2048, [256] * 8, [2048] * 8),
@@ -193,9 +195,9 @@ def bench_prefill_buckets(rng):
         c["q"] = jax.random.normal(jax.random.key(1), (t, kt.N, kt.E), jnp.bfloat16)  # padding tokens
         args = (c["q"], c["k"], c["v"], c["qsl"], c["seq_lens"], c["bt"])
         flops = sum(4 * kt.N * kt.E * sum(range(cx - ql + 1, cx + 1)) for ql, cx in zip(qlens, ctxs))
-        ref = jax.jit(functools.partial(rpa.xla_ragged_paged_attention, sm_scale=scale))(*args)
+        ref = jax.jit(functools.partial(reference.xla_ragged_paged_attention, sm_scale=scale))(*args)
         for impl in ("pallas", "triton"):
-            f = jax.jit(functools.partial(rpa.ragged_paged_attention, sm_scale=scale, impl=impl))
+            f = jax.jit(functools.partial(wrapper.ragged_paged_attention, sm_scale=scale, impl=impl))
             out = f(*args)
             record("bucket", f"T={t} S=256 {name}", "pallas (default)" if impl == "pallas"
                    else impl, gpu_time_ms(f, *args), flops=flops, err=rel_err(out, ref))
@@ -220,7 +222,8 @@ def bench_decode_buckets(rng, sweep: bool):
     longer than the rest), busy_seqs as the engine says it. Ours (the default tiling) beside
     cuDNN on the real sequences (padded to the longest with their lengths where they differ);
     with --sweep also 128- and 64-key steps forced (the Triton kernel) on the even ones."""
-    from jaxserve.pallas_kernels import ragged_paged_attention as rpa
+    from jaxserve.pallas_kernels.ragged_paged_attention import reference, wrapper
+    from jaxserve.pallas_kernels.ragged_paged_attention.tuning import Tiling
     scale = kt.E ** -0.5
     for slots, ctxs in ((16, [8192] + [1024] * 15), (16, [2048] + [1024] * 15),
                         (32, [16384] + [1024] * 31), (32, [8192] * 2), (16, [32768] + [1024] * 3),
@@ -234,8 +237,8 @@ def bench_decode_buckets(rng, sweep: bool):
                 len(set(ctxs)) > 1 else "") + f" (busy_seqs {busy}" +
                 (", skewed)" if skewed else ")"))
         byts = sum(2 * L * kt.KH * kt.E * 2 + 2 * kt.N * kt.E * 2 for L in ctxs)
-        ref = jax.jit(functools.partial(rpa.xla_ragged_paged_attention, sm_scale=scale))(*args)
-        f = jax.jit(functools.partial(rpa.ragged_paged_attention, sm_scale=scale,
+        ref = jax.jit(functools.partial(reference.xla_ragged_paged_attention, sm_scale=scale))(*args)
+        f = jax.jit(functools.partial(wrapper.ragged_paged_attention, sm_scale=scale,
                                       impl="pallas", busy_seqs=busy, skewed=skewed))
         record("dec-bucket", case, "pallas (default)", time_ms(f, *args, bytes_=byts),
                bytes_=byts, err=rel_err(f(*args), ref))
@@ -255,12 +258,13 @@ def bench_decode_buckets(rng, sweep: bool):
         args = (c["q"], c["k"], c["v"], c["qsl"], c["seq_lens"], c["bt"])
         case = f"S={slots} {real} decodes L={ctx}"
         byts = 2 * real * ctx * kt.KH * kt.E * 2 + 2 * real * kt.N * kt.E * 2
-        ref = jax.jit(functools.partial(rpa.xla_ragged_paged_attention, sm_scale=scale))(*args)
+        ref = jax.jit(functools.partial(reference.xla_ragged_paged_attention, sm_scale=scale))(*args)
         variants = [("pallas (default)", {})]
         if sweep:
-            variants += [(f"triton bk{bk}", dict(impl="triton", block_k=bk)) for bk in (128, 64)]
+            variants += [(f"triton bk{bk}", dict(impl="triton", tiling=Tiling(block_k=bk)))
+                         for bk in (128, 64)]
         for label, kw in variants:
-            f = jax.jit(functools.partial(rpa.ragged_paged_attention, sm_scale=scale,
+            f = jax.jit(functools.partial(wrapper.ragged_paged_attention, sm_scale=scale,
                                           **{"impl": "pallas", **kw}))
             out = f(*args)
             record("dec-bucket", case, label, time_ms(f, *args, bytes_=byts), bytes_=byts,

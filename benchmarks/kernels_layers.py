@@ -189,11 +189,11 @@ def bench_fused_linear(rng, sweep: bool):
         res_tn = jnp.ones((1, n_out), jnp.bfloat16) if res else None
         want = fl.ref_fused_linear(x, w, norm_K=norm_k, residual_TN=res_tn, gated=gated, w_layout="NK")
         single = fl.one_row(1, w.size, "NK")
-        bn0, bk0 = fl.one_row_tiling(k) if single else fl.tiling(1, k, n_out, "NK")[1:]
+        bn0, bk0 = fl.one_row_tiling(k) if single else fl.dot_tiling(1, k, n_out, "NK")[1:]
         warps0 = fl.decode_warps(1, w.size, single)
         tilings = [(single, bn0, bk0, warps0)]
         if sweep and moe:     # the one-row program at these larger weights, against the dot
-            tilings += [(False, *fl.tiling(1, k, n_out, "NK")[1:], warps0)] + [
+            tilings += [(False, *fl.dot_tiling(1, k, n_out, "NK")[1:], warps0)] + [
                 (True, bn, bk, warps) for bn in (4, 8) for bk in (1024, 2048) for warps in (4, 8)]
         elif sweep:     # the dot program's tilings, then the one-row program's
             full_k = 1 << (k - 1).bit_length()
@@ -208,7 +208,8 @@ def bench_fused_linear(rng, sweep: bool):
                 continue
             fn = jax.jit(lambda x, w, nk, r, one=one, bn=bn, bk=bk, warps=warps: fl.fused_linear(
                 x, w, norm_K=nk, residual_TN=r, gated=gated, w_layout="NK", impl="pallas",
-                block_n=bn, block_k=bk, num_warps=warps, one_row_program=one))
+                tiling=fl.LinearTiling(one_row_program=one, block_n=bn, block_k=bk,
+                                       num_warps=warps)))
             label = f"{'row' if one else 'dot'} bn{bn} bk{bk} w{warps}" + (" (default)" if not i else "")
             try_run(f"fused_linear {name} {label}", lambda: record(
                 "linear", f"fused {name} T=1 {k}->{n}", label,

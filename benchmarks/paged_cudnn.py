@@ -17,7 +17,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import kernel_timing as kb   # noqa: E402  (benchmarks/kernel_timing.py)
 
-from jaxserve.pallas_kernels import ragged_paged_attention as rpa   # noqa: E402
+from jaxserve.pallas_kernels.ragged_paged_attention import reference, wrapper   # noqa: E402
 
 CASES = [("llama3-8b", 12, 1024), ("llama3-8b", 16, 1024), ("llama3-8b", 32, 1024),
          ("llama3-8b", 4, 4096), ("llama3-8b", 32, 8192), ("qwen3-30b-a3b", 24, 1024),
@@ -50,8 +50,8 @@ def main():
         for p in (16, 64):
             q, k, v, qsl, lens, bt = case(rng, s, ctx, p)
             args = (q, k, v, qsl, lens, bt)
-            ref = jax.jit(functools.partial(rpa.xla_ragged_paged_attention, sm_scale=scale))(*args)
-            ours = jax.jit(functools.partial(rpa.ragged_paged_attention, sm_scale=scale,
+            ref = jax.jit(functools.partial(reference.xla_ragged_paged_attention, sm_scale=scale))(*args)
+            ours = jax.jit(functools.partial(wrapper.ragged_paged_attention, sm_scale=scale,
                                              impl="pallas"))
             pt = bt[:, None, :, None]
             ones = jnp.ones((s,), jnp.int32)

@@ -43,7 +43,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import kernel_timing as kb  # noqa: E402  (benchmarks/kernel_timing.py: timing and rows)
 from jaxserve.bench import roofline  # noqa: E402
-from jaxserve.engine.llm_engine import resolve_fused_kernels  # noqa: E402
+from jaxserve.pallas_kernels.policy import KernelPlan  # noqa: E402
 from jaxserve.core.kv_cache.specs import PagedSpec  # noqa: E402
 from jaxserve.models import registry
 from jaxserve.models.loaders import dummy
@@ -86,7 +86,8 @@ def decode_input(batch: int, context: int, per_seq: int, with_state: bool) -> St
                      state_slots=a(np.arange(1, batch + 1, dtype=np.int32)) if with_state else None)
 
 
-def step_program(model, cfg, batch: int, context: int, impl: str, fused=frozenset()):
+def step_program(model, cfg, batch: int, context: int, impl: str,
+                 kernel_plan: KernelPlan = KernelPlan()):
     """(one decode step fn(params, caches) -> (caches, scalar), its caches, the cache specs)."""
     per_seq = -(-(context + 1) // BLOCK)
     specs = model.cache_specs(cfg)
@@ -94,7 +95,7 @@ def step_program(model, cfg, batch: int, context: int, impl: str, fused=frozense
     caches = allocate_caches(specs, batch * per_seq + 1, batch + 1, BLOCK, jnp.bfloat16)
     backend = AttentionBackend(cfg, impl, context=per_seq * BLOCK, itemsize=2)
     plan = backend.plan(batch, batch, batch, np.full(batch, context + 1))
-    kernels = model.make_kernels(cfg, backend, plan, fused)
+    kernels = model.make_kernels(cfg, backend, plan, kernel_plan)
     x = decode_input(batch, context, per_seq, with_state)
 
     def step(p, kv):
@@ -140,18 +141,19 @@ def with_layers(cfg, n: int):
 
 
 def measure(model, cfg, params, layer_bytes_of: dict, batches, context: int, impl: str, label: str,
-            fused=frozenset(), depth: int = 4, kernels_dir: str | None = None):
+            kernel_plan: KernelPlan = KernelPlan(), depth: int = 4,
+            kernels_dir: str | None = None):
     reps = 3 if jax.default_backend() == "cpu" else 20
     for b in batches:
         times, counts = {}, {}
         for n in (depth, 2):
             c = with_layers(cfg, n)
             p = dict(params, layers=params["layers"][:n])
-            step, caches, _ = step_program(model, c, b, context, impl, fused)
+            step, caches, _ = step_program(model, c, b, context, impl, kernel_plan)
             counts[n] = launches(step, p, caches)
             if kernels_dir and n == depth:
                 kernel_table(step, p, caches, os.path.join(kernels_dir, f"b{b}"))
-                caches = step_program(model, c, b, context, impl, fused)[1]   # (donated above)
+                caches = step_program(model, c, b, context, impl, kernel_plan)[1]   # (donated above)
 
             def run(p, kv, step=step):
                 """`reps` steps over the carried caches; only a scalar comes out, so the
@@ -206,18 +208,18 @@ def main():
         params = loader.dummy_params(with_layers(cfg, args.depth), "bfloat16")
         if args.fp8:
             params = quantize_experts_fp8(params)
-        fused = frozenset(resolve_fused_kernels(args.fused, cfg, 1))
+        kernel_plan = KernelPlan.resolve(args.fused, cfg, model.name, 1)
         label = ((os.path.basename(os.path.dirname(source)) if args.smoke else source)
-                 + (" fp8" if args.fp8 else "") + "".join(f" +{name}" for name in sorted(fused)))
+                 + (" fp8" if args.fp8 else "") + "".join(f" +{name}" for name in sorted(kernel_plan.fused)))
         batches, context = ((1, 4), 32) if args.smoke else (args.batch, args.context)
         specs = model.cache_specs(cfg)[2:args.depth]
         per_layer_bytes = {b: layer_bytes(params["layers"][2:args.depth], specs, hf, b, context)
                            / (args.depth - 2) for b in batches}
         # The weights as the engine's runner holds them (runner.ModelRunner, unsharded): fused
         # projections, and expert arrays past the grouped-matmul kernel's reach in chunks.
-        params = model.prepare_weights(cfg, params, fused=fused, mesh=None, backend="pallas")
+        params = model.prepare_weights(cfg, params, kernel_plan=kernel_plan, mesh=None, backend="pallas")
         measure(model, cfg, params, per_layer_bytes, batches, context,
-                "xla" if args.smoke else args.impl, label, fused, args.depth, args.kernels)
+                "xla" if args.smoke else args.impl, label, kernel_plan, args.depth, args.kernels)
         del params
     if args.json:
         with open(args.json, "w") as f:

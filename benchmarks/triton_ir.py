@@ -34,7 +34,8 @@ def dump(outdir: str, seqs: int, context: int, options: list[str], *, heads: int
          kv_heads: int = 8, head_dim: int = 128, block_size: int = 16) -> None:
     import jax
     import jax.numpy as jnp
-    from jaxserve.pallas_kernels import ragged_paged_attention as rpa
+    from jaxserve.pallas_kernels.ragged_paged_attention import wrapper
+    from jaxserve.pallas_kernels.ragged_paged_attention.tuning import gather_tiling
     from jaxserve.pallas_kernels.cuda_lowering import export_for_cuda
 
     kw = dict(o.split("=", 1) for o in options)
@@ -45,8 +46,8 @@ def dump(outdir: str, seqs: int, context: int, options: list[str], *, heads: int
     cache = sds((seqs * blocks + 1, block_size, kv_heads, head_dim), jnp.bfloat16)
     args = (sds((seqs, heads, head_dim), jnp.bfloat16), cache, cache,
             sds((seqs + 1,), jnp.int32), sds((seqs,), jnp.int32), sds((seqs, blocks), jnp.int32))
-    export_for_cuda(functools.partial(rpa.ragged_paged_attention, sm_scale=head_dim ** -0.5,
-                                      impl="triton", interpret=False, **kw), *args,
+    export_for_cuda(functools.partial(wrapper.ragged_paged_attention, sm_scale=head_dim ** -0.5,
+                                      impl="triton", interpret=False, **gather_tiling(kw)), *args,
                     triton_ir=modules)
     os.makedirs(outdir, exist_ok=True)
     for i, text in enumerate(modules):

@@ -10,6 +10,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from jaxserve.pallas_kernels.policy import KernelPlan
+
 
 def _check(ok: bool, name: str, allowed: str, value: Any) -> None:
     if not ok:
@@ -180,7 +182,7 @@ class EngineConfig:
                                          # compile in the background)
     program_cache_dir: str | None = None  # keep compiled step programs here across runs
                                          # (compiling.ProgramStore; None: not kept)
-    fused_kernels: tuple[str, ...] = ()  # fused Pallas kernels to use (models/llama.py FUSABLE)
+    kernel_plan: KernelPlan = KernelPlan()  # the kernels to run (pallas_kernels/policy.py)
     speculative: Any = None              # spec_decode.config.SpeculativeConfig, or None: off
 
     @property

@@ -265,7 +265,10 @@ def test_a_stop_string_inside_the_steps_ends_the_output_at_its_token():
 
 
 def test_the_default_is_eight_steps_only_with_the_fused_stack_and_no_speculation():
-    from jaxserve.engine.llm_engine import AUTO_SCHEDULER_STEPS, resolve_scheduler_steps
+    from jaxserve.pallas_kernels.policy import AUTO_SCHEDULER_STEPS, KernelPlan
+
+    def resolve_scheduler_steps(value, fused_kernels, speculative):
+        return KernelPlan(fused=fused_kernels).scheduler_steps(value, speculative)
     assert resolve_scheduler_steps(None, ("linear", "moe"), None) == AUTO_SCHEDULER_STEPS == 8
     assert resolve_scheduler_steps(None, ("moe",), None) == 1         # a MoE model: device-bound
     assert resolve_scheduler_steps(None, ("linear",), object()) == 1  # speculating

@@ -168,9 +168,8 @@ def test_attention_plan_marks_only_nearly_full_buckets_of_specially_tiled_grids(
     # tiles a full bucket differently (ragged_paged_attention.tiling_busy_floor): 8 kv heads,
     # 16 or 32 slots = 128 or 256 programs, at least 13 busy; 128 slots, at least 100; 4 kv
     # heads, 16 slots, all; never off the GPU's Pallas path.
-    from jaxserve.models import llama
+    from jaxserve.models import attention, llama
     from jaxserve.models.attention import AttentionPlan
-    from jaxserve.pallas_kernels import ragged_paged_attention as rpa
 
     def floor(b, t, s, busy, contexts=None):
         plan = b.plan(t, s, busy, contexts)
@@ -209,7 +208,7 @@ def test_attention_plan_marks_only_nearly_full_buckets_of_specially_tiled_grids(
     assert llama8b.warmup_plans(16, 16) == [AttentionPlan(), AttentionPlan(busy_seqs=13)]
     # ... and the model hands the plan to the kernel untouched
     seen = {}
-    monkeypatch.setattr(rpa, "ragged_paged_attention", lambda *a, **kw: seen.update(kw))
+    monkeypatch.setattr(attention, "ragged_paged_attention", lambda *a, **kw: seen.update(kw))
     x = SimpleNamespace(query_start_loc=None, seq_lens=None, block_tables=None)
     cfg = SimpleNamespace(head_dim=128, rms_norm_eps=1e-5)
     kernels = llama.make_kernels(cfg, llama8b, AttentionPlan(busy_seqs=3, skewed=True))
@@ -282,11 +281,11 @@ def test_a_skewed_step_runs_as_an_even_one_until_its_program_is_ready():
 
 
 def test_skewed_contexts_threshold():
-    from jaxserve.pallas_kernels import ragged_paged_attention as rpa
-    assert not rpa.skewed_contexts([]) and not rpa.skewed_contexts([9000])
-    assert not rpa.skewed_contexts([0, 0, 0])
-    assert not rpa.skewed_contexts([1800, 200, 1000, 1000])    # max = 1.8 x the mean
-    assert rpa.skewed_contexts([1801, 200, 1000, 1000])
+    from jaxserve.pallas_kernels.ragged_paged_attention import tiling as rt
+    assert not rt.skewed_contexts([]) and not rt.skewed_contexts([9000])
+    assert not rt.skewed_contexts([0, 0, 0])
+    assert not rt.skewed_contexts([1800, 200, 1000, 1000])    # max = 1.8 x the mean
+    assert rt.skewed_contexts([1801, 200, 1000, 1000])
 
 
 def test_warmup_packs_busy_variants_like_the_steps_that_use_them(monkeypatch):

@@ -86,8 +86,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                    help="fused Pallas kernels of the step (with the Pallas attention): 'linear' "
                         "(each projection with its norm, gate or residual add: small dense "
                         "models), 'norm', 'rope', 'moe' (the routed experts of 1-4 token "
-                        "steps in two kernels: MoE models); 'auto' picks by model (models/llama.py "
-                        "auto_fused_kernels)")
+                        "steps in two kernels: MoE models); 'auto' picks by model (pallas_kernels/"
+                        "policy.py auto_fused_kernels)")
     g.add_argument("--no-warmup", dest="warmup", action="store_false",
                    help="compile step buckets lazily instead of at start-up")
     g.add_argument("--warmup-all", action="store_true",
@@ -153,7 +153,7 @@ def speculative_config(text: str) -> dict:
 
 def fused_kernels(text: str) -> str:
     """--fused-kernels, checked now (a usage error names the allowed values)."""
-    from jaxserve.engine.llm_engine import fused_kernel_names
+    from jaxserve.pallas_kernels.policy import fused_kernel_names
 
     try:
         fused_kernel_names(text)

@@ -17,6 +17,7 @@ from jaxserve.engine.input_processor import InputProcessor
 from jaxserve.engine.output_processor import OutputProcessor
 from jaxserve.metrics import EngineMetrics
 from jaxserve.outputs import RequestOutput
+from jaxserve.pallas_kernels.policy import KernelPlan
 from jaxserve.core.request import RequestStatus
 from jaxserve.worker.runner import ModelRunner
 from jaxserve.sampling_params import SamplingParams
@@ -45,54 +46,6 @@ def enable_compilation_cache() -> None:
     if not jax.config.jax_compilation_cache_dir:
         jax.config.update("jax_compilation_cache_dir",
                           os.environ.get("JAX_COMPILATION_CACHE_DIR") or os.path.join(cache_dir(), "xla"))
-
-
-def fused_kernel_names(option: str | tuple | list) -> tuple[str, ...] | None:
-    """The names an option gives ("linear,rope" or a sequence; "none": no names), None for
-    "auto"; a ValueError names the allowed values."""
-    from jaxserve.models import llama
-    if isinstance(option, str):
-        if option == "auto":
-            return None
-        option = () if option in ("none", "") else tuple(n.strip() for n in option.split(","))
-    names = tuple(option)
-    bad = sorted(set(names) - set(llama.FUSABLE))
-    if bad:
-        raise ValueError(f"fused_kernels must be 'auto', 'none' or names from "
-                         f"{', '.join(llama.FUSABLE)}; got {', '.join(bad)}")
-    return names
-
-
-def resolve_fused_kernels(option: str | tuple | list, cfg, num_devices: int) -> tuple[str, ...]:
-    """EngineConfig.fused_kernels from the option: "auto" is the model family's choice on one
-    GPU (models/llama.py auto_fused_kernels), else the names given."""
-    from jaxserve.models import llama, registry
-    names = fused_kernel_names(option)
-    if names is None:
-        if jax.default_backend() != "gpu" or num_devices != 1:
-            return ()
-        return llama.auto_fused_kernels(cfg, registry.get_family(cfg.architecture).name == "llama")
-    if "linear" in names and num_devices != 1:
-        # (its kernels and [out, in] weights are unsharded; a mesh keeps the unfused weights)
-        raise ValueError(f"fused_kernels 'linear' runs on one device; got {num_devices} "
-                         f"(tensor x expert parallel): leave it out or use 'auto'")
-    return names
-
-
-# Multi-step decode where it was measured to pay: a model the fused stack covers (small dense
-# ones and the llama family's MoE, one GPU) is bound by the host's launch of each step at
-# small batch (BENCHMARKS.md, issue 33, H100: the default model 2.3 -> 0.58 ms/token at 8
-# steps; an 8-layer Qwen3-30B-A3B cut 1.4-1.8 -> 0.73, batch 16 the same either way);
-# elsewhere the device bounds a step, and more steps a launch would only delay new requests.
-AUTO_SCHEDULER_STEPS = 8
-
-
-def resolve_scheduler_steps(value: int | None, fused_kernels: tuple[str, ...], speculative) -> int:
-    """SchedulerConfig.num_scheduler_steps from the option: None is AUTO_SCHEDULER_STEPS with
-    the fused stack ("linear") and no speculation, else 1."""
-    if value is not None:
-        return value
-    return AUTO_SCHEDULER_STEPS if "linear" in fused_kernels and speculative is None else 1
 
 
 def _default(value, gpu, cpu):
@@ -224,7 +177,8 @@ class LLMEngine:
                              f"({cfg.max_position_embeddings}); got {max_model_len}")
         max_num_seqs = _default(max_num_seqs, 256, cpu_defaults.MAX_NUM_SEQS)
         max_num_batched_tokens = _default(max_num_batched_tokens, 2048, cpu_defaults.MAX_NUM_BATCHED_TOKENS)
-        fused = resolve_fused_kernels(fused_kernels, cfg, tensor_parallel_size * expert_parallel_size)
+        kernel_plan = KernelPlan.resolve(fused_kernels, cfg, registry.get_family(cfg.architecture).name,
+                                         tensor_parallel_size * expert_parallel_size)
         config = EngineConfig(
             model=cfg,
             cache=CacheConfig(block_size=block_size, num_kv_blocks=num_kv_blocks,
@@ -237,11 +191,11 @@ class LLMEngine:
                                       max_model_len=max_model_len,
                                       max_waiting_requests=max_waiting_requests,
                                       long_prefill_token_threshold=long_prefill_token_threshold,
-                                      num_scheduler_steps=resolve_scheduler_steps(
-                                          num_scheduler_steps, fused, speculative)),
+                                      num_scheduler_steps=kernel_plan.scheduler_steps(
+                                          num_scheduler_steps, speculative)),
             parallel=parallel,
             dtype=dtype, seed=seed, max_logprobs=max_logprobs, attention_impl=attention_impl,
-            fused_kernels=fused,
+            kernel_plan=kernel_plan,
             warmup=warmup, warmup_all=warmup_all, speculative=speculative,
             # NOTE: off unless asked (the CLI does): a program is keyed on the package's
             # sources, so code changed in memory (a notebook's monkeypatch) would not be seen

@@ -7,7 +7,7 @@ through untouched and the model hands it to `attention()`: neither knows what is
 
 - "xla": the plain-XLA paged attention (layers.paged_attention_xla), the reference every
   kernel matches; its plan is always empty.
-- "pallas": the ragged paged attention kernel (pallas_kernels/ragged_paged_attention.py; on
+- "pallas": the ragged paged attention kernel (pallas_kernels/ragged_paged_attention/; on
   a CPU interpreted: slow, for tests). Its plan carries the kernel's tiling inputs
   `busy_seqs` and `skewed`, which the kernel's own rules map to a tiling.
 
@@ -25,13 +25,16 @@ import numpy as np
 from jaxserve.config import ModelConfig
 from jaxserve.models import layers
 from jaxserve.core.step_input import StepInput
+from jaxserve.pallas_kernels.ragged_paged_attention.tiling import (
+    BucketHints, bucket_hints, skewed_contexts)
+from jaxserve.pallas_kernels.ragged_paged_attention.wrapper import ragged_paged_attention
 
 
 @dataclasses.dataclass(frozen=True)
 class AttentionPlan:
     """The static part of one step's attention (a compiled program each)."""
     # At least this many sequence slots hold a chunk (0: not said): a padded bucket with few
-    # chunks must not be tiled as a full one (ragged_paged_attention.tiling_busy_floor).
+    # chunks must not be tiled as a full one (ragged_paged_attention/tiling.py tiling_busy_floor).
     busy_seqs: int = 0
     # The step's contexts are skewed and the bucket tiles such steps apart.
     skewed: bool = False
@@ -61,22 +64,18 @@ class AttentionBackend:
         self._tiling_kw = dict(context=context, head_dim=cfg.head_dim, itemsize=itemsize)
         # Only a GPU tiles: the interpreted kernel on a CPU takes the default tiling.
         self._tiles = self.impl == "pallas" and jax.default_backend() == "gpu"
-        self._buckets: dict[tuple[int, int], tuple[int, bool, bool]] = {}
+        self._buckets: dict[tuple[int, int], BucketHints] = {}
 
     # -- plans (host side) -----------------------------------------------------------------
-    def _bucket(self, num_tokens: int, num_seqs: int) -> tuple[int, bool, bool]:
-        """(busy floor, whether a skewed step takes fill_splits, whether that needs a program
-        of its own) of a bucket; computed once per bucket."""
+    def _bucket(self, num_tokens: int, num_seqs: int) -> BucketHints:
+        """The kernel's hints for a bucket (ragged_paged_attention/tiling.py bucket_hints);
+        found once per bucket."""
         key = (num_tokens, num_seqs)
         if key not in self._buckets:
-            self._buckets[key] = (0, False, False)
+            self._buckets[key] = BucketHints(0, False, False)
             if self._tiles:
-                from jaxserve.pallas_kernels import ragged_paged_attention as rpa
-                shape = (num_tokens, num_seqs, self.cfg.num_heads, self.cfg.num_kv_heads)
-                skew = rpa.special_decode_tiling(*shape, 0, skewed=True, **self._tiling_kw)
-                fills = bool(skew and skew.fill_splits)
-                apart = fills and skew != rpa.special_decode_tiling(*shape, 0, **self._tiling_kw)
-                self._buckets[key] = (rpa.tiling_busy_floor(*shape, **self._tiling_kw), fills, apart)
+                self._buckets[key] = bucket_hints(num_tokens, num_seqs, self.cfg.num_heads,
+                                                  self.cfg.num_kv_heads, **self._tiling_kw)
         return self._buckets[key]
 
     def plan(self, num_tokens: int, num_seqs: int, busy: int,
@@ -86,10 +85,8 @@ class AttentionBackend:
         sequence split by its own keys) gets busy_seqs 0, and `skewed` only where that tiling
         differs from the one without a busy count."""
         floor, fills, apart = self._bucket(num_tokens, num_seqs)
-        if fills and contexts is not None:
-            from jaxserve.pallas_kernels import ragged_paged_attention as rpa
-            if rpa.skewed_contexts(contexts):
-                return AttentionPlan(0, apart)
+        if fills and contexts is not None and skewed_contexts(contexts):
+            return AttentionPlan(0, apart)
         return AttentionPlan(floor if floor and busy >= floor else 0, False)
 
     def warmup_plans(self, num_tokens: int, num_seqs: int) -> list[AttentionPlan]:
@@ -109,10 +106,9 @@ class AttentionBackend:
             return layers.paged_attention_xla(
                 q_TNE, k_cache, v_cache, x.block_tables, x.token_seq_ids, x.positions,
                 sm_scale=self.scale, sliding_window=self.cfg.sliding_window)
-        from jaxserve.pallas_kernels import ragged_paged_attention as rpa
         from jaxserve.sharding import kernels as sharded
         kernel = functools.partial(
-            rpa.ragged_paged_attention, sm_scale=self.scale,
+            ragged_paged_attention, sm_scale=self.scale,
             sliding_window=self.cfg.sliding_window, impl="pallas",
             busy_seqs=plan.busy_seqs, skewed=plan.skewed)
         # Under a mesh with a `model` axis the kernel runs per head shard (sharding/kernels.py).

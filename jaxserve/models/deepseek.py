@@ -47,6 +47,7 @@ from jaxserve.pallas_kernels.indexer_scores import indexer_scores
 from jaxserve.pallas_kernels.mla_attention import mla_attention
 from jaxserve.pallas_kernels.mla_latent_write import mla_latent_write
 from jaxserve.pallas_kernels.moe_router import moe_router
+from jaxserve.pallas_kernels.policy import KernelPlan
 from jaxserve.pallas_kernels.topk import topk
 from jaxserve.sharding import kernels as sharded
 from jaxserve.core.step_input import StepInput
@@ -384,13 +385,13 @@ def decoder_layer(cfg: DeepseekConfig, i: int, lp: dict, cache: dict, residual_T
     return cache, residual_TD + mlp_TD
 
 
-def make_kernels(cfg: DeepseekConfig, backend, plan=None, fused=frozenset()) -> str:
+def make_kernels(cfg: DeepseekConfig, backend, plan=None, kernel_plan: KernelPlan = KernelPlan()) -> str:
     """The family interface's kernel choice (models/llama.py): this family's kernels are picked
     by one impl name, the runner's requested attention impl ("auto" is Pallas on a GPU), or
-    "fused" (Pallas, and the MoE's fused decode kernels) with "moe" in `fused`; the attention
+    "fused" (Pallas, and the MoE's fused decode kernels) with "moe" in the kernel plan; the attention
     plan and llama's other fused-kernel switches are unused here."""
     impl = resolve_impl(backend if isinstance(backend, str) else backend.requested)[0]
-    return "fused" if "moe" in fused and impl == "pallas" else impl
+    return "fused" if "moe" in kernel_plan.fused and impl == "pallas" else impl
 
 
 def forward(cfg: DeepseekConfig, params: dict, caches: list[dict[str, jax.Array]], x: StepInput,

@@ -37,6 +37,7 @@ from __future__ import annotations
 from jaxserve.config import ModelConfig
 from jaxserve.models import deepseek, llama, minimax_m2, moe, qwen3_next
 from jaxserve.models.interface import DENSE_AXES, ModelFamily
+from jaxserve.pallas_kernels.policy import KernelPlan
 from jaxserve.models.loaders import deepseek as deepseek_loader
 from jaxserve.models.loaders import hf as hf_loader
 from jaxserve.models.loaders import minimax_m2 as minimax_m2_loader
@@ -71,20 +72,20 @@ class LlamaFamily(ModelFamily):
     def cache_specs(self, cfg):
         return llama.cache_specs(cfg)
 
-    def prepare_weights(self, cfg, params, *, fused, mesh, backend):
+    def prepare_weights(self, cfg, params, *, kernel_plan, mesh, backend):
         """fused_and_split, then with the fused stack (Kernels.linear) its projections stored
         [out, in] (llama.transpose_for_fused_stack)."""
         if mesh is not None:
             return params
         params = fused_and_split(cfg, params, mesh, llama.fuse_projections)
-        if self.make_kernels(cfg, backend, fused=fused).linear:
+        if self.make_kernels(cfg, backend, kernel_plan=kernel_plan).linear:
             params = llama.transpose_for_fused_stack(cfg, params)
         return params
 
-    def make_kernels(self, cfg, backend, plan=None, fused=frozenset()):
+    def make_kernels(self, cfg, backend, plan=None, kernel_plan=KernelPlan()):
         if plan is None:        # llama's own default plan
-            return llama.make_kernels(cfg, backend, fused=fused)
-        return llama.make_kernels(cfg, backend, plan, fused)
+            return llama.make_kernels(cfg, backend, kernel_plan=kernel_plan)
+        return llama.make_kernels(cfg, backend, plan, kernel_plan)
 
     def forward(self, cfg, params, caches, x, kernels="xla", aux_layers=()):
         return llama.forward(cfg, params, caches, x, kernels, aux_layers)
@@ -130,7 +131,7 @@ class DeepseekFamily(ModelFamily):
                      ("n_routed_experts", cfg.num_experts, "experts")]
         return dims
 
-    def prepare_weights(self, cfg, params, *, fused, mesh, backend):
+    def prepare_weights(self, cfg, params, *, kernel_plan, mesh, backend):
         return fused_and_split(cfg, params, mesh, deepseek.fuse_projections)
 
     def load_hf(self, path, cfg, dtype="float32", mesh=None, quantization=None):
@@ -139,8 +140,8 @@ class DeepseekFamily(ModelFamily):
     def cache_specs(self, cfg):
         return deepseek.cache_specs(cfg)
 
-    def make_kernels(self, cfg, backend, plan=None, fused=frozenset()):
-        return deepseek.make_kernels(cfg, backend, plan, fused)
+    def make_kernels(self, cfg, backend, plan=None, kernel_plan=KernelPlan()):
+        return deepseek.make_kernels(cfg, backend, plan, kernel_plan)
 
     def forward(self, cfg, params, caches, x, kernels="xla", aux_layers=()):
         return deepseek.forward(cfg, params, caches, x, kernels, aux_layers)
@@ -167,7 +168,7 @@ class MiniMaxM2Family(ModelFamily):
     def param_shapes(self, cfg):
         return minimax_m2.param_shapes(cfg)
 
-    def prepare_weights(self, cfg, params, *, fused, mesh, backend):
+    def prepare_weights(self, cfg, params, *, kernel_plan, mesh, backend):
         return fused_and_split(cfg, params, mesh, minimax_m2.fuse_projections)
 
     def load_hf(self, path, cfg, dtype="float32", mesh=None, quantization=None):
@@ -179,8 +180,8 @@ class MiniMaxM2Family(ModelFamily):
     def cache_specs(self, cfg):
         return minimax_m2.cache_specs(cfg)
 
-    def make_kernels(self, cfg, backend, plan=None, fused=frozenset()):
-        return minimax_m2.make_kernels(cfg, backend, plan, fused)
+    def make_kernels(self, cfg, backend, plan=None, kernel_plan=KernelPlan()):
+        return minimax_m2.make_kernels(cfg, backend, plan, kernel_plan)
 
     def forward(self, cfg, params, caches, x, kernels="xla", aux_layers=()):
         return minimax_m2.forward(cfg, params, caches, x, kernels, aux_layers)
@@ -233,7 +234,7 @@ class Qwen3NextFamily(ModelFamily):
                 dims.append(("shared_expert_intermediate_size", cfg.shared_expert_intermediate_size, "mlp"))
         return dims
 
-    def prepare_weights(self, cfg, params, *, fused, mesh, backend):
+    def prepare_weights(self, cfg, params, *, kernel_plan, mesh, backend):
         return fused_and_split(cfg, params, mesh, qwen3_next.fuse_projections)
 
     def load_hf(self, path, cfg, dtype="float32", mesh=None, quantization=None):
@@ -245,8 +246,8 @@ class Qwen3NextFamily(ModelFamily):
     def cache_specs(self, cfg):
         return qwen3_next.cache_specs(cfg)
 
-    def make_kernels(self, cfg, backend, plan=None, fused=frozenset()):
-        return qwen3_next.make_kernels(cfg, backend, plan, fused)
+    def make_kernels(self, cfg, backend, plan=None, kernel_plan=KernelPlan()):
+        return qwen3_next.make_kernels(cfg, backend, plan, kernel_plan)
 
     def forward(self, cfg, params, caches, x, kernels="xla", aux_layers=()):
         return qwen3_next.forward(cfg, params, caches, x, kernels, aux_layers)

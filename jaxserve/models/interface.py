@@ -20,6 +20,7 @@ import abc
 
 from jaxserve.config import ModelConfig
 from jaxserve.models.loaders import dummy, hf as hf_loader
+from jaxserve.pallas_kernels.policy import KernelPlan
 from jaxserve.sharding import rules
 
 # Parameter name -> logical axis of each dimension (llama's layout: models/llama.py; the
@@ -97,11 +98,11 @@ class ModelFamily(abc.ABC):
                            ("num_experts", cfg.num_experts, "experts")]
         return dims + [("intermediate_size", cfg.intermediate_size, "mlp")]
 
-    def prepare_weights(self, cfg: ModelConfig, params: dict, *, fused: frozenset, mesh,
+    def prepare_weights(self, cfg: ModelConfig, params: dict, *, kernel_plan: KernelPlan, mesh,
                         backend) -> dict:
         """The loaded parameters re-laid for the step's kernels (in place: no second copy).
         Default: used as loaded."""
-        del cfg, fused, mesh, backend
+        del cfg, kernel_plan, mesh, backend
         return params
 
     # -- loading ------------------------------------------------------------------------
@@ -123,8 +124,10 @@ class ModelFamily(abc.ABC):
         """One cache spec per layer (core/kv_cache/specs.py)."""
 
     @abc.abstractmethod
-    def make_kernels(self, cfg: ModelConfig, backend, plan=None, fused: frozenset = frozenset()):
-        """The kernels of one compiled step (the attention backend's `plan`, the fused names)."""
+    def make_kernels(self, cfg: ModelConfig, backend, plan=None,
+                     kernel_plan: KernelPlan = KernelPlan()):
+        """The kernels of one compiled step (the attention backend's `plan`, the engine's
+        `kernel_plan`)."""
 
     @abc.abstractmethod
     def forward(self, cfg: ModelConfig, params, caches, x, kernels="xla",

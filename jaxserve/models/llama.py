@@ -33,6 +33,7 @@ from jaxserve.core.kv_cache.specs import PagedSpec
 from jaxserve.models import layers, moe
 from jaxserve.models.attention import AttentionBackend, AttentionPlan
 from jaxserve.pallas_kernels.grouped_matmul import MAX_WEIGHT_ELEMENTS
+from jaxserve.pallas_kernels.policy import KernelPlan
 from jaxserve.core.step_input import StepInput
 
 Caches = list[dict[str, jax.Array]]   # one {"k", "v"} per layer, each f[num_blocks, P, K, E]
@@ -107,7 +108,7 @@ def transpose_for_fused_stack(cfg: ModelConfig, params: dict) -> dict:
     block of 16 output columns; over [in, out] weights that is 32 contiguous bytes a row
     (H200: the gate|up projection at ~10 % of HBM), over [out, in] ones whole rows (the LM
     head over the tied [V, D] embedding: ~85 %). Measured, the projections gained only ~10 %
-    from it: they are latency-bound. The XLA path (steps over FUSED_STACK_MAX_TOKENS tokens)
+    from it: they are latency-bound. The XLA path (steps the plan keeps off the fused stack)
     multiplies by the transpose, which XLA folds into the GEMM."""
     del cfg
     for i, lp in enumerate(params["layers"]):
@@ -130,6 +131,7 @@ class Kernels:
     impl: str                  # "xla" | "pallas": also picks the MoE grouped matmul
     linear: bool = False       # dense layers and the LM head through fused_linear (fused_stack)
     fused_moe: bool = False    # small steps' routed experts through pallas_kernels/moe_decode.py
+    kernel_plan: KernelPlan = KernelPlan()   # the engine's plan (which steps and projections fuse)
 
     @property
     def moe_impl(self) -> str:
@@ -137,28 +139,15 @@ class Kernels:
         return "fused" if self.fused_moe else self.impl
 
 
-# Fused Pallas kernels a runner may switch on (EngineConfig.fused_kernels): fused add+RMSNorm
-# ("norm") and QK-norm+RoPE+KV write ("rope"). Off by default: inside the whole 8B step on the
-# H200 both together made decode slower (BENCHMARKS.md, Kernels), since XLA fuses those ops
-# into their neighbours, which a custom call prevents. "linear": every projection with its
-# norm, bias, gate or residual add fused in (pallas_kernels/fused_linear.py), the packed q/k/v
-# through one rope + KV-write kernel, and the LM head: five kernels a dense layer plus
-# attention, for small models whose decode step is bound by kernel launches (issue 33).
-# "moe": the routed experts of steps of a few tokens in two kernels (pallas_kernels/
-# moe_decode.py, every MoE family); off by default until measured on the H200.
-FUSABLE = ("norm", "rope", "linear", "moe")
-
-
 def make_kernels(cfg: ModelConfig, backend: "AttentionBackend | str" = "xla",
-                 plan: AttentionPlan = AttentionPlan(), fused: frozenset[str] = frozenset()) -> Kernels:
+                 plan: AttentionPlan = AttentionPlan(),
+                 kernel_plan: KernelPlan = KernelPlan()) -> Kernels:
     """The kernels of one compiled step: `backend` (an AttentionBackend, or its impl name
-    "xla" | "pallas" | "auto") runs the attention with this step's `plan`; `fused` names the
-    fused kernels to swap in (FUSABLE)."""
+    "xla" | "pallas" | "auto") runs the attention with this step's `plan`; `kernel_plan` says
+    which fused kernels to swap in (pallas_kernels/policy.py)."""
     if isinstance(backend, str):
         backend = AttentionBackend(cfg, backend, context=cfg.max_position_embeddings, itemsize=2)
-    fused = frozenset(fused)
-    if not fused <= set(FUSABLE):
-        raise ValueError(f"fused_kernels must name some of {', '.join(FUSABLE)}; got {sorted(fused)}")
+    fused = frozenset(kernel_plan.fused)
     impl = backend.impl
     fused_moe = "moe" in fused and impl == "pallas"
 
@@ -173,9 +162,11 @@ def make_kernels(cfg: ModelConfig, backend: "AttentionBackend | str" = "xla",
 
     rope_write = functools.partial(layers.qk_norm_rope_write, eps=eps)
     if impl == "xla" or not fused:
-        return Kernels(attention, add_norm, rope_write, impl, fused_moe=fused_moe)
-    if "linear" in fused and fused_stack_fits(cfg):
-        return Kernels(attention, add_norm, rope_write, impl, linear=True, fused_moe=fused_moe)
+        return Kernels(attention, add_norm, rope_write, impl, fused_moe=fused_moe,
+                       kernel_plan=kernel_plan)
+    if kernel_plan.fused_stack:
+        return Kernels(attention, add_norm, rope_write, impl, linear=True, fused_moe=fused_moe,
+                       kernel_plan=kernel_plan)
 
     from jaxserve.pallas_kernels.fused_add_rms_norm import fused_add_rms_norm
     from jaxserve.pallas_kernels.qk_norm_rope_kv_write import qk_norm_rope_kv_write
@@ -199,48 +190,8 @@ def make_kernels(cfg: ModelConfig, backend: "AttentionBackend | str" = "xla",
     e = cfg.head_dim
     use_rope = "rope" in fused and e >= 32 and e & (e - 1) == 0
     return Kernels(attention, fused_add_norm if "norm" in fused else add_norm,
-                   fused_rope_write if use_rope else rope_write, "pallas", fused_moe=fused_moe)
-
-
-# auto_fused_kernels turns "linear" on up to this model width (measured on the H200: BENCHMARKS.md,
-# "The default model's step"); wider models' steps are bound by their weights' bytes, where
-# XLA's own GEMMs run at 90 % of HBM.
-AUTO_LINEAR_MAX_HIDDEN = 1024
-
-
-# Steps of more tokens than this (prefill chunks, large decode batches) keep XLA's GEMMs, which
-# reuse each weight tile over many rows better than fused_linear's small-batch tiling (H200,
-# default model: slower at 64 tokens a step; BENCHMARKS.md). The LM head stays fused: its rows
-# are the step's sequences, few at decode.
-FUSED_STACK_MAX_TOKENS = 32
-
-
-def auto_fused_kernels(cfg: ModelConfig, family_is_llama: bool = True) -> tuple[str, ...]:
-    """The fused kernels an engine on one GPU uses by default for this model: "moe" for any
-    family with routed experts (moe_decode: 32.6 against 41.3 us for one token's experts at
-    Qwen3-30B-A3B's shapes, 246 against 337 at DeepSeek-V3's; H100, BENCHMARKS.md), with
-    "linear" too where the fused stack takes the llama family's MoE layers (a Qwen3-30B-A3B
-    layer at batch 1: 68 against 82 us, 10 kernels against 20; at 4 tokens 157 against 151,
-    at 16 318 against 326; H100), and "linear" for narrow dense llama-family models (the fused
-    stack's projections)."""
-    stack = family_is_llama and fused_stack_fits(cfg)
-    if getattr(cfg, "is_moe", False):
-        return ("linear", "moe") if stack else ("moe",)
-    return ("linear",) if stack and cfg.hidden_size <= AUTO_LINEAR_MAX_HIDDEN else ()
-
-
-def fused_stack_fits(cfg: ModelConfig) -> bool:
-    """Whether fused_stack can run this model: shapes the kernels tile (a power-of-two head
-    dim >= 32 for the rope kernel, widths in multiples of 16: the MLP's, or an MoE layer's
-    expert count (the router's output) and expert width)."""
-    from jaxserve.models import registry  # local: the registry imports this module
-    if cfg.is_moe and registry.get_family(cfg.architecture).name != "llama":
-        return False    # other families' MoE layers (DeepSeek, MiniMax, Qwen3.5) have their own
-    e = cfg.head_dim
-    mlp = ((cfg.num_experts, cfg.moe_intermediate_size) if cfg.is_moe
-           else (cfg.intermediate_size,))
-    return (e >= 32 and e & (e - 1) == 0 and cfg.hidden_size % 16 == 0
-            and all(w % 16 == 0 for w in mlp) and cfg.vocab_size % 16 == 0)
+                   fused_rope_write if use_rope else rope_write, "pallas", fused_moe=fused_moe,
+                   kernel_plan=kernel_plan)
 
 
 def fused_stack(cfg: ModelConfig, params: dict, caches: Caches, x: StepInput, kernels: Kernels,
@@ -253,20 +204,16 @@ def fused_stack(cfg: ModelConfig, params: dict, caches: Caches, x: StepInput, ke
     in bf16 an ulp here and there (fused_linear rounds x * norm before the row's scale, not
     after), which may flip a near-tied top-k choice of the router. Needs the fused projections
     stored [out, in] (fuse_projections, then transpose_for_fused_stack)."""
-    from jaxserve.pallas_kernels.fused_linear import fused_linear
+    from jaxserve.pallas_kernels.fused_linear import LinearTiling, fused_linear
     from jaxserve.pallas_kernels.qk_norm_rope_kv_write import qkv_norm_rope_kv_write
-    from jaxserve.pallas_kernels.fused_linear import SMALL_WEIGHT_ELEMENTS, one_row
     t = x.token_ids.shape[0]
     n, kh, e, eps = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps
 
     def linear(x_TK, w, **kw):
-        # Weights past a few million elements take the kernel only for one row up to 16M
-        # elements (its one-row program): the dot program read Qwen3-30B-A3B's q|k|v and o at a
-        # third of the one-row program's speed (H100, BENCHMARKS.md), so over several rows, or
-        # past 16M, XLA runs the same ops (its GEMM, the norm and the add in fusions).
-        small = one_row(x_TK.shape[0], w.size, "NK") or w.size <= SMALL_WEIGHT_ELEMENTS
-        return fused_linear(x_TK, w, eps=eps, w_layout="NK", impl=kernels.impl if small else "xla",
-                            **kw)
+        # the plan's choice: fused_linear's one-row or dot program, or the same ops in XLA
+        how = kernels.kernel_plan.projection(x_TK.shape[0], w.size)
+        return fused_linear(x_TK, w, eps=eps, w_layout="NK", impl="xla" if how == "xla" else kernels.impl,
+                            tiling=LinearTiling(one_row_program=how == "one_row"), **kw)
     residual_TD = params["embed"][x.token_ids]
     new_caches, aux = [], []
     for i, (lp, kv) in enumerate(zip(params["layers"], caches)):
@@ -307,7 +254,7 @@ def forward(cfg: ModelConfig, params: dict, caches: Caches, x: StepInput,
     inv_freq = layers.rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling_dict)
     first = params["layers"][0] if params["layers"] else {}
     if (kernels.linear and all(name + "_t" in first for name in stack_weights(first))
-            and x.token_ids.shape[0] <= FUSED_STACK_MAX_TOKENS):
+            and kernels.kernel_plan.stack_takes(x.token_ids.shape[0])):
         return fused_stack(cfg, params, caches, x, kernels, inv_freq, aux_layers)
     return decoder_stack(
         params, caches, x, kernels,

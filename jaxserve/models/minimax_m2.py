@@ -37,6 +37,7 @@ import jax.numpy as jnp
 from jaxserve.config import ModelConfig
 from jaxserve.models import deepseek, layers, llama
 from jaxserve.models.layers.full_qk_norm import rope_write_xla
+from jaxserve.pallas_kernels.policy import KernelPlan
 from jaxserve.core.step_input import StepInput
 
 ARCHITECTURE = "MiniMaxM2ForCausalLM"
@@ -114,17 +115,17 @@ compute_logits = llama.compute_logits
 fuse_projections = llama.fuse_projections
 
 
-def make_kernels(cfg: MiniMaxM2Config, backend="xla", plan=None, fused=frozenset()) -> llama.Kernels:
+def make_kernels(cfg: MiniMaxM2Config, backend="xla", plan=None,
+                 kernel_plan: KernelPlan = KernelPlan()) -> llama.Kernels:
     """llama's kernels (attention backend and plan, add+RMSNorm, the MoE impl) with this
     family's rope_write: the full-width q/k norm, partial rotary and KV write, in XLA, or
-    with "rope" in `fused` (and the Pallas impl, a power-of-two head dim >= 32) the fused
+    with "rope" in the kernel plan (and the Pallas impl, a power-of-two head dim >= 32) the fused
     kernel pallas_kernels/full_qk_norm_rope_kv_write.py. Off by default, as llama's."""
     kw = {} if plan is None else {"plan": plan}
-    fused = frozenset(fused)
-    kernels = llama.make_kernels(cfg, backend, fused=fused - {"rope"}, **kw)
+    kernels = llama.make_kernels(cfg, backend, kernel_plan=kernel_plan.without("rope"), **kw)
     eps, e = cfg.rms_norm_eps, cfg.head_dim
     rope_write = functools.partial(rope_write_xla, eps=eps)
-    if "rope" in fused and kernels.impl == "pallas" and e >= 32 and e & (e - 1) == 0:
+    if "rope" in kernel_plan.fused and kernels.impl == "pallas" and e >= 32 and e & (e - 1) == 0:
         from jaxserve.pallas_kernels.full_qk_norm_rope_kv_write import full_qk_norm_rope_kv_write
         from jaxserve.sharding import kernels as sharded
         # under a mesh per head shard, the row norms' sums of squares psum'd across ranks

@@ -16,6 +16,7 @@ from jaxserve.pallas_kernels import moe_decode
 from jaxserve.pallas_kernels.grouped_matmul import grouped_matmul, quantize, split_experts
 from jaxserve.pallas_kernels.moe_router import moe_router
 from jaxserve.sharding import expert_parallel
+from jaxserve.pallas_kernels.policy import moe_decode_takes
 
 
 EXPERT_WEIGHTS = ("w_gate", "w_up", "w_down", "w_gate_up")
@@ -98,13 +99,6 @@ def group_by_expert(experts_M: jax.Array, num_experts: int):
 SORT_FREE_MAX_ROWS = 512   # [M, M] comparisons: 256K elements at most
 
 
-# impl "fused" (EngineConfig.fused_kernels "moe"): steps of at most this many tokens run the
-# routed experts through pallas_kernels/moe_decode.py (two kernels, no sort or gathers); each
-# (token, expert) row reads its expert's weights, so past a few tokens the grouped path, which
-# reads each distinct expert once, reads fewer bytes.
-FUSED_MAX_TOKENS = 4
-
-
 def kernel_impl(impl: str) -> str:
     """The kernels' impl of an MoE impl: "fused" is "pallas" with moe_decode for small steps."""
     return "pallas" if impl == "fused" else impl
@@ -117,7 +111,7 @@ def moe_mlp(cfg: ModelConfig, lp: dict, h_TD: jax.Array, impl: str = "xla") -> j
     and lets pallas_kernels.grouped_matmul pick: on a GPU its expert-skipping Pallas kernel for
     few rows (decode: it reads only the chosen experts' weights), the Mosaic GPU ragged dot on
     Hopper for more (4-37x faster than lax.ragged_dot, measured); "fused" as "pallas", with
-    steps of up to FUSED_MAX_TOKENS tokens through moe_decode."""
+    the steps the kernel plan gives moe_decode (policy.moe_decode_takes) through it."""
     return routed_experts(lambda p, h: route(cfg, layers.project(h, p, "router"), kernel_impl(impl)),
                           lp, h_TD, cfg.num_experts, impl)
 
@@ -141,8 +135,8 @@ def residual_moe(cfg: ModelConfig, lp: dict, residual_TD: jax.Array, linear, imp
 
 def decode_experts(lp: dict, h_TD: jax.Array, impl: str) -> tuple | None:
     """moe_decode's (gate, up) operands when it takes this step's routed experts (impl "fused",
-    at most FUSED_MAX_TOKENS tokens, weights it can read), else None."""
-    if impl != "fused" or h_TD.shape[0] > FUSED_MAX_TOKENS:
+    a step policy.moe_decode_takes, weights it can read), else None."""
+    if impl != "fused" or not moe_decode_takes(h_TD.shape[0]):
         return None
     gate, up = (lp["w_gate_up"], None) if "w_gate_up" in lp else (lp["w_gate"], lp["w_up"])
     return (gate, up) if moe_decode.problem(h_TD, gate, up, lp["w_down"]) is None else None

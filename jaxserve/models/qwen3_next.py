@@ -49,6 +49,7 @@ from jaxserve.config import ModelConfig
 from jaxserve.core.kv_cache.specs import PagedSpec, StateSpec
 from jaxserve.models.layers import deltanet as gdn
 from jaxserve.models import layers, llama, moe
+from jaxserve.pallas_kernels.policy import KernelPlan
 from jaxserve.sharding import kernels as sharded
 from jaxserve.core.step_input import StepInput
 
@@ -351,13 +352,13 @@ def fuse_projections(cfg: Qwen3NextConfig, params: dict) -> dict:
     return params
 
 
-def make_kernels(cfg: Qwen3NextConfig, backend="xla", plan=None, fused=frozenset()):
+def make_kernels(cfg: Qwen3NextConfig, backend="xla", plan=None, kernel_plan: KernelPlan = KernelPlan()):
     """The family interface's kernels (models/llama.py): llama's, for the paged attention of the
     full-attention layers (its plan and backend); `impl` also picks the linear layers' and the
     MoE's kernels."""
     if plan is None:
-        return llama.make_kernels(cfg, backend, fused=fused)
-    return llama.make_kernels(cfg, backend, plan, fused)
+        return llama.make_kernels(cfg, backend, kernel_plan=kernel_plan)
+    return llama.make_kernels(cfg, backend, plan, kernel_plan)
 
 
 def forward(cfg: Qwen3NextConfig, params: dict, caches: list, x: StepInput,

@@ -16,12 +16,12 @@ import contextlib
 import jax
 from jax._src.mesh import AbstractDevice  # NOTE: no public alias for it in jax 0.11.2
 
-from jaxserve.pallas_kernels.dispatch import H200
+from jaxserve.pallas_kernels.dispatch import DEFAULT_NUM_SMS
 
 TRITON_CUSTOM_CALL = "__gpu$xla.gpu.triton"
 
 
-def export_for_cuda(fn, *args, device_kind: str = "NVIDIA H200", num_cores: int = H200.num_sms,
+def export_for_cuda(fn, *args, device_kind: str = "NVIDIA H200", num_cores: int = DEFAULT_NUM_SMS,
                     triton_ir: list[str] | None = None):
     """jax.export the jitted `fn` at `args` (ShapeDtypeStructs) for platform "cuda"; each
     Triton module's IR text is appended to `triton_ir` if given (benchmarks/triton_ir.py)."""

@@ -44,6 +44,7 @@ f32 and sums along K: four times the programs, each with all its loads in flight
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -120,7 +121,7 @@ def _problem(x_TK, w, norm_K, bias_N, residual_TN, gated, w_layout, out_dtype) -
     return None
 
 
-def tiling(t: int, k: int, n_out: int, w_layout: str) -> tuple[int, int, int]:
+def dot_tiling(t: int, k: int, n_out: int, w_layout: str) -> tuple[int, int, int]:
     """(BM, BN, BK). BM: Triton's smallest dot M (16) for decode, up to 64 rows for prefill.
     BN: the widest of 128..16 dividing the output that still gives every SM a program; fewer
     programs than SMs would leave HBM bandwidth unused at decode. BK: below."""
@@ -262,19 +263,27 @@ def _kernel(
 # ---------------------------------------------------------------------------------------------
 
 
+@dataclasses.dataclass(frozen=True)
+class LinearTiling:
+    """A caller's tiling of the kernel; None fields are chosen by the rules (one_row,
+    one_row_tiling or dot_tiling, decode_warps)."""
+    one_row_program: bool | None = None   # the one-row program (one row, [N, K]) or the dot one
+    block_n: int | None = None            # output columns a program (the one-row program: rows of w)
+    block_k: int | None = None            # K a step (need not divide K: the last step is masked)
+    num_warps: int | None = None
+    num_stages: int = 3
+
+
 @functools.partial(jax.jit, static_argnames=("eps", "gated", "w_layout", "out_dtype", "normed_out",
-                                             "impl", "block_n", "block_k", "num_warps",
-                                             "num_stages", "one_row_program", "interpret"))
+                                             "impl", "tiling", "interpret"))
 def fused_linear(x_TK, w, *, norm_K=None, eps: float = 1e-6, bias_N=None, residual_TN=None,
                  gated: bool = False, w_layout: str = "KN", out_dtype=None,
                  normed_out: bool = False, impl: str = "auto",
-                 block_n: int | None = None, block_k: int | None = None,
-                 num_warps: int | None = None, num_stages: int = 3,
-                 one_row_program: bool | None = None, interpret: bool | None = None):
+                 tiling: LinearTiling = LinearTiling(), interpret: bool | None = None):
     """[RMSNorm(x) * norm_K] @ w [+ bias_N], then silu-gated (`gated`) or plus `residual_TN`:
     see the module docstring. impl "pallas" (Triton; interpreted on CPU), "xla", or "auto"
-    (pallas on a GPU when the shapes suit the kernel). one_row_program: the one-row program
-    (one row, [N, K] weights) or the dot program; None: `one_row`'s choice. normed_out: return
+    (pallas on a GPU when the shapes suit the kernel). tiling: the program (one-row or dot) and
+    its blocks, each None field by the rules (`one_row`'s choice, ...). normed_out: return
     (output, RMSNorm(x) * norm_K) (module docstring)."""
     if normed_out and norm_K is None:
         raise ValueError("fused_linear: normed_out needs norm_K")
@@ -289,20 +298,19 @@ def fused_linear(x_TK, w, *, norm_K=None, eps: float = 1e-6, bias_N=None, residu
     t, k = x_TK.shape
     n = w.shape[1] if w_layout == "KN" else w.shape[0]
     n_out = n // 2 if gated else n
-    single = one_row(t, k * n, w_layout) if one_row_program is None else one_row_program
+    single = one_row(t, k * n, w_layout) if tiling.one_row_program is None else tiling.one_row_program
     if single and (t != 1 or w_layout != "NK"):
         raise ValueError(f"fused_linear: the one-row program takes one row and [N, K] weights; "
                          f"got T={t}, w_layout={w_layout!r}")
     if single:
         (bn, bk), bm = one_row_tiling(k), 1
     else:
-        bm, bn, bk = tiling(t, k, n_out, w_layout)
-    if num_warps is None:
-        num_warps = decode_warps(t, k * n, single)
-    if block_n is not None:          # the one-row program (no dot) takes any power of two
-        bn = checked_block(block_n, "block_n", n_out, "N", least=1 if single else 16)
-    if block_k is not None:          # need not divide K: the last step's loads are masked
-        bk = checked_block(block_k, "block_k")
+        bm, bn, bk = dot_tiling(t, k, n_out, w_layout)
+    num_warps = tiling.num_warps or decode_warps(t, k * n, single)
+    if tiling.block_n is not None:   # the one-row program (no dot) takes any power of two
+        bn = checked_block(tiling.block_n, "block_n", n_out, "N", least=1 if single else 16)
+    if tiling.block_k is not None:   # need not divide K: the last step's loads are masked
+        bk = checked_block(tiling.block_k, "block_k")
     f32_out = out_dtype is not None and jnp.dtype(out_dtype) == jnp.float32
     out_dt = jnp.float32 if f32_out else x_TK.dtype
     present = [a is not None for a in (norm_K, bias_N, residual_TN)]
@@ -319,7 +327,7 @@ def fused_linear(x_TK, w, *, norm_K=None, eps: float = 1e-6, bias_N=None, residu
         in_specs=[whole(*a.shape) for a in ins],
         out_specs=(whole(t, n_out), whole(t, k)) if normed_out else whole(t, n_out),
         out_shape=(out_shape, normed_shape) if normed_out else out_shape,
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=tiling.num_stages),
         interpret=(not on_gpu) if interpret is None else interpret,
         name=f"fused_linear{'_norm' * present[0]}{'_gated' * gated}{'_res' * present[2]}"
              f"{'_normed' * normed_out}_bm{bm}_bn{bn}_bk{bk}",

@@ -23,7 +23,7 @@ reach in chunks (DeepSeek-V3) each projection adds a rotation and a sum per chun
 token that is 8 to 24 small launches a layer for a few MB of weights (issue 33). Each
 (token, expert) row reads its own expert's weights: for T tokens that is up to T * k expert
 reads where the grouped path reads each distinct expert once, so the models take this path
-only for steps of at most a few tokens (models/moe.py FUSED_MAX_TOKENS).
+only for steps of at most a few tokens (policy.py MOE_DECODE_MAX_TOKENS).
 (The first version summed matrix-vector products on the CUDA cores, one program per token
 looping over its k experts in kernel 2: 126 us against the grouped path's 44 at
 Qwen3-30B-A3B's experts, H100; BENCHMARKS.md.)

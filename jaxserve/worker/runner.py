@@ -35,6 +35,7 @@ from jaxserve.worker.input_batch import InputBatch, StepPlan
 from jaxserve.core.kv_cache import manager as cache_manager
 from jaxserve.core.kv_cache.specs import PagedSpec
 from jaxserve.models.attention import AttentionBackend, AttentionPlan
+from jaxserve.pallas_kernels.policy import KernelPlan
 from jaxserve.sample.tensors import make_sampling_tensors
 from jaxserve.spec_decode import drafting
 from jaxserve.sample import rejection_sampler
@@ -93,7 +94,7 @@ def _step_on_mesh(*args, mesh, **kwargs):
 
 
 def _step(params, caches, packed_W, prev_ids_MC, *, model, cfg, backend: AttentionBackend,
-          fused: frozenset, block_size: int, variant: StepVariant, layout: packing.Layout):
+          kernel_plan: KernelPlan, block_size: int, variant: StepVariant, layout: packing.Layout):
     x: StepInput = packing.unpack(packed_W, layout)
     # Tokens sampled by the previous step come straight from its device output: the host
     # need not have read them (DESIGN.md §2: step N+1 never waits for step N's tokens). So
@@ -106,7 +107,7 @@ def _step(params, caches, packed_W, prev_ids_MC, *, model, cfg, backend: Attenti
         last = token_ids_T.shape[0] - 1
         x = dataclasses.replace(x, draft_token_ids=jnp.where(
             x.draft_token_ids >= 0, token_ids_T[jnp.minimum(x.logits_indices + 1, last)], -1))
-    kernels = model.make_kernels(cfg, backend, variant.attention, fused)
+    kernels = model.make_kernels(cfg, backend, variant.attention, kernel_plan)
     if variant.steps > 1:
         caches, out, last_ids_S = _decode_steps(params, caches, x, model=model, cfg=cfg,
                                                 kernels=kernels, backend=backend,
@@ -273,9 +274,9 @@ class ModelRunner:
                                         context=self.max_blocks_per_seq * self.block_size,
                                         itemsize=self.dtype.itemsize)
         self.attention_impl = self.backend.impl
-        fused = frozenset(config.fused_kernels)
+        kernel_plan = config.kernel_plan
         # The weights re-laid for the step's kernels, in place (the family's contract)
-        self.params = params = model.prepare_weights(self.cfg, params, fused=fused, mesh=mesh,
+        self.params = params = model.prepare_weights(self.cfg, params, kernel_plan=kernel_plan, mesh=mesh,
                                                      backend=self.backend)
         self.cache_specs = model.cache_specs(self.cfg)
         # A proposer's cache on the target's block tables (MTP, EAGLE3) is sized with it.
@@ -312,7 +313,7 @@ class ModelRunner:
                 [i for i, spec in enumerate(self.cache_specs) if not isinstance(spec, PagedSpec)],
                 config.scheduler.max_num_seqs)
         self._step = jax.jit(functools.partial(_step_on_mesh, mesh=mesh, model=model, cfg=self.cfg,
-                                               backend=self.backend, fused=fused,
+                                               backend=self.backend, kernel_plan=kernel_plan,
                                                block_size=self.block_size),
                              donate_argnums=(1,), static_argnames=("variant", "layout"))
         self.return_hidden_states(False)
@@ -340,7 +341,7 @@ class ModelRunner:
         # NOTE: the identity names what the jitted step closes over: a stored program is
         # loaded only for the same ones (compiling.ProgramStore)
         identity = repr((model.name, self.cfg, self.backend.impl,
-                         repr(mesh), sorted(fused)))
+                         repr(mesh), kernel_plan))
         self._compiler = StepCompiler(self._step, self.params, self.kv_cache, self.prev_ids,
                                       self.input_sharding, store=config.program_cache_dir,
                                       identity=identity)

@@ -14,8 +14,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve.pallas_kernels import ragged_paged_attention as rpa
-from jaxserve.pallas_kernels import ragged_paged_attention_mgpu as mg
+from jaxserve.pallas_kernels.ragged_paged_attention import wrapper
+from jaxserve.pallas_kernels.ragged_paged_attention import mgpu as mg
+from jaxserve.pallas_kernels.ragged_paged_attention.tuning import gather_tiling
 
 from kernel_batches import paged_batch
 
@@ -90,11 +91,11 @@ def check(args, fn, **kw):
 
 
 def triton(*a, **kw):
-    return rpa.ragged_paged_attention(*a, impl="triton", **kw)
+    return wrapper.ragged_paged_attention(*a, impl="triton", **gather_tiling(kw))
 
 
 def pallas(*a, **kw):
-    return rpa.ragged_paged_attention(*a, impl="pallas", **kw)
+    return wrapper.ragged_paged_attention(*a, impl="pallas", **kw)
 
 
 def mgpu(**config):

@@ -16,7 +16,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 
-from jaxserve.pallas_kernels import ragged_paged_attention as rpa  # noqa: E402
+from jaxserve.pallas_kernels.ragged_paged_attention import reference, wrapper  # noqa: E402
 from jaxserve.sharding import kernels as sharded  # noqa: E402
 from jaxserve.sharding.mesh import make_mesh  # noqa: E402
 
@@ -36,7 +36,7 @@ def batch(qlens, seq_lens, seed):
 
 
 def kernel(q, kc, vc, qsl, lens, tables):
-    return rpa.ragged_paged_attention(q, kc, vc, qsl, lens, tables, sm_scale=SCALE, impl="pallas")
+    return wrapper.ragged_paged_attention(q, kc, vc, qsl, lens, tables, sm_scale=SCALE, impl="pallas")
 
 
 def sharded_run(mesh, args):
@@ -58,7 +58,7 @@ CASES = {"decode": ([1, 1, 1, 1], [5, 9, 13, 16]),
 for name, (qlens, lens) in CASES.items():
     args = batch(qlens, lens, seed=len(name))
     one = jax.jit(kernel)(*args)
-    ref = rpa.ref_ragged_paged_attention(*args, sm_scale=SCALE)
+    ref = reference.ref_ragged_paged_attention(*args, sm_scale=SCALE)
     np.testing.assert_allclose(np.asarray(one), np.asarray(ref), atol=1e-5, rtol=1e-5)
     for tp in (2, 4):
         mesh = make_mesh(tensor_parallel_size=tp)

@@ -21,6 +21,7 @@ import numpy as np  # noqa: E402
 
 from jaxserve.models import registry  # noqa: E402
 from jaxserve.models.loader import load_model  # noqa: E402
+from jaxserve.pallas_kernels.policy import KernelPlan  # noqa: E402
 from jaxserve.sharding import mesh as mesh_lib, rules  # noqa: E402
 from model_step_builder import Chunk, build_step, empty_kv_cache, moe_regions, scattered_block_tables  # noqa: E402
 
@@ -71,7 +72,8 @@ def _forward_logits(cfg, params, kv, x, mesh=None, impl="xla", fused=frozenset()
     else:   # traced with the mesh as the ambient one, as the runner's step is
         with (jax.sharding.use_abstract_mesh(mesh.abstract_mesh) if mesh is not None
               else contextlib.nullcontext()):
-            kv, hidden, _ = model.forward(cfg, params, kv, x, model.make_kernels(cfg, impl, fused=fused))
+            kv, hidden, _ = model.forward(cfg, params, kv, x, model.make_kernels(
+                cfg, impl, kernel_plan=KernelPlan.for_model(cfg, model.name, fused)))
     return kv, model.compute_logits(cfg, params, hidden)
 
 

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from jaxserve.core.kv_cache.specs import PagedSpec, StateSpec
+from jaxserve.pallas_kernels.policy import KernelPlan
 from jaxserve.models import loader, registry
 from jaxserve.models.interface import ModelFamily
 from jaxserve.models.loaders import hf as hf_loader
@@ -117,5 +118,5 @@ def test_one_step(name):
 
     want = logits_of(params)
     assert np.isfinite(want).all()
-    prepared = family.prepare_weights(cfg, params, fused=frozenset(), mesh=None, backend="xla")
+    prepared = family.prepare_weights(cfg, params, kernel_plan=KernelPlan(), mesh=None, backend="xla")
     np.testing.assert_allclose(logits_of(prepared), want, rtol=1e-4, atol=1e-4)

@@ -19,6 +19,7 @@ import pytest
 from jaxserve.models import deepseek, llama, minimax_m2
 from jaxserve.models.layers import full_qk_norm
 from jaxserve.models.loader import load_model
+from jaxserve.pallas_kernels.policy import KernelPlan
 from model_step_builder import Chunk, build_step, empty_kv_cache, scattered_block_tables
 
 GOLDEN_DIR = os.path.join(os.path.dirname(__file__), os.pardir, "golden")
@@ -158,7 +159,8 @@ def test_pallas_kernels_in_the_model(fused):
     fused full-width QK-norm + partial RoPE + KV write kernel too: a chunked prefill and two
     batched decode steps match the goldens."""
     golden, cfg, params, prompts = _load()
-    kernels = minimax_m2.make_kernels(cfg, "pallas", fused=fused)
+    kernels = minimax_m2.make_kernels(cfg, "pallas", kernel_plan=KernelPlan.for_model(
+        cfg, "minimax_m2", fused))
     assert (kernels.rope_write.func is full_qk_norm.rope_write_xla) == (not fused)
     tables = scattered_block_tables(3, BLOCKS_PER_SEQ, NUM_BLOCKS, seed=7)
     caches = empty_kv_cache(cfg, NUM_BLOCKS, BLOCK_SIZE)

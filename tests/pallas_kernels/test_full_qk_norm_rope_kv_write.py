@@ -1,5 +1,5 @@
 """Fused full-width QK-norm + partial rotary + paged KV write (MiniMax-M2): the Pallas kernel
-(interpret mode) against the model's own XLA path (models/minimax_m2.py rope_write_xla), and
+(interpret mode) against the model's own XLA path (models/layers/full_qk_norm.py rope_write_xla), and
 inside the model against the transformers golden."""
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from jaxserve.models import layers, minimax_m2
 from jaxserve.models.layers import full_qk_norm
 from jaxserve.pallas_kernels import full_qk_norm_rope_kv_write as fqr
 from jaxserve.pallas_kernels.cuda_lowering import export_for_cuda, triton_kernel_names
+from jaxserve.pallas_kernels.policy import KernelPlan
 from jaxserve.sharding import kernels as sharded
 from test_qk_norm_rope_kv_write import make
 
@@ -111,13 +112,18 @@ def test_lowers_for_cuda_with_aliased_caches():
     assert triton_kernel_names(exported) == ["full_qk_norm_rope_kv_write"]
 
 
+def ROPE(cfg):
+    """The plan of the fused "rope" kernel for a MiniMax-M2 config."""
+    return KernelPlan.for_model(cfg, "minimax_m2", {"rope"})
+
+
 def test_make_kernels_picks_the_fused_kernel_only_when_asked():
     """The model with the kernel against transformers: tests/models/test_minimax_m2_golden.py."""
     cfg = minimax_m2.MiniMaxM2Config.from_hf({**_TINY16, "head_dim": 32, "rotary_dim": 16})
     assert minimax_m2.make_kernels(cfg, "pallas").rope_write.func is full_qk_norm.rope_write_xla
-    assert minimax_m2.make_kernels(cfg, "xla", fused={"rope"}).rope_write.func is full_qk_norm.rope_write_xla
-    fused = minimax_m2.make_kernels(cfg, "pallas", fused={"rope"}).rope_write   # per shard under a mesh
+    assert minimax_m2.make_kernels(cfg, "xla", kernel_plan=ROPE(cfg)).rope_write.func is full_qk_norm.rope_write_xla
+    fused = minimax_m2.make_kernels(cfg, "pallas", kernel_plan=ROPE(cfg)).rope_write   # per shard under a mesh
     assert fused.func is sharded.full_qk_norm_rope_kv_write
     assert fused.args[0].func is fqr.full_qk_norm_rope_kv_write
     small = minimax_m2.MiniMaxM2Config.from_hf(_TINY16)
-    assert minimax_m2.make_kernels(small, "pallas", fused={"rope"}).rope_write.func is full_qk_norm.rope_write_xla
+    assert minimax_m2.make_kernels(small, "pallas", kernel_plan=ROPE(small)).rope_write.func is full_qk_norm.rope_write_xla

@@ -14,7 +14,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve.models import layers, llama
+from jaxserve.models import layers, llama, registry
+from jaxserve.pallas_kernels import policy
+from jaxserve.pallas_kernels.policy import KernelPlan
 from jaxserve.pallas_kernels import fused_linear as fl
 from jaxserve.pallas_kernels import qk_norm_rope_kv_write as qrk
 from jaxserve.pallas_kernels.cuda_lowering import export_for_cuda, triton_kernel_names
@@ -100,17 +102,18 @@ def test_one_row_program_matches_the_reference(variant, dtype):
         with jax.default_matmul_precision("highest"):
             want = fl.ref_fused_linear(x, w, **kw)
     for block_n, block_k in ((None, None), (4, 32), (16, 64)):
-        got = fl.fused_linear(x, w_nk, w_layout="NK", impl="pallas", block_n=block_n,
-                              block_k=block_k, **kw)
+        got = fl.fused_linear(x, w_nk, w_layout="NK", impl="pallas",
+                              tiling=fl.LinearTiling(block_n=block_n, block_k=block_k), **kw)
         if dtype == jnp.float32:
             np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)
         else:
             assert got.dtype == jnp.bfloat16 and ulps(got, want, jnp.bfloat16) <= 8
     with pytest.raises(ValueError, match="block_n"):
-        fl.fused_linear(x, w_nk, w_layout="NK", impl="pallas", block_n=3, **kw)
+        fl.fused_linear(x, w_nk, w_layout="NK", impl="pallas", tiling=fl.LinearTiling(block_n=3),
+                        **kw)
     with pytest.raises(ValueError, match="one-row"):
         fl.fused_linear(jnp.concatenate([x, x]), w_nk, w_layout="NK", impl="pallas",
-                        one_row_program=True, gated=kw["gated"])
+                        tiling=fl.LinearTiling(one_row_program=True), gated=kw["gated"])
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
@@ -124,9 +127,9 @@ def test_normed_out_is_the_models_norm(t, block_k, dtype):
     w = jnp.asarray(rng.standard_normal((32, 96)) * 0.1, dtype)
     norm = jnp.asarray(rng.standard_normal(96) * 0.5 + 1, dtype)
     y, h = fl.fused_linear(x, w, norm_K=norm, eps=1e-5, w_layout="NK", normed_out=True,
-                           impl="pallas", block_k=block_k)
+                           impl="pallas", tiling=fl.LinearTiling(block_k=block_k))
     y_alone = fl.fused_linear(x, w, norm_K=norm, eps=1e-5, w_layout="NK", impl="pallas",
-                              block_k=block_k)
+                              tiling=fl.LinearTiling(block_k=block_k))
     np.testing.assert_array_equal(np.asarray(y), np.asarray(y_alone))
     want = layers.rms_norm(x, norm, 1e-5)
     assert h.dtype == dtype
@@ -142,21 +145,21 @@ def test_block_n_and_tiling_rules():
     with jax.default_matmul_precision("highest"):       # (a GPU's default f32 matmul is TF32)
         want = np.asarray(x @ w)
     for bn in (16, 32, 64):
-        np.testing.assert_allclose(np.asarray(fl.fused_linear(x, w, impl="pallas", block_n=bn)),
+        np.testing.assert_allclose(np.asarray(fl.fused_linear(x, w, impl="pallas", tiling=fl.LinearTiling(block_n=bn))),
                                    want, rtol=1e-5, atol=1e-5)
     for bk in (16, 32, 64):      # a K step of 16..64 (64: one step, K=32 masked past half)
-        np.testing.assert_allclose(np.asarray(fl.fused_linear(x, w, impl="pallas", block_k=bk)),
+        np.testing.assert_allclose(np.asarray(fl.fused_linear(x, w, impl="pallas", tiling=fl.LinearTiling(block_k=bk))),
                                    want, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="block_n"):
-        fl.fused_linear(x, w, impl="pallas", block_n=48)
+        fl.fused_linear(x, w, impl="pallas", tiling=fl.LinearTiling(block_n=48))
     with pytest.raises(ValueError, match="block_k"):
-        fl.fused_linear(x, w, impl="pallas", block_k=24)
+        fl.fused_linear(x, w, impl="pallas", tiling=fl.LinearTiling(block_k=24))
     # decode: the widest column block that still gives each of the 132 SMs a program
-    assert fl.tiling(1, 576, 1536, "KN") == (16, 16, 256)      # 96 programs even at 16
-    assert fl.tiling(1, 576, 49152, "NK") == (16, 128, 128)    # 384 programs at 128
-    assert fl.tiling(512, 576, 576, "KN") == (64, 32, 256)     # 8 row tiles x 18
-    assert fl.tiling(512, 4096, 4096, "KN") == (64, 128, 64)   # (shared memory: see tiling)
-    assert fl.tiling(1, 32, 64, "KN") == (16, 16, 32)
+    assert fl.dot_tiling(1, 576, 1536, "KN") == (16, 16, 256)      # 96 programs even at 16
+    assert fl.dot_tiling(1, 576, 49152, "NK") == (16, 128, 128)    # 384 programs at 128
+    assert fl.dot_tiling(512, 576, 576, "KN") == (64, 32, 256)     # 8 row tiles x 18
+    assert fl.dot_tiling(512, 4096, 4096, "KN") == (64, 128, 64)   # (shared memory: see tiling)
+    assert fl.dot_tiling(1, 32, 64, "KN") == (16, 16, 32)
 
 
 def test_shapes_the_kernel_cannot_take_are_named():
@@ -249,7 +252,7 @@ FUSED = {name: frozenset({"linear", "moe"} if "moe" in name else {"linear"}) for
 
 @functools.partial(jax.jit, static_argnums=(0, 4))
 def _step(cfg, params, kv_cache, x, fused):
-    kernels = llama.make_kernels(cfg, "pallas", fused=fused)
+    kernels = llama.make_kernels(cfg, "pallas", kernel_plan=KernelPlan.for_model(cfg, "llama", fused))
     kv_cache, hidden_TD, aux = llama.forward(cfg, params, kv_cache, x, kernels, (0,))
     return kv_cache, llama.compute_logits(cfg, params, hidden_TD, kernels), aux
 
@@ -283,8 +286,9 @@ def test_fused_stack_matches_the_xla_path(name, step, monkeypatch):
     params_t = llama.transpose_for_fused_stack(cfg, jax.tree.map(lambda a: a, params))
     assert "wqkv_t" in params_t["layers"][0] and "wqkv" not in params_t["layers"][0]
     assert ("router_t" in params_t["layers"][0]) == cfg.is_moe
-    assert llama.make_kernels(cfg, "pallas", fused={"linear"}).linear
-    assert not llama.make_kernels(cfg, "xla", fused={"linear"}).linear
+    linear = KernelPlan.for_model(cfg, "llama", {"linear"})
+    assert llama.make_kernels(cfg, "pallas", kernel_plan=linear).linear
+    assert not llama.make_kernels(cfg, "xla", kernel_plan=linear).linear
     rng = np.random.default_rng(0)
     tables = scattered_block_tables(3, BLOCKS_PER_SEQ, NUM_BLOCKS, seed=2)
     spans, step_t = STEPS[step]
@@ -329,17 +333,17 @@ def test_auto_turns_linear_on_for_small_dense_models_and_moe_for_experts():
     small = ModelConfig(architecture="LlamaForCausalLM", vocab_size=49152, hidden_size=576,
                         intermediate_size=1536, num_layers=30, num_heads=9, num_kv_heads=3,
                         head_dim=64)
-    assert llama.auto_fused_kernels(small) == ("linear",)
+    assert policy.auto_fused_kernels(small, "llama") == ("linear",)
     import dataclasses
-    assert llama.auto_fused_kernels(dataclasses.replace(small, hidden_size=4096)) == ()
-    assert llama.auto_fused_kernels(dataclasses.replace(small, head_dim=80)) == ()
-    assert llama.auto_fused_kernels(small, family_is_llama=False) == ()
+    assert policy.auto_fused_kernels(dataclasses.replace(small, hidden_size=4096), "llama") == ()
+    assert policy.auto_fused_kernels(dataclasses.replace(small, head_dim=80), "llama") == ()
+    assert policy.auto_fused_kernels(small, "qwen3_next") == ()
     # MoE: the fused stack where its router's width (the experts) tiles, moe_decode always
     moe = dataclasses.replace(small, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
                               hidden_size=2048)
-    assert llama.auto_fused_kernels(moe) == ("linear", "moe")
-    assert llama.auto_fused_kernels(dataclasses.replace(moe, num_experts=8)) == ("moe",)   # Mixtral
-    assert llama.auto_fused_kernels(moe, family_is_llama=False) == ("moe",)
+    assert policy.auto_fused_kernels(moe, "llama") == ("linear", "moe")
+    assert policy.auto_fused_kernels(dataclasses.replace(moe, num_experts=8), "llama") == ("moe",)   # Mixtral
+    assert policy.auto_fused_kernels(moe, "qwen3_next") == ("moe",)
     # other families' MoE models keep their own stacks, and "linear" named for one changes
     # nothing (before the MoE fused stack it never applied to MoE models)
     from jaxserve.models import loader, minimax_m2
@@ -347,9 +351,11 @@ def test_auto_turns_linear_on_for_small_dense_models_and_moe_for_experts():
     golden = os.path.join(os.path.dirname(__file__), os.pardir, "golden", "ckpt")
     for name in ("minimax_m2", "deepseek_v3", "qwen3_5_moe"):
         cfg = loader.model_config_from_hf(dummy.read_config(os.path.join(golden, name, "config.json")))
-        assert cfg.is_moe and not llama.fused_stack_fits(cfg), name
+        family = registry.get_family(cfg.architecture).name
+        assert cfg.is_moe and not policy.fused_stack_fits(cfg, family), name
     cfg = loader.model_config_from_hf(dummy.read_config(os.path.join(golden, "minimax_m2", "config.json")))
-    assert not minimax_m2.make_kernels(cfg, "pallas", fused={"linear", "norm"}).linear
+    assert not minimax_m2.make_kernels(cfg, "pallas", kernel_plan=KernelPlan.for_model(
+        cfg, "minimax_m2", {"linear", "norm"})).linear
 
 
 @pytest.mark.parametrize("name", ["qwen3-tied", "qwen2-bias", "qwen3-moe"])
@@ -387,12 +393,13 @@ def test_engine_with_fused_linear_equals_the_engine_without(name, tmp_path):
 def test_fused_kernels_option():
     import argparse
 
-    from jaxserve.engine.llm_engine import resolve_fused_kernels
     from jaxserve.engine.args import add_engine_arguments
 
     cfg = llama.ModelConfig(architecture="LlamaForCausalLM", vocab_size=256, hidden_size=64,
                             intermediate_size=96, num_layers=1, num_heads=2, num_kv_heads=1,
                             head_dim=32)
+    def resolve_fused_kernels(option, cfg, num_devices):
+        return KernelPlan.resolve(option, cfg, "llama", num_devices).fused
     assert resolve_fused_kernels("auto", cfg, 1) == ()            # (on a CPU: nothing)
     assert resolve_fused_kernels("none", cfg, 1) == ()
     assert resolve_fused_kernels("linear, rope", cfg, 1) == ("linear", "rope")

@@ -13,6 +13,7 @@ import pytest
 
 from jaxserve.models import llama
 from jaxserve.models.loader import load_model
+from jaxserve.pallas_kernels.policy import KernelPlan
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "models"))
 from model_step_builder import Chunk, build_step, empty_kv_cache, scattered_block_tables  # noqa: E402
@@ -23,7 +24,8 @@ BLOCK_SIZE, NUM_BLOCKS, BLOCKS_PER_SEQ, STEP_T, S = 8, 32, 6, 24, 4
 
 @functools.partial(jax.jit, static_argnums=(0, 4, 5))
 def _step(cfg, params, kv_cache, x, impl, fuse=False):
-    kernels = llama.make_kernels(cfg, impl, fused={"norm", "rope"} if fuse else frozenset())
+    kernels = llama.make_kernels(cfg, impl, kernel_plan=KernelPlan.for_model(
+        cfg, "llama", {"norm", "rope"} if fuse else ()))
     kv_cache, hidden_TD, _ = llama.forward(cfg, params, kv_cache, x, kernels)
     return kv_cache, llama.compute_logits(cfg, params, hidden_TD)
 
@@ -76,7 +78,7 @@ def test_fused_kernels_in_model_match_xla_path():
                               "num_key_value_heads": 2, "head_dim": 32, "max_position_embeddings": 256,
                               "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": False},
                              seed=3)
-    fused = llama.make_kernels(cfg, "pallas", fused={"norm", "rope"})
+    fused = llama.make_kernels(cfg, "pallas", kernel_plan=KernelPlan.for_model(cfg, "llama", {"norm", "rope"}))
     assert (fused.add_norm.__name__, fused.rope_write.__name__) == ("fused_add_norm", "fused_rope_write")
     rng = np.random.default_rng(0)
     tables = scattered_block_tables(3, BLOCKS_PER_SEQ, NUM_BLOCKS, seed=2)
@@ -107,8 +109,8 @@ def test_fused_kernels_chosen_one_by_one():
     def names(k):
         return tuple(getattr(f, "func", f).__name__ for f in (k.add_norm, k.rope_write))
 
-    assert names(llama.make_kernels(cfg, "pallas", fused={"norm"})) == ("fused_add_norm", "qk_norm_rope_write")
-    assert names(llama.make_kernels(cfg, "pallas", fused={"rope"})) == ("add_norm", "fused_rope_write")
+    assert names(llama.make_kernels(cfg, "pallas", kernel_plan=KernelPlan.for_model(cfg, "llama", {"norm"}))) == ("fused_add_norm", "qk_norm_rope_write")
+    assert names(llama.make_kernels(cfg, "pallas", kernel_plan=KernelPlan.for_model(cfg, "llama", {"rope"}))) == ("add_norm", "fused_rope_write")
     assert names(llama.make_kernels(cfg, "pallas")) == ("add_norm", "qk_norm_rope_write")
     with pytest.raises(ValueError, match="fused_kernels"):
-        llama.make_kernels(cfg, "pallas", fused={"norms"})
+        llama.make_kernels(cfg, "pallas", kernel_plan=KernelPlan.for_model(cfg, "llama", {"norms"}))

@@ -10,7 +10,9 @@ import numpy as np
 import pytest
 
 from jaxserve.models import layers
-from jaxserve.pallas_kernels import ragged_paged_attention as rpa
+from jaxserve.pallas_kernels.ragged_paged_attention import reference, triton_kernel, wrapper
+from jaxserve.pallas_kernels.ragged_paged_attention import tiling as rt
+from jaxserve.pallas_kernels.ragged_paged_attention.tuning import Tiling, gather_tiling
 from jaxserve.pallas_kernels.cuda_lowering import export_for_cuda, triton_kernel_names
 
 from kernel_batches import cuda_attention_shapes, paged_batch
@@ -27,21 +29,23 @@ def bucket_shapes(s, t=None, kh=8, n=32, e=128, dtype=jnp.bfloat16):
 
 def export_triton(args, triton_ir=None, **kw):
     """The Triton kernel's CUDA lowering at `args` (abstract), with wrapper options `kw`."""
-    return export_for_cuda(lambda *a: rpa.ragged_paged_attention(
-        *a, sm_scale=SCALE, impl="triton", interpret=False, **kw), *args, triton_ir=triton_ir)
+    return export_for_cuda(lambda *a: wrapper.ragged_paged_attention(
+        *a, sm_scale=SCALE, impl="triton", interpret=False, **gather_tiling(kw)), *args,
+        triton_ir=triton_ir)
 
 
 def kernel_name(args, **kw):
     """The Triton kernel's name (it carries the tiling the wrapper chose), traced only."""
-    jaxpr = jax.make_jaxpr(lambda *a: rpa.ragged_paged_attention(
-        *a, sm_scale=SCALE, impl="triton", interpret=True, **kw))(*args)
+    jaxpr = jax.make_jaxpr(lambda *a: wrapper.ragged_paged_attention(
+        *a, sm_scale=SCALE, impl="triton", interpret=True, **gather_tiling(kw)))(*args)
     return re.search(r"ragged_paged_attention_\w+", str(jaxpr)).group()
 
 
 def check(args, *, impl="pallas", atol=2e-5, **kw):
     opts = {k: kw.pop(k) for k in ("sliding_window", "soft_cap") if k in kw}
-    ref = np.asarray(rpa.ref_ragged_paged_attention(*args, sm_scale=SCALE, **opts))
-    out = np.asarray(rpa.ragged_paged_attention(*args, sm_scale=SCALE, impl=impl, **opts, **kw))
+    ref = np.asarray(reference.ref_ragged_paged_attention(*args, sm_scale=SCALE, **opts))
+    out = np.asarray(wrapper.ragged_paged_attention(*args, sm_scale=SCALE, impl=impl, **opts,
+                                                    **gather_tiling(kw)))
     real = int(args[3][-1])
     # interpret mode starts every output buffer as NaN: finite means every element was written
     assert np.isfinite(out).all(), "some output element was never written"
@@ -84,7 +88,7 @@ def test_pallas_picks_mosaic_for_prefill_heavy_batches_on_a_gpu():
 
     def pick(q=q, cache=cache, seq_lens=one_seq, on_gpu=True, interpret=None, **kw):
         kw = {"sliding_window": None, "soft_cap": None, **kw}
-        return rpa._pallas_kernel_for(q, cache, seq_lens, on_gpu=on_gpu, interpret=interpret, **kw)
+        return wrapper._pallas_kernel_for(q, cache, seq_lens, on_gpu=on_gpu, interpret=interpret, **kw)
 
     assert pick() == "mgpu"
     assert pick(seq_lens=many_seqs) == "triton"                  # T <= 2 S: decode-heavy
@@ -121,14 +125,14 @@ def test_matches_model_reference_paged_attention_xla():
     pos_T = np.concatenate([np.arange(c - ql, c) for ql, c in zip(qlens, np.asarray(seq_lens))])
     want = layers.paged_attention_xla(q, k, v, bt, jnp.asarray(seq_T), jnp.asarray(pos_T),
                                       sm_scale=SCALE)
-    got = rpa.ragged_paged_attention(*args, sm_scale=SCALE, impl="pallas")
+    got = wrapper.ragged_paged_attention(*args, sm_scale=SCALE, impl="pallas")
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=1e-4)
 
 
 def test_bf16_inputs():
     args = paged_batch([5, 1], [12, 30], dtype=jnp.bfloat16, seed=7)
-    ref = rpa.ref_ragged_paged_attention(*args, sm_scale=SCALE).astype(jnp.float32)
-    out = rpa.ragged_paged_attention(*args, sm_scale=SCALE, impl="pallas").astype(jnp.float32)
+    ref = reference.ref_ragged_paged_attention(*args, sm_scale=SCALE).astype(jnp.float32)
+    out = wrapper.ragged_paged_attention(*args, sm_scale=SCALE, impl="pallas").astype(jnp.float32)
     real = int(args[3][-1])
     err = jnp.linalg.norm(out[:real] - ref[:real]) / jnp.linalg.norm(ref[:real])
     assert float(err) < 1e-2
@@ -137,21 +141,21 @@ def test_bf16_inputs():
 def test_validation_errors_name_the_field():
     q, k, v, qsl, seq_lens, bt = paged_batch([1], [4], n=6, kh=4)
     with pytest.raises(ValueError, match="multiple of kv heads"):
-        rpa.ragged_paged_attention(q, k, v, qsl, seq_lens, bt, sm_scale=1.0, impl="pallas")
+        wrapper.ragged_paged_attention(q, k, v, qsl, seq_lens, bt, sm_scale=1.0, impl="pallas")
     q, k, v, qsl, seq_lens, bt = paged_batch([1], [4])
     with pytest.raises(ValueError, match="impl"):
-        rpa.ragged_paged_attention(q, k, v, qsl, seq_lens, bt, sm_scale=1.0, impl="cuda")
+        wrapper.ragged_paged_attention(q, k, v, qsl, seq_lens, bt, sm_scale=1.0, impl="cuda")
     with pytest.raises(ValueError, match="query_start_loc"):
-        rpa.ragged_paged_attention(q, k, v, qsl[:1], seq_lens, bt, sm_scale=1.0)
+        wrapper.ragged_paged_attention(q, k, v, qsl[:1], seq_lens, bt, sm_scale=1.0)
 
 
 @pytest.mark.parametrize("num_splits,block_q", [(1, None), (4, None), (4, 1)])
 def test_lowers_for_cuda(num_splits, block_q):
     args = cuda_attention_shapes()
-    exported = export_for_cuda(lambda *a: rpa.ragged_paged_attention(
-        *a, sm_scale=0.1, impl="pallas", num_splits=num_splits, interpret=False,
-        sliding_window=128, heavy_first=True, prefetch_slots=num_splits > 1,
-        block_q=block_q), *args)
+    exported = export_for_cuda(lambda *a: wrapper.ragged_paged_attention(
+        *a, sm_scale=0.1, impl="pallas", interpret=False, sliding_window=128,
+        tiling=Tiling(num_splits=num_splits, heavy_first=True, prefetch_slots=num_splits > 1,
+                      block_q=block_q)), *args)
     names = triton_kernel_names(exported)
     assert len(names) == 1 + (num_splits > 1) and names[0].startswith("ragged_paged_attention")
     if num_splits > 1:   # the splits are merged by a second kernel
@@ -172,7 +176,8 @@ def test_one_token_tiles(n, kh):
 def binary_search(monkeypatch):
     """Past VECTOR_SEARCH_MAX_SEQS (patched to 2) a program finds its sequence by binary
     search; jit caches are cleared on both sides, so no trace crosses the patch."""
-    monkeypatch.setattr(rpa, "VECTOR_SEARCH_MAX_SEQS", 2)
+    for module in (rt, triton_kernel):      # the grid's size and the kernel's search
+        monkeypatch.setattr(module, "VECTOR_SEARCH_MAX_SEQS", 2)
     jax.clear_caches()
     yield
     jax.clear_caches()
@@ -182,39 +187,6 @@ def test_binary_search_past_the_vector_search(binary_search):
     args = paged_batch([9, 1, 0, 1, 17, 0], [25, 33, 0, 8, 17, 0], pad_tokens=5, seed=8)
     check(args, num_splits=2, block_k=8)
     check(args, block_q=1)
-
-
-def test_default_tiling_of_decode_batches():
-    # (T tokens, S sequences, context) -> (query tile, splits, keys per step) with the wrapper's
-    # arguments (the H200 sweeps in BENCHMARKS.md)
-    def pick(t, s, ctx, kh=8, g=4, head_dim=128, itemsize=2, num_warps=4, num_stages=2):
-        bq = rpa.default_block_q(t, s, g)
-        x = rpa.default_num_splits(t, s, kh, bq, ctx)
-        programs = rpa._num_tiles(t, s, bq) * kh * x
-        return bq, x, rpa.default_block_k(bq, g, ctx, x, programs=programs, head_dim=head_dim,
-                                          itemsize=itemsize, num_warps=num_warps,
-                                          num_stages=num_stages)
-    assert pick(1, 1, 1024) == (1, 16, 64)        # a lone decode: 64 keys a split
-    assert pick(1, 1, 8192) == (1, 32, 64)
-    assert pick(1, 1, 32768) == (1, 32, 128)      # long splits: 128-key steps
-    assert pick(16, 16, 1024) == (4, 4, 64)       # 128 programs < 132 SMs: split
-    assert pick(32, 32, 1024) == (4, 1, 128)      # 256 programs: no split, no merge
-    assert pick(2048, 1, 2048) == (16, 1, 64)     # prefill: query tiles, no split
-    # step size by waves: 397-660 programs are one wave of 64-key programs (5 an SM) but more
-    # than one of 128-key ones (3 an SM); measured at 512 (64 x 8 and 128 x 4 kv heads), 576,
-    # 640, 656 and 672, not at 400
-    assert pick(64, 64, 1024) == pick(64, 64, 2048) == (4, 1, 64)
-    assert pick(128, 128, 1024, kh=4, g=8) == (2, 1, 64)
-    assert pick(50, 50, 1024) == pick(82, 82, 1024) == (4, 1, 64)          # 400, 656 programs
-    assert pick(49, 49, 1024) == pick(83, 83, 1024) == (4, 1, 128)         # 392, 664
-    assert pick(48, 48, 1024) == pick(96, 96, 1024) == pick(128, 128, 1024) == (4, 1, 128)
-    assert pick(4, 4, 32768) == (4, 16, 128)      # 512 programs, but split: not measured
-    for other in (dict(head_dim=64), dict(itemsize=4), dict(num_warps=8), dict(num_stages=3)):
-        assert pick(64, 64, 1024, **other) == (4, 1, 128)                   # not measured
-    assert rpa.default_block_k(4, 4, 1024) == 128   # no grid size given: the plain rule
-    # exact tile starts: a bucket of decodes launches one program per sequence, not 1.25
-    assert rpa._num_tiles(32, 32, 4) == 32 and rpa._num_tiles(1, 1, 1) == 1
-    assert rpa._num_tiles(4096, 4096, 4) == 4096 // 4 + 4096 + 1   # binary-search bound
 
 
 def test_wrapper_passes_the_grid_to_the_step_size_rule():
@@ -229,41 +201,6 @@ def test_wrapper_passes_the_grid_to_the_step_size_rule():
         "ragged_paged_attention_bq4_bk128_x1"
     # 128 tokens in 64 slots (chunks and decodes): 640 programs, but not a decode bucket
     assert name(64, t=128) == "ragged_paged_attention_bq4_bk128_x1"
-
-
-def test_pipelined_decode_of_nearly_full_one_program_per_sm_grids():
-    # unsplit decode grids of at most one program per SM with more than 0.78 x 132 busy:
-    # 128-key steps
-    assert rpa.pipelined_decode(16, 16, 32, 8, None) == 128     # 128 programs (Llama-3.1-8B)
-    assert rpa.pipelined_decode(32, 32, 32, 4, None) == 128     # Qwen3-30B-A3B's heads
-    assert rpa.pipelined_decode(13, 13, 32, 8, None) == 128     # 104 busy
-    assert not rpa.pipelined_decode(12, 12, 32, 8, None)    # 96: split over all SMs
-    assert not rpa.pipelined_decode(16, 16, 32, 8, 12)      # a padded bucket, 12 busy
-    assert rpa.pipelined_decode(16, 16, 32, 8, 13)
-    assert not rpa.pipelined_decode(32, 16, 32, 8, None)    # more tokens than slots
-    assert rpa.pipelined_busy_floor(8) == 13 and rpa.pipelined_busy_floor(4) == 26
-    assert rpa.pipelined_decode(16, 16, 32, 8, rpa.pipelined_busy_floor(8))
-    assert not rpa.pipelined_decode(16, 16, 32, 8, rpa.pipelined_busy_floor(8) - 1)
-    # only the measured case: E = 128, 2-byte K/V, 16-row query tiles
-    assert not rpa.pipelined_decode(16, 16, 32, 8, None, head_dim=64)
-    assert not rpa.pipelined_decode(16, 16, 32, 8, None, itemsize=4)
-    assert not rpa.pipelined_decode(128, 128, 32, 1, None)      # 32-row tiles (G = 32)
-
-
-def test_pipelined_decode_of_two_programs_per_sm_grids():
-    # 133-264 programs (unsplit by default anyway) with more than 0.78 x 132 busy: 64-key steps
-    assert rpa.pipelined_decode(17, 17, 32, 8, None) == 64      # 136 programs
-    assert rpa.pipelined_decode(32, 32, 32, 8, None) == 64      # 256 (Llama-3.1-8B)
-    assert rpa.pipelined_decode(32, 32, 32, 8, 13) == 64        # a padded bucket, 104 busy
-    assert not rpa.pipelined_decode(32, 32, 32, 8, 12)          # 96 busy: the default
-    assert not rpa.pipelined_decode(32, 32, 32, 8, 0)
-    assert rpa.pipelined_decode(64, 64, 32, 4, 26) == 64        # Qwen3-30B-A3B's heads
-    assert not rpa.pipelined_decode(64, 64, 32, 4, 25)
-    assert rpa.pipelined_decode(33, 33, 32, 8, None) == 64      # 264 = 2 x 132
-    assert not rpa.pipelined_decode(34, 34, 32, 8, None)        # 272: past two an SM
-    assert not rpa.pipelined_decode(64, 64, 32, 8, None)        # 512: 64-key 2-stage waves
-    assert not rpa.pipelined_decode(64, 32, 32, 8, None)        # more tokens than slots
-    assert not rpa.pipelined_decode(12, 32, 32, 8, None)        # 12 tokens: 96 busy at most
 
 
 def test_wrapper_pipelines_nearly_full_decode_grids():
@@ -288,36 +225,6 @@ def test_wrapper_pipelines_nearly_full_decode_grids():
     assert tiling(96) == ("ragged_paged_attention_bq4_bk128_x1", "2")
 
 
-def test_split_decode_tiling_of_grids_smaller_than_the_gpu():
-    T = rpa.DecodeTiling
-    def tiling(s, kh=8, busy=None, ctx=8192, t=None, **kw):
-        return rpa.split_decode_tiling(t or s, s, 32, kh, busy, context=ctx, **kw)
-    # every slot busy: num_sms() // programs splits, 128-key steps from 512 keys a split
-    assert tiling(1) == T(16, 128, 5)                 # 8 programs x 16 = 128
-    assert tiling(1, ctx=4096) == T(16, 64, 5)        # 256 keys a split
-    assert tiling(1, ctx=1024) == T(16, 64, 5)
-    assert tiling(1, kh=4) == T(32, 64, 5)            # at most 32 splits
-    assert tiling(4, ctx=4096) == T(4, 128, 5)
-    assert tiling(6, ctx=1024) == T(2, 128, 5)        # 48 programs x 2
-    assert tiling(12, ctx=1024) == tiling(16, ctx=1024) == T(1, 128, 5)   # one wave unsplit
-    assert tiling(1, ctx=100) == T(1, 128, 5)         # at least 64 keys a split
-    assert tiling(1, busy=0) == tiling(1)             # a one-slot bucket is always full
-    assert tiling(16, busy=16) == tiling(16)
-    # busy count not said (or short of the bucket): fill_splits over 2 x num_sms() programs
-    assert tiling(16, busy=0) == tiling(16, busy=15) == T(32, 64, 5, fill_splits=True)
-    assert tiling(16, busy=0, ctx=1024) == T(16, 64, 5, fill_splits=True)
-    assert tiling(32, kh=4, busy=3) == T(32, 64, 5, fill_splits=True)
-    assert tiling(16, busy=0, ctx=64) is None         # one split at most: the default
-    # larger grids and the unmeasured cases: other rules
-    assert tiling(17) is None and tiling(32) is None
-    # ... and up to two programs an SM: fill_splits where the busy count is not said
-    assert tiling(32, busy=0) == tiling(17, busy=16) == T(32, 64, 5, fill_splits=True)
-    assert tiling(34, busy=0) is None and tiling(64, kh=4, busy=0) == T(32, 64, 5, True)
-    assert rpa.default_fill_programs(132) == 264 and rpa.default_fill_programs(133) == 396
-    assert tiling(1, head_dim=64) is None and tiling(1, itemsize=4) is None
-    assert tiling(32, t=64) is None                   # more tokens than slots
-
-
 def test_fill_splits_over_padded_buckets_chunks_and_padding_tokens():
     # the kernel counts the busy (tile, kv head) items and splits each to fill its programs;
     # unwritten splits and rows stay NaN in interpret mode, so the merge must skip them
@@ -337,16 +244,17 @@ def test_fill_splits_over_padded_buckets_chunks_and_padding_tokens():
     check(idle_first, num_splits=4, block_k=8, fill_splits=True)
     check(idle_first, num_splits=4, block_k=8, fill_splits=True, fill_programs=30)
     with pytest.raises(ValueError, match="fill_programs"):
-        rpa.ragged_paged_attention(*args, sm_scale=SCALE, impl="triton", num_splits=4,
-                                   fill_splits=True, fill_programs=23)   # 12 tiles x 2 heads
+        wrapper.ragged_paged_attention(*args, sm_scale=SCALE, impl="triton", tiling=Tiling(
+            num_splits=4, fill_splits=True, fill_programs=23))   # 12 tiles x 2 heads
     many = paged_batch([1] * 2049, [3] * 2049, n=2, kh=1, e=16, pad_tokens=0)
     with pytest.raises(ValueError, match="fill_splits needs at most 2048"):
-        jax.eval_shape(lambda *a: rpa.ragged_paged_attention(
-            *a, sm_scale=SCALE, impl="triton", num_splits=2, fill_splits=True), *many)
+        jax.eval_shape(lambda *a: wrapper.ragged_paged_attention(
+            *a, sm_scale=SCALE, impl="triton", tiling=Tiling(num_splits=2, fill_splits=True)),
+            *many)
 
 
 def test_fill_split_counts_share_spare_programs_by_key_steps():
-    counts = lambda steps, items, programs=264, most=32: np.asarray(rpa.fill_split_counts(
+    counts = lambda steps, items, programs=264, most=32: np.asarray(triton_kernel.fill_split_counts(
         jnp.asarray(steps), jnp.asarray(items), programs, most)).tolist()
     # equal contexts: programs // items each (what a padded bucket of equal decodes gets)
     assert counts([16, 16, 0], [8, 8, 0]) == [16, 16, 1]
@@ -373,10 +281,10 @@ def test_fill_splits_follow_each_context_and_match_the_reference():
     qlens = [1, 1, 0, 1, 1, 0, 0]
     ctxs = [9, 300, 0, 12, 9, 0, 0]
     args = paged_batch(qlens, ctxs, pad_tokens=3, seed=21)
-    steps = rpa._item_steps(jnp.asarray(ctxs), jnp.asarray(qlens), block_k=8,
+    steps = triton_kernel._item_steps(jnp.asarray(ctxs), jnp.asarray(qlens), block_k=8,
                             sliding_window=None)
     tiles = jnp.asarray([1, 1, 0, 1, 1, 0, 0]) * 2
-    assert np.asarray(rpa.fill_split_counts(steps, tiles, 40, 16)).tolist() == \
+    assert np.asarray(triton_kernel.fill_split_counts(steps, tiles, 40, 16)).tolist() == \
         [1, 14, 1, 1, 1, 1, 1]
     for programs in (14, 40, None):   # 14: the fewest the grid allows (padding tiles too)
         check(args, num_splits=16, block_k=8, num_stages=5, fill_splits=True,
@@ -391,15 +299,15 @@ def test_fill_splits_kernel_writes_the_counts_by_key_steps(monkeypatch):
     qlens, ctxs = [1, 1, 0, 1, 1, 0, 0], [9, 300, 0, 12, 9, 0, 0]
     args = paged_batch(qlens, ctxs, pad_tokens=3, seed=22)
     seen = []
-    merge = rpa.merge_splits
+    merge = triton_kernel.merge_splits
 
     def spy(o, lse, live=None, **kw):
         jax.debug.callback(lambda v: seen.append(np.asarray(v)), live)
         return merge(o, lse, live, **kw)
 
-    monkeypatch.setattr(rpa, "merge_splits", spy)
-    rpa.ragged_paged_attention(*args, sm_scale=0.1234, impl="triton", num_splits=16,
-                               block_k=8, fill_splits=True, fill_programs=40)
+    monkeypatch.setattr(triton_kernel, "merge_splits", spy)
+    wrapper.ragged_paged_attention(*args, sm_scale=0.1234, impl="triton", tiling=Tiling(
+        num_splits=16, block_k=8, fill_splits=True, fill_programs=40))
     jax.effects_barrier()
     assert seen[0][:4].tolist() == [1, 14, 1, 1] and seen[0][-1] == 4   # 4 real tokens
 
@@ -412,7 +320,7 @@ def test_fill_splits_over_a_grid_of_two_programs_an_sm():
     ctxs = [int(c) if q else 0 for q, c in zip(qlens, rng.integers(9, 60, len(qlens)))]
     ctxs[40] = 700
     args = paged_batch(qlens, ctxs, n=4, kh=2, e=16, pad_tokens=6, seed=23)
-    assert rpa._num_tiles(70, 70, rpa.default_block_q(70, 70, 2)) * 2 == 140
+    assert rt.num_tiles(70, 70, rt.default_block_q(70, 70, 2)) * 2 == 140
     check(args, num_splits=16, block_k=8, fill_splits=True)
     check(args, num_splits=16, block_k=8, fill_splits=True, sliding_window=30)
 
@@ -423,8 +331,8 @@ def test_fill_splits_engine_bucket_picked_and_correct():
     qlens = [1, 1, 1] + [0] * 13
     args = paged_batch(qlens, [300, 33, 129] + [0] * 13, n=32, kh=8, e=128, p=16,
                        pad_tokens=13, seed=5, dtype=jnp.bfloat16)
-    assert rpa.special_decode_tiling(16, 16, 32, 8, 0, context=args[5].shape[1] * 16) == \
-        rpa.DecodeTiling(4, 64, 5, fill_splits=True)
+    assert rt.special_decode_tiling(16, 16, 32, 8, 0, context=args[5].shape[1] * 16) == \
+        rt.DecodeTiling(4, 64, 5, fill_splits=True)
     check(args, busy_seqs=0, atol=2e-2)
     # any tuning option turns the shape rules off: fill_splits=False gives the plain default
     assert kernel_name(args, busy_seqs=0, fill_splits=False) == \
@@ -432,10 +340,10 @@ def test_fill_splits_engine_bucket_picked_and_correct():
 
 
 def test_skewed_steps_take_fill_splits_up_to_four_programs_an_sm():
-    T = rpa.DecodeTiling
+    T = rt.DecodeTiling
 
     def tiling(s, kh=8, busy=None, **kw):
-        return rpa.special_decode_tiling(s, s, 32, kh, busy, context=8192, **kw)
+        return rt.special_decode_tiling(s, s, 32, kh, busy, context=8192, **kw)
     # whatever the busy count, full buckets too, up to 4 x num_sms() programs
     assert tiling(16, skewed=True) == tiling(16, busy=0) == T(32, 64, 5, fill_splits=True)
     assert tiling(16) == T(1, 128, 5)                           # not skewed: pipelined
@@ -447,7 +355,7 @@ def test_skewed_steps_take_fill_splits_up_to_four_programs_an_sm():
     assert tiling(1, skewed=True) == tiling(1) == T(16, 128, 5)  # one slot: never skewed
     assert tiling(66, skewed=True) == T(32, 64, 5, True)        # 528 programs: the most
     assert tiling(67, skewed=True) is None
-    assert rpa.default_fill_programs(512) == 792 and rpa.default_fill_programs(265) == 660
+    assert rt.default_fill_programs(512) == 792 and rt.default_fill_programs(265) == 660
     # a full 16-slot bucket at Llama-3.1-8B's heads, one long context: correct when skewed
     qlens = [1] * 16
     args = paged_batch(qlens, [300] + [20] * 15, n=32, kh=8, e=128, p=16, pad_tokens=0,
@@ -455,46 +363,6 @@ def test_skewed_steps_take_fill_splits_up_to_four_programs_an_sm():
     assert kernel_name(args, skewed=True).endswith("_fill")
     assert not kernel_name(args).endswith("_fill")
     check(args, skewed=True, atol=2e-2)
-
-
-def test_many_wave_decode_takes_the_tiling_whose_waves_are_fuller():
-    # past one wave of 64-key 2-stage steps (660 programs), 64-key 3-stage steps (4 an SM)
-    # where their last wave is fuller than 128-key 2-stage steps' (3 an SM)
-    assert rpa.wave_fill(528, 4) == 1.0 and rpa.wave_fill(529, 4) < 0.51
-    assert rpa.many_wave_decode(128, 128, 32, 8)            # 1,024 programs: 1.94 waves of 528
-    assert rpa.many_wave_decode(256, 256, 32, 8)            # 2,048
-    assert rpa.many_wave_decode(256, 256, 32, 4)            # Qwen3-30B-A3B's heads, 1,024
-    assert not rpa.many_wave_decode(96, 96, 32, 8)          # 768: 1.45 waves against 1.94
-    assert not rpa.many_wave_decode(64, 64, 32, 8)          # 512: one wave of 64-key 2-stage
-    assert not rpa.many_wave_decode(32, 32, 32, 8)
-    assert not rpa.many_wave_decode(256, 128, 32, 8)        # more tokens than slots
-    assert not rpa.many_wave_decode(128, 128, 32, 8, head_dim=64)     # only the measured case
-    assert not rpa.many_wave_decode(128, 128, 32, 8, itemsize=4)
-    # a padded bucket: the busy programs (launched first) set the waves
-    assert rpa.many_wave_decode(128, 128, 32, 8, 65)        # 520 programs: one wave of 528
-    assert not rpa.many_wave_decode(128, 128, 32, 8, 80)    # 640: 1.21 waves against 1.62
-    assert rpa.many_wave_decode(128, 128, 32, 8, 112)
-    assert not rpa.many_wave_decode(128, 128, 32, 8, 0)     # not said: the default
-
-
-def test_tiling_busy_floor_is_where_a_padded_bucket_tiles_as_a_full_one():
-    # from the floor up (and only there) a bucket takes its full tiling, with busy_seqs = floor
-    def floor(s, kh):
-        return rpa.tiling_busy_floor(s, s, 32, kh)
-    assert floor(16, 8) == floor(32, 8) == rpa.pipelined_busy_floor(8) == 13
-    assert floor(32, 4) == floor(64, 4) == rpa.pipelined_busy_floor(4) == 26
-    assert floor(64, 8) == floor(128, 4) == floor(1, 8) == 0    # 512 programs; a lone decode
-    assert floor(128, 8) == 100 and floor(256, 8) == 248 and floor(256, 4) == 199
-    for s, kh in ((128, 8), (256, 8), (256, 4), (32, 8)):
-        f = floor(s, kh)
-        full = bool(rpa.pipelined_decode(s, s, 32, kh, None)) or rpa.many_wave_decode(s, s, 32, kh)
-        assert full
-        for busy in range(f, s + 1):
-            assert bool(rpa.pipelined_decode(s, s, 32, kh, busy)) or \
-                rpa.many_wave_decode(s, s, 32, kh, busy)
-        assert not (rpa.pipelined_decode(s, s, 32, kh, f - 1) or
-                    rpa.many_wave_decode(s, s, 32, kh, f - 1))
-    assert rpa.tiling_busy_floor(128, 128, 32, 8, head_dim=64) == 0   # not the measured case
 
 
 def test_unsplit_decode_grids_launch_kv_heads_side_by_side():
@@ -538,7 +406,7 @@ def test_pipelined_decode_tiling_matches_reference():
     ctxs = [1, 7, 16, 17, 100, 127, 128, 129, 200, 255, 256, 300, 5, 64, 2, 140]
     args = paged_batch([1] * 16, ctxs, n=32, kh=8, e=128, pad_tokens=0, seed=21,
                        dtype=jnp.bfloat16)
-    assert rpa.pipelined_decode(16, 16, 32, 8, None)
+    assert rt.pipelined_decode(16, 16, 32, 8, None)
     check(args, atol=2e-2)
 
 
@@ -550,7 +418,7 @@ def test_two_programs_per_sm_pipelined_tiling_matches_reference():
             9, 12, 48, 80, 70] + [0] * 7
     args = paged_batch(qlens, ctxs, n=32, kh=8, e=128, pad_tokens=2, seed=22,
                        dtype=jnp.bfloat16)
-    assert args[0].shape[0] == 32 and rpa.pipelined_decode(32, 32, 32, 8, None) == 64
+    assert args[0].shape[0] == 32 and rt.pipelined_decode(32, 32, 32, 8, None) == 64
     check(args, atol=2e-2)
 
 
@@ -566,7 +434,7 @@ def test_engine_bucket_shape_decodes_chunk_and_padding_sequences():
 
 
 def test_binary_search_path_lowers_for_cuda(binary_search):
-    exported = export_for_cuda(lambda *a: rpa.ragged_paged_attention(
+    exported = export_for_cuda(lambda *a: wrapper.ragged_paged_attention(
         *a, sm_scale=0.1, impl="triton", interpret=False), *cuda_attention_shapes())
     assert triton_kernel_names(exported)[0].startswith("ragged_paged_attention")
 

@@ -13,8 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve.pallas_kernels import ragged_paged_attention_mgpu as mg
-from jaxserve.pallas_kernels.ragged_paged_attention import ref_ragged_paged_attention
+from jaxserve.pallas_kernels.ragged_paged_attention import mgpu as mg
+from jaxserve.pallas_kernels.ragged_paged_attention.reference import ref_ragged_paged_attention
 
 from kernel_batches import cuda_attention_shapes, paged_batch
 
