@@ -44,9 +44,11 @@ def _matmul(x, w, cd):
 
 
 class HeadLayer(nnx.Module):
-    """The head's decoder layer: attention and MLP over [the token's embedding, the hidden]."""
+    """The head's decoder layer: attention and MLP over [the token's embedding, the hidden]
+    (eagle3.head_layer's maths, its attention the TTT one)."""
 
     def __init__(self, cfg, normal):
+        self.cfg = cfg
         d, n, kh, e, f = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size
         ones = lambda: nnx.Param(jnp.ones((d,), jnp.float32))
         self.attn_norm, self.hidden_norm, self.mlp_norm = ones(), ones(), ones()
@@ -54,9 +56,10 @@ class HeadLayer(nnx.Module):
         self.wo = normal(n * e, d)
         self.w_gate, self.w_up, self.w_down = normal(d, f), normal(d, f), normal(f, d)
 
-    def __call__(self, cfg, emb_BTD, h_BTD, pos_T, keys: list, values: list, inv_freq, cd):
-        """One TTT step: the new hidden f32[B, T, D]; appends this step's keys and values."""
-        b, t, _ = h_BTD.shape
+    def __call__(self, emb_BTD, h_BTD, pos_T, keys: list, values: list, inv_freq, cd):
+        """One TTT step: the new hidden f32[B, T, D]. keys, values: the steps' before it (as
+        ttt_attention takes them); it appends its own."""
+        cfg, (b, t, _) = self.cfg, h_BTD.shape
         n, kh, e, eps = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps
         rope = lambda x_BTNE: jax.vmap(lambda x: layers.apply_rope(x, pos_T, inv_freq))(x_BTNE)
         both = jnp.concatenate([layers.rms_norm(emb_BTD, self.attn_norm[...], eps),
@@ -98,7 +101,7 @@ class Eagle3Head(nnx.Module):
         for i in range(num_steps):
             emb = embed_VD[shift_left(token_ids_BT, 1 + i)].astype(jnp.float32)
             pos = jnp.arange(t, dtype=jnp.int32) + i
-            h = self.layer(cfg, emb, h, pos, keys, values, inv_freq, cd)
+            h = self.layer(emb, h, pos, keys, values, inv_freq, cd)
             out_logits.append(_matmul(layers.rms_norm(h, self.norm[...], cfg.rms_norm_eps), self.lm_head[...], cd))
         return out_logits
 
