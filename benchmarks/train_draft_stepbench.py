@@ -5,6 +5,7 @@ forward (Pallas attention) and the head's train step with bf16 and f32 matmul op
 """
 import json, sys, time
 import jax, jax.numpy as jnp, numpy as np
+from flax import nnx
 from jaxserve.models import loader, registry
 from jaxserve.train_draft import head, target, train, data
 
@@ -29,13 +30,13 @@ dd = jnp.asarray(draft_ids)
 c, s, tgt = timed(lambda: tfn(params, ids, dd))
 out["target_compile_s"], out["target_step_s"] = round(c, 2), round(s, 4)
 batch = (tgt[0], ids, lengths, tf, *tgt[1:])
-hp0 = head.init_head(cfg, params, module, draft_ids, 0)
-opt = train.make_optimizer(5e-4, 1000, 50, 0.0)
 for name, dt in (("bf16", jnp.bfloat16), ("f32", jnp.float32)):
-    step = train.make_train_step(cfg, opt, 3, dt)
-    st = [jax.tree.map(jnp.copy, hp0), opt.init(hp0)]
+    h = head.init_head(cfg, params, module, draft_ids, 0)
+    graphdef, state = nnx.split((h, train.make_optimizer(h, 5e-4, 1000, 50, 0.0)))
+    step = train.make_train_step(graphdef, 3, dt)
+    st = [state]
     def one():
-        st[0], st[1], loss, _, _ = step(st[0], st[1], params["embed"], batch, dd)
+        st[0], loss, _, _ = step(st[0], params["embed"], batch)
         return loss
     c, s, _ = timed(one)
     out[f"head_{name}_compile_s"], out[f"head_{name}_step_s"] = round(c, 2), round(s, 4)

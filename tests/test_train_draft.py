@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from jaxserve import cli
 from jaxserve.models import loader, registry
@@ -63,6 +64,16 @@ def log_of(out) -> list[dict]:
         return [json.loads(line) for line in f]
 
 
+def perturbed_head(cfg, params, draft_ids) -> head.Eagle3Head:
+    """A fresh head with every Param moved off its initial value (unit norms included)."""
+    from jaxserve.models import llama
+
+    h = head.init_head(cfg, params, llama, draft_ids, seed=1)
+    nnx.update(h, jax.tree.map(lambda a: a + 0.05 * jax.random.normal(jax.random.PRNGKey(2), a.shape),
+                               nnx.state(h, nnx.Param)))
+    return h
+
+
 def test_loss_goes_down_and_the_head_runs_in_the_engine(target, dataset, tmp_path):
     out = tmp_path / "head"
     assert train_draft(target, dataset, out, "--num-steps", "60", "--log-every", "5", "--num-eval", "6",
@@ -111,13 +122,12 @@ def test_ttt_step_zero_is_the_engines_head(target, tmp_path):
 
     cfg, params, _ = loader.load_model(target, dtype="float32")
     draft_ids = np.arange(0, 256, 2, dtype=np.int32)
-    hp = head.init_head(cfg, params, llama, draft_ids, seed=1)
-    hp = jax.tree.map(lambda a: a + 0.05 * jax.random.normal(jax.random.PRNGKey(2), a.shape), hp)
+    h = perturbed_head(cfg, params, draft_ids)
     tokens = np.asarray([[5, 9, 33, 7, 100, 42, 8, 8, 19, 3, 77, 61, 12, 200, 4, 90]], np.int32)
     aux, _, _, _ = target_mod.make_target_fn(llama, cfg, (1, 0, 1))(params, jnp.asarray(tokens), jnp.asarray(draft_ids))
-    logits = head.ttt_forward(cfg, hp, params["embed"], aux, jnp.asarray(tokens), 2)
+    logits = h(params["embed"], aux, jnp.asarray(tokens), 2)
     ours = draft_ids[np.asarray(jnp.argmax(logits[0][0], -1))]
-    head.export_head(str(tmp_path), hp, cfg, draft_ids, (1, 0, 1))
+    head.export_head(str(tmp_path), h, (1, 0, 1))
     head_cfg, hparams, _ = eagle3.load_head(str(tmp_path), cfg, "float32")
     tables = scattered_block_tables(1, 8, 16, seed=0)
     x = build_step([Chunk(0, tokens[0, 1:].tolist(), 0)], tables, 4, 16, 1)
@@ -292,13 +302,13 @@ def test_the_loss_is_on_the_replies_only(target):
     assert data.tokenize_record({"input_ids": list(range(3, 13))}, None, 64).train_from == 0
     cfg, params, _ = loader.load_model(target, dtype="float32")
     draft_ids = np.arange(0, 256, 2, dtype=np.int32)
-    hp = head.init_head(cfg, params, llama, draft_ids, seed=1)
+    h = head.init_head(cfg, params, llama, draft_ids, seed=1)
     ex = [data.Example(np.arange(10, 30, dtype=np.int32), 6, 6), data.Example(np.arange(40, 52, dtype=np.int32), 5, 0)]
     b = data.make_batch(ex, 2, 32)
     ids = jnp.asarray(b.token_ids)
     tgt = target_mod.make_target_fn(llama, cfg, (0, 1, 1))(params, ids, jnp.asarray(draft_ids))
     batch = (tgt[0], ids, jnp.asarray(b.lengths), jnp.asarray(b.train_from), *tgt[1:])
-    sums = np.asarray(train.make_eval_step(cfg, 2)(hp, params["embed"], batch, jnp.asarray(draft_ids))[0])
+    sums = np.asarray(train.make_eval_step(2)(h, params["embed"], batch)[0])
     # step i at t is valid while t + 1 + i < length and t + 2 + i >= train_from
     want = [sum(1 for t in range(32) if t + 1 + i < 20 and t + 2 + i >= 6) +
             sum(1 for t in range(32) if t + 1 + i < 12) for i in range(2)]
@@ -309,20 +319,15 @@ def test_the_loss_is_on_the_replies_only(target):
 def test_the_bf16_head_follows_the_f32_one(target):
     """--head-dtype bfloat16 (the GPU default) computes the same logits as float32 to bf16's
     precision, and its gradients are f32 like its parameters."""
-    from jaxserve.models import llama
-
     cfg, params, _ = loader.load_model(target, dtype="float32")
-    draft_ids = np.arange(0, 256, 2, dtype=np.int32)
-    hp = head.init_head(cfg, params, llama, draft_ids, seed=1)
-    hp = jax.tree.map(lambda a: a + 0.05 * jax.random.normal(jax.random.PRNGKey(2), a.shape), hp)
+    h = perturbed_head(cfg, params, np.arange(0, 256, 2, dtype=np.int32))
     tokens = jnp.asarray(np.random.default_rng(0).integers(3, 256, (2, 16)), jnp.int32)
     aux = jax.random.normal(jax.random.PRNGKey(3), (2, 16, 3 * cfg.hidden_size))
-    f32, bf16 = (head.ttt_forward(cfg, hp, params["embed"], aux, tokens, 3, dt) for dt in (jnp.float32, jnp.bfloat16))
+    f32, bf16 = (h(params["embed"], aux, tokens, 3, dt) for dt in (jnp.float32, jnp.bfloat16))
     for a, b in zip(f32, bf16):
         assert b.dtype == jnp.float32
         scale = float(jnp.max(jnp.abs(a)))
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=0.03 * scale)
         assert float(jnp.max(jnp.abs(a - b))) > 0          # it did compute in bf16
-    grads = jax.grad(lambda p: sum(jnp.sum(x) for x in head.ttt_forward(
-        cfg, p, params["embed"], aux, tokens, 2, jnp.bfloat16)))(hp)
+    grads = nnx.grad(lambda m: sum(jnp.sum(x) for x in m(params["embed"], aux, tokens, 2, jnp.bfloat16)))(h)
     assert all(g.dtype == jnp.float32 for g in jax.tree.leaves(grads))

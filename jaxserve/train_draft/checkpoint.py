@@ -1,5 +1,6 @@
-"""Resumable training state with orbax-checkpoint: the head, the optimizer state and the
-draft vocabulary as arrays, the run's settings as JSON, under OUTPUT/checkpoints/<step>.
+"""Resumable training state with orbax-checkpoint: the nnx state of (head, optimizer) (the
+head's Params and draft vocabulary, the optimizer's step and AdamW state), the run's
+settings as JSON, under OUTPUT/checkpoints/<step>.
 
 A resumed run restores the latest step and continues the data stream there
 (data.train_batch is a function of the step); settings that change what is trained (the
@@ -12,6 +13,7 @@ import os
 
 import jax
 import orbax.checkpoint as ocp
+from flax import nnx
 
 # Settings a resumed run must share with the saved one.
 MUST_MATCH = ("draft_vocab_size", "aux_layers", "ttt_steps", "model", "regenerate")
@@ -22,14 +24,15 @@ def manager(output_dir: str, keep: int = 2) -> ocp.CheckpointManager:
                                  options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True))
 
 
-def save(mgr: ocp.CheckpointManager, step: int, state: dict, settings: dict) -> None:
+def save(mgr: ocp.CheckpointManager, step: int, state: nnx.State, settings: dict) -> None:
     mgr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
                                            settings=ocp.args.JsonSave(settings)), force=True)
     mgr.wait_until_finished()
 
 
-def restore(mgr: ocp.CheckpointManager, like: dict, settings: dict) -> tuple[int, dict] | None:
-    """(step, state shaped as `like`) of the latest checkpoint, or None when there is none."""
+def restore(mgr: ocp.CheckpointManager, like: nnx.State, settings: dict) -> tuple[int, nnx.State] | None:
+    """(step, state shaped as `like`, e.g. a fresh run's) of the latest checkpoint, or None
+    when there is none."""
     step = mgr.latest_step()
     if step is None:
         return None

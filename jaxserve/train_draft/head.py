@@ -1,10 +1,15 @@
-"""The EAGLE3 head being trained: its parameters, its forward under EAGLE3's training-time
-test (TTT), and its export in the HF `LlamaForCausalLMEagle3` format that
-spec_decode/eagle3.py::load_head (and vLLM) read.
+"""The EAGLE3 head being trained, a flax.nnx module: its parameters, its forward under
+EAGLE3's training-time test (TTT), and its export in the HF `LlamaForCausalLMEagle3` format
+that spec_decode/eagle3.py::load_head (and vLLM) read.
 
-Parameters use eagle3.load_head's names (weights [in, out]): fc f[3D, D]; layer: attn_norm
-(HF input_layernorm, over the token's embedding), hidden_norm, wq/wk/wv f[2D, *], wo,
-mlp_norm, w_gate/w_up/w_down; norm; lm_head f[D, Dv]. The embedding is the target's, frozen.
+Parameters (nnx.Param, f32) carry eagle3.load_head's names and layout (weights [in, out]):
+fc f[3D, D]; layer: attn_norm (HF input_layernorm, over the token's embedding), hidden_norm,
+wq/wk/wv f[2D, *], wo, mlp_norm, w_gate/w_up/w_down; norm; lm_head f[D, Dv]. They are plain
+matrices rather than nnx.Linear/nnx.RMSNorm: the maths is the engine's (layers.rms_norm,
+layers.apply_rope, matmuls with compute-dtype operands and f32 accumulation), which step 0
+must match (tests/test_train_draft.py checks it against eagle3.head_forward). The draft vocabulary (draft_ids, the target id of each
+output) is the head's too, a DraftVocab variable: checkpointed with it, never trained. The
+embedding is the target's, frozen, and passed in.
 
 TTT, step i = 0 .. k-1 at every position t of a sequence x: step 0 is the head as the engine
 runs it (the target's aux streams at t through fc, token x[t+1], RoPE position t). Step
@@ -23,27 +28,90 @@ import os
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from jaxserve.models import layers
 
 
-def init_head(target_cfg, target_params, module, draft_ids: np.ndarray, seed: int) -> dict:
-    """Fresh f32 head parameters: normal(0.02) matrices, unit norms, and lm_head started
-    from the target's own output rows of the draft tokens (a useful prior: the head's
-    output lives near the target's final hidden states)."""
-    d, n, kh, e, f = (target_cfg.hidden_size, target_cfg.num_heads, target_cfg.num_kv_heads,
-                      target_cfg.head_dim, target_cfg.intermediate_size)
-    keys = iter(jax.random.split(jax.random.PRNGKey(seed), 8))
-    w = lambda *shape: 0.02 * jax.random.normal(next(keys), shape, jnp.float32)
-    ones = lambda: jnp.ones((d,), jnp.float32)
-    eye = jnp.eye(d, dtype=jnp.float32)
-    rows = module.compute_logits(target_cfg, target_params, eye)[:, jnp.asarray(draft_ids)]
-    return {
-        "fc": w(3 * d, d), "norm": ones(), "lm_head": rows.astype(jnp.float32),
-        "layer": {"attn_norm": ones(), "hidden_norm": ones(), "wq": w(2 * d, n * e),
-                  "wk": w(2 * d, kh * e), "wv": w(2 * d, kh * e), "wo": w(n * e, d),
-                  "mlp_norm": ones(), "w_gate": w(d, f), "w_up": w(d, f), "w_down": w(f, d)},
-    }
+class DraftVocab(nnx.Variable):
+    """i32[Dv]: the target id of each of the head's outputs (not a Param: the optimizer's
+    wrt=nnx.Param leaves it alone)."""
+
+
+def _matmul(x, w, cd):
+    """x @ w with cd operands (bf16: the tensor cores' rate), accumulated and returned in f32."""
+    return jnp.matmul(x.astype(cd), w.astype(cd), preferred_element_type=jnp.float32)
+
+
+class HeadLayer(nnx.Module):
+    """The head's decoder layer: attention and MLP over [the token's embedding, the hidden]
+    (eagle3.head_layer's maths, its attention the TTT one)."""
+
+    def __init__(self, cfg, normal):
+        self.cfg = cfg
+        d, n, kh, e, f = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size
+        ones = lambda: nnx.Param(jnp.ones((d,), jnp.float32))
+        self.attn_norm, self.hidden_norm, self.mlp_norm = ones(), ones(), ones()
+        self.wq, self.wk, self.wv = normal(2 * d, n * e), normal(2 * d, kh * e), normal(2 * d, kh * e)
+        self.wo = normal(n * e, d)
+        self.w_gate, self.w_up, self.w_down = normal(d, f), normal(d, f), normal(f, d)
+
+    def __call__(self, emb_BTD, h_BTD, pos_T, keys: list, values: list, inv_freq, cd):
+        """One TTT step: the new hidden f32[B, T, D]. keys, values: the steps' before it (as
+        ttt_attention takes them); it appends its own."""
+        cfg, (b, t, _) = self.cfg, h_BTD.shape
+        n, kh, e, eps = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps
+        rope = lambda x_BTNE: jax.vmap(lambda x: layers.apply_rope(x, pos_T, inv_freq))(x_BTNE)
+        both = jnp.concatenate([layers.rms_norm(emb_BTD, self.attn_norm[...], eps),
+                                layers.rms_norm(h_BTD, self.hidden_norm[...], eps)], -1)
+        keys.append(rope(_matmul(both, self.wk[...], cd).reshape(b, t, kh, e)))
+        values.append(_matmul(both, self.wv[...], cd).reshape(b, t, kh, e))
+        q = rope(_matmul(both, self.wq[...], cd).reshape(b, t, n, e))
+        residual = h_BTD + _matmul(ttt_attention(q, keys, values, 1.0 / math.sqrt(e), cd), self.wo[...], cd)
+        m = layers.rms_norm(residual, self.mlp_norm[...], eps)
+        gated = jax.nn.silu(_matmul(m, self.w_gate[...], cd)) * _matmul(m, self.w_up[...], cd)
+        return residual + _matmul(gated, self.w_down[...], cd)
+
+
+class Eagle3Head(nnx.Module):
+    """The trained head. cfg: the target's ModelConfig (the head's shapes are its own)."""
+
+    def __init__(self, cfg, lm_head_DDv, draft_ids, key: jax.Array):
+        """normal(0.02) matrices from `key` (split in 8: fc, then the layer's in order), unit
+        norms, the given lm_head."""
+        keys = iter(jax.random.split(key, 8))
+        normal = lambda *shape: nnx.Param(0.02 * jax.random.normal(next(keys), shape, jnp.float32))
+        self.cfg = cfg
+        self.fc = normal(3 * cfg.hidden_size, cfg.hidden_size)
+        self.layer = HeadLayer(cfg, normal)
+        self.norm = nnx.Param(jnp.ones((cfg.hidden_size,), jnp.float32))
+        self.lm_head = nnx.Param(jnp.asarray(lm_head_DDv, jnp.float32))
+        self.draft_ids = DraftVocab(jnp.asarray(draft_ids, jnp.int32))
+
+    def __call__(self, embed_VD, aux_BTH, token_ids_BT, num_steps: int,
+                 compute_dtype=jnp.float32) -> list[jax.Array]:
+        """The head's logits f32[B, T, Dv] at every position for each of `num_steps` TTT steps
+        (step i predicts token t + 2 + i). Matmuls take compute_dtype operands and accumulate
+        in f32; norms, softmax and the residual stream are f32."""
+        cfg, cd = self.cfg, compute_dtype
+        t = token_ids_BT.shape[1]
+        inv_freq = layers.rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling_dict)
+        h = _matmul(aux_BTH, self.fc[...], cd)
+        keys, values, out_logits = [], [], []
+        for i in range(num_steps):
+            emb = embed_VD[shift_left(token_ids_BT, 1 + i)].astype(jnp.float32)
+            pos = jnp.arange(t, dtype=jnp.int32) + i
+            h = self.layer(emb, h, pos, keys, values, inv_freq, cd)
+            out_logits.append(_matmul(layers.rms_norm(h, self.norm[...], cfg.rms_norm_eps), self.lm_head[...], cd))
+        return out_logits
+
+
+def init_head(target_cfg, target_params, family, draft_ids: np.ndarray, seed: int) -> Eagle3Head:
+    """A fresh head, its lm_head started from the target's own output rows of the draft tokens
+    (a useful prior: the head's output lives near the target's final hidden states)."""
+    eye = jnp.eye(target_cfg.hidden_size, dtype=jnp.float32)
+    rows = family.compute_logits(target_cfg, target_params, eye)[:, jnp.asarray(draft_ids)]
+    return Eagle3Head(target_cfg, rows, draft_ids, jax.random.PRNGKey(seed))
 
 
 def shift_left(x_BT: jax.Array, s: int) -> jax.Array:
@@ -74,34 +142,6 @@ def ttt_attention(q_BTNE, keys, values, scale: float, cd=jnp.float32) -> jax.Arr
     return out.reshape(b, t, n * e)
 
 
-def ttt_forward(cfg, hp: dict, embed_VD, aux_BTH, token_ids_BT, num_steps: int,
-                compute_dtype=jnp.float32) -> list[jax.Array]:
-    """The head's logits f32[B, T, Dv] at every position for each of `num_steps` TTT steps
-    (step i predicts token t + 2 + i). Matmuls take compute_dtype operands (bf16: the
-    tensor cores' rate) and accumulate in f32; norms, softmax and the residual stream are f32."""
-    lp, eps, cd = hp["layer"], cfg.rms_norm_eps, compute_dtype
-    mm = lambda x, w: jnp.matmul(x.astype(cd), w.astype(cd), preferred_element_type=jnp.float32)
-    b, t = token_ids_BT.shape
-    n, kh, e = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    inv_freq = layers.rope_inv_freq(e, cfg.rope_theta, cfg.rope_scaling_dict)
-    rope = lambda x_BTNE, pos_T: jax.vmap(lambda x: layers.apply_rope(x, pos_T, inv_freq))(x_BTNE)
-    h = mm(aux_BTH, hp["fc"])
-    keys, values, out_logits = [], [], []
-    for i in range(num_steps):
-        tokens = shift_left(token_ids_BT, 1 + i)
-        emb = layers.rms_norm(embed_VD[tokens].astype(jnp.float32), lp["attn_norm"], eps)
-        both = jnp.concatenate([emb, layers.rms_norm(h, lp["hidden_norm"], eps)], -1)
-        pos = jnp.arange(t, dtype=jnp.int32) + i
-        keys.append(rope(mm(both, lp["wk"]).reshape(b, t, kh, e), pos))
-        values.append(mm(both, lp["wv"]).reshape(b, t, kh, e))
-        q = rope(mm(both, lp["wq"]).reshape(b, t, n, e), pos)
-        residual = h + mm(ttt_attention(q, keys, values, 1.0 / math.sqrt(e), cd), lp["wo"])
-        m = layers.rms_norm(residual, lp["mlp_norm"], eps)
-        h = residual + mm(jax.nn.silu(mm(m, lp["w_gate"])) * mm(m, lp["w_up"]), lp["w_down"])
-        out_logits.append(mm(layers.rms_norm(h, hp["norm"], eps), hp["lm_head"]))
-    return out_logits
-
-
 def head_hf_config(target_cfg, draft_vocab_size: int, aux_layers) -> dict:
     rs = target_cfg.rope_scaling_dict
     return {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama",
@@ -116,23 +156,25 @@ def head_hf_config(target_cfg, draft_vocab_size: int, aux_layers) -> dict:
             "eagle_config": {"eagle_aux_hidden_state_layer_ids": [int(i) for i in aux_layers]}}
 
 
-def export_head(path: str, hp: dict, target_cfg, draft_ids: np.ndarray, aux_layers) -> str:
+def export_head(path: str, head: Eagle3Head, aux_layers) -> str:
     """Write config.json and model.safetensors (f32; HF names, weights [out, in]; d2t the
     offset of each draft id's target id, t2d which target ids are in the draft vocabulary)."""
     from safetensors.numpy import save_file
 
     from jaxserve.models.loaders.hf import _LAYER_TENSORS
 
-    host = jax.tree.map(lambda a: np.asarray(a, np.float32), hp)
+    target_cfg, draft_ids = head.cfg, np.asarray(head.draft_ids[...])
+    # {"fc": .., "layer": {"wq": .., ..}, ..}: the Params under their attribute names
+    host = jax.tree.map(lambda a: np.asarray(a, np.float32), nnx.to_pure_dict(nnx.state(head, nnx.Param)))
     tensors = {"fc.weight": host["fc"].T, "norm.weight": host["norm"], "lm_head.weight": host["lm_head"].T,
                "midlayer.hidden_norm.weight": host["layer"]["hidden_norm"]}
     for hf_name, (ours, transpose) in _LAYER_TENSORS.items():
         if ours in host["layer"]:
             value = host["layer"][ours]
             tensors["midlayer." + hf_name] = value.T if transpose else value
-    tensors["d2t"] = (np.asarray(draft_ids, np.int64) - np.arange(len(draft_ids)))
+    tensors["d2t"] = draft_ids.astype(np.int64) - np.arange(len(draft_ids))
     t2d = np.zeros(target_cfg.vocab_size, bool)
-    t2d[np.asarray(draft_ids)] = True
+    t2d[draft_ids] = True
     tensors["t2d"] = t2d
     os.makedirs(path, exist_ok=True)
     save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()},

@@ -138,22 +138,22 @@ def _examples(args, tgt: Target):
     return train_ex, held_out
 
 
-def _train(args, tgt, mgr, settings, state, start, train_ex, device_batch, optimizer) -> tuple[dict, int]:
-    """Steps start .. --num-steps (or until --max-train-minutes): (head parameters, last step)."""
+def _train(args, tgt, mgr, settings, graphdef, state, start, train_ex, device_batch):
+    """Steps start .. --num-steps (or until --max-train-minutes) from `state`, nnx.split((head,
+    optimizer))'s (donated: the caller keeps no other reference to its arrays):
+    (the last step's state, that step)."""
     import numpy as np
     from tqdm import tqdm
 
     from jaxserve.train_draft import checkpoint, data, train
 
-    train_step = train.make_train_step(tgt.cfg, optimizer, args.ttt_steps, _head_dtype(args))
-    hp, opt_state, draft_dev = state["head"], state["opt_state"], state["draft_ids"]
+    train_step = train.make_train_step(graphdef, args.ttt_steps, _head_dtype(args))
     t0, done = time.perf_counter(), start
     with open(os.path.join(args.output, "train_log.jsonl"), "a") as log, \
             tqdm(total=args.num_steps, initial=start, desc="train-draft", unit="step", disable=None) as bar:
         for step in range(start, args.num_steps):
             b = data.train_batch(train_ex, step, args.batch_size, args.max_len, args.seed)
-            hp, opt_state, loss, per_step, acc = train_step(hp, opt_state, tgt.params["embed"],
-                                                            device_batch(b), draft_dev)
+            state, loss, per_step, acc = train_step(state, tgt.params["embed"], device_batch(b))
             bar.update(1)
             done = step + 1
             out_of_time = args.max_train_minutes is not None and \
@@ -167,23 +167,23 @@ def _train(args, tgt, mgr, settings, state, start, train_ex, device_batch, optim
                 log.flush()
                 bar.set_postfix(loss=f"{rec['loss']:.3f}", acc0=f"{rec['acceptance_per_position'][0]:.2f}")
             if done % args.save_every == 0 or last:
-                checkpoint.save(mgr, done, {"head": hp, "opt_state": opt_state, "draft_ids": draft_dev}, settings)
+                checkpoint.save(mgr, done, state, settings)
             if out_of_time:
                 break
-    return hp, done
+    return state, done
 
 
-def _held_out_report(args, tgt, hp, held_out, device_batch, draft_dev, write) -> None:
+def _held_out_report(args, tgt, trained, held_out, device_batch, write) -> None:
     """write() the held-out figures (at once: the engine's run after them takes minutes),
     then the engine's acceptance on the held-out prompts."""
     import numpy as np
 
     from jaxserve.train_draft import data, train
 
-    evaluate = train.make_eval_step(tgt.cfg, args.ttt_steps, _head_dtype(args))
+    evaluate = train.make_eval_step(args.ttt_steps, _head_dtype(args))
     sums, kept, lengths, starts = 0, [], [], []
     for b in data.eval_batches(held_out, args.batch_size, args.max_len):
-        s, k = evaluate(hp, tgt.params["embed"], device_batch(b), draft_dev)
+        s, k = evaluate(trained, tgt.params["embed"], device_batch(b))
         sums = sums + np.asarray(s)
         kept += list(np.asarray(k))
         lengths += list(b.lengths)
@@ -205,7 +205,7 @@ def _held_out_report(args, tgt, hp, held_out, device_batch, draft_dev, write) ->
 def run(args) -> dict:
     """Train, write the head and report.json; returns the report."""
     import jax.numpy as jnp
-    import numpy as np
+    from flax import nnx
 
     from jaxserve.train_draft import checkpoint, data, head, target, train
 
@@ -232,15 +232,19 @@ def run(args) -> dict:
                 "aux_layers": list(aux_layers), "ttt_steps": args.ttt_steps, "num_steps": args.num_steps,
                 "lr": args.lr, "batch_size": args.batch_size, "max_len": args.max_len, "dataset": args.dataset}
 
-    hp = head.init_head(tgt.cfg, tgt.params, tgt.module, draft_ids, args.seed)
+    fresh = head.init_head(tgt.cfg, tgt.params, tgt.module, draft_ids, args.seed)
     warmup = args.warmup_steps if args.warmup_steps is not None else max(1, args.num_steps // 20)
-    optimizer = train.make_optimizer(args.lr, args.num_steps, warmup, args.weight_decay)
-    state = {"head": hp, "opt_state": optimizer.init(hp), "draft_ids": jnp.asarray(draft_ids)}
+    # From here the run holds (head, optimizer) as their graph and state (the train step's
+    # argument) and merges them only for the trained head at the end.
+    graphdef, state = nnx.split((fresh, train.make_optimizer(fresh, args.lr, args.num_steps, warmup,
+                                                              args.weight_decay)))
+    del fresh
     start = 0
     got = checkpoint.restore(mgr, state, settings) if args.resume else None
     if got is not None:
         start, state = got
-    draft_dev = state["draft_ids"]
+    # the checkpoint's vocabulary; a copy, as the train step donates the state's arrays
+    draft_dev = jnp.array(nnx.merge(graphdef, state)[0].draft_ids[...])
     target_fn = target.make_target_fn(tgt.module, tgt.cfg, aux_layers, args.attention_impl)
 
     def device_batch(b: data.Batch):
@@ -250,10 +254,11 @@ def run(args) -> dict:
         return aux, ids, jnp.asarray(b.lengths), jnp.asarray(b.train_from), logits, top1, in_draft
 
     t_train = time.perf_counter()
-    hp, done = _train(args, tgt, mgr, settings, state, start, train_ex, device_batch, optimizer)
+    state, done = _train(args, tgt, mgr, settings, graphdef, state, start, train_ex, device_batch)
     train_seconds = time.perf_counter() - t_train
     mgr.close()
-    head.export_head(args.output, hp, tgt.cfg, np.asarray(draft_dev), aux_layers)
+    trained, _ = nnx.merge(graphdef, state)
+    head.export_head(args.output, trained, aux_layers)
     report = {"steps": done, "train_examples": len(train_ex), "held_out_examples": len(held_out),
               "draft_vocab_size": vocab, "aux_layers": list(aux_layers), "ttt_steps": args.ttt_steps,
               "data_seconds": round(data_seconds, 1), "train_seconds": round(train_seconds, 1),
@@ -267,7 +272,7 @@ def run(args) -> dict:
 
     write({})
     if held_out:
-        _held_out_report(args, tgt, hp, held_out, device_batch, draft_dev, write)
+        _held_out_report(args, tgt, trained, held_out, device_batch, write)
     return report
 
 
@@ -275,10 +280,11 @@ def main(args) -> int:
     from jaxserve.engine.checks import StartupError
 
     try:
+        import flax.nnx  # noqa: F401
         import optax  # noqa: F401
         import orbax.checkpoint  # noqa: F401
     except ImportError as e:
-        raise StartupError(f"train-draft needs optax and orbax-checkpoint ({e}): "
+        raise StartupError(f"train-draft needs flax, optax and orbax-checkpoint ({e}): "
                            f"pip install 'jaxserve[train]'") from e
     try:
         report = run(args)

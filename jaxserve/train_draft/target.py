@@ -45,8 +45,9 @@ def prefill_input(batch: int, length: int) -> StepInput:
 def _scratch_caches(specs, num_blocks: int, num_slots: int, dtype):
     caches = []
     for spec in specs:
-        lead = (num_blocks, BLOCK_SIZE) if isinstance(spec, PagedSpec) else (num_slots,)
-        f32 = getattr(spec, "float32", ())
+        paged = isinstance(spec, PagedSpec)     # else a StateSpec, whose float32 names stay f32
+        lead = (num_blocks, BLOCK_SIZE) if paged else (num_slots,)
+        f32 = () if paged else spec.float32
         caches.append({name: jnp.zeros(lead + tuple(shape), jnp.float32 if name in f32 else dtype)
                        for name, shape in spec.arrays})
     return caches

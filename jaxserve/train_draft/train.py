@@ -25,25 +25,29 @@ import functools
 import jax
 import jax.numpy as jnp
 import optax
+from flax import nnx
 
-from jaxserve.train_draft.head import shift_left, ttt_forward
+from jaxserve.train_draft.head import Eagle3Head, shift_left
 
 STEP_WEIGHT = 0.8
 CLIP_NORM = 0.5
 
 
-def make_optimizer(lr: float, num_steps: int, warmup_steps: int, weight_decay: float):
-    """AdamW on a warmup-then-cosine schedule (to 10 % of lr), gradients clipped."""
+def make_optimizer(head: Eagle3Head, lr: float, num_steps: int, warmup_steps: int,
+                   weight_decay: float) -> nnx.Optimizer:
+    """AdamW on a warmup-then-cosine schedule (to 10 % of lr), gradients clipped, over the
+    head's Params (its state f32, as they are)."""
     schedule = optax.warmup_cosine_decay_schedule(
         0.0, lr, max(1, min(warmup_steps, num_steps - 1)), max(2, num_steps), lr * 0.1)
-    return optax.chain(optax.clip_by_global_norm(CLIP_NORM),
-                       optax.adamw(schedule, weight_decay=weight_decay))
+    tx = optax.chain(optax.clip_by_global_norm(CLIP_NORM), optax.adamw(schedule, weight_decay=weight_decay))
+    return nnx.Optimizer(head, tx, wrt=nnx.Param)
 
 
-def _step_arrays(cfg, hp, embed, aux, token_ids, lengths, train_from, tgt_logits, tgt_top1, in_draft,
-                 draft_ids, num_steps, compute_dtype):
+def _step_arrays(head: Eagle3Head, embed, aux, token_ids, lengths, train_from, tgt_logits, tgt_top1,
+                 in_draft, num_steps, compute_dtype):
     """Per TTT step, at every position: (KL, in the loss, chained agreement, valid), [B, T]."""
-    logits = ttt_forward(cfg, hp, embed, aux, token_ids, num_steps, compute_dtype)
+    logits = head(embed, aux, token_ids, num_steps, compute_dtype)
+    draft_ids = head.draft_ids[...]
     t = token_ids.shape[1]
     chained = jnp.ones(token_ids.shape, bool)
     out = []
@@ -66,42 +70,45 @@ def _sum_terms(arrays):
             for kl, mask, hit, valid in arrays]
 
 
-def _step_terms(*args):
-    return _sum_terms(_step_arrays(*args))
-
-
-def loss_fn(hp, cfg, embed, batch, draft_ids, num_steps, compute_dtype):
-    terms = _step_terms(cfg, hp, embed, *batch, draft_ids, num_steps, compute_dtype)
+def loss_fn(head: Eagle3Head, embed, batch, num_steps, compute_dtype):
+    terms = _sum_terms(_step_arrays(head, embed, *batch, num_steps, compute_dtype))
     losses = [s / jnp.maximum(n, 1) for s, n, _, _ in terms]
     total = sum(STEP_WEIGHT ** i * l for i, l in enumerate(losses))
     return total, (jnp.stack(losses), jnp.stack([a / jnp.maximum(v, 1) for _, _, a, v in terms]))
 
 
-def make_train_step(cfg, optimizer, num_steps: int, compute_dtype=jnp.float32):
-    """jit(hp, opt_state, embed, batch, draft_ids) -> (hp, opt_state, loss, per-step losses,
-    per-step chained agreement); batch = (aux, token_ids, lengths, train_from, target logits,
-    target top-1, its being in the draft vocabulary): target.make_target_fn's outputs and the
-    data's. The head's matmuls run in compute_dtype (its parameters and optimizer stay f32)."""
+def make_train_step(graphdef: nnx.GraphDef, num_steps: int, compute_dtype=jnp.float32):
+    """jit(state, embed, batch) -> (state, loss, per-step losses, per-step chained agreement).
 
-    @functools.partial(jax.jit, donate_argnums=(0, 1))
-    def step(hp, opt_state, embed, batch, draft_ids):
-        (loss, (per_step, acc)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-            hp, cfg, embed, batch, draft_ids, num_steps, compute_dtype)
-        updates, opt_state = optimizer.update(grads, opt_state, hp)
-        return optax.apply_updates(hp, updates), opt_state, loss, per_step, acc
+    graphdef, state = nnx.split((head, optimizer)): the step merges them, takes the gradient
+    of the loss with respect to the head's Params and lets the optimizer update the head,
+    and returns the new state, donating the old one. The caller carries the state from
+    step to step and merges it when it wants the head back: a jax.jit over the state's
+    arrays, not nnx.jit over the objects, so that a step's dispatch costs no walk over the
+    module graph. batch = (aux, token_ids, lengths, train_from, target logits, target
+    top-1, its being in the draft vocabulary): target.make_target_fn's outputs and the
+    data's. The head's matmuls run in compute_dtype (its Params and the AdamW state stay f32)."""
+
+    @functools.partial(jax.jit, donate_argnums=0)
+    def step(state, embed, batch):
+        head, optimizer = nnx.merge(graphdef, state)
+        (loss, (per_step, acc)), grads = nnx.value_and_grad(loss_fn, has_aux=True)(
+            head, embed, batch, num_steps, compute_dtype)
+        optimizer.update(head, grads)
+        return nnx.state((head, optimizer)), loss, per_step, acc
 
     return step
 
 
-def make_eval_step(cfg, num_steps: int, compute_dtype=jnp.float32):
-    """jit(hp, embed, batch, draft_ids) -> (f32[num_steps, 4]: per step the loss sum, loss
+def make_eval_step(num_steps: int, compute_dtype=jnp.float32):
+    """nnx.jit(head, embed, batch) -> (f32[num_steps, 4]: per step the loss sum, loss
     positions, chained agreements and valid positions (summed over batches by the caller);
     i32[B, T]: at each position the drafts a greedy chain from there keeps, walk_acceptance's
     input)."""
 
-    @jax.jit
-    def evaluate(hp, embed, batch, draft_ids):
-        arrays = _step_arrays(cfg, hp, embed, *batch, draft_ids, num_steps, compute_dtype)
+    @nnx.jit
+    def evaluate(head: Eagle3Head, embed, batch):
+        arrays = _step_arrays(head, embed, *batch, num_steps, compute_dtype)
         sums = jnp.stack([jnp.stack([jnp.asarray(x, jnp.float32) for x in term]) for term in _sum_terms(arrays)])
         return sums, sum(h.astype(jnp.int32) for _, _, h, _ in arrays)
 
