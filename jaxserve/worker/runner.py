@@ -57,7 +57,8 @@ class InFlightStep:
     result: sampler.SamplerOutput | rejection_sampler.VerifyOutput
     prompt: tuple | None
     # What a proposer running after the step reads (variant.hidden), on the device: f[T, D]
-    # hidden states, the token after each position and each sequence's last kept row (_after_step)
+    # hidden states, the token after each position and each sequence's last kept row
+    # (step_program._after_step)
     hidden: jax.Array | None = None
     next_ids: jax.Array | None = None
     kept_rows: jax.Array | None = None
@@ -292,7 +293,7 @@ class ModelRunner:
         """Wait for a dispatched step, bring its sampled tokens (and logprobs) to the host and
         append them to the persistent batch."""
         plan, variant = step.plan, step.variant
-        # A verifying step's rows are its sequences' then its drafts' (spec_decode/verify_rows.py)
+        # A verifying step's rows are its sequences' then its drafts' (worker/verify_rows.py)
         rows_out = step.result.rows if plan.draft_starts else step.result
         accepted = step.result.num_accepted if plan.draft_starts else None
         if variant.num_top or variant.prompt_logprobs:
