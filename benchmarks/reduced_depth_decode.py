@@ -50,7 +50,7 @@ from jaxserve.models.loaders import dummy
 from jaxserve.models import loader  # noqa: E402
 from jaxserve.models.attention import AttentionBackend  # noqa: E402
 from jaxserve.models.moe import quantize_experts_fp8  # noqa: E402
-from jaxserve.worker.runner import allocate_caches  # noqa: E402
+from jaxserve.worker.cache_sizing import allocate_caches  # noqa: E402
 from jaxserve.core.step_input import StepInput  # noqa: E402
 
 BLOCK = 16

@@ -48,7 +48,11 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-class ReplayProposer:
+sys.path.insert(0, ROOT)
+from jaxserve.spec_decode.proposer import Proposer  # noqa: E402
+
+
+class ReplayProposer(Proposer):
     """Drafts from a recorded greedy continuation: each token right with probability `p`. It
     reads token ids only, so it drafts ahead of the device (the engine pipelines while it
     speculates: spec_decode/drafting.py); WaitingReplay is the same drafts with the engine
@@ -87,8 +91,8 @@ class HeadCostReplay(ReplayProposer):
         self.head = head
         self.num_lookahead_tokens = head.num_lookahead_tokens
 
-    def after_dispatch(self, step) -> None:
-        self.head.after_dispatch(step)
+    def after_dispatch(self, step, prev_ids):
+        return self.head.after_dispatch(step, prev_ids)
 
 
 class WaitingHeadCostReplay(HeadCostReplay):
@@ -96,13 +100,15 @@ class WaitingHeadCostReplay(HeadCostReplay):
 
 
 def eagle3_head(llm, k: int, tiny: bool, path: str):
-    """An Eagle3Proposer of k tokens on llm's runner, with a random head (written to `path`
-    once) of the tests' tiny shape or Llama-3.1-8B's EAGLE3 head's."""
+    """An Eagle3Proposer of k tokens bound to llm's runner, with a random head (written to
+    `path` once) of the tests' tiny shape or Llama-3.1-8B's EAGLE3 head's."""
     from jaxserve.spec_decode.config import SpeculativeConfig
     from jaxserve.spec_decode.eagle3 import Eagle3Proposer
 
     write_head(path, llm.engine.config.model, tiny)
-    return Eagle3Proposer(SpeculativeConfig("eagle3", k, model=path), llm.engine.config, llm.engine.runner)
+    head = Eagle3Proposer(SpeculativeConfig("eagle3", k, model=path), llm.engine.config)
+    head.bind(llm.engine.runner.target_view())
+    return head
 
 
 def write_head(path: str, cfg, tiny: bool) -> str:
@@ -152,7 +158,7 @@ def load_target(tiny: bool, dtype: str):
 
 def build_engine(args):
     from jaxserve.config import CacheConfig, EngineConfig, SchedulerConfig
-    from jaxserve.engine import LLMEngine
+    from jaxserve.engine.builder import build_engine
     from jaxserve.engine.llm import LLM
     from jaxserve.models import registry
 
@@ -165,7 +171,7 @@ def build_engine(args):
                                   max_num_batched_tokens=args.max_num_batched_tokens,
                                   max_model_len=max_len),
         dtype=dtype, warmup=not args.tiny)
-    return LLM.from_engine(LLMEngine(config, params, None, registry.get_family(cfg.architecture)))
+    return LLM.from_engine(build_engine(config, params, None, registry.get_family(cfg.architecture)))
 
 
 def timed(llm, prompts, n):
@@ -245,14 +251,14 @@ def main() -> None:
                     if proposer.startswith("eagle3"):
                         if k not in heads:
                             heads[k] = eagle3_head(llm, k, args.tiny, args.eagle3_dir)
-                        heads[k].runner.return_hidden_states(aux_layers=heads[k].aux_layers)
+                        runner.return_hidden_states(aux_layers=heads[k].aux_layers)
                         kind = HeadCostReplay if proposer == "eagle3" else WaitingHeadCostReplay
                         core.proposer = kind(heads[k], fixed, k, acc, vocab)
                     else:
                         runner.return_hidden_states(False)
                         kind = ReplayProposer if proposer == "replay" else WaitingReplay
                         core.proposer = kind(fixed, k, acc, vocab)
-                    scheduler.num_lookahead_tokens = getattr(core.proposer, "num_lookahead_tokens", 0)
+                    scheduler.num_lookahead_tokens = core.proposer.num_lookahead_tokens
                     runner.batch.max_spec_tokens = k     # one K per verifying program
                     before, void0 = llm.get_metrics(), scheduler.num_void_chunks
                     rate, outs = decode_rate(llm, prompts, args.output_len, args.rounds)

@@ -30,7 +30,7 @@ import numpy as np
 def build(args):
     """(LLM, seconds to a ready engine, seconds until every program is compiled)."""
     from jaxserve.config import EngineConfig, SchedulerConfig
-    from jaxserve.engine import LLMEngine
+    from jaxserve.engine.builder import build_engine
     from jaxserve.engine.llm import LLM
     from jaxserve.models import registry
     from jaxserve.spec_decode.config import SpeculativeConfig
@@ -48,7 +48,7 @@ def build(args):
                                              max_model_len=args.max_model_len),
         dtype=dtype, speculative=SpeculativeConfig.from_dict(spec))
     t = time.perf_counter()
-    engine = LLMEngine(config, params, None, registry.get_family(cfg.architecture))
+    engine = build_engine(config, params, None, registry.get_family(cfg.architecture))
     ready = time.perf_counter() - t
     engine.wait_for_warmup()
     return LLM.from_engine(engine), ready, time.perf_counter() - t
@@ -93,7 +93,7 @@ def main() -> None:
     programs = {"target": len(runner._executables),
                 "draft_row_counts": sum(len(warmup_draft_rows(t0, t, args.k, args.max_num_seqs))
                                         for t0, t in zip([0] + buckets, buckets)),
-                "proposer": len(getattr(proposer, "_pending", {}))}
+                "proposer": len(proposer._pending) if args.method == "eagle3" else 0}
     print(f"ready in {ready:.1f} s, every program compiled in {all_compiled:.1f} s; programs {programs}",
           flush=True)
     compiles = []

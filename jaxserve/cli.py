@@ -122,7 +122,8 @@ def main(argv: list[str] | None = None) -> int:
             from jaxserve.engine.args import distributed_config
             cluster = distributed.initialize(distributed_config(args))
             if cluster is not None and cluster.config.is_worker:
-                return distributed.worker_main(engine_kwargs(args))
+                from jaxserve.engine import builder
+                return distributed.worker_main(builder.from_engine_args(**engine_kwargs(args)))
         return args.func(args) or 0
     except StartupError as e:
         if os.environ.get(TRACEBACK_ENV):

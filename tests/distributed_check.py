@@ -31,7 +31,8 @@ def host(rank: int, port: int, model: str, lose_worker: bool) -> int:
     distributed.initialize(distributed.DistributedConfig(2, rank, "127.0.0.1", port))
     kwargs = dict(ENGINE, tensor_parallel_size=4)
     if rank:
-        return distributed.worker_main(dict(kwargs, model=model))
+        from jaxserve.engine import builder
+        return distributed.worker_main(builder.from_engine_args(**dict(kwargs, model=model)))
     from jaxserve import LLM
     from jaxserve.worker.step_channel import WorkerLostError
 

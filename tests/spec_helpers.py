@@ -1,7 +1,7 @@
 """Shared by the speculative decoding tests: engines with and without a proposer."""
 
 from jaxserve.config import CacheConfig, EngineConfig, SchedulerConfig
-from jaxserve.engine import LLMEngine
+from jaxserve.engine.builder import build_engine
 from jaxserve.engine.llm import LLM
 from jaxserve.models import registry
 from jaxserve.spec_decode.config import SpeculativeConfig
@@ -17,7 +17,7 @@ def make_llm(model, spec: dict | None = None, *, max_num_seqs=8, max_tokens=32, 
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_tokens,
                                   max_model_len=max_len),
         dtype="float32", warmup=warmup, speculative=SpeculativeConfig.from_dict(spec))
-    return LLM.from_engine(LLMEngine(config, params, tok, registry.get_family(cfg.architecture)))
+    return LLM.from_engine(build_engine(config, params, tok, registry.get_family(cfg.architecture)))
 
 
 def token_ids(outs):

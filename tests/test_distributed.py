@@ -92,7 +92,7 @@ def test_step_key_survives_the_wire():
     channel as JSON and comes back equal; the packed words as raw u32."""
     from jaxserve.worker import packing
     from jaxserve.models.attention import AttentionPlan
-    from jaxserve.worker.runner import StepVariant
+    from jaxserve.worker.step_program import StepVariant
     from jaxserve.sample.tensors import make_sampling_tensors
     from jaxserve.worker.step_channel import OP_STEP, StepBroadcaster, decode_key, encode_key, recv_message
     from jaxserve.core.step_input import StepInput

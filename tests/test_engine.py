@@ -8,7 +8,8 @@ import pytest
 
 from jaxserve import SamplingParams
 from jaxserve.config import CacheConfig, EngineConfig, SchedulerConfig
-from jaxserve.engine import AsyncEngine, LLMEngine
+from jaxserve.engine import AsyncEngine
+from jaxserve.engine.builder import build_engine
 from jaxserve.engine.llm import LLM
 from jaxserve.models import llama, loader, registry
 
@@ -29,7 +30,7 @@ def make_llm(model, *, max_num_seqs=16, max_tokens=128, max_len=256, num_kv_bloc
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_tokens,
                                   max_model_len=max_len),
         dtype="float32", warmup=warmup)
-    return LLM.from_engine(LLMEngine(config, params, tok, registry.LLAMA))
+    return LLM.from_engine(build_engine(config, params, tok, registry.LLAMA))
 
 
 def prompts(n):

@@ -123,14 +123,14 @@ def test_num_scheduler_steps_is_checked():
 # -- the engine on tiny checkpoints -------------------------------------------------------------
 
 def _engine(path, steps, warmup=False, attention_impl="xla", num_kv_blocks=96):
-    from jaxserve.engine import LLMEngine
+    from jaxserve.engine.builder import build_engine
     from jaxserve.models import loader, registry
     cfg, params, tok = loader.load_model(path, dtype="float32")
     config = EngineConfig(model=cfg, cache=CacheConfig(block_size=4, num_kv_blocks=num_kv_blocks),
                           scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32,
                                                     max_model_len=64, num_scheduler_steps=steps),
                           dtype="float32", warmup=warmup, attention_impl=attention_impl)
-    return LLMEngine(config, params, tok, registry.get_family(cfg.architecture))
+    return build_engine(config, params, tok, registry.get_family(cfg.architecture))
 
 
 def _spy(engine) -> list[int]:
@@ -236,7 +236,7 @@ def test_a_stop_string_inside_the_steps_ends_the_output_at_its_token():
     """Text stop strings are matched token by token: the output ends at the token that
     completes the stop, not at the end of the step that carried it (the default model: it
     has a tokenizer)."""
-    from jaxserve.engine import LLMEngine
+    from jaxserve.engine.builder import build_engine
     from jaxserve.engine.llm import LLM
     from jaxserve.models import llama, loader, registry
     cfg, params, tok = loader.load_model(None, dtype="float32")
@@ -247,7 +247,7 @@ def test_a_stop_string_inside_the_steps_ends_the_output_at_its_token():
                                                         max_model_len=128,
                                                         num_scheduler_steps=steps),
                               dtype="float32", warmup=False)
-        return LLM.from_engine(LLMEngine(config, params, tok, registry.LLAMA))
+        return LLM.from_engine(build_engine(config, params, tok, registry.LLAMA))
 
     prompt = "The capital of France is"
     free = llm(1).generate(prompt, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),

@@ -11,6 +11,7 @@ import pytest
 from jaxserve import LLM, SamplingParams
 from jaxserve.worker import compiling
 from jaxserve.worker import runner as runner_module
+from jaxserve.worker.step_program import token_buckets
 
 TINY = os.path.join(os.path.dirname(__file__), "golden", "ckpt", "llama")
 
@@ -43,8 +44,8 @@ def test_warmup_covers_every_program(threads_fail, monkeypatch):
 
 
 def test_buckets_start_with_a_single_token_step():
-    assert runner_module.token_buckets(2048) == [1, 16, 32, 64, 128, 256, 512, 1024, 2048]
-    assert runner_module.token_buckets(24) == [1, 16, 24]
+    assert token_buckets(2048) == [1, 16, 32, 64, 128, 256, 512, 1024, 2048]
+    assert token_buckets(24) == [1, 16, 24]
     llm = LLM(TINY, dtype="float32", max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64,
               warmup=False)
     # A lone decode runs unpadded; two decodes take the 16-token program (S = 4 rows).

@@ -11,6 +11,7 @@ from jaxserve import SamplingParams
 from jaxserve.models import loader
 from jaxserve.spec_decode import ngram
 from jaxserve.spec_decode.config import SpeculativeConfig
+from jaxserve.spec_decode.proposer import Proposer
 from tests.conftest import GOLDEN_DIR
 from tests.spec_helpers import make_llm, spec_counts, token_ids
 
@@ -169,7 +170,7 @@ def test_bad_speculative_configs_name_the_key():
 def test_the_interface_takes_vllms_speculative_config(capsys):
     import argparse
 
-    from jaxserve.engine import LLMEngine
+    from jaxserve.engine import builder
     from jaxserve.engine.args import add_engine_arguments, engine_kwargs
     from jaxserve.spec_decode.ngram import NgramProposer
 
@@ -182,12 +183,12 @@ def test_the_interface_takes_vllms_speculative_config(capsys):
     with pytest.raises(SystemExit):
         parser.parse_args(["--speculative-config", '{"method": "eagle9", "num_speculative_tokens": 2}'])
     assert "speculative_config['method'] must be one of ngram, draft_model" in capsys.readouterr().err
-    engine = LLMEngine.from_engine_args(**dict(kwargs, warmup=False, max_model_len=64))
+    engine = builder.from_engine_args(**dict(kwargs, warmup=False, max_model_len=64))
     assert isinstance(engine.core.proposer, NgramProposer)
     assert engine.config.speculative.prompt_lookup_max == 3
     with pytest.raises(ValueError, match=r"'num_speculative_tokens'.*1 to 8"):
-        LLMEngine.from_engine_args(kwargs["model"], speculative_config={"method": "ngram",
-                                                                       "num_speculative_tokens": 12})
+        builder.from_engine_args(kwargs["model"], speculative_config={"method": "ngram",
+                                                                     "num_speculative_tokens": 12})
 
 
 def test_preemption_and_prefix_hits_with_drafts(model, plain):
@@ -248,7 +249,7 @@ def test_metrics_count_accepted_drafts_per_position_on_the_server_too():
     assert "jaxserve:spec_decode_num_drafts_total 2.0" in text
 
 
-class ReplayProposer:
+class ReplayProposer(Proposer):
     """Drafts from each prompt's recorded greedy continuation, wrong at every position p with
     p % 5 == 3 (past the tokens assumed kept ahead of the device: `tails`)."""
     pipelines = True

@@ -53,10 +53,9 @@ def test_mtp_needs_mtp_layers(model):
     from jaxserve.spec_decode.config import SpeculativeConfig
     from jaxserve.spec_decode.mtp import MtpProposer
     from jaxserve.models import registry
-    runner = SimpleNamespace(model=registry.QWEN3_NEXT, cfg=SimpleNamespace(architecture="Qwen3_5ForCausalLM"),
-                             params={"mtp": {"fc": None}})
     with pytest.raises(ValueError, match=r"'mtp' is not built for Qwen3_5ForCausalLM yet"):
-        MtpProposer(SpeculativeConfig("mtp", 3), runner)
+        MtpProposer(SpeculativeConfig("mtp", 3), registry.QWEN3_NEXT,
+                    SimpleNamespace(architecture="Qwen3_5ForCausalLM"), {"mtp": {"fc": None}})
 
 
 def test_each_draft_is_the_mtp_layers_prediction_over_the_whole_sequence(model):

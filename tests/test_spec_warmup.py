@@ -12,7 +12,7 @@ import pytest
 
 from jaxserve import SamplingParams
 from jaxserve.models import loader
-from jaxserve.worker.runner import token_buckets
+from jaxserve.worker.step_program import token_buckets
 from jaxserve.worker import verify_rows
 from tests.conftest import GOLDEN_DIR
 from tests.spec_helpers import make_llm, write_eagle3_head

@@ -2,7 +2,7 @@
 
 import pytest
 
-from jaxserve.engine import LLMEngine
+from jaxserve.engine import builder
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.engine.trace import StepTrace
 
@@ -17,9 +17,9 @@ BUDGET, MAX_TOKENS = 16, 10
 def traced():
     """Five requests sharing a 3-block prefix, a budget that chunks prompts, and a cache of
     11 blocks of 4 tokens: chunked prefill, prefix hits and preemptions all happen."""
-    engine = LLMEngine.from_engine_args(TINY_LLAMA, load_format="dummy", max_num_seqs=4,
-                                        max_num_batched_tokens=BUDGET, max_model_len=128,
-                                        block_size=4, num_kv_blocks=12, warmup=False)
+    engine = builder.from_engine_args(TINY_LLAMA, load_format="dummy", max_num_seqs=4,
+                                      max_num_batched_tokens=BUDGET, max_model_len=128,
+                                      block_size=4, num_kv_blocks=12, warmup=False)
     trace = StepTrace.attach(engine)
     shared = list(range(1, 13))
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)

@@ -180,7 +180,7 @@ def served_model_names(args: argparse.Namespace) -> tuple[str, ...]:
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
-    """The keyword arguments of LLMEngine.from_engine_args / AsyncEngine.from_engine_args."""
+    """The keyword arguments of builder.from_engine_args / AsyncEngine.from_engine_args."""
     names = served_model_names(args)
     return dict(
         model=model_argument(args), dtype=DTYPES[args.dtype],

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import AsyncIterator
 
 from jaxserve.config import EngineConfig
+from jaxserve.engine import builder
 from jaxserve.engine.llm_engine import EngineDeadError, EngineOverloadedError, LLMEngine
 from jaxserve.metrics import EngineMetrics
 from jaxserve.outputs import RequestOutput
@@ -58,7 +59,7 @@ class AsyncEngine:
 
     @classmethod
     def from_engine_args(cls, model: str | None = None, **kwargs) -> "AsyncEngine":
-        return cls(LLMEngine.from_engine_args(model, **kwargs))
+        return cls(builder.from_engine_args(model, **kwargs))
 
     @property
     def tokenizer(self) -> Tokenizer | None:

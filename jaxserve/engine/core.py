@@ -23,12 +23,13 @@ from dataclasses import dataclass
 
 import jax
 
-from jaxserve.engine.input_processor import EngineRequest
 from jaxserve.core.request import Request, RequestStatus
-from jaxserve.worker.runner import ModelRunner
 from jaxserve.core.scheduler import RequestUpdate, Scheduler
-from jaxserve.spec_decode import drafting
 from jaxserve.core.step_messages import RunnerOutput, SchedulerOutput
+from jaxserve.engine.input_processor import EngineRequest
+from jaxserve.spec_decode import drafting
+from jaxserve.spec_decode.proposer import Proposer
+from jaxserve.worker.runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +44,7 @@ class StepOutcome:
 
 
 class EngineCore:
-    def __init__(self, scheduler: Scheduler, runner: ModelRunner, proposer=None):
+    def __init__(self, scheduler: Scheduler, runner: ModelRunner, proposer: Proposer | None = None):
         self.scheduler = scheduler
         self.runner = runner
         self.proposer = proposer       # drafts for the next step (spec_decode/), or None
@@ -61,8 +62,7 @@ class EngineCore:
 
     def _must_wait(self) -> bool:
         spec = self.proposer is not None
-        if spec and not (getattr(self.proposer, "pipelines", False)
-                         and self.scheduler.schedules_past_drafts):
+        if spec and not (self.proposer.pipelines and self.scheduler.schedules_past_drafts):
             return True
         return any(r.sampling_params.uses_penalties
                    or (spec and r.sampling_params.structured_outputs is not None)
@@ -89,8 +89,7 @@ class EngineCore:
         result = self.runner.collect(step)
         updates = self.scheduler.update(out, result)
         if self.proposer is not None:
-            if hasattr(self.proposer, "observe"):    # a proposer that ran after the step
-                self.proposer.observe(out, step, result)
+            self.proposer.observe(out, step, result)
             drafting.propose_drafts(self.proposer, self.scheduler.running, self.proposer.k,
                                     self.scheduler.config.max_model_len,
                                     valid=self.runner.batch.grammar_drafts)
@@ -121,6 +120,8 @@ class EngineCore:
                 self.scheduler.finish_request(rid, RequestStatus.FINISHED_ERROR)
                 self.failed.append((rid, f"{type(e).__name__}: {e}"))
             return None
-        if hasattr(self.proposer, "after_dispatch"):   # its pass queues right behind the step
-            self.proposer.after_dispatch(step)
+        if self.proposer is not None:
+            # A pass behind the step (MTP, EAGLE3) queues there and leaves its drafts in the
+            # last ids the next step reads (spec_decode/hidden_steps.py)
+            self.runner.set_prev_ids(self.proposer.after_dispatch(step, self.runner.prev_ids))
         return out, step

@@ -1,7 +1,7 @@
 """Data parallelism (vLLM's --data-parallel-size): N whole engines behind one LLM / one server.
 
 The devices are split into N groups of tensor_parallel_size * expert_parallel_size; each group
-runs its own LLMEngine (weights, KV cache, scheduler). `DataParallelEngine` has LLMEngine's
+runs its own LLMEngine (weights, KV cache, scheduler), built by engine/builder.py. `DataParallelEngine` has LLMEngine's
 interface, so AsyncEngine and LLM wrap it unchanged: it is the narrowest point, below which
 nothing knows there are several replicas. A request goes to the replica with the fewest
 unfinished requests (ties: round robin) and stays there; an abort goes where its request is.
@@ -68,34 +68,12 @@ class _Cores:
 
 class DataParallelEngine:
     def __init__(self, replicas: list):
+        """replicas: LLMEngines built alike (engine/builder.py from_engine_args)."""
         self.replicas = replicas
         self.core = _Cores(replicas)
         self.metrics = SummedMetrics(replicas)
         self._owner: dict[str, int] = {}     # request id -> replica index
         self._next = 0                        # round robin among the least loaded
-
-    @classmethod
-    def from_engine_args(cls, model: str | None = None, *, data_parallel_size: int,
-                         tensor_parallel_size: int = 1, expert_parallel_size: int = 1,
-                         **kwargs) -> "DataParallelEngine":
-        import jax
-
-        from jaxserve.engine import distributed
-        from jaxserve.engine.llm_engine import LLMEngine
-
-        if distributed.current() is not None:
-            raise ValueError("data_parallel_size > 1 with nnodes > 1 is not supported yet")
-        if kwargs.get("speculative_config"):
-            raise ValueError("speculative_config is not supported with data_parallel_size > 1 yet")
-        per, devices = tensor_parallel_size * expert_parallel_size, jax.devices()
-        if data_parallel_size * per > len(devices):
-            raise ValueError(
-                f"data_parallel_size * tensor_parallel_size * expert_parallel_size = "
-                f"{data_parallel_size} * {tensor_parallel_size} * {expert_parallel_size} devices, "
-                f"but only {len(devices)} are available")
-        return cls([LLMEngine.from_engine_args(
-            model, tensor_parallel_size=tensor_parallel_size, expert_parallel_size=expert_parallel_size,
-            devices=devices[i * per:(i + 1) * per], **kwargs) for i in range(data_parallel_size)])
 
     # -- what the wrappers read: the replicas are built alike, the first speaks for all --------
     def __getattr__(self, name):

@@ -100,8 +100,8 @@ def current() -> Cluster | None:
 
 def initialize(config: DistributedConfig) -> Cluster | None:
     """Join the hosts (before any other use of jax) and agree on the step channel's port.
-    None for one host. The engine built next in this process (LLMEngine.from_engine_args)
-    is the one that spans them."""
+    None for one host. The engine built next in this process (engine/builder.py
+    from_engine_args) is the one that spans them."""
     global _CLUSTER
     if config.nnodes == 1:
         return None
@@ -180,14 +180,12 @@ def connect_workers(cluster: Cluster, runner) -> None:
     atexit.register(stop_workers, runner)
 
 
-def worker_main(engine_kwargs: dict) -> int:
-    """A worker host's whole life: build the same engine as rank 0, follow its steps, leave
-    the cluster. 0 after rank 0's stop message."""
+def worker_main(engine) -> int:
+    """A worker host's life once it has built the same engine as rank 0 (engine/builder.py
+    from_engine_args, with rank 0's options): follow its steps, leave the cluster. 0 after
+    rank 0's stop message."""
     import jax
 
-    from jaxserve.engine.llm_engine import LLMEngine
-
-    engine = LLMEngine.from_engine_args(**engine_kwargs)
     run_worker(_CLUSTER, engine)
     jax.distributed.shutdown()
     return 0
@@ -211,7 +209,7 @@ def run_worker(cluster: Cluster, engine) -> None:
 
 def stop_workers(runner) -> None:
     """Rank 0: tell the workers to exit (if there are any)."""
-    tap = getattr(runner, "step_tap", None)
+    tap = runner.step_tap
     if tap is not None:
         tap.stop()
         runner.step_tap = None

@@ -10,7 +10,7 @@ import itertools
 from collections.abc import Sequence
 from typing import Any
 
-from jaxserve.engine import LLMEngine
+from jaxserve.engine import LLMEngine, builder
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams
 
@@ -39,7 +39,7 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, *, dtype: str | None = None, **engine_args):
-        self.engine = LLMEngine.from_engine_args(model, dtype=dtype, **engine_args)
+        self.engine = builder.from_engine_args(model, dtype=dtype, **engine_args)
         self._ids = itertools.count()
 
     @classmethod

@@ -1,31 +1,30 @@
 """LLMEngine: input processing -> engine core (schedule -> execute -> update) -> output
-processing, one step at a time (jaxserve/engine/*.py each hold one of those roles)."""
+processing, one step at a time (jaxserve/engine/*.py each hold one of those roles). Its parts
+(runner, scheduler, proposer) are assembled by engine/builder.py, which also builds an engine
+from the command line's options."""
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import time
 
 import jax
 
-from jaxserve.engine import cpu_defaults
-from jaxserve.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
+from jaxserve.config import EngineConfig
+from jaxserve.core.request import RequestStatus
+from jaxserve.core.scheduler import Scheduler
 from jaxserve.engine.core import EngineCore
 from jaxserve.engine.input_processor import InputProcessor
 from jaxserve.engine.output_processor import OutputProcessor
 from jaxserve.metrics import EngineMetrics
 from jaxserve.outputs import RequestOutput
-from jaxserve.pallas_kernels.policy import KernelPlan
-from jaxserve.core.request import RequestStatus
-from jaxserve.worker.runner import ModelRunner
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.core.scheduler import Scheduler
-from jaxserve.spec_decode import drafting
 from jaxserve.spec_decode import metrics as spec_metrics
+from jaxserve.spec_decode.proposer import Proposer
 from jaxserve.structured.compiler import GrammarCompiler
 from jaxserve.tokenizer import Tokenizer
+from jaxserve.worker.runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -48,30 +47,20 @@ def enable_compilation_cache() -> None:
                           os.environ.get("JAX_COMPILATION_CACHE_DIR") or os.path.join(cache_dir(), "xla"))
 
 
-def _default(value, gpu, cpu):
-    if value is not None:
-        return value
-    return gpu if jax.default_backend() == "gpu" else cpu
-
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, params, tokenizer: Tokenizer | None, model_module,
-                 model_name: str = "default", mesh=None, device=None):
+    def __init__(self, config: EngineConfig, tokenizer: Tokenizer | None, runner: ModelRunner,
+                 scheduler: Scheduler, proposer: Proposer | None = None, model_name: str = "default",
+                 startup_seconds: dict[str, float] | None = None):
+        """The engine over parts engine/builder.py assembled (build_engine: from loaded
+        weights; from_engine_args: from the options). startup_seconds: where start-up went so
+        far (warm-up is added here): a bench reports it."""
         self.config = config
         self.tokenizer = tokenizer
         self.model_name = model_name
-        t0 = time.perf_counter()
-        self.runner = ModelRunner(config, params, model_module, mesh=mesh, device=device)
-        # Where start-up went, in seconds (from_engine_args adds "load"): a bench reports it.
-        self.startup_seconds = {"runner_init": time.perf_counter() - t0}
-        proposer = drafting.make_proposer(config.speculative, config, self.runner)
-        self.scheduler = Scheduler(config.scheduler, config.cache, self.runner.num_blocks,
-                                   step_sizes=tuple(self.runner.buckets),
-                                   cache_specs=self.runner.cache_specs,
-                                   num_slots=self.runner.num_slots,
-                                   num_cached_states=self.runner.num_cached_states,
-                                   state_snapshots=self.runner.num_state_snapshots > 0,
-                                   num_lookahead_tokens=getattr(proposer, "num_lookahead_tokens", 0))
+        self.runner = runner
+        self.startup_seconds = dict(startup_seconds or {})
+        self.scheduler = scheduler
         self.core = EngineCore(self.scheduler, self.runner, proposer)
         self.metrics = EngineMetrics()
         eos = tokenizer.eos_token_ids if tokenizer else config.model.eos_token_ids
@@ -88,7 +77,7 @@ class LLMEngine:
             t0 = time.perf_counter()
             logger.info("compiling the step programs of %d step sizes", len(self.runner.buckets))
             self.runner.warmup()
-            if hasattr(proposer, "warmup"):   # its programs compile in the background
+            if proposer is not None:   # its programs compile in the background
                 proposer.warmup()
             if config.warmup_all:   # a failed compile is retried on first use (runner.run)
                 self.wait_for_warmup(raise_errors=False)
@@ -100,114 +89,8 @@ class LLMEngine:
         """Wait until every program warm-up started (the runner's and the proposer's) is
         compiled."""
         self.runner.wait_for_warmup(raise_errors)
-        if hasattr(self.core.proposer, "wait_for_warmup"):
+        if self.core.proposer is not None:
             self.core.proposer.wait_for_warmup(raise_errors)
-
-    @classmethod
-    def from_engine_args(cls, model: str | None = None, *, dtype: str | None = None,
-                         load_format: str = "auto", served_model_name: str | None = None,
-                         block_size: int = 16, num_kv_blocks: int | None = None,
-                         kv_cache_memory_fraction: float = 0.9,
-                         kv_cache_cpu_bytes: int = cpu_defaults.KV_CACHE_BYTES,
-                         enable_prefix_caching: bool = True, num_cached_states: int | None = None,
-                         max_num_seqs: int | None = None,
-                         max_num_batched_tokens: int | None = None, max_model_len: int | None = None,
-                         max_waiting_requests: int = 4096, long_prefill_token_threshold: int = 0,
-                         num_scheduler_steps: int | None = None,
-                         tensor_parallel_size: int = 1,
-                         expert_parallel_size: int = 1, seed: int = 0, max_logprobs: int = 20,
-                         attention_impl: str = "auto", fused_kernels: str | tuple = "auto",
-                         warmup: bool = True,
-                         warmup_all: bool = False, program_cache: bool = False,
-                         speculative_config: dict | str | None = None, quantization: str | None = None,
-                         data_parallel_size: int = 1, devices: list | None = None) -> "LLMEngine":
-        """The engine for these options. data_parallel_size > 1: a DataParallelEngine of that
-        many (engine/data_parallel.py). devices: the ones this engine runs on (default: the
-        first tensor_parallel_size * expert_parallel_size)."""
-        # every option but these, as given (first: before this function has locals of its own)
-        options = {k: v for k, v in locals().items()
-                   if k not in ("cls", "model", "data_parallel_size", "devices")}
-        if data_parallel_size > 1:
-            from jaxserve.engine.data_parallel import DataParallelEngine
-            return DataParallelEngine.from_engine_args(model, data_parallel_size=data_parallel_size,
-                                                       **options)
-        if data_parallel_size < 1:
-            raise ValueError(f"data_parallel_size must be >= 1; got {data_parallel_size}")
-        device, place = None, contextlib.nullcontext()
-        if devices is not None and tensor_parallel_size * expert_parallel_size == 1:
-            # One device, maybe not the default one: all this engine makes lands there
-            device = devices[0]
-            place = jax.default_device(device)
-        with place:
-            return cls._build(model, devices=devices, device=device, **options)
-
-    @classmethod
-    def _build(cls, model, *, dtype, load_format, served_model_name, block_size, num_kv_blocks,
-               kv_cache_memory_fraction, kv_cache_cpu_bytes, enable_prefix_caching,
-               num_cached_states, max_num_seqs, max_num_batched_tokens, max_model_len,
-               max_waiting_requests, long_prefill_token_threshold, num_scheduler_steps,
-               tensor_parallel_size,
-               expert_parallel_size, seed, max_logprobs, attention_impl, fused_kernels, warmup,
-               warmup_all, program_cache, speculative_config, quantization, devices, device) -> "LLMEngine":
-        from jaxserve.models.loaders import default_model
-        from jaxserve.engine import distributed
-        from jaxserve.models import loader, registry
-
-        from jaxserve.spec_decode.config import SpeculativeConfig
-
-        cluster = distributed.current()     # several hosts: jaxserve/distributed.py
-        distributed.check_engine_args(cluster, tensor_parallel_size, expert_parallel_size,
-                                      speculative_config)
-        enable_compilation_cache()
-        speculative = SpeculativeConfig.from_dict(speculative_config)   # fail before loading
-        dtype = _default(dtype, "bfloat16", "float32")
-        parallel = ParallelConfig(tensor_parallel_size=tensor_parallel_size,
-                                  expert_parallel_size=expert_parallel_size)
-        mesh = None
-        if tensor_parallel_size * expert_parallel_size > 1:
-            from jaxserve.sharding.mesh import mesh_from_parallel_config
-            mesh = mesh_from_parallel_config(parallel, devices)
-        t0 = time.perf_counter()
-        cfg, params, tokenizer = loader.load_model(model, load_format=load_format, dtype=dtype,
-                                                   mesh=mesh, seed=seed, quantization=quantization)
-        load_s = time.perf_counter() - t0
-        max_model_len = max_model_len or min(cfg.max_position_embeddings, _default(None, 8192, cpu_defaults.MAX_MODEL_LEN))
-        if max_model_len > cfg.max_position_embeddings:
-            raise ValueError(f"max_model_len must be <= the model's max_position_embeddings "
-                             f"({cfg.max_position_embeddings}); got {max_model_len}")
-        max_num_seqs = _default(max_num_seqs, 256, cpu_defaults.MAX_NUM_SEQS)
-        max_num_batched_tokens = _default(max_num_batched_tokens, 2048, cpu_defaults.MAX_NUM_BATCHED_TOKENS)
-        kernel_plan = KernelPlan.resolve(fused_kernels, cfg, registry.get_family(cfg.architecture).name,
-                                         tensor_parallel_size * expert_parallel_size)
-        config = EngineConfig(
-            model=cfg,
-            cache=CacheConfig(block_size=block_size, num_kv_blocks=num_kv_blocks,
-                              kv_cache_memory_fraction=kv_cache_memory_fraction,
-                              kv_cache_cpu_bytes=kv_cache_cpu_bytes,
-                              enable_prefix_caching=enable_prefix_caching,
-                              num_cached_states=num_cached_states),
-            scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
-                                      max_num_batched_tokens=max(max_num_batched_tokens, max_num_seqs),
-                                      max_model_len=max_model_len,
-                                      max_waiting_requests=max_waiting_requests,
-                                      long_prefill_token_threshold=long_prefill_token_threshold,
-                                      num_scheduler_steps=kernel_plan.scheduler_steps(
-                                          num_scheduler_steps, speculative)),
-            parallel=parallel,
-            dtype=dtype, seed=seed, max_logprobs=max_logprobs, attention_impl=attention_impl,
-            kernel_plan=kernel_plan,
-            warmup=warmup, warmup_all=warmup_all, speculative=speculative,
-            # NOTE: off unless asked (the CLI does): a program is keyed on the package's
-            # sources, so code changed in memory (a notebook's monkeypatch) would not be seen
-            program_cache_dir=os.path.join(default_model.cache_dir(), "steps") if program_cache
-            else None)
-        name = served_model_name or (default_model.DEFAULT_MODEL_NAME if model is None else model)
-        engine = cls(config, params, tokenizer, registry.get_family(cfg.architecture), name, mesh=mesh,
-                     device=device)
-        engine.startup_seconds["load"] = load_s
-        if cluster is not None and not cluster.config.is_worker:
-            distributed.connect_workers(cluster, engine.runner)
-        return engine
 
     # -- requests ------------------------------------------------------------------------
     def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:

@@ -1,2 +1,3 @@
-"""Speculative decoding: proposers (n-gram, draft model), the rejection sampler that verifies
-their drafts inside the target's step, and its configuration and metrics."""
+"""Speculative decoding: the Proposer contract (proposer.py) and its proposers (n-gram, draft
+model, MTP, EAGLE3), which requests draft and how many (drafting.py), the configuration and
+metrics. The rejection sampler that verifies drafts inside the target's step is sample/."""

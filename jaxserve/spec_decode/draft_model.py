@@ -29,8 +29,11 @@ import math
 import numpy as np
 
 from jaxserve.core.kv_cache.manager import PAGED, KVCacheManager
-from jaxserve.sampling_params import SamplingParams
 from jaxserve.core.step_messages import NewRequestData, ScheduledRequest, SchedulerOutput
+from jaxserve.sampling_params import SamplingParams
+from jaxserve.spec_decode.proposer import Proposer
+from jaxserve.worker.runner import ModelRunner
+from jaxserve.worker.target_view import TargetView
 
 logger = logging.getLogger(__name__)
 
@@ -46,35 +49,40 @@ def _check_compatible(draft_cfg, target_cfg, max_model_len: int) -> None:
                          f"positions; the draft model allows {draft_cfg.max_position_embeddings}")
 
 
-class DraftModelProposer:
-    def __init__(self, spec_config, engine_config, *, draft=None, num_blocks: int | None = None):
-        """draft: (ModelConfig, params, model module) already loaded (else spec_config.model
-        is loaded); num_blocks: at most this many draft cache blocks (the target's count)."""
-        from jaxserve.models import loader, registry
-        from jaxserve.worker.runner import ModelRunner
+class DraftModelProposer(Proposer):
+    method = "draft_model"
+    pipelines = True      # reads token ids only (module docstring)
 
-        if draft is None:
-            cfg, params, _ = loader.load_model(spec_config.model, dtype=engine_config.dtype)
-            draft = (cfg, params, registry.get_family(cfg.architecture))
-        cfg, params, module = draft
+    def __init__(self, spec_config, engine_config):
+        """Nothing of the target's runner is needed: the draft loads when bound (after the
+        target's caches are sized, as it always did)."""
+        self.spec_config, self.engine_config = spec_config, engine_config
+        self.k = spec_config.num_speculative_tokens
+        self.budget = engine_config.scheduler.max_num_batched_tokens
+        self.cached: dict[str, np.ndarray] = {}    # request -> tokens whose KV the draft cache holds
+        self._dropped: list[str] = []               # to drop from the runner with the next step
+
+    def bind(self, target: TargetView) -> None:
+        """Load the draft (spec_config.model) onto its own runner, of at most the target's
+        block count."""
+        from jaxserve.models import loader, registry
+
+        engine_config = self.engine_config
+        cfg, params, _ = loader.load_model(self.spec_config.model, dtype=engine_config.dtype)
         sched = engine_config.scheduler
         _check_compatible(cfg, engine_config.model, sched.max_model_len)
         bs = engine_config.cache.block_size
         useful = sched.max_num_seqs * math.ceil(sched.max_model_len / bs) + 1
-        blocks = min(useful, num_blocks) if num_blocks else useful
+        blocks = min(useful, target.num_blocks)
         config = dataclasses.replace(engine_config, model=cfg, speculative=None,
                                      cache=dataclasses.replace(engine_config.cache, num_kv_blocks=blocks,
                                                                enable_prefix_caching=False))
-        self.runner = ModelRunner(config, params, module)
+        self.runner = ModelRunner(config, params, registry.get_family(cfg.architecture))
         if any(kind != PAGED for kind in self.runner.group_kinds):
             raise ValueError(f"speculative_config['model'] must be an attention-only model; "
                              f"{cfg.architecture} keeps per-request state")
         self.kv = KVCacheManager(self.runner.cache_specs, block_size=bs, num_blocks=blocks,
                                  enable_prefix_caching=False)
-        self.k = spec_config.num_speculative_tokens
-        self.budget = sched.max_num_batched_tokens
-        self.cached: dict[str, np.ndarray] = {}    # request -> tokens whose KV the draft cache holds
-        self._dropped: list[str] = []               # to drop from the runner with the next step
 
     def warmup(self) -> None:
         """Start compiling the draft's step programs (lean: its drafts are greedy) in the
@@ -92,8 +100,6 @@ class DraftModelProposer:
             self.kv.free(rid)
             del self.cached[rid]
             self._dropped.append(rid)
-
-    pipelines = True      # reads token ids only (module docstring)
 
     def propose(self, requests, limits: list[int], tails=None) -> list[list[int]]:
         reqs, lims, tokens = [], [], []

@@ -1,8 +1,9 @@
 """Which running requests get drafts after a step, and how many at most.
 
-A proposer has `k` (num_speculative_tokens), `propose(requests, limits) -> drafts per
-request` (scheduler Requests, each at most its limit) and `retain(running_ids)` (forget the
-others: a proposer with per-request state frees it there).
+A proposer (spec_decode/proposer.py, the contract) has `k` (num_speculative_tokens),
+`propose(requests, limits) -> drafts per request` (scheduler Requests, each at most its
+limit) and `retain(running_ids)` (forget the others: a proposer with per-request state
+frees it there).
 
 A request drafts only in decode (its last token sampled and read back, every other token
 computed), and never so many that the step could pass max_tokens or max_model_len: a step
@@ -20,7 +21,9 @@ draft, the drafts its pass left there. A rejected draft voids the chunk (schedul
 
 from __future__ import annotations
 
+from jaxserve.core.kv_cache.manager import STATE, group_kinds
 from jaxserve.core.request import Request, RequestStatus
+from jaxserve.spec_decode.proposer import Proposer
 
 
 def draft_limit(req: Request, k: int, max_model_len: int, ahead: int = 0) -> int:
@@ -32,7 +35,7 @@ def draft_limit(req: Request, k: int, max_model_len: int, ahead: int = 0) -> int
     return max(0, limit)
 
 
-def propose_drafts(proposer, running: list[Request], k: int, max_model_len: int,
+def propose_drafts(proposer: Proposer, running: list[Request], k: int, max_model_len: int,
                    valid=None) -> None:
     """Set `spec_token_ids` of each decoding request in `running` from the proposer, which
     forgets every other request first (ended or preempted: a draft model's rows and blocks
@@ -54,7 +57,7 @@ def propose_drafts(proposer, running: list[Request], k: int, max_model_len: int,
             req.spec_token_ids = valid(req.request_id, drafts) if valid and drafts else drafts
 
 
-def propose_ahead(proposer, running: list[Request], k: int, max_model_len: int) -> None:
+def propose_ahead(proposer: Proposer, running: list[Request], k: int, max_model_len: int) -> None:
     """Drafts for each request whose newest step (a decode or a verifying one) is still on the
     device, assuming the step keeps its drafts (module docstring): they are the next step's."""
     reqs, limits, tails = [], [], []
@@ -73,56 +76,33 @@ def propose_ahead(proposer, running: list[Request], k: int, max_model_len: int) 
             req.spec_token_ids = list(drafts[1:])
 
 
-def cache_on_target_blocks(spec_config, model, cfg) -> tuple[list, int]:
-    """(paged cache specs, weight bytes) of a proposer whose cache lives on the target's
-    block tables (mtp, eagle3), for the runner's sizing: one budget pays for the target's
-    blocks and the proposer's, and the head's weights come out of it first (they load after
-    the caches are sized). ([], 0) for the others (a draft model sizes its own)."""
-    if spec_config is None:
-        return [], 0
-    if spec_config.method == "eagle3":
-        from jaxserve.spec_decode import eagle3
-        return eagle3.cache_specs(spec_config.model, cfg), eagle3.weight_bytes(spec_config.model)
-    if spec_config.method == "mtp" and model.supports_mtp:
-        return model.mtp_cache_specs(cfg), 0       # its weights are the target's, loaded already
-    return [], 0
-
-
-def device_draft_columns(spec_config) -> int:
-    """Drafts per sequence the proposer of `spec_config` leaves on the device for the next
-    step (hidden_steps.py: mtp, eagle3); 0 for the others (their drafts are the host's)."""
-    if spec_config is None or spec_config.method not in ("eagle3", "mtp"):
-        return 0
-    return spec_config.num_speculative_tokens
-
-
 # Proposers that run beside a target with recurrent state (hybrid models)
 HYBRID_METHODS = ("ngram", "draft_model")
 
 
-def make_proposer(spec_config, engine_config, runner=None):
+def make_proposer(spec_config, engine_config, model, params) -> Proposer | None:
     """The proposer of `spec_config.method` (None when speculation is off), for the target
-    `runner`."""
+    `model` (its family) with the loaded `params`: unbound (engine/builder.py builds the
+    target's runner with its target_needs(), then binds it)."""
     if spec_config is None:
         return None
-    from jaxserve.core.kv_cache.manager import STATE
-    if runner is not None and STATE in runner.group_kinds and spec_config.method not in HYBRID_METHODS:
+    cfg = engine_config.model
+    if STATE in group_kinds(model.cache_specs(cfg)) and spec_config.method not in HYBRID_METHODS:
         # NOTE: the scheduler rolls the target's recurrent state back (scheduler.py); a
         # proposer reading the target's hidden states would also see the recomputed rows
         raise ValueError(f"speculative_config['method'] {spec_config.method!r} is not supported "
                          f"for models with recurrent state (linear-attention layers: "
-                         f"{engine_config.model.architecture}); use one of {', '.join(HYBRID_METHODS)}")
+                         f"{cfg.architecture}); use one of {', '.join(HYBRID_METHODS)}")
     if spec_config.method == "eagle3":
         from jaxserve.spec_decode.eagle3 import Eagle3Proposer
-        return Eagle3Proposer(spec_config, engine_config, runner)
+        return Eagle3Proposer(spec_config, engine_config)
     if spec_config.method == "mtp":
         from jaxserve.spec_decode.mtp import MtpProposer
-        return MtpProposer(spec_config, runner)
+        return MtpProposer(spec_config, model, cfg, params)
     if spec_config.method == "ngram":
         from jaxserve.spec_decode.ngram import NgramProposer
         return NgramProposer(spec_config)
     if spec_config.method == "draft_model":
         from jaxserve.spec_decode.draft_model import DraftModelProposer
-        return DraftModelProposer(spec_config, engine_config,
-                                  num_blocks=runner.num_blocks if runner else None)
+        return DraftModelProposer(spec_config, engine_config)
     raise ValueError(f"speculative_config['method'] {spec_config.method!r} has no proposer")

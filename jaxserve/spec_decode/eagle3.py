@@ -26,6 +26,8 @@ import numpy as np
 
 from jaxserve.models import layers, llama
 from jaxserve.spec_decode import hidden_steps
+from jaxserve.worker.cache_sizing import allocate_caches
+from jaxserve.worker.target_view import TargetView
 
 # HF names of the head (after "midlayer.", the decoder layer's, as a Llama layer's).
 _HEAD_TENSORS = {"fc.weight": ("fc", True), "norm.weight": ("norm", False),
@@ -64,6 +66,16 @@ def weight_bytes(path: str) -> int:
     return sum(os.path.getsize(os.path.join(path, n)) for n in os.listdir(path) if n.endswith(".safetensors"))
 
 
+def aux_layers(hf: dict, target_cfg) -> tuple[int, ...]:
+    """The target layers whose residual streams the head reads (its HF config dict's, checked)."""
+    aux = tuple((hf.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+                or default_aux_layers(target_cfg.num_layers))
+    if len(aux) != 3 or not all(0 <= i < target_cfg.num_layers for i in aux):
+        raise ValueError(f"the EAGLE3 head's aux layer ids must be three layers of the target "
+                         f"(0 to {target_cfg.num_layers - 1}); got {list(aux)}")
+    return aux
+
+
 def load_head(path: str, target_cfg, dtype: str):
     """(head ModelConfig, params, aux layer ids) of an HF EAGLE3 head directory."""
     from safetensors.numpy import load_file
@@ -71,11 +83,7 @@ def load_head(path: str, target_cfg, dtype: str):
     from jaxserve.models.loaders.hf import _LAYER_TENSORS
 
     cfg, hf = head_config(path, target_cfg)
-    aux = tuple((hf.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-                or default_aux_layers(target_cfg.num_layers))
-    if len(aux) != 3 or not all(0 <= i < target_cfg.num_layers for i in aux):
-        raise ValueError(f"the EAGLE3 head's aux layer ids must be three layers of the target "
-                         f"(0 to {target_cfg.num_layers - 1}); got {list(aux)}")
+    aux = aux_layers(hf, target_cfg)
     raw = {}
     for name in sorted(os.listdir(path)):
         if name.endswith(".safetensors"):
@@ -133,21 +141,31 @@ def _eagle_step(weights, kv, x, aux_TH, sample_S, *, cfg, attention_impl, k, blo
 
 
 class Eagle3Proposer(hidden_steps.AfterStepProposer):
-    def __init__(self, spec_config, engine_config, runner):
-        from jaxserve.worker.runner import allocate_caches
+    method = "eagle3"
 
-        super().__init__(runner, spec_config.num_speculative_tokens)
-        self.cfg, self.params, self.aux_layers = load_head(spec_config.model, runner.cfg, engine_config.dtype)
+    def __init__(self, spec_config, engine_config):
+        """Reads the head's config (its cache on the target's block tables, the target layers
+        it reads, its weights' bytes: the target's runner is built with them); its weights
+        load when bound, after the target's caches are sized."""
+        super().__init__(spec_config.num_speculative_tokens)
+        self.path, self.dtype = spec_config.model, engine_config.dtype
+        self.cfg, hf = head_config(self.path, engine_config.model)
+        self.aux_layers = aux_layers(hf, engine_config.model)
+        self.target_cache_specs = tuple(llama.cache_specs(self.cfg))
+        self.target_weight_bytes = weight_bytes(self.path)
+
+    def bind(self, target: TargetView) -> None:
+        self.target = target
+        self.cfg, self.params, _ = load_head(self.path, target.cfg, self.dtype)
         self.embed = self.params.pop("embed", None)
         if self.embed is None:            # the usual head: the target's embedding, its width
-            if self.cfg.hidden_size != runner.cfg.hidden_size:
+            if self.cfg.hidden_size != target.cfg.hidden_size:
                 raise ValueError(f"speculative_config['model']: an EAGLE3 head without its own "
                                  f"embed_tokens must have the target's hidden_size "
-                                 f"({runner.cfg.hidden_size}); got {self.cfg.hidden_size}")
-            self.embed = runner.params["embed"]
+                                 f"({target.cfg.hidden_size}); got {self.cfg.hidden_size}")
+            self.embed = target.params["embed"]
         self.weights = (self.params, self.embed)
-        runner.return_hidden_states(aux_layers=self.aux_layers)
-        self.cache = allocate_caches(llama.cache_specs(self.cfg), runner.num_blocks, 0,
-                                     runner.block_size, runner.dtype)[0]
-        self.forward = functools.partial(_eagle_step, cfg=self.cfg, attention_impl=runner.attention_impl,
-                                         k=self.k, block_size=runner.block_size)
+        self.cache = allocate_caches(list(self.target_cache_specs), target.num_blocks, 0,
+                                     target.block_size, target.dtype)[0]
+        self.forward = functools.partial(_eagle_step, cfg=self.cfg, attention_impl=target.attention_impl,
+                                         k=self.k, block_size=target.block_size)

@@ -8,7 +8,8 @@ step emitted at a logits row; the host gives the one token it alone knows, the p
 after a chunk that does not sample). Each sampling sequence drafts at its last kept position
 (`kept_rows`, from the verified step's accepted count), so the drafts are right whether or
 not the step kept its own drafts. They are written into the columns of the runner's last
-sampled ids after the token (runner.prev_ids), where the next step, scheduled on the
+sampled ids after the token (the pass takes those ids and returns them with its drafts:
+Proposer.after_dispatch; the engine core hands them over), where the next step, scheduled on the
 assumption that every draft is kept, reads them (the scheduler sends DRAFT_ON_DEVICE); when
 a draft was rejected that step's chunk is void (scheduler.py), and the host reads the pass's
 drafts with the step's tokens (`observe`) for the request's next step.
@@ -39,9 +40,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.worker.compiling import BackgroundCompiler, abstract, wait_all
 from jaxserve.core.step_input import StepInput
 from jaxserve.core.step_messages import DRAFT_ON_DEVICE, SchedulerOutput
+from jaxserve.spec_decode.proposer import Proposer
+from jaxserve.worker.compiling import BackgroundCompiler, abstract, wait_all
+from jaxserve.worker.target_view import TargetView
 
 logger = logging.getLogger(__name__)
 
@@ -66,10 +69,9 @@ def pass_input(x: StepInput, plan) -> tuple[StepInput, np.ndarray]:
                      sampling=None), sample_S
 
 
-def empty_pass_input(runner, bucket: int) -> StepInput:
+def empty_pass_input(target: TargetView, bucket: int) -> StepInput:
     """The pass's input for a target step of `bucket` (its shapes, for warm-up)."""
-    empty = SchedulerOutput([], [], [], 0, [], 0)
-    return pass_input(*runner.batch.build(empty, *runner.bucket(bucket)))[0]
+    return pass_input(*target.empty_step(bucket))[0]
 
 
 def _run_pass(forward, weights, cache, prev_ids_MC, x: StepInput, sample_S, hidden_TH, next_T, kept_S):
@@ -134,21 +136,24 @@ def chain_drafts(first, next_step, cache, x, sample_S, k: int, block_size: int):
     return cache, drafts_SK[back]
 
 
-class AfterStepProposer:
+class AfterStepProposer(Proposer):
     """A proposer that drafts k tokens per request after each target step (MTP, EAGLE3).
-    Subclasses call __init__ and set `weights` (a pytree of arrays), `cache` (its paged cache)
-    and `forward`: fn(weights, cache, x, hidden_TH, sample_S) -> (cache, drafts i32[S, k]),
-    traced inside the pass's jit (x: the pass's input, its logits_indices the kept rows). The
-    pass after a target step of bucket T runs the program of T; warmup() compiles every
-    bucket's in the background."""
+    Subclasses call __init__, and when bound set `weights` (a pytree of arrays), `cache` (its
+    paged cache on the target's blocks) and `forward`: fn(weights, cache, x, hidden_TH,
+    sample_S) -> (cache, drafts i32[S, k]), traced inside the pass's jit (x: the pass's input,
+    its logits_indices the kept rows). The pass after a target step of bucket T runs the
+    program of T; warmup() compiles every bucket's in the background."""
 
     pipelines = True           # drafts ahead on the device (module doc)
+    needs_hidden_states = True
     weights: object
     cache: object
     forward: object
+    target: TargetView
 
-    def __init__(self, runner, k: int):
-        self.runner, self.k = runner, k
+    def __init__(self, k: int):
+        self.k = k
+        self.device_draft_columns = k          # its drafts stay on the device for the next step
         self._observed = None                  # (drafts on the device, request id per row)
         self._drafts_read: dict[str, list[int]] | None = None
         self._passes = collections.deque(maxlen=4)   # (step, its pass's drafts), newest last
@@ -158,7 +163,7 @@ class AfterStepProposer:
 
     @functools.cached_property
     def _step(self):
-        """The pass, jitted: the cache and the runner's ids are donated and replaced."""
+        """The pass, jitted: the cache and the runner's last ids are donated and replaced."""
         return jax.jit(functools.partial(_run_pass, self.forward), donate_argnums=(1, 2))
 
     @property
@@ -170,13 +175,13 @@ class AfterStepProposer:
         """Start compiling every target bucket's program on daemon threads; returns at once.
         Call after the target's warm-up: its compiled programs give the hidden states' shape.
         A pass whose program is still compiling waits for it."""
-        jobs = []
-        ids = abstract(self.runner.prev_ids)
-        for t in self.runner.buckets:
-            hidden = self.runner.hidden_spec(t)
+        jobs, target = [], self.target
+        ids = target.last_ids
+        for t in target.buckets:
+            hidden = target.hidden_spec(t)
             if hidden is None:          # the target's program did not compile: first use will
                 continue
-            x = empty_pass_input(self.runner, t)
+            x = empty_pass_input(target, t)
             i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)   # noqa: E731
             args = (abstract(self.weights), abstract(self.cache), ids, abstract(x),
                     jax.ShapeDtypeStruct((x.num_seqs,), jnp.bool_), hidden, i32(t), i32(x.num_seqs))
@@ -204,15 +209,16 @@ class AfterStepProposer:
             del self._hidden[t]
             return self._step
 
-    def after_dispatch(self, step) -> None:
-        """Queue the pass over a dispatched target step (module doc): its drafts go to the
-        runner's last ids for the next step, and are kept for `observe`."""
+    def after_dispatch(self, step, prev_ids):
+        """Queue the pass over a dispatched target step (module doc): its drafts go into the
+        runner's last ids (`prev_ids`, donated: the ids returned replace them) for the next
+        step, and are kept for `observe`."""
         x, sample_S = pass_input(step.inputs, step.plan)
-        runner = self.runner
-        self.cache, runner.prev_ids, drafts = self._program(x, step.hidden)(
-            self.weights, self.cache, runner.prev_ids, x, sample_S, step.hidden, step.next_ids,
+        self.cache, prev_ids, drafts = self._program(x, step.hidden)(
+            self.weights, self.cache, prev_ids, x, sample_S, step.hidden, step.next_ids,
             step.kept_rows)
         self._passes.append((step, drafts))
+        return prev_ids
 
     def observe(self, out: SchedulerOutput, step, result) -> None:
         """The step is read: its pass's drafts are those of each request it kept tokens of

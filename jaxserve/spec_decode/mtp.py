@@ -18,6 +18,8 @@ import functools
 import jax.numpy as jnp
 
 from jaxserve.spec_decode import hidden_steps
+from jaxserve.worker.cache_sizing import allocate_caches
+from jaxserve.worker.target_view import TargetView
 
 
 def _mtp_step(params, caches, x, hidden_TD, sample_S, *, model, cfg, attention_impl, k, block_size):
@@ -40,11 +42,12 @@ def _mtp_step(params, caches, x, hidden_TD, sample_S, *, model, cfg, attention_i
 
 
 class MtpProposer(hidden_steps.AfterStepProposer):
-    def __init__(self, spec_config, runner):
-        from jaxserve.worker.runner import allocate_caches
+    method = "mtp"
 
-        model, cfg = runner.model, runner.cfg
-        layers = len(runner.params.get("mtp", ())) if isinstance(runner.params, dict) else 0
+    def __init__(self, spec_config, model, cfg, params):
+        """model, cfg, params: the target's family, config and loaded weights (their MTP
+        layers are checked here, before the target's runner is built)."""
+        layers = len(params.get("mtp", ())) if isinstance(params, dict) else 0
         if layers and not model.supports_mtp:
             raise ValueError(f"speculative_config['method'] 'mtp' is not built for {cfg.architecture} "
                              f"yet: its MTP layers load, but jaxserve has no forward for them "
@@ -53,11 +56,15 @@ class MtpProposer(hidden_steps.AfterStepProposer):
             raise ValueError(f"speculative_config['method'] 'mtp' needs a model with MTP layers "
                              f"(DeepSeek V3's num_nextn_predict_layers, loaded with the checkpoint); "
                              f"{cfg.architecture} here has none")
-        super().__init__(runner, spec_config.num_speculative_tokens)
-        self.weights = runner.params
-        runner.return_hidden_states()
-        self.cache = allocate_caches(model.mtp_cache_specs(cfg), runner.num_blocks, 0,
-                                     runner.block_size, runner.dtype)
-        self.forward = functools.partial(_mtp_step, model=model, cfg=cfg,
-                                         attention_impl=runner.attention_impl, k=self.k,
-                                         block_size=runner.block_size)
+        super().__init__(spec_config.num_speculative_tokens)
+        # its cache on the target's block tables; its weights are the target's, loaded already
+        self.target_cache_specs = tuple(model.mtp_cache_specs(cfg))
+
+    def bind(self, target: TargetView) -> None:
+        self.target = target
+        self.weights = target.params
+        self.cache = allocate_caches(list(self.target_cache_specs), target.num_blocks, 0,
+                                     target.block_size, target.dtype)
+        self.forward = functools.partial(_mtp_step, model=target.family, cfg=target.cfg,
+                                         attention_impl=target.attention_impl, k=self.k,
+                                         block_size=target.block_size)

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from jaxserve.spec_decode.proposer import Proposer
+
 
 def propose(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> list[int]:
     """Drafts (at most k) for one sequence of token ids."""
@@ -38,7 +40,10 @@ def propose(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> list[int]:
     return tokens[start:start + k].tolist()
 
 
-class NgramProposer:
+class NgramProposer(Proposer):
+    method = "ngram"
+    pipelines = True      # reads token ids only: drafts ahead of the device (drafting.py)
+
     def __init__(self, spec_config):
         self.min_n = spec_config.prompt_lookup_min
         self.max_n = spec_config.prompt_lookup_max
@@ -58,8 +63,6 @@ class NgramProposer:
         buf[n:total] = req.output_token_ids[n - req.num_prompt_tokens:]
         self._ids[req.request_id] = (buf, total)
         return buf[:total]
-
-    pipelines = True      # reads token ids only: drafts ahead of the device (drafting.py)
 
     def propose(self, requests, limits: list[int], tails=None) -> list[list[int]]:
         """Drafts per request (scheduler Requests in decode), each at most its limit, from

@@ -7,7 +7,7 @@ and whether greedy output equals the output without speculation.
 from __future__ import annotations
 
 from jaxserve.config import CacheConfig, EngineConfig, SchedulerConfig
-from jaxserve.engine import LLMEngine
+from jaxserve.engine.builder import build_engine
 from jaxserve.engine.llm import LLM
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.spec_decode.config import SpeculativeConfig
@@ -26,7 +26,7 @@ def make_llm(cfg, params, tokenizer, module, dtype, spec, max_len, max_num_seqs)
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max(256, 4 * max_num_seqs),
                                   max_model_len=max_len),
         dtype=dtype, warmup=False, speculative=SpeculativeConfig.from_dict(spec))
-    return LLM.from_engine(LLMEngine(config, params, tokenizer, module))
+    return LLM.from_engine(build_engine(config, params, tokenizer, module))
 
 
 def engine_acceptance(cfg, params, tokenizer, module, dtype: str, head_dir: str,

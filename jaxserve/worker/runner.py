@@ -8,6 +8,11 @@ the model's cache specs) are preallocated once and donated to every step, so XLA
 them in place. The runner's own copy of the running requests is its persistent batch
 (input_batch.py); the attention backend (models/attention.py) plans each step's attention.
 
+The runner by role: this file prepares, dispatches, runs and collects steps; the traced step
+program and its variants are step_program.py, the caches' sizing and allocation
+cache_sizing.py, warm-up's enumeration warmup.py. A proposer (spec_decode/) reads the runner
+only through its TargetView and asks of it only its TargetNeeds (target_view.py).
+
 Legend: T tokens, S sequences, B blocks per sequence, P tokens per block, V vocabulary,
 N logprobs returned per sequence.
 """
@@ -19,205 +24,29 @@ import dataclasses
 import functools
 import logging
 import math
-import os
 import weakref
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.worker import packing
-from jaxserve.sample import sampler
-from jaxserve.worker import hosts
-from jaxserve.worker.compiling import StepCompiler, wait_all
 from jaxserve.config import EngineConfig
-from jaxserve.worker.input_batch import InputBatch, StepPlan
 from jaxserve.core.kv_cache import manager as cache_manager
 from jaxserve.core.kv_cache.specs import PagedSpec
-from jaxserve.models.attention import AttentionBackend, AttentionPlan
-from jaxserve.pallas_kernels.policy import KernelPlan
-from jaxserve.sample.tensors import make_sampling_tensors
-from jaxserve.spec_decode import drafting
-from jaxserve.sample import rejection_sampler
-from jaxserve.worker import verify_rows
-from jaxserve.worker.state_copies import StateCopier
 from jaxserve.core.step_input import StepInput
 from jaxserve.core.step_messages import (PromptLogprobs, RunnerOutput, SchedulerOutput,
-                                    TokenLogprobs)
+                                         TokenLogprobs)
+from jaxserve.models.attention import AttentionBackend, AttentionPlan
+from jaxserve.sample import rejection_sampler, sampler
+from jaxserve.worker import packing, verify_rows, warmup
+from jaxserve.worker.cache_sizing import allocate_caches, plan_caches
+from jaxserve.worker.compiling import StepCompiler, abstract, wait_all
+from jaxserve.worker.input_batch import InputBatch, StepPlan
+from jaxserve.worker.state_copies import StateCopier
+from jaxserve.worker.step_program import StepVariant, make_step, token_buckets
+from jaxserve.worker.target_view import TargetNeeds, TargetView
 
 logger = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass(frozen=True)
-class StepVariant:
-    """What a step computes besides the next tokens; each variant is its own compiled program.
-
-    `lean` (no logprobs, no penalties/bias/masks, no top-k/top-p/min-p sort) is the common
-    case; `full` adds all of that. Warm-up compiles both for every bucket, and with a
-    tokenizer a third, lean but with the allowed-token mask (its input layout differs), for
-    steps whose only extra is a grammar's mask (jaxserve/structured/). Prompt logprobs
-    (logits at every position) are rare and compile on first use.
-    """
-    num_top: int = 0                # logprobs returned per sequence (0 or max_logprobs)
-    full: bool = False              # penalties, logit_bias, masks and truncation in the program
-    prompt_logprobs: bool = False   # also log-softmax every position's logits
-    attention: AttentionPlan = AttentionPlan()   # the attention backend's plan (opaque here)
-    hidden: bool = False            # also return hidden states (a proposer's input): the final
-                                    # ones, or those after `aux_layers`, concatenated
-    aux_layers: tuple[int, ...] = ()
-    steps: int = 1                  # multi-step decode: decode steps in one program (_decode_steps)
-
-
-# A bucket of one token for batch-1 decode (one user, a notebook): padded to 16 tokens it ran
-# 16 query rows through attention and the sampler (NOTE: measured on the H200, BENCHMARKS.md).
-SINGLE_TOKEN_BUCKET = True
-
-
-def token_buckets(max_tokens: int, smallest: int = 16) -> list[int]:
-    """Step sizes that get a compiled program: 1, then powers of two from `smallest`, then
-    max_tokens (the step budget)."""
-    buckets, b = [1] if SINGLE_TOKEN_BUCKET and max_tokens > 1 else [], smallest
-    while b < max_tokens:
-        buckets.append(b)
-        b *= 2
-    return buckets + [max_tokens]
-
-
-def _step_on_mesh(*args, mesh, **kwargs):
-    """_step traced with `mesh` as the ambient (abstract) mesh, so kernel call sites can wrap
-    their kernels per shard (sharding/kernels.py). Set here, inside the traced function, not
-    around the runner's calls: warm-up lowers on threads, and a mesh context is per thread."""
-    if mesh is None:
-        return _step(*args, **kwargs)
-    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-        return _step(*args, **kwargs)
-
-
-def _step(params, caches, packed_W, prev_ids_MC, *, model, cfg, backend: AttentionBackend,
-          kernel_plan: KernelPlan, block_size: int, variant: StepVariant, layout: packing.Layout):
-    x: StepInput = packing.unpack(packed_W, layout)
-    # Tokens sampled by the previous step come straight from its device output: the host
-    # need not have read them (DESIGN.md §2: step N+1 never waits for step N's tokens). So
-    # do the drafts a proposer made on the device after it (prev_ids_MC's other columns).
-    from_prev_T = x.prev_token_rows >= 0
-    token_ids_T = jnp.where(from_prev_T, prev_ids_MC.reshape(-1)[jnp.maximum(x.prev_token_rows, 0)],
-                            x.token_ids)
-    x = dataclasses.replace(x, token_ids=token_ids_T)
-    if x.draft_rows is not None:   # each draft row verifies the token after its position
-        last = token_ids_T.shape[0] - 1
-        x = dataclasses.replace(x, draft_token_ids=jnp.where(
-            x.draft_token_ids >= 0, token_ids_T[jnp.minimum(x.logits_indices + 1, last)], -1))
-    kernels = model.make_kernels(cfg, backend, variant.attention, kernel_plan)
-    if variant.steps > 1:
-        caches, out, last_ids_S = _decode_steps(params, caches, x, model=model, cfg=cfg,
-                                                kernels=kernels, backend=backend,
-                                                variant=variant, block_size=block_size)
-        ids_MC = jnp.zeros_like(prev_ids_MC).at[:last_ids_S.shape[0], 0].set(last_ids_S)
-        return caches, out, None, ids_MC, None
-    if variant.aux_layers:
-        caches, hidden_TD, aux = model.forward(cfg, params, caches, x, kernels, variant.aux_layers)
-    else:
-        caches, hidden_TD, aux = model.forward(cfg, params, caches, x, kernels)
-    logits_SV = model.compute_logits(cfg, params, hidden_TD[x.logits_indices], kernels)
-    out, last_ids_S = _sample(logits_SV, x, variant, backend)
-    prompt = None
-    if variant.prompt_logprobs:
-        prompt = sampler.prompt_logprobs(model.compute_logits(cfg, params, hidden_TD, kernels),
-                                         x.next_token_ids, variant.num_top)
-    ids_MC = jnp.zeros_like(prev_ids_MC).at[:last_ids_S.shape[0], 0].set(last_ids_S)
-    if not variant.hidden:
-        return caches, out, prompt, ids_MC, None
-    if aux:
-        # forward gives one stream per layer, in layer order; the proposer's order may repeat one
-        layer_ids = sorted(set(variant.aux_layers))
-        hidden_TD = jnp.concatenate([aux[layer_ids.index(i)] for i in variant.aux_layers], -1)
-    return caches, out, prompt, ids_MC, (hidden_TD, *_after_step(x, out))
-
-
-def _decode_steps(params, caches, x: StepInput, *, model, cfg, kernels, backend, variant,
-                  block_size: int):
-    """Multi-step decode (scheduler.py): `variant.steps` one-token-per-sequence decode steps
-    in one program, each feeding its sampled ids to the next. Returns (caches, the sampler's
-    output of every step, stacked: token_ids i32[steps, S], the logprobs fields too when the
-    variant returns them, each sequence's last id).
-
-    Step i's input is the first step's shifted by i positions: its K/V slot is read off the
-    block table, and nothing is written past the table's blocks (a request nearing its
-    longest length was given blocks up to it only; its tokens past that are never read)."""
-    num_tokens, p = x.num_tokens, block_size
-    width = x.block_tables.shape[1]
-    real_T = jnp.arange(num_tokens) < x.query_start_loc[-1]
-    live_S = x.seq_lens > 0
-
-    def one(i, caches, token_ids_T):
-        positions_T = x.positions + i
-        block_T = positions_T // p
-        slots_T = x.block_tables[x.token_seq_ids, jnp.minimum(block_T, width - 1)] * p + positions_T % p
-        xi = dataclasses.replace(
-            x, token_ids=token_ids_T, positions=positions_T,
-            slot_mapping=jnp.where(real_T & (block_T < width), slots_T, 0),
-            seq_lens=jnp.where(live_S, jnp.minimum(x.seq_lens + i, width * p), 0),
-            sampling=dataclasses.replace(x.sampling, offsets=x.sampling.offsets + i))
-        caches, hidden_TD, _ = model.forward(cfg, params, caches, xi, kernels)
-        logits_SV = model.compute_logits(cfg, params, hidden_TD[xi.logits_indices], kernels)
-        out = _sample(logits_SV, xi, variant, backend)[0]
-        ids_S = out.token_ids.astype(jnp.int32)
-        # a lean step keeps its ids alone (its logprobs would be computed for nothing)
-        if not variant.num_top:
-            return caches, sampler.SamplerOutput(ids_S, None, None, None, None)
-        return caches, dataclasses.replace(out, token_ids=ids_S)
-
-    def body(i, carry):
-        caches, acc = carry
-        # each sequence holds one token of a decode step: after the first, its last sampled id
-        token_ids_T = jnp.where(i == 0, x.token_ids,
-                                acc.token_ids[jnp.maximum(i - 1, 0)][x.token_seq_ids])
-        caches, out = one(i, caches, token_ids_T)
-        return caches, jax.tree.map(lambda a, v: a.at[i].set(v), acc, out)
-
-    k, s, n = variant.steps, x.num_seqs, variant.num_top
-    zeros = lambda *shape, dtype=jnp.float32: jnp.zeros((k,) + shape, dtype)  # noqa: E731
-    acc = sampler.SamplerOutput(zeros(s, dtype=jnp.int32), *(
-        (zeros(s), zeros(s, dtype=jnp.int32), zeros(s, n, dtype=jnp.int32), zeros(s, n))
-        if n else (None,) * 4))
-    caches, acc = jax.lax.fori_loop(0, k, body, (caches, acc))
-    return caches, acc, acc.token_ids[-1]
-
-
-def _after_step(x: StepInput, out):
-    """(next_ids i32[T], kept_rows i32[S]): what a proposer running after the step on its
-    hidden states reads besides them (spec_decode/hidden_steps.py). next_ids: the token after
-    each position as the step knows it, the next input token or, at a logits row, the token
-    the step emitted there (after a chunk's last input, what it sampled; after a draft, the
-    target's own choice). kept_rows: each sequence's last position whose input it keeps (its
-    last accepted draft, else its last token): the proposer's pass there drafts its next token."""
-    t, s = x.num_tokens, x.num_seqs
-    next_T = jnp.concatenate([x.token_ids[1:], jnp.zeros(1, jnp.int32)])
-    real_R = x.query_start_loc[1:] > x.query_start_loc[:-1]
-    if x.draft_rows is None:
-        emitted_R, kept_S = out.token_ids, x.logits_indices
-    else:
-        emitted_R = out.rows.token_ids
-        real_R = jnp.concatenate([real_R, x.draft_token_ids[s:] >= 0])
-        kept_S = x.logits_indices[:s] - x.num_drafts + out.num_accepted
-    rows_R = jnp.where(real_R, x.logits_indices, t)       # padding rows write nothing
-    next_T = next_T.at[rows_R].set(emitted_R.astype(jnp.int32), mode="drop")
-    return next_T, kept_S.astype(jnp.int32)
-
-
-def _sample(logits_RV, x: StepInput, variant: StepVariant, backend: AttentionBackend):
-    """(the step's sampler output, each sequence's last new token). A step that carries
-    drafts (x.draft_rows: a static part of its layout, so a step without them compiles
-    exactly as before) verifies them instead: rejection_sampler.verify."""
-    kernels = backend.impl != "xla"
-    if x.draft_rows is None:
-        out = sampler.sample(logits_RV, x.sampling, variant.num_top, truncate=variant.full,
-                             kernels=kernels)
-        return out, out.token_ids
-    out = rejection_sampler.verify(logits_RV, x.sampling, x.draft_token_ids, x.draft_rows,
-                                   x.num_drafts, variant.num_top, truncate=variant.full,
-                                   kernels=kernels)
-    return out, out.last_ids
 
 
 @dataclasses.dataclass(frozen=True)
@@ -228,38 +57,20 @@ class InFlightStep:
     result: sampler.SamplerOutput | rejection_sampler.VerifyOutput
     prompt: tuple | None
     # What a proposer running after the step reads (variant.hidden), on the device: f[T, D]
-    # hidden states, the token after each position and each sequence's last kept row (_after_step)
+    # hidden states, the token after each position and each sequence's last kept row
+    # (step_program._after_step)
     hidden: jax.Array | None = None
     next_ids: jax.Array | None = None
     kept_rows: jax.Array | None = None
     inputs: StepInput | None = None   # the step's host-side input (numpy)
 
 
-def allocate_caches(specs, num_blocks: int, num_slots: int, block_size: int, dtype,
-                    sharding_of=None) -> list[dict[str, jax.Array]]:
-    """Zeroed device arrays of every layer's cache spec: paged arrays [num_blocks, P, *shape],
-    state arrays [num_slots, *shape]; `sharding_of(name, shape)` places them (None: default)."""
-    caches, makers = [], {}
-    for spec in specs:
-        lead = (num_blocks, block_size) if isinstance(spec, PagedSpec) else (num_slots,)
-        layer = {}
-        for name, shape in spec.arrays:
-            full = lead + tuple(shape)
-            out = sharding_of(name, full) if sharding_of else None
-            kind = jnp.float32 if name in getattr(spec, "float32", ()) else dtype
-            # One compiled zeros per distinct array (not per layer: 4 s of start-up at 8B)
-            key = (full, jnp.dtype(kind).name, out)
-            if key not in makers:
-                makers[key] = jax.jit(lambda s=full, d=kind: jnp.zeros(s, d), out_shardings=out)
-            layer[name] = makers[key]()
-        caches.append(layer)
-    return caches
-
-
 class ModelRunner:
     def __init__(self, config: EngineConfig, params, model, num_blocks: int | None = None, mesh=None,
-                 device=None):
-        """device: without a mesh, the one device to run on (default: jax's default device)."""
+                 device=None, proposer: TargetNeeds = TargetNeeds()):
+        """model: the family (models/interface.py ModelFamily). device: without a mesh, the one
+        device to run on (default: jax's default device). proposer: what the proposer asks of
+        this runner (engine/builder.py builds it first)."""
         self.config = config
         self.device = device
         self.cfg = config.model
@@ -279,15 +90,13 @@ class ModelRunner:
         self.params = params = model.prepare_weights(self.cfg, params, kernel_plan=kernel_plan, mesh=mesh,
                                                      backend=self.backend)
         self.cache_specs = model.cache_specs(self.cfg)
-        # A proposer's cache on the target's block tables (MTP, EAGLE3) is sized with it.
-        self.proposer_cache_specs, self.proposer_weight_bytes = drafting.cache_on_target_blocks(
-            config.speculative, model, self.cfg)
         self.group_kinds = cache_manager.group_kinds(self.cache_specs)
-        # Speculating with recurrent state: a snapshot slot per live slot, past the scheduler's
-        # slots, holds a request's state from before its verifying step (scheduler.py: rollback)
-        self.num_state_snapshots = (config.scheduler.max_num_seqs if config.speculative is not None
-                                    and cache_manager.STATE in self.group_kinds else 0)
-        self.num_blocks, self.num_slots, self.num_cached_states = self._size_caches(num_blocks)
+        # A proposer's cache on the target's block tables (MTP, EAGLE3) is sized with it.
+        plan = plan_caches(config, self.cache_specs, list(proposer.cache_specs), proposer.weight_bytes,
+                           self.max_blocks_per_seq, device, num_blocks)
+        self.num_blocks, self.num_slots = plan.num_blocks, plan.num_slots
+        self.num_cached_states, self.num_state_snapshots = plan.num_cached_states, plan.num_state_snapshots
+        self.bytes_per_block = plan.bytes_per_block
         # With a mesh (tensor / expert parallel) each cache array is placed by its name's rule
         # (k / v by kv heads, MLA latents replicated, DeltaNet states by head) and step inputs
         # are replicated; jit partitions the step from the parameters' shardings.
@@ -312,11 +121,9 @@ class ModelRunner:
             self.state_copier = StateCopier(
                 [i for i, spec in enumerate(self.cache_specs) if not isinstance(spec, PagedSpec)],
                 config.scheduler.max_num_seqs)
-        self._step = jax.jit(functools.partial(_step_on_mesh, mesh=mesh, model=model, cfg=self.cfg,
-                                               backend=self.backend, kernel_plan=kernel_plan,
-                                               block_size=self.block_size),
-                             donate_argnums=(1,), static_argnames=("variant", "layout"))
-        self.return_hidden_states(False)
+        self._step = make_step(mesh=mesh, model=model, cfg=self.cfg, backend=self.backend,
+                               kernel_plan=kernel_plan, block_size=self.block_size)
+        self.return_hidden_states(proposer.hidden_states, proposer.aux_layers)
         self.batch = InputBatch(max_num_seqs=config.scheduler.max_num_seqs,
                                 max_blocks_per_seq=self.max_blocks_per_seq,
                                 block_size=self.block_size, vocab_size=self.cfg.vocab_size,
@@ -324,8 +131,9 @@ class ModelRunner:
                                 group_kinds=self.group_kinds,
                                 max_spec_tokens=config.num_speculative_tokens)
         # The previous step's sampled ids (padded to max_num_seqs), a row per sequence, then the
-        # drafts a proposer made on the device after it (spec_decode/hidden_steps.py writes them).
-        self.draft_columns = drafting.device_draft_columns(config.speculative)
+        # drafts a proposer made on the device after it (spec_decode/hidden_steps.py: its pass
+        # takes them and gives them back with its drafts, through set_prev_ids).
+        self.draft_columns = proposer.draft_columns
         self.batch.prev_stride = 1 + self.draft_columns
         self.prev_ids = jax.device_put(
             jnp.zeros((config.scheduler.max_num_seqs, self.batch.prev_stride), jnp.int32),
@@ -358,59 +166,29 @@ class ModelRunner:
     def return_hidden_states(self, on: bool = True, aux_layers: tuple[int, ...] = ()) -> None:
         """Every step also returns its hidden states (InFlightStep.hidden): the final ones, or
         the residual stream after `aux_layers` concatenated. For proposers that read them
-        (spec_decode/mtp.py, eagle3.py); call before warm-up."""
+        (spec_decode/mtp.py, eagle3.py: their TargetNeeds); call before warm-up."""
         self.keep_hidden, self.aux_layers = on, tuple(aux_layers) if on else ()
         self.warmup_variants = tuple(
             StepVariant(num_top, full=full, hidden=on, aux_layers=self.aux_layers)
             for num_top, full in ((0, False), (self.config.max_logprobs, True)))
 
-    # -- sizing --------------------------------------------------------------------------
-    @property
-    def bytes_per_block(self) -> int:
-        """Bytes one block takes on each device (the cache is split over the tensor-parallel ones)."""
-        return cache_manager.bytes_per_block(self.cache_specs + self.proposer_cache_specs,
-                                             self.block_size, self.dtype.itemsize) \
-            // self.config.parallel.tensor_parallel_size
+    def target_view(self) -> TargetView:
+        """What a proposer bound to this runner may read of it (target_view.py)."""
+        return TargetView(cfg=self.cfg, family=self.model, params=self.params,
+                          block_size=self.block_size, num_blocks=self.num_blocks,
+                          buckets=tuple(self.buckets), dtype=self.dtype,
+                          attention_impl=self.attention_impl, last_ids=abstract(self.prev_ids),
+                          hidden_spec=self.hidden_spec, empty_step=self.empty_step)
 
-    def _size_caches(self, num_blocks: int | None) -> tuple[int, int, int]:
-        """(blocks, state slots, of those the saved states' for prefix hits): given,
-        configured, or from the memory budget (which pays for the snapshot slots too)."""
-        max_seqs = self.config.scheduler.max_num_seqs
-        num_blocks = num_blocks or self.config.cache.num_kv_blocks
-        budget = None
-        if not num_blocks:
-            first = self.device or jax.local_devices()[0]
-            stats = first.memory_stats() if jax.default_backend() != "cpu" else None
-            if stats and "bytes_limit" in stats:
-                free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
-                budget = int(free * self.config.cache.kv_cache_memory_fraction)
-            else:
-                budget = self.config.cache.kv_cache_cpu_bytes
-            # a proposer's weights (an EAGLE3 head) load after the sizing: their bytes first
-            budget = (budget - self.proposer_weight_bytes) * self.config.parallel.tensor_parallel_size
-            budget = hosts.agree_min(budget)     # every host sizes the same cache
-        cached = self._num_cached_states(budget)
-        if num_blocks:
-            num_slots = max_seqs + 1 + cached if cache_manager.STATE in self.group_kinds else 0
-            return num_blocks, num_slots, cached
-        # No use holding more than every sequence at full length.
-        useful = max_seqs * self.max_blocks_per_seq + 1
-        blocks, slots = cache_manager.size_caches(
-            self.cache_specs + self.proposer_cache_specs, block_size=self.block_size,
-            itemsize=self.dtype.itemsize, budget_bytes=budget, max_num_seqs=max_seqs,
-            useful_blocks=useful, cached_states=cached + self.num_state_snapshots)
-        return blocks, slots - self.num_state_snapshots, cached
+    def set_prev_ids(self, prev_ids: jax.Array) -> None:
+        """The last ids the next step reads, as a proposer's pass behind the step left them
+        (its drafts in the columns after each token: spec_decode/hidden_steps.py)."""
+        self.prev_ids = prev_ids
 
-    def _num_cached_states(self, budget: int | None) -> int:
-        """Saved states for hybrid prefix caching: configured, or cache_manager's default."""
-        cache = self.config.cache
-        if not cache.enable_prefix_caching or cache_manager.STATE not in self.group_kinds:
-            return 0
-        if cache.num_cached_states is not None:
-            return cache.num_cached_states
-        return cache_manager.auto_cached_states(self.cache_specs, itemsize=self.dtype.itemsize,
-                                                budget_bytes=budget,
-                                                max_num_seqs=self.config.scheduler.max_num_seqs)
+    def empty_step(self, num_tokens: int) -> tuple[StepInput, StepPlan]:
+        """The input and plan of an empty step of this bucket (its shapes, for warm-up)."""
+        empty = SchedulerOutput([], [], [], 0, [], 0)
+        return self.batch.build(empty, *self.bucket(num_tokens))
 
     def bucket(self, num_tokens: int) -> tuple[int, int]:
         t = next(b for b in self.buckets if b >= num_tokens)
@@ -515,7 +293,7 @@ class ModelRunner:
         """Wait for a dispatched step, bring its sampled tokens (and logprobs) to the host and
         append them to the persistent batch."""
         plan, variant = step.plan, step.variant
-        # A verifying step's rows are its sequences' then its drafts' (spec_decode/verify_rows.py)
+        # A verifying step's rows are its sequences' then its drafts' (worker/verify_rows.py)
         rows_out = step.result.rows if plan.draft_starts else step.result
         accepted = step.result.num_accepted if plan.draft_starts else None
         if variant.num_top or variant.prompt_logprobs:
@@ -567,109 +345,26 @@ class ModelRunner:
         return self.collect(self.dispatch(out))
 
     def warmup(self, background: bool = False, lean_only: bool = False) -> None:
-        """Compile the lean and full program of every bucket, on a thread each: XLA compiles
-        outside the GIL, so start-up takes about as long as the slowest program, not the sum.
+        """Compile the step programs (warmup.py: which, and in what order) on threads.
 
-        Returns once the lean programs are ready; the full ones (logprobs, top-k/p, penalties)
-        finish in the background, and a step that needs one before then waits for it
-        (`wait_for_warmup` waits for all). So do the attention backend's other plans (a full
-        bucket's, a skewed step's), except that a skewed step runs as an even one until its
-        program is ready. NOTE: measured on the H200 (BENCHMARKS.md, Start-up): compiling the
-        skewed programs up front delayed the 8B engine's first token by 12 s.
+        Returns once the lean programs are ready; the others (logprobs, top-k/p, penalties,
+        verifying, masked, the attention backend's other plans) finish in the background,
+        and a step that needs one before then waits for it (`wait_for_warmup` waits for
+        all), except that a skewed step runs as an even one until its program is ready.
 
         background: return at once, all of them compiling (a draft model's runner: the
         target's plain programs are the ones start-up waits for). lean_only: no full programs
         (a draft model samples greedily: its steps never run one)."""
-        empty = SchedulerOutput(new_requests=[], scheduled=[], finished_req_ids=[], num_tokens=0,
-                                preempted_ids=[], num_cached_tokens=0)
-        jobs, verifying, masked_layouts = [], [], set()
-        k = self.config.num_speculative_tokens
-        variants = self.warmup_variants[:1] if lean_only else self.warmup_variants
-        for t_prev, t in zip([0] + self.buckets, self.buckets):
-            lean, _, _ = self._build(dataclasses.replace(empty, num_tokens=t))
-            inputs = [(lean, self._with_sampling(lean, lean.num_seqs, True))]
-            # every draft-row count a verifying step of this bucket can have
-            for d in verify_rows.warmup_draft_rows(t_prev, t, k, self.config.scheduler.max_num_seqs) if k else ():
-                rows = lean.num_seqs + d
-                inputs.append(tuple(verify_rows.with_draft_rows(
-                    lean, d, k, self._with_sampling(lean, rows, extras).sampling)
-                    for extras in (False, True)))
-            masked = self._masked_input(lean)
-            # multi-step decode (scheduler.py): a decode bucket's plain programs (lean and
-            # full) again, running `steps` steps
-            steps = self.config.scheduler.num_scheduler_steps
-            multi = steps > 1 and t_prev < self.config.scheduler.max_num_seqs
-            for attention in self.backend.warmup_plans(t, lean.num_seqs):
-                for i, (lean_x, full_x) in enumerate(inputs):
-                    for variant in variants:
-                        variant = dataclasses.replace(variant, attention=attention)
-                        packed, layout = packing.pack(full_x if variant.full else lean_x)
-                        (verifying if i else jobs).append((layout, variant, len(packed)))
-                        self._lean_keys.setdefault(t, (layout, variant))   # (hidden_spec)
-                        if multi and not i:
-                            jobs.append((layout, dataclasses.replace(variant, steps=steps),
-                                         len(packed)))
-                if masked is not None:   # steps whose only extra is a grammar's mask
-                    packed, layout = packing.pack(masked)
-                    variant = dataclasses.replace(self.warmup_variants[0], attention=attention)
-                    jobs.append((layout, variant, len(packed)))
-                    masked_layouts.add(layout)
-
-        # Verifying programs (speculative decoding) and masked ones (structured output) compile
-        # in the background too: a plain step then starts exactly as soon as without them. The
-        # lean ones first (a speculating engine's decode steps are lean verifying ones), the
-        # skewed ones last (a skewed step does not wait for its program).
-        later = [job for job in jobs if job[1].full or job[1].attention.skewed
-                 or job[0] in masked_layouts] + verifying
-        later.sort(key=lambda job: (job[1].attention.skewed, job[1].full))
-        jobs += verifying
-        now = [job for job in jobs if job not in later]
-        threads = os.cpu_count() or 1
-        try:
-            if background:
-                self._pending = self._compiler.start(now + later, threads)
-            else:
-                self._pending = self._compiler.start(now, threads)
-                for future in list(self._pending.values()):
-                    future.result()
-                # Only now the full and skewed ones: tracing and lowering hold the GIL, so
-                # lowering them beside the lean ones slowed those (a warm start spent 12 s in
-                # warm-up).
-                self._pending.update(self._compiler.start(later, threads))
-        except Exception:  # NOTE: threads only save time; compile what is missing one by one
-            logger.warning("parallel compilation failed; compiling one by one", exc_info=True)
-            self.wait_for_warmup(raise_errors=False)
-            for layout, variant, num_words in jobs:
-                if (layout, variant) not in self._executables:
-                    self._compile(layout, variant, num_words)
+        now, later = warmup.step_jobs(self, lean_only, self._lean_keys)
+        self._pending = warmup.start(self, now, later, background)
         if self.state_copier is not None:     # a few small programs (hybrid prefix caching)
             self.state_copier.warmup(self.kv_cache)
         logger.info("compiled %d step programs; %d more compile in the background",
                     0 if background else len(now), len(later) + (len(now) if background else 0))
 
     def hidden_spec(self, num_tokens: int) -> jax.ShapeDtypeStruct | None:
-        """The hidden states (InFlightStep.hidden) that a step of this bucket returns, as an
-        abstract array read off its compiled lean program (None: no hidden states, or not
-        compiled yet): what a proposer reading them compiles its own programs for."""
-        exe = self._executables.get(self._lean_keys.get(num_tokens)) if self.keep_hidden else None
-        if exe is None:
-            return None
-        out = exe.out_info[4][0]
-        return jax.ShapeDtypeStruct(out.shape, out.dtype, sharding=out.sharding)
-
-    def _masked_input(self, lean: StepInput) -> StepInput | None:
-        """`lean` with a full-width allowed-token mask and no other extras: the program of
-        steps whose only extra is a grammar's mask (None: the engine has no grammars)."""
-        if self.batch.grammars is None:
-            return None
-        return dataclasses.replace(lean, sampling=make_sampling_tensors(
-            [], lean.num_seqs, self.cfg.vocab_size, self.config.scheduler.max_model_len,
-            with_extras=False, with_mask=True))
-
-    def _with_sampling(self, x: StepInput, rows: int, extras: bool) -> StepInput:
-        """`x` with empty sampling tensors of `rows` rows (the full program's with extras)."""
-        return dataclasses.replace(x, sampling=make_sampling_tensors(
-            [], rows, self.cfg.vocab_size, self.config.scheduler.max_model_len, with_extras=extras))
+        """The hidden states a step of this bucket returns, abstract (warmup.hidden_spec)."""
+        return warmup.hidden_spec(self, num_tokens)
 
     def wait_for_warmup(self, raise_errors: bool = True) -> None:
         """Wait until every program warm-up started is compiled."""

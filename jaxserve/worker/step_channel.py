@@ -51,7 +51,7 @@ class WorkerLostError(RuntimeError):
 def _types() -> dict[str, type]:
     """The dataclasses a step key may hold (nothing else is ever built from a message)."""
     from jaxserve.models.attention import AttentionPlan
-    from jaxserve.worker.runner import StepVariant
+    from jaxserve.worker.step_program import StepVariant
     from jaxserve.sample.sampler import SamplingTensors
     from jaxserve.core.step_input import StepInput
     return {t.__name__: t for t in (StepInput, SamplingTensors, StepVariant, AttentionPlan)}

@@ -11,13 +11,14 @@ import numpy as np
 import pytest
 
 from jaxserve import LLM, SamplingParams
+from jaxserve.spec_decode.proposer import Proposer
 from test_new_families_engine import assert_all_free, golden
 
 HYBRID = ["qwen3_next", "qwen3_5_moe"]
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 
 
-class Replay:
+class Replay(Proposer):
     """Drafts from the known greedy continuation, each right with probability p (seeded)."""
 
     def __init__(self, prompts, continuations, k: int, p: float):
