@@ -20,7 +20,7 @@ import functools
 import logging
 import math
 import os
-import weakref
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -41,8 +41,8 @@ from jaxserve.sample import rejection_sampler
 from jaxserve.worker import verify_rows
 from jaxserve.worker.state_copies import StateCopier
 from jaxserve.core.step_input import StepInput
-from jaxserve.core.step_messages import (PromptLogprobs, RunnerOutput, SchedulerOutput,
-                                    TokenLogprobs)
+from jaxserve.core.step_messages import (GrammarMasks, PromptLogprobs, RunnerOutput,
+                                         SchedulerOutput, TokenLogprobs)
 
 logger = logging.getLogger(__name__)
 
@@ -329,13 +329,7 @@ class ModelRunner:
         self.prev_ids = jax.device_put(
             jnp.zeros((config.scheduler.max_num_seqs, self.batch.prev_stride), jnp.int32),
             self.input_sharding)
-        # A grammar's next mask needs the token still on its way (jaxserve/structured/masks.py).
-        # NOTE: through a weak reference: a closure over self would make runner -> batch ->
-        # closure -> runner a cycle, and `del llm` would keep the weights on the device until
-        # Python's cyclic collector ran (the suspected cause of a second engine in the same
-        # process running out of memory on the H200: BENCHMARKS.md, hybrid prefix caching)
-        runner = weakref.ref(self)
-        self.batch.last_sampled = lambda: np.asarray(runner().prev_ids).reshape(-1)
+        self.grammar_masks = False    # steps may carry grammar masks (use_grammar_masks)
         # Compiled step programs by (input layout, variant): warm-up fills it, run() uses it.
         # NOTE: the identity names what the jitted step closes over: a stored program is
         # loaded only for the same ones (compiling.ProgramStore)
@@ -353,6 +347,17 @@ class ModelRunner:
         # broadcaster that makes the other hosts launch it too (jaxserve/distributed.py)
         self.step_tap = None
         self._lean_keys: dict[int, tuple] = {}   # bucket -> (layout, variant) of its lean program
+
+    def use_grammar_masks(self, on: bool = True) -> None:
+        """Steps may carry grammar masks (the engine's structured output): warm-up also
+        compiles the lean program with the allowed-token mask. Call before warm-up."""
+        self.grammar_masks = on
+
+    def last_sampled(self) -> dict[str, int]:
+        """Each request's token sampled by the last dispatched step, by request id, read from
+        the device (waits for that step's ids only): what a grammar's next mask needs."""
+        ids = np.asarray(self.prev_ids).reshape(-1)
+        return {rid: int(ids[i]) for rid, i in self.batch.prev_rows.items()}
 
     def return_hidden_states(self, on: bool = True, aux_layers: tuple[int, ...] = ()) -> None:
         """Every step also returns its hidden states (InFlightStep.hidden): the final ones, or
@@ -416,14 +421,17 @@ class ModelRunner:
         return t, min(t, self.config.scheduler.max_num_seqs)
 
     # -- one step ------------------------------------------------------------------------
-    def prepare(self, out: SchedulerOutput) -> tuple[StepInput, StepPlan, StepVariant]:
-        """Take in the step's diffs; its host-side numpy StepInput, plan and program variant."""
+    def prepare(self, out: SchedulerOutput, grammar_masks: Callable[[], GrammarMasks] | None = None
+                ) -> tuple[StepInput, StepPlan, StepVariant]:
+        """Take in the step's diffs; its host-side numpy StepInput, plan and program variant.
+        `grammar_masks`: () -> the step's grammar masks, called once the rest is built."""
         self.batch.apply(out)
-        return self._build(out)
+        return self._build(out, grammar_masks)
 
-    def _build(self, out: SchedulerOutput) -> tuple[StepInput, StepPlan, StepVariant]:
+    def _build(self, out: SchedulerOutput, grammar_masks: Callable[[], GrammarMasks] | None = None
+               ) -> tuple[StepInput, StepPlan, StepVariant]:
         t_pad, s_pad = self.bucket(max(out.num_tokens, 1))
-        x, plan = self.batch.build(out, t_pad, s_pad)
+        x, plan = self.batch.build(out, t_pad, s_pad, grammar_masks)
         n = len(out.scheduled)
         attention = self.backend.plan(t_pad, s_pad, n, np.asarray(x.seq_lens[:n]))
         steps = out.num_steps
@@ -480,12 +488,15 @@ class ModelRunner:
         kept in self._executables)."""
         return self._compiler.compile(layout, variant, num_words)
 
-    def dispatch(self, out: SchedulerOutput) -> InFlightStep:
+    def dispatch(self, out: SchedulerOutput,
+                 grammar_masks: Callable[[], GrammarMasks] | None = None) -> InFlightStep:
         """Build and launch the step without waiting for the device (with a hybrid model's
-        state copies before and after it: state_copies.py)."""
+        state copies before and after it: state_copies.py). `grammar_masks`: () -> the step's
+        grammar masks (the engine's structured output), which the runner ANDs into the step's
+        sampling masks; called once the step is built, as it may wait for the last step."""
         if out.state_loads:   # first: a step taken back after this keeps its requests' loads
             self.copy_states(out.state_loads)
-        x, plan, variant = self.prepare(out)
+        x, plan, variant = self.prepare(out, grammar_masks)
         result, prompt, after = self.run(x, variant)
         if out.state_saves:
             self.copy_states(out.state_saves)
@@ -658,8 +669,8 @@ class ModelRunner:
 
     def _masked_input(self, lean: StepInput) -> StepInput | None:
         """`lean` with a full-width allowed-token mask and no other extras: the program of
-        steps whose only extra is a grammar's mask (None: the engine has no grammars)."""
-        if self.batch.grammars is None:
+        steps whose only extra is a grammar's mask (None: no step carries grammar masks)."""
+        if not self.grammar_masks:
             return None
         return dataclasses.replace(lean, sampling=make_sampling_tensors(
             [], lean.num_seqs, self.cfg.vocab_size, self.config.scheduler.max_model_len,
