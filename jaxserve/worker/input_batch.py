@@ -130,11 +130,10 @@ class InputBatch:
             req.output_token_ids.extend(tokens)
 
     # -- one step's input --------------------------------------------------------------------
-    def build(self, out: SchedulerOutput, num_tokens: int, num_seqs: int,
-              grammar_masks=None) -> tuple[StepInput, StepPlan]:
-        """Host-side numpy StepInput of the step, padded to (num_tokens, num_seqs).
-        `grammar_masks`: () -> the step's GrammarMasks (structured output, made by the engine),
-        called last, once the rest is built: it may wait for the last step's tokens."""
+    def build(self, out: SchedulerOutput, num_tokens: int, num_seqs: int) -> tuple[StepInput, StepPlan]:
+        """Host-side numpy StepInput of the step, padded to (num_tokens, num_seqs). A step in
+        which a request with structured output samples gets a full-width allowed-token mask,
+        for the engine's grammar masks (and_grammar_masks)."""
         p = self.block_size
         token_ids, positions, seq_ids = [], [], []
         rows = np.zeros(num_seqs, np.int64)
@@ -145,7 +144,7 @@ class InputBatch:
         logits_idx = np.zeros(num_seqs, np.int32)
         slots_S = np.zeros(num_seqs, np.int32)
         sampling_rows, samples, prompt_lp, reqs, draft_seqs, ends = [], [], {}, [], [], []
-        full = False
+        full = constrained = False
         t = 0
         for s, sched in enumerate(out.scheduled):
             req = self.requests[sched.req_id]
@@ -197,6 +196,7 @@ class InputBatch:
                 draft_seqs.append(verify_rows.DraftSeq(s, t + n - len(drafts) - 1, drafts,
                                                        sampling_rows[-1]))
             samples.append(sched.sample)
+            constrained = constrained or (sched.sample and params.structured_outputs is not None)
             full = full or params.logprobs is not None or params.uses_truncation
             t += n
         qsl[len(out.scheduled) + 1:] = t
@@ -216,10 +216,7 @@ class InputBatch:
         full = full or bool(prompt_lp) or needs_extras(sampling_rows)
         sampling = make_sampling_tensors(sampling_rows, len(logits_idx), self.vocab_size,
                                          self.max_model_len, with_extras=full,
-                                         with_mask=full or grammar_masks is not None)
-        if grammar_masks is not None:   # last: it may wait for the last step's tokens
-            and_grammar_masks(sampling.allowed_mask, out.req_ids, spec.starts if spec else {},
-                              grammar_masks())
+                                         with_mask=full or constrained)
         x = StepInput(token_ids=np.array(token_ids + [0] * pad, np.int32), positions=positions_T,
                       slot_mapping=slots_T.astype(np.int32), token_seq_ids=seq_T,
                       query_start_loc=qsl, seq_lens=seq_lens, block_tables=tables_SB,
@@ -234,15 +231,15 @@ class InputBatch:
         return x, plan
 
 
-def and_grammar_masks(allowed_SW: np.ndarray, req_ids: list[str],
-                      draft_starts: dict[int, tuple[int, int]], masks: GrammarMasks) -> None:
-    """AND a step's grammar masks into its allowed-token masks (u8[rows, W], in place): a
-    request's mask rows are its draft rows (verify_rows.py), then its sequence row."""
-    seq_of = {rid: s for s, rid in enumerate(req_ids)}
+def and_grammar_masks(allowed_SW: np.ndarray, plan: StepPlan, masks: GrammarMasks) -> None:
+    """AND a built step's grammar masks (structured output: the engine makes them) into its
+    allowed-token masks (u8[rows, W], in place): a request's mask rows are its draft rows
+    (verify_rows.py), then its sequence row."""
+    seq_of = {rid: s for s, rid in enumerate(plan.req_ids)}
     rows = []
     for rid in masks.req_ids:
         s = seq_of[rid]
-        rows += [*verify_rows.rows_of(s, draft_starts), s]
+        rows += [*verify_rows.rows_of(s, plan.draft_starts), s]
     if len(rows) != len(masks.bits):
         raise RuntimeError(f"the step's grammar masks have {len(masks.bits)} rows, its "
                            f"constrained requests {len(rows)}")

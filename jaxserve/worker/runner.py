@@ -31,7 +31,7 @@ from jaxserve.sample import sampler
 from jaxserve.worker import hosts
 from jaxserve.worker.compiling import StepCompiler, wait_all
 from jaxserve.config import EngineConfig
-from jaxserve.worker.input_batch import InputBatch, StepPlan
+from jaxserve.worker.input_batch import InputBatch, StepPlan, and_grammar_masks
 from jaxserve.core.kv_cache import manager as cache_manager
 from jaxserve.core.kv_cache.specs import PagedSpec
 from jaxserve.models.attention import AttentionBackend, AttentionPlan
@@ -424,14 +424,16 @@ class ModelRunner:
     def prepare(self, out: SchedulerOutput, grammar_masks: Callable[[], GrammarMasks] | None = None
                 ) -> tuple[StepInput, StepPlan, StepVariant]:
         """Take in the step's diffs; its host-side numpy StepInput, plan and program variant.
-        `grammar_masks`: () -> the step's grammar masks, called once the rest is built."""
+        `grammar_masks`: () -> the step's grammar masks, ANDed into its sampling masks."""
         self.batch.apply(out)
-        return self._build(out, grammar_masks)
+        x, plan, variant = self._build(out)
+        if grammar_masks is not None:   # last: they may wait for the last step's tokens
+            and_grammar_masks(x.sampling.allowed_mask, plan, grammar_masks())
+        return x, plan, variant
 
-    def _build(self, out: SchedulerOutput, grammar_masks: Callable[[], GrammarMasks] | None = None
-               ) -> tuple[StepInput, StepPlan, StepVariant]:
+    def _build(self, out: SchedulerOutput) -> tuple[StepInput, StepPlan, StepVariant]:
         t_pad, s_pad = self.bucket(max(out.num_tokens, 1))
-        x, plan = self.batch.build(out, t_pad, s_pad, grammar_masks)
+        x, plan = self.batch.build(out, t_pad, s_pad)
         n = len(out.scheduled)
         attention = self.backend.plan(t_pad, s_pad, n, np.asarray(x.seq_lens[:n]))
         steps = out.num_steps
