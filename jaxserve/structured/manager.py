@@ -1,12 +1,12 @@
 """The structured-output manager: the engine's matchers, one per running constrained request,
 and each step's grammar masks (vLLM V1's StructuredOutputManager).
 
-The engine core drives it with the step messages the runner gets, so it holds exactly the
-requests the runner's persistent batch holds: `schedule(out)` before each dispatch (a
-finished or preempted request's matcher is dropped; a new or resumed one gets a matcher that
-has consumed the tokens it generated before), `accept(updates)` after each step (the
-matchers consume the kept tokens) and `valid_drafts` when drafts are proposed (cut at the
-first token a grammar rejects). The masks (masks.py) go to the runner as data
+The engine core drives it with the step messages the runner gets, so it holds a matcher for
+each constrained request the runner's persistent batch holds: `schedule(out)` before each
+dispatch (a finished or preempted request's matcher is dropped; a new or resumed one gets a
+matcher that has consumed the tokens it generated before), `accept(updates)` after each step
+(the matchers consume the kept tokens) and `valid_drafts` when drafts are proposed (cut at
+the first token a grammar rejects). The masks (masks.py) go to the runner as data
 (`GrammarMasks`), asked for only once the runner has built the step: they wait for the
 in-flight step's sampled ids (`last_sampled`, the runner's), so the build overlaps that step.
 """
@@ -62,7 +62,7 @@ class StructuredOutputManager:
             self.requests.pop(new.req_id, None)        # resumed after preemption: start again
             if new.sampling_params.structured_outputs is not None:
                 self.add(new)
-        if not any(s.sample and s.req_id in self.requests for s in out.scheduled):
+        if not self.requests or not any(s.sample and s.req_id in self.requests for s in out.scheduled):
             return None
         return functools.partial(self.step_masks, out)
 
@@ -75,8 +75,9 @@ class StructuredOutputManager:
 
     def accept(self, updates: list[RequestUpdate]) -> None:
         """The tokens a step kept (the scheduler's updates): each matcher consumes its own.
-        (Those of a request dropped meanwhile are not there: the scheduler skips a request it
-        no longer holds, and a preempted one's matcher is gone.)"""
+        (A request dropped meanwhile has none there, or no matcher: the scheduler skips one it
+        no longer holds, and a preempted one's matcher is gone. One that stopped keeps its
+        tokens up to the stop, and its matcher goes with the next step.)"""
         for update in updates:
             req = self.requests.get(update.request_id)
             if req is not None and update.new_token_ids:

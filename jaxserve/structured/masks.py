@@ -83,7 +83,7 @@ class ConstrainedRows:
     after the drafts) and, in a verifying step, `draft_rows[j]` (the row predicting
     drafts[j]); `pending`: its last token is still on the device (the last step's)."""
     row: int
-    request: object                 # manager.ConstrainedRequest (its .req_id, .grammar, .output_token_ids)
+    request: object                 # manager.ConstrainedRequest (.req_id, .grammar, .output_token_ids)
     pending: bool = False
     drafts: tuple[int, ...] = ()
     draft_rows: tuple[int, ...] = ()
