@@ -208,8 +208,8 @@ def test_constrained_and_plain_requests_share_a_batch_and_free_their_matchers(ll
     plain = SamplingParams(temperature=0, max_tokens=6)
     alone = llm.generate(["plain"], plain, use_tqdm=False)[0].outputs[0].token_ids
     waits = []                  # the pipeline stays on: masks wait for the in-flight step's ids
-    batch = llm.engine.runner.batch
-    monkeypatch.setattr(batch, "last_sampled", lambda real=batch.last_sampled: waits.append(1) or real())
+    structured = llm.engine.core.structured
+    monkeypatch.setattr(structured, "last_sampled", lambda real=structured.last_sampled: waits.append(1) or real())
     outs = llm.generate(["plain", "q"], [plain, SamplingParams(temperature=0, max_tokens=20,
                                                                structured_outputs=CASES[1])],
                         use_tqdm=False)

@@ -86,14 +86,13 @@ class Spy:
     fresh one fed the kept tokens only. Counts verified and cut drafts."""
 
     def __init__(self, engine, monkeypatch):
-        self.runner, self.grammars = engine.runner, engine.grammars
+        self.structured, self.grammars = engine.core.structured, engine.grammars
         self.verified = self.cut = self.checked = 0
-        batch = self.runner.batch
-        fill, collect, cut = masks.fill_step_masks, self.runner.collect, batch.grammar_drafts
+        fill, accept, cut = masks.fill_step_masks, self.structured.accept, self.structured.valid_drafts
         monkeypatch.setattr(masks, "fill_step_masks",
                             lambda g, allowed, rows, last: self._filling(rows) or fill(g, allowed, rows, last))
-        monkeypatch.setattr(self.runner, "collect", lambda step: self._collected(step, collect(step)))
-        monkeypatch.setattr(batch, "grammar_drafts", lambda rid, d: self._cut(d, cut(rid, d)))
+        monkeypatch.setattr(self.structured, "accept", lambda updates: self._accepted(accept(updates)))
+        monkeypatch.setattr(self.structured, "valid_drafts", lambda rid, d: self._cut(d, cut(rid, d)))
 
     def _cut(self, drafts, kept):
         self.cut += len(drafts) - len(kept)
@@ -108,10 +107,8 @@ class Spy:
                 assert len(c.draft_rows) == len(c.drafts)
                 self.verified += len(c.drafts)
 
-    def _collected(self, step, result):
-        for req in step.plan.requests:
-            if req.grammar is None or self.runner.batch.requests.get(req.req_id) is not req:
-                continue
+    def _accepted(self, result):
+        for req in self.structured.requests.values():
             req.grammar.catch_up(req.output_token_ids)
             fresh = _fresh(self.grammars, req.sampling_params.structured_outputs, req.output_token_ids)
             m = req.grammar.matcher
@@ -153,7 +150,7 @@ def test_each_draft_row_gets_the_mask_after_the_drafts_before_it_and_the_matcher
     before = with_drafts.grammar.matcher.compute_bitmask()
     drafts = (b, dash, one)
     allowed = np.full((8, 32), 0xFF, np.uint8)
-    constrained = [masks.ConstrainedRows(0, with_drafts, None, drafts, (4, 5, 6)),
+    constrained = [masks.ConstrainedRows(0, with_drafts, False, drafts, (4, 5, 6)),
                    masks.ConstrainedRows(1, plain)]
     masks.fill_step_masks(grammars, allowed, constrained, None)
     for j, row in enumerate([4, 5, 6, 0]):          # draft rows, then the bonus row
@@ -174,7 +171,7 @@ def test_an_invalid_draft_is_rejected_by_its_own_row_and_leaves_the_matcher_clea
     req = _request(grammars, so)
     before = req.grammar.matcher.compute_bitmask()
     allowed = np.full((4, 32), 0xFF, np.uint8)
-    masks.fill_step_masks(grammars, allowed, [masks.ConstrainedRows(0, req, None, (a, z, a), (1, 2, 3))], None)
+    masks.fill_step_masks(grammars, allowed, [masks.ConstrainedRows(0, req, False, (a, z, a), (1, 2, 3))], None)
     assert _allowed(allowed, 1)[a] and not _allowed(allowed, 2)[z]
     assert req.grammar.matcher.compute_bitmask() == before and not req.grammar.matcher.is_error()
 
@@ -188,7 +185,7 @@ def test_rows_past_the_grammars_end_allow_only_eos_as_without_drafts(grammars):
     req = _request(grammars, so, [a])
     assert req.grammar.valid_drafts([a], [b, 2, 2]) == 2
     allowed = np.full((3, 32), 0xFF, np.uint8)
-    masks.fill_step_masks(grammars, allowed, [masks.ConstrainedRows(0, req, None, (b, 2), (1, 2))], None)
+    masks.fill_step_masks(grammars, allowed, [masks.ConstrainedRows(0, req, False, (b, 2), (1, 2))], None)
     assert np.flatnonzero(_allowed(allowed, 1)).tolist() == [b]
     assert np.flatnonzero(_allowed(allowed, 2)).tolist() == [2] == np.flatnonzero(_allowed(allowed, 0)).tolist()
     assert not req.grammar.matcher.is_stopped() and req.grammar.matcher.validate_tokens([b]) == 1

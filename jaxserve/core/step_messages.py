@@ -86,6 +86,17 @@ class SchedulerOutput:
 
 
 @dataclass(frozen=True)
+class GrammarMasks:
+    """A step's grammar masks (structured output), made on the engine's side
+    (structured/manager.py) once the step is built; the runner ANDs them into its sampling
+    rows' allowed-token masks."""
+    req_ids: list[str]      # the constrained requests that sample this step, in step order
+    bits: np.ndarray        # u8[R, W] packed allowed tokens (token t: bit t % 8 of byte t // 8),
+                            # request by request: a row per draft it verifies (the mask after
+                            # the drafts before it), then its own row (after all of them)
+
+
+@dataclass(frozen=True)
 class TokenLogprobs:
     """Logprobs of the tokens sampled for one request this step (one row per token)."""
     chosen: np.ndarray              # f32[n] the sampled token's logprob

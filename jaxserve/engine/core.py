@@ -30,6 +30,7 @@ from jaxserve.engine.input_processor import EngineRequest
 from jaxserve.spec_decode import drafting
 from jaxserve.spec_decode.proposer import Proposer
 from jaxserve.worker.runner import ModelRunner
+from jaxserve.structured.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -44,10 +45,12 @@ class StepOutcome:
 
 
 class EngineCore:
-    def __init__(self, scheduler: Scheduler, runner: ModelRunner, proposer: Proposer | None = None):
+    def __init__(self, scheduler: Scheduler, runner: ModelRunner, proposer: Proposer | None = None,
+                 structured: StructuredOutputManager | None = None):
         self.scheduler = scheduler
         self.runner = runner
         self.proposer = proposer       # drafts for the next step (spec_decode/), or None
+        self.structured = structured   # the matchers and grammar masks (None: no tokenizer)
         self._inflight = None          # the dispatched step whose tokens are not read yet
         self.failed: list[tuple[str, str]] = []   # (request id, error) failed building a step
 
@@ -88,11 +91,13 @@ class EngineCore:
         out, step = current
         result = self.runner.collect(step)
         updates = self.scheduler.update(out, result)
+        if self.structured is not None:
+            self.structured.accept(updates)
         if self.proposer is not None:
             self.proposer.observe(out, step, result)
             drafting.propose_drafts(self.proposer, self.scheduler.running, self.proposer.k,
                                     self.scheduler.config.max_model_len,
-                                    valid=self.runner.batch.grammar_drafts)
+                                    valid=self.structured.valid_drafts if self.structured else None)
         return StepOutcome(out, result, updates, time.perf_counter() - t0)
 
     def drain(self) -> None:
@@ -107,8 +112,11 @@ class EngineCore:
         """Launch a step. If its inputs cannot be built, the requests at fault fail alone
         (listed in self.failed) and the step is taken back; a failure no single request
         explains propagates (the engine stops)."""
+        # the structured-output manager takes in the step's requests first, and the runner
+        # asks for the masks once it has built the step (they wait for the step before)
+        masks = self.structured.schedule(out) if self.structured else None
         try:
-            step = self.runner.dispatch(out)
+            step = self.runner.dispatch(out, masks)
         except Exception as e:
             bad = self.runner.failing_requests(out)
             if not bad:

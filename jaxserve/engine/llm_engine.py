@@ -23,6 +23,7 @@ from jaxserve.sampling_params import SamplingParams
 from jaxserve.spec_decode import metrics as spec_metrics
 from jaxserve.spec_decode.proposer import Proposer
 from jaxserve.structured.compiler import GrammarCompiler
+from jaxserve.structured.manager import StructuredOutputManager
 from jaxserve.tokenizer import Tokenizer
 from jaxserve.worker.runner import ModelRunner
 
@@ -61,12 +62,14 @@ class LLMEngine:
         self.runner = runner
         self.startup_seconds = dict(startup_seconds or {})
         self.scheduler = scheduler
-        self.core = EngineCore(self.scheduler, self.runner, proposer)
-        self.metrics = EngineMetrics()
         eos = tokenizer.eos_token_ids if tokenizer else config.model.eos_token_ids
         # Structured output needs the vocabulary as text: only a model with a tokenizer has it.
         self.grammars = GrammarCompiler(tokenizer.hf, config.model.vocab_size, eos) if tokenizer else None
-        self.runner.batch.grammars = self.grammars
+        structured = (StructuredOutputManager(self.grammars, self.runner.last_sampled)
+                      if self.grammars is not None else None)
+        self.runner.use_grammar_masks(structured is not None)
+        self.core = EngineCore(self.scheduler, self.runner, proposer, structured)
+        self.metrics = EngineMetrics()
         self.inputs = InputProcessor(config, tuple(eos), self.runner.num_blocks, self.grammars)
         self.outputs = OutputProcessor(tokenizer, self.metrics)
         self.step_listeners: list = []      # callables(core.StepOutcome)

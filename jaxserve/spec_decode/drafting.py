@@ -41,7 +41,7 @@ def propose_drafts(proposer: Proposer, running: list[Request], k: int, max_model
     forgets every other request first (ended or preempted: a draft model's rows and blocks
     are bounded by max_num_seqs, like the running requests). `valid(request id, drafts)`
     cuts a request's drafts (structured output: at the first token its grammar rejects, so
-    the step neither computes nor verifies the rest; InputBatch.grammar_drafts)."""
+    the step neither computes nor verifies the rest; StructuredOutputManager.valid_drafts)."""
     proposer.retain({r.request_id for r in running})
     reqs, limits = [], []
     for req in running:

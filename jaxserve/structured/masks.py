@@ -1,11 +1,13 @@
-"""The step's grammar masks: filled on the host for all constrained rows in one call, then
-ANDed into the sampling tensors' packed allowed-token mask (applied on the device).
+"""The step's grammar masks: filled on the host for all constrained rows in one call, by the
+engine's structured-output manager (manager.py), then ANDed by the runner into the sampling
+tensors' packed allowed-token mask (applied on the device).
 
 Pipelining: the engine dispatches step N+1 before it has read step N's tokens, and a
 matcher must consume N's token before it can give N+1's mask. So the runner builds all of
-N+1 first (while the device still runs N), and only then `fill_step_masks` waits for N's
-sampled ids (that small array alone), feeds each matcher its token and fills the masks: the
-device idles for the fill and the launch, not for the host's whole step.
+N+1 first (while the device still runs N), and only then asks for the masks:
+`fill_step_masks` waits for N's sampled ids (that small array alone), feeds each matcher its
+token and fills the masks: the device idles for the fill and the launch, not for the host's
+whole step.
 
 Layout: llguidance writes int32 words, token t at bit t % 32 of word t // 32; read as bytes
 on a little-endian host that is bit t % 8 of byte t // 8, the layout of `allowed_mask`
@@ -79,11 +81,10 @@ class RequestGrammar:
 class ConstrainedRows:
     """One constrained request's mask rows in a step: `row` (its sequence row, which samples
     after the drafts) and, in a verifying step, `draft_rows[j]` (the row predicting
-    drafts[j]); `prev`: its row of the last step's ids if its last token is still on the
-    device, else None."""
+    drafts[j]); `pending`: its last token is still on the device (the last step's)."""
     row: int
-    request: object                 # input_batch.CachedRequest (its .grammar, .output_token_ids)
-    prev: int | None = None
+    request: object                 # manager.ConstrainedRequest (.req_id, .grammar, .output_token_ids)
+    pending: bool = False
     drafts: tuple[int, ...] = ()
     draft_rows: tuple[int, ...] = ()
 
@@ -105,17 +106,19 @@ def fill_masks(executor, allowed_SW: np.ndarray, rows: list[tuple[int, object]],
 
 def fill_step_masks(grammars, allowed_SW: np.ndarray, constrained: list[ConstrainedRows],
                     last_sampled) -> None:
-    """The masks of a step's constrained rows (`ConstrainedRows`); `last_sampled()` waits for
-    the last step and gives its ids on the host. A request with drafts gets one mask per
-    depth: depth j fills the row predicting draft j (or, at j = k, the bonus row) with the
-    matcher advanced over drafts[:j]; every matcher is rolled back to its committed state."""
+    """The masks of a step's constrained rows (`ConstrainedRows`), ANDed into allowed_SW;
+    `last_sampled()` waits for the last step and gives each request's token it sampled, by
+    request id. A request with drafts gets one mask per depth: depth j fills the row
+    predicting draft j (or, at j = k, the bonus row) with the matcher advanced over
+    drafts[:j]; every matcher is rolled back to its committed state."""
     ids = None
-    if any(c.prev is not None for c in constrained):
+    if any(c.pending for c in constrained):
         if last_sampled is None:
             raise RuntimeError("a grammar needs the last step's token, but no runner gives it")
         ids = last_sampled()
     for c in constrained:
-        c.request.grammar.catch_up(c.request.output_token_ids, None if c.prev is None else int(ids[c.prev]))
+        c.request.grammar.catch_up(c.request.output_token_ids,
+                                   int(ids[c.request.req_id]) if c.pending else None)
     advanced = [0] * len(constrained)       # draft tokens each matcher consumed (to roll back)
     alive = [True] * len(constrained)       # its drafts so far were valid
     try:

@@ -26,8 +26,7 @@ from jaxserve.sampling_params import SamplingParams
 from jaxserve.sample.tensors import SamplingRow, make_sampling_tensors, needs_extras
 from jaxserve.worker import verify_rows
 from jaxserve.core.step_input import StepInput
-from jaxserve.core.step_messages import DRAFT_ON_DEVICE, NewRequestData, SchedulerOutput
-from jaxserve.structured import masks as structured_masks
+from jaxserve.core.step_messages import DRAFT_ON_DEVICE, GrammarMasks, NewRequestData, SchedulerOutput
 
 
 @dataclasses.dataclass
@@ -42,7 +41,6 @@ class CachedRequest:
     row: int                        # its row of InputBatch.block_table
     num_blocks: int = 0             # filled entries of that row
     state_slot: int = 0             # its state slot (0: the model keeps no state)
-    grammar: object | None = None   # structured output: its structured.masks.RequestGrammar
 
     @property
     def num_tokens(self) -> int:
@@ -93,8 +91,6 @@ class InputBatch:
         self.requests: dict[str, CachedRequest] = {}
         self.prev_rows: dict[str, int] = {}     # req -> its sampled id's index in the last step's
         self.prev_stride = 1                    # ... ids (flat: [rows, 1 + device draft columns])
-        self.grammars = None    # the engine's structured.compiler.GrammarCompiler (None: no tokenizer)
-        self.last_sampled = None   # () -> the last step's sampled ids on the host (the runner's)
 
     # -- the diffs ---------------------------------------------------------------------------
     def apply(self, out: SchedulerOutput) -> None:
@@ -117,11 +113,9 @@ class InputBatch:
             self.remove(new.req_id)
         row = self.free_rows.pop()
         self.block_table[row] = 0
-        self.requests[new.req_id] = req = CachedRequest(
+        self.requests[new.req_id] = CachedRequest(
             new.req_id, list(new.prompt_token_ids), list(new.output_token_ids),
             new.sampling_params, new.seed, tuple(new.eos_token_ids), row)
-        if new.sampling_params.structured_outputs is not None:
-            req.grammar = structured_masks.RequestGrammar.for_request(self.grammars, new)
 
     def remove(self, req_id: str) -> None:
         req = self.requests.pop(req_id, None)
@@ -135,17 +129,11 @@ class InputBatch:
         if self.requests.get(req.req_id) is req:
             req.output_token_ids.extend(tokens)
 
-    def grammar_drafts(self, req_id: str, drafts: list[int]) -> list[int]:
-        """`drafts` cut at the first token the request's grammar rejects (all of them for a
-        request without one, or one this runner does not hold)."""
-        req = self.requests.get(req_id)
-        if req is None or req.grammar is None:
-            return drafts
-        return drafts[:req.grammar.valid_drafts(req.output_token_ids, drafts)]
-
     # -- one step's input --------------------------------------------------------------------
     def build(self, out: SchedulerOutput, num_tokens: int, num_seqs: int) -> tuple[StepInput, StepPlan]:
-        """Host-side numpy StepInput of the step, padded to (num_tokens, num_seqs)."""
+        """Host-side numpy StepInput of the step, padded to (num_tokens, num_seqs). A step in
+        which a request with structured output samples gets a full-width allowed-token mask,
+        for the engine's grammar masks (and_grammar_masks)."""
         p = self.block_size
         token_ids, positions, seq_ids = [], [], []
         rows = np.zeros(num_seqs, np.int64)
@@ -156,8 +144,7 @@ class InputBatch:
         logits_idx = np.zeros(num_seqs, np.int32)
         slots_S = np.zeros(num_seqs, np.int32)
         sampling_rows, samples, prompt_lp, reqs, draft_seqs, ends = [], [], {}, [], [], []
-        constrained = []            # structured.masks.ConstrainedRows
-        full = False
+        full = constrained = False
         t = 0
         for s, sched in enumerate(out.scheduled):
             req = self.requests[sched.req_id]
@@ -209,9 +196,7 @@ class InputBatch:
                 draft_seqs.append(verify_rows.DraftSeq(s, t + n - len(drafts) - 1, drafts,
                                                        sampling_rows[-1]))
             samples.append(sched.sample)
-            if req.grammar is not None and sched.sample:
-                constrained.append(structured_masks.ConstrainedRows(
-                    s, req, self.prev_rows[sched.req_id] if known < real else None, tuple(drafts)))
+            constrained = constrained or (sched.sample and params.structured_outputs is not None)
             full = full or params.logprobs is not None or params.uses_truncation
             t += n
         qsl[len(out.scheduled) + 1:] = t
@@ -228,15 +213,10 @@ class InputBatch:
             spec = verify_rows.build(draft_seqs, num_seqs, self.max_spec_tokens)
             logits_idx = np.concatenate([logits_idx, spec.logits_indices])
             sampling_rows += [verify_rows.PAD_ROW] * (num_seqs - len(sampling_rows)) + spec.sampling_rows
-            constrained = [dataclasses.replace(c, draft_rows=verify_rows.rows_of(c.row, spec.starts))
-                           for c in constrained]
         full = full or bool(prompt_lp) or needs_extras(sampling_rows)
         sampling = make_sampling_tensors(sampling_rows, len(logits_idx), self.vocab_size,
                                          self.max_model_len, with_extras=full,
-                                         with_mask=full or bool(constrained))
-        if constrained:   # last: it may wait for the last step's tokens (structured/masks.py)
-            structured_masks.fill_step_masks(self.grammars, sampling.allowed_mask, constrained,
-                                             self.last_sampled)
+                                         with_mask=full or constrained)
         x = StepInput(token_ids=np.array(token_ids + [0] * pad, np.int32), positions=positions_T,
                       slot_mapping=slots_T.astype(np.int32), token_seq_ids=seq_T,
                       query_start_loc=qsl, seq_lens=seq_lens, block_tables=tables_SB,
@@ -249,3 +229,19 @@ class InputBatch:
         plan = StepPlan(out.req_ids, reqs, samples, prompt_lp, qsl, full, bool(prompt_lp),
                         spec.starts if spec else {}, ends)
         return x, plan
+
+
+def and_grammar_masks(allowed_SW: np.ndarray, plan: StepPlan, masks: GrammarMasks) -> None:
+    """AND a built step's grammar masks (structured output: the engine makes them) into its
+    allowed-token masks (u8[rows, W], in place): a request's mask rows are its draft rows
+    (verify_rows.py), then its sequence row."""
+    seq_of = {rid: s for s, rid in enumerate(plan.req_ids)}
+    rows = []
+    for rid in masks.req_ids:
+        s = seq_of[rid]
+        rows += [*verify_rows.rows_of(s, plan.draft_starts), s]
+    if len(rows) != len(masks.bits):
+        raise RuntimeError(f"the step's grammar masks have {len(masks.bits)} rows, its "
+                           f"constrained requests {len(rows)}")
+    if rows:
+        allowed_SW[rows] &= masks.bits

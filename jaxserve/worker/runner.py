@@ -24,7 +24,7 @@ import dataclasses
 import functools
 import logging
 import math
-import weakref
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -34,14 +34,14 @@ from jaxserve.config import EngineConfig
 from jaxserve.core.kv_cache import manager as cache_manager
 from jaxserve.core.kv_cache.specs import PagedSpec
 from jaxserve.core.step_input import StepInput
-from jaxserve.core.step_messages import (PromptLogprobs, RunnerOutput, SchedulerOutput,
-                                         TokenLogprobs)
+from jaxserve.core.step_messages import (GrammarMasks, PromptLogprobs, RunnerOutput,
+                                         SchedulerOutput, TokenLogprobs)
 from jaxserve.models.attention import AttentionBackend, AttentionPlan
 from jaxserve.sample import rejection_sampler, sampler
 from jaxserve.worker import packing, verify_rows, warmup
 from jaxserve.worker.cache_sizing import allocate_caches, plan_caches
 from jaxserve.worker.compiling import StepCompiler, abstract, wait_all
-from jaxserve.worker.input_batch import InputBatch, StepPlan
+from jaxserve.worker.input_batch import InputBatch, StepPlan, and_grammar_masks
 from jaxserve.worker.state_copies import StateCopier
 from jaxserve.worker.step_program import StepVariant, make_step, token_buckets
 from jaxserve.worker.target_view import TargetNeeds, TargetView
@@ -138,13 +138,7 @@ class ModelRunner:
         self.prev_ids = jax.device_put(
             jnp.zeros((config.scheduler.max_num_seqs, self.batch.prev_stride), jnp.int32),
             self.input_sharding)
-        # A grammar's next mask needs the token still on its way (jaxserve/structured/masks.py).
-        # NOTE: through a weak reference: a closure over self would make runner -> batch ->
-        # closure -> runner a cycle, and `del llm` would keep the weights on the device until
-        # Python's cyclic collector ran (the suspected cause of a second engine in the same
-        # process running out of memory on the H200: BENCHMARKS.md, hybrid prefix caching)
-        runner = weakref.ref(self)
-        self.batch.last_sampled = lambda: np.asarray(runner().prev_ids).reshape(-1)
+        self.grammar_masks = False    # steps may carry grammar masks (use_grammar_masks)
         # Compiled step programs by (input layout, variant): warm-up fills it, run() uses it.
         # NOTE: the identity names what the jitted step closes over: a stored program is
         # loaded only for the same ones (compiling.ProgramStore)
@@ -162,6 +156,17 @@ class ModelRunner:
         # broadcaster that makes the other hosts launch it too (jaxserve/distributed.py)
         self.step_tap = None
         self._lean_keys: dict[int, tuple] = {}   # bucket -> (layout, variant) of its lean program
+
+    def use_grammar_masks(self, on: bool = True) -> None:
+        """Steps may carry grammar masks (the engine's structured output): warm-up also
+        compiles the lean program with the allowed-token mask. Call before warm-up."""
+        self.grammar_masks = on
+
+    def last_sampled(self) -> dict[str, int]:
+        """Each request's token sampled by the last dispatched step, by request id, read from
+        the device (waits for that step's ids only): what a grammar's next mask needs."""
+        ids = np.asarray(self.prev_ids).reshape(-1)
+        return {rid: int(ids[i]) for rid, i in self.batch.prev_rows.items()}
 
     def return_hidden_states(self, on: bool = True, aux_layers: tuple[int, ...] = ()) -> None:
         """Every step also returns its hidden states (InFlightStep.hidden): the final ones, or
@@ -195,10 +200,15 @@ class ModelRunner:
         return t, min(t, self.config.scheduler.max_num_seqs)
 
     # -- one step ------------------------------------------------------------------------
-    def prepare(self, out: SchedulerOutput) -> tuple[StepInput, StepPlan, StepVariant]:
-        """Take in the step's diffs; its host-side numpy StepInput, plan and program variant."""
+    def prepare(self, out: SchedulerOutput, grammar_masks: Callable[[], GrammarMasks] | None = None
+                ) -> tuple[StepInput, StepPlan, StepVariant]:
+        """Take in the step's diffs; its host-side numpy StepInput, plan and program variant.
+        `grammar_masks`: () -> the step's grammar masks, ANDed into its sampling masks."""
         self.batch.apply(out)
-        return self._build(out)
+        x, plan, variant = self._build(out)
+        if grammar_masks is not None:   # last: they may wait for the last step's tokens
+            and_grammar_masks(x.sampling.allowed_mask, plan, grammar_masks())
+        return x, plan, variant
 
     def _build(self, out: SchedulerOutput) -> tuple[StepInput, StepPlan, StepVariant]:
         t_pad, s_pad = self.bucket(max(out.num_tokens, 1))
@@ -259,12 +269,15 @@ class ModelRunner:
         kept in self._executables)."""
         return self._compiler.compile(layout, variant, num_words)
 
-    def dispatch(self, out: SchedulerOutput) -> InFlightStep:
+    def dispatch(self, out: SchedulerOutput,
+                 grammar_masks: Callable[[], GrammarMasks] | None = None) -> InFlightStep:
         """Build and launch the step without waiting for the device (with a hybrid model's
-        state copies before and after it: state_copies.py)."""
+        state copies before and after it: state_copies.py). `grammar_masks`: () -> the step's
+        grammar masks (the engine's structured output), which the runner ANDs into the step's
+        sampling masks; called once the step is built, as it may wait for the last step."""
         if out.state_loads:   # first: a step taken back after this keeps its requests' loads
             self.copy_states(out.state_loads)
-        x, plan, variant = self.prepare(out)
+        x, plan, variant = self.prepare(out, grammar_masks)
         result, prompt, after = self.run(x, variant)
         if out.state_saves:
             self.copy_states(out.state_saves)

@@ -123,8 +123,8 @@ def hidden_spec(runner, num_tokens: int) -> jax.ShapeDtypeStruct | None:
 
 def masked_input(runner, lean: StepInput) -> StepInput | None:
     """`lean` with a full-width allowed-token mask and no other extras: the program of
-    steps whose only extra is a grammar's mask (None: the engine has no grammars)."""
-    if runner.batch.grammars is None:
+    steps whose only extra is a grammar's mask (None: no step carries grammar masks)."""
+    if not runner.grammar_masks:
         return None
     return dataclasses.replace(lean, sampling=make_sampling_tensors(
         [], lean.num_seqs, runner.cfg.vocab_size, runner.config.scheduler.max_model_len,
