@@ -104,3 +104,49 @@ def test_no_product_file_over_500_lines():
         if n > MAX_LINES:
             long[os.path.relpath(path, os.path.dirname(ROOT))] = n
     assert not long, f"files over {MAX_LINES} lines: {long}"
+
+
+def _folder(module: str) -> str:
+    """The folder a module belongs to, for the direction rules: jaxserve's subpackages (models'
+    layers/ and loaders/ on their own), "base" for the top-level modules."""
+    parts = module.split(".")
+    if len(parts) > 2 and parts[1] == "models" and parts[2] in ("layers", "loaders"):
+        return f"models.{parts[2]}"
+    if len(parts) > 2 or (len(parts) == 2 and os.path.isdir(os.path.join(ROOT, parts[1]))):
+        return parts[1]
+    return "base"
+
+
+# Folder -> the folders it must not import (ARCHITECTURE.md, "Which way the imports point"):
+# server -> engine -> core / worker (spec_decode, structured) -> models -> pallas_kernels ->
+# models/layers.
+ABOVE_MODELS = {"worker", "engine", "server", "spec_decode", "structured", "sample", "bench",
+                "train_draft", "cli"}
+MUST_NOT_IMPORT = {
+    "models.layers": ABOVE_MODELS | {"models", "models.loaders", "pallas_kernels", "sharding", "core"},
+    "pallas_kernels": ABOVE_MODELS | {"models", "models.loaders", "sharding", "core"},
+    "sharding": ABOVE_MODELS | {"models", "models.loaders", "core"},
+    "models": ABOVE_MODELS,
+    "models.loaders": ABOVE_MODELS,
+    "core": ABOVE_MODELS - {"sample"} | {"models", "models.loaders", "pallas_kernels", "sharding"},
+    "sample": ABOVE_MODELS - {"sample"} | {"models", "models.loaders", "core"},
+    "structured": {"worker", "engine", "server", "spec_decode", "bench", "train_draft", "models",
+                   "models.loaders"},
+    "worker": {"engine", "server", "spec_decode", "structured", "bench", "train_draft"},
+    "spec_decode": {"engine", "server", "structured", "bench", "train_draft"},
+    "engine": {"server", "bench", "train_draft"},
+    "server": {"bench", "train_draft"},
+}
+
+
+def test_the_folders_import_one_way():
+    wrong = sorted(f"{a} -> {b}" for a, targets in import_graph().items() for b in targets
+                   if _folder(b) in MUST_NOT_IMPORT.get(_folder(a), ()))
+    assert not wrong, "imports against the folders' direction:\n" + "\n".join(wrong)
+
+
+def test_the_direction_check_sees_a_wrong_import():
+    assert _folder("jaxserve.worker.runner") == "worker"
+    assert _folder("jaxserve.models.layers.mla") == "models.layers"
+    assert _folder("jaxserve.config") == "base"
+    assert "spec_decode" in MUST_NOT_IMPORT[_folder("jaxserve.worker.runner")]
