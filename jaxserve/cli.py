@@ -7,6 +7,7 @@ import os
 import sys
 
 from jaxserve.engine.args import add_engine_arguments, engine_kwargs
+from jaxserve.engine.vllm_flags import add_vllm_arguments
 from jaxserve.server.args import add_frontend_arguments, add_server_arguments
 
 # Set to see the traceback behind a one-line start-up error.
@@ -62,6 +63,7 @@ def _add_batch_parser(sub, name: str, help_: str) -> None:
     p = sub.add_parser(name, help=help_)
     add_engine_arguments(p)
     add_frontend_arguments(p)
+    add_vllm_arguments(p)
     p.add_argument("--input", "-i", required=True, help="input JSONL: custom_id, method, url, body per line")
     p.add_argument("--output", "-o", required=True, help="output JSONL, one line per input line, in order")
     p.add_argument("--progress-every", type=int, default=100, metavar="N",
@@ -76,6 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     add_engine_arguments(p)
     add_server_arguments(p)
+    add_vllm_arguments(p)
     p.set_defaults(func=_serve)
 
     _add_batch_parser(sub, "generate", "offline batch generation from an OpenAI batch file (JSONL)")

@@ -31,6 +31,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("engine")
     g.add_argument("--model", dest="model_option", default=None, metavar="MODEL",
                    help="the model, as the positional argument (vLLM's spelling)")
+    g.add_argument("--tokenizer", default=None, metavar="DIR",
+                   help="a HF tokenizer directory to use instead of the model's own (vLLM's flag; "
+                        "nothing is downloaded)")
     g.add_argument("--dtype", choices=list(DTYPES), default="auto",
                    help="weights and activations (auto: bfloat16 on GPU, float32 on CPU; "
                         "half = float16, float = float32)")
@@ -51,9 +54,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         "sets the same number, but vLLM means something else by it: the share of the "
                         "GPU's whole memory its instance may use for weights, activations and KV cache "
                         "together; here the weights come first and the rest is split")
-    g.add_argument("--num-kv-blocks", type=int_at_least(2), default=None,
+    g.add_argument("--num-kv-blocks", "--num-gpu-blocks-override", type=int_at_least(2), default=None,
+                   dest="num_kv_blocks",
                    help="KV blocks (overrides the memory fraction); block 0 is reserved, so a request "
-                        "of max_model_len tokens needs ceil(max_model_len / block_size) + 1 blocks")
+                        "of max_model_len tokens needs ceil(max_model_len / block_size) + 1 blocks "
+                        "(--num-gpu-blocks-override is vLLM's name)")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse the KV blocks of prompts' shared prefixes (default: on)")
     g.add_argument("--num-cached-states", type=int_at_least(0), default=None,
@@ -199,6 +204,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         speculative_config=getattr(args, "speculative_config", None),
         quantization=getattr(args, "quantization", None),
         data_parallel_size=getattr(args, "data_parallel_size", 1),
+        tokenizer=getattr(args, "tokenizer", None),
         # The engine carries one name; the server lists and accepts all of them.
         served_model_name=names[0] if names else None)
 

@@ -67,8 +67,8 @@ def from_engine_args(model: str | None = None, *, dtype: str | None = None,
                      warmup: bool = True,
                      warmup_all: bool = False, program_cache: bool = False,
                      speculative_config: dict | str | None = None, quantization: str | None = None,
-                     data_parallel_size: int = 1, devices: list | None = None
-                     ) -> LLMEngine | DataParallelEngine:
+                     data_parallel_size: int = 1, devices: list | None = None,
+                     tokenizer: str | None = None) -> LLMEngine | DataParallelEngine:
     """The engine for these options. data_parallel_size > 1: a DataParallelEngine of that
     many (engine/data_parallel.py). devices: the ones this engine runs on (default: the
     first tensor_parallel_size * expert_parallel_size)."""
@@ -116,7 +116,8 @@ def _build(model, *, dtype, load_format, served_model_name, block_size, num_kv_b
            max_waiting_requests, long_prefill_token_threshold, num_scheduler_steps,
            tensor_parallel_size,
            expert_parallel_size, seed, max_logprobs, attention_impl, fused_kernels, warmup,
-           warmup_all, program_cache, speculative_config, quantization, devices, device) -> LLMEngine:
+           warmup_all, program_cache, speculative_config, quantization, tokenizer, devices,
+           device) -> LLMEngine:
     from jaxserve.models import loader, registry
     from jaxserve.models.loaders import default_model
 
@@ -134,7 +135,8 @@ def _build(model, *, dtype, load_format, served_model_name, block_size, num_kv_b
         mesh = mesh_from_parallel_config(parallel, devices)
     t0 = time.perf_counter()
     cfg, params, tokenizer = loader.load_model(model, load_format=load_format, dtype=dtype,
-                                               mesh=mesh, seed=seed, quantization=quantization)
+                                               mesh=mesh, seed=seed, quantization=quantization,
+                                               tokenizer=tokenizer)
     load_s = time.perf_counter() - t0
     max_model_len = max_model_len or min(cfg.max_position_embeddings, _default(None, 8192, cpu_defaults.MAX_MODEL_LEN))
     if max_model_len > cfg.max_position_embeddings:

@@ -35,7 +35,8 @@ def resolve_model_path(model: str | None) -> str:
 
 def load_model(model: str | None, load_format: str = "auto", dtype: str = "float32", *,
                mesh=None, seed: int = 0,
-               quantization: str | None = None) -> tuple[ModelConfig, dict, Tokenizer | None]:
+               quantization: str | None = None,
+               tokenizer: str | None = None) -> tuple[ModelConfig, dict, Tokenizer | None]:
     """(config, params on the device or sharded over `mesh`, tokenizer).
 
     The tokenizer is None when there is nothing to build it from (a HF directory without
@@ -43,8 +44,20 @@ def load_model(model: str | None, load_format: str = "auto", dtype: str = "float
     `prompt_token_ids`, and anything that needs text must say so.
     For `load_format="dummy"`, `model` may also be a config.json path or the name of a ready
     config in models/configs/ (e.g. "Qwen3-30B-A3B"). quantization "fp8": an FP8 HF
-    checkpoint's experts stay FP8 (a family that keeps_fp8_experts).
+    checkpoint's experts stay FP8 (a family that keeps_fp8_experts). tokenizer: a HF
+    directory to take the tokenizer from instead of the model's (vLLM's --tokenizer).
     """
+    cfg, params, own = _load_model(model, load_format, dtype, mesh=mesh, seed=seed,
+                                   quantization=quantization)
+    if tokenizer is None:
+        return cfg, params, own
+    if not (os.path.isdir(tokenizer) and hf_loader.has_tokenizer_files(tokenizer)):
+        raise ValueError(f"tokenizer {tokenizer!r}: not a directory with tokenizer files "
+                         f"(tokenizer.json, tokenizer.model or tokenizer_config.json); nothing is downloaded")
+    return cfg, params, Tokenizer.from_pretrained(tokenizer, cfg.eos_token_ids)
+
+
+def _load_model(model, load_format, dtype, *, mesh, seed, quantization):
     if load_format not in ("auto", "gguf", "safetensors", "dummy"):
         raise ValueError(f"load_format must be one of auto, gguf, safetensors, dummy; got {load_format!r}")
     if load_format == "dummy":

@@ -32,6 +32,10 @@ def add_frontend_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json"],
                    help="the model's tool-call format: hermes (Hermes, Qwen: <tool_call>{...}</tool_call>) "
                         "or llama3_json (Llama 3.x: a JSON object with name and parameters)")
+    g.add_argument("--return-tokens-as-token-ids", action="store_true",
+                   help="in logprobs, name every token 'token_id:N' instead of its text (as vLLM; "
+                        "for tokens that do not decode to text on their own); a request's own "
+                        "return_tokens_as_token_ids also asks for it")
 
 
 def add_server_arguments(parser: argparse.ArgumentParser) -> None:
@@ -52,9 +56,16 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
                                             "is vLLM's name for it)")
     g.add_argument("--disable-uvicorn-access-log", action="store_true",
                    help="no access-log line per HTTP request")
+    g.add_argument("--enable-log-requests", action="store_true",
+                   help="log one line per request: its id, prompt (cut at --max-log-len) and "
+                        "sampling parameters (off by default)")
     g.add_argument("--disable-log-requests", action="store_true",
-                   help="accepted for vLLM's command lines: jaxserve never logs prompts or outputs "
-                        "(the access log is uvicorn's: --disable-uvicorn-access-log)")
+                   help="accepted for vLLM's command lines: requests are logged only with "
+                        "--enable-log-requests (the access log is uvicorn's: "
+                        "--disable-uvicorn-access-log)")
+    g.add_argument("--max-log-len", type=int_at_least(0), default=None, metavar="N",
+                   help="with --enable-log-requests: characters (or token ids) of the prompt "
+                        "logged (default: all)")
     g.add_argument("--disable-log-stats", action="store_true",
                    help="accepted for vLLM's command lines: jaxserve logs no periodic statistics "
                         "(they are on /metrics)")

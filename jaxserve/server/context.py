@@ -25,6 +25,11 @@ class ServerContext:
     # tool_choice "auto": vLLM's --enable-auto-tool-choice and --tool-call-parser (server/tools.py)
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
+    # --return-tokens-as-token-ids: logprobs name tokens "token_id:N" (a request may ask too)
+    return_tokens_as_token_ids: bool = False
+    # --enable-log-requests: one log line per request, its prompt cut at --max-log-len
+    log_requests: bool = False
+    max_log_len: int | None = None
     # NOTE: tokenizing and chat templates run here, off the event loop; one thread, so that
     # requests never tokenize concurrently with each other.
     tokenizer_pool: ThreadPoolExecutor = field(
@@ -56,6 +61,11 @@ class ServerContext:
     @property
     def max_logprobs(self) -> int:
         return self.engine.config.max_logprobs
+
+    def tokens_as_ids(self, asked: bool | None) -> bool:
+        """Whether logprobs name tokens "token_id:N": the request's return_tokens_as_token_ids
+        if it gives one, else --return-tokens-as-token-ids."""
+        return self.return_tokens_as_token_ids if asked is None else asked
 
     def check_model(self, name: str | None) -> None:
         """A request may leave `model` out; if it names one, it must be one we serve."""

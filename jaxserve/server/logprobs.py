@@ -18,7 +18,10 @@ def _finite(x: float) -> float:
     return _LOGPROB_FLOOR if math.isnan(x) or x < _LOGPROB_FLOOR else float(x)
 
 
-def _token_str(tokenizer, token_id: int, lp: Logprob | None) -> str:
+def _token_str(tokenizer, token_id: int, lp: Logprob | None, as_ids: bool = False) -> str:
+    """The token's text; "token_id:N" with as_ids (--return-tokens-as-token-ids)."""
+    if as_ids:
+        return f"token_id:{token_id}"
     if lp is not None and lp.decoded_token is not None:
         return lp.decoded_token
     if tokenizer is None:   # a model without a tokenizer: name the token by its id (as vLLM does)
@@ -36,20 +39,21 @@ def _ranked(position: PositionLogprobs, top_n: int) -> list[tuple[int, Logprob]]
 class CompletionLogprobs:
     """Accumulates the completions shape; `text_offset` runs on across calls (streaming)."""
 
-    def __init__(self, tokenizer, text_offset: int = 0):
+    def __init__(self, tokenizer, text_offset: int = 0, as_ids: bool = False):
         self.tokenizer = tokenizer
         self.text_offset = text_offset
+        self.as_ids = as_ids
 
     def format(self, token_ids: list[int], positions: list[PositionLogprobs | None]) -> dict:
         out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         for token_id, position in zip(token_ids, positions):
             chosen = position.get(token_id) if position else None
-            token = _token_str(self.tokenizer, token_id, chosen)
+            token = _token_str(self.tokenizer, token_id, chosen, self.as_ids)
             out["tokens"].append(token)
             out["token_logprobs"].append(None if chosen is None else _finite(chosen.logprob))
             out["top_logprobs"].append(
                 None if position is None else
-                {_token_str(self.tokenizer, t, lp): _finite(lp.logprob) for t, lp in
+                {_token_str(self.tokenizer, t, lp, self.as_ids): _finite(lp.logprob) for t, lp in
                  sorted(position.items(), key=lambda kv: -kv[1].logprob)})
             out["text_offset"].append(self.text_offset)
             self.text_offset += len(token)
@@ -62,9 +66,9 @@ def merge_completion_logprobs(parts: list[dict]) -> dict:
 
 
 def chat_logprobs(tokenizer, token_ids: list[int], positions: list[PositionLogprobs | None],
-                  top_n: int) -> dict:
+                  top_n: int, as_ids: bool = False) -> dict:
     def entry(token_id: int, lp: Logprob | None) -> dict:
-        token = _token_str(tokenizer, token_id, lp)
+        token = _token_str(tokenizer, token_id, lp, as_ids)
         return {"token": token, "logprob": _finite(lp.logprob) if lp else _LOGPROB_FLOOR,
                 "bytes": list(token.encode("utf-8"))}
 

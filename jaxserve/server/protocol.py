@@ -69,6 +69,8 @@ class SamplingFields(_Body):
     logit_bias: dict[str, float] | None = None
     allowed_token_ids: TokenIds | None = None
     prompt_logprobs: int | None = Field(None, ge=0)
+    # vLLM's extension: logprobs name tokens "token_id:N" (None: the server's flag decides)
+    return_tokens_as_token_ids: bool | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     echo: bool = False

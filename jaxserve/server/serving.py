@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Callable
 
 from fastapi.responses import JSONResponse, Response
@@ -16,6 +17,18 @@ from jaxserve.server.streaming import StreamFormatter, sse_events
 # nginx's "client closed request": never seen by the client, but visible in access logs.
 CLIENT_CLOSED_REQUEST = 499
 
+logger = logging.getLogger("jaxserve.server.requests")
+
+
+def log_request(ctx: ServerContext, request_id: str, token_ids: list[int], text: str | None,
+                params: SamplingParams) -> None:
+    """--enable-log-requests: the request's id, prompt (cut at --max-log-len) and parameters."""
+    cut = ctx.max_log_len
+    shown_text = text if text is None or cut is None else text[:cut]
+    shown_ids = token_ids if cut is None else token_ids[:cut]
+    logger.info("received request %s: prompt: %r, prompt_token_ids: %s, params: %s",
+                request_id, shown_text, shown_ids, params)
+
 
 async def run_generation(ctx: ServerContext, request, request_id: str,
                          prompts: list[tuple[list[int], str | None]], params: list[SamplingParams],
@@ -24,6 +37,9 @@ async def run_generation(ctx: ServerContext, request, request_id: str,
     if stream is not None:    # a stream sends what is new: the engine hands out only that
         params = [p.clone(output_kind="delta") for p in params]
     generation = GenerationSet(ctx.engine, request_id, prompts, params)
+    if ctx.log_requests:
+        for rid, (ids, text), sp in zip(generation.request_ids, prompts, params):
+            log_request(ctx, rid, ids, text, sp)
     handed_to_stream = False
     try:
         if stream is not None:

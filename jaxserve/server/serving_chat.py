@@ -50,7 +50,8 @@ class ChatStream(StreamFormatter):
         logprobs = None
         if self.req.logprobs and delta.token_ids:
             logprobs = chat_logprobs(self.ctx.tokenizer, delta.token_ids, delta.logprobs,
-                                     self.req.top_logprobs or 0)
+                                     self.req.top_logprobs or 0,
+                                     self.ctx.tokens_as_ids(self.req.return_tokens_as_token_ids))
         body, finish = self._delta(index, delta)
         if not body and logprobs is None and finish is None:
             return None
@@ -98,7 +99,8 @@ def chat_body(ctx: ServerContext, req: ChatCompletionRequest, plan: ToolPlan, re
     for c in out.outputs:
         logprobs = None
         if req.logprobs:
-            logprobs = chat_logprobs(ctx.tokenizer, c.token_ids, c.logprobs or [], req.top_logprobs or 0)
+            logprobs = chat_logprobs(ctx.tokenizer, c.token_ids, c.logprobs or [], req.top_logprobs or 0,
+                                     ctx.tokens_as_ids(req.return_tokens_as_token_ids))
         message = {"role": "assistant", "content": _echo_text(req) + c.text}
         reason = c.finish_reason
         if plan.mode != "none":

@@ -52,7 +52,8 @@ class CompletionStream(StreamFormatter):
                delta: ChoiceDelta) -> dict | None:
         text, logprobs = delta.text, None
         if self.req.logprobs is not None:
-            fmt = self.logprob_fmts.setdefault(index, CompletionLogprobs(self.ctx.tokenizer))
+            fmt = self.logprob_fmts.setdefault(index, CompletionLogprobs(
+                self.ctx.tokenizer, as_ids=self.ctx.tokens_as_ids(self.req.return_tokens_as_token_ids)))
             parts = self.echo.logprobs(prompt_index, out, fmt) if delta.first else []
             parts.append(fmt.format(delta.token_ids, delta.logprobs))
             logprobs = merge_completion_logprobs(parts)
@@ -72,7 +73,8 @@ def completion_body(ctx: ServerContext, req: CompletionRequest, echo: _Echo, req
         for c in out.outputs:
             logprobs = None
             if req.logprobs is not None:
-                fmt = CompletionLogprobs(ctx.tokenizer)
+                fmt = CompletionLogprobs(ctx.tokenizer,
+                                         as_ids=ctx.tokens_as_ids(req.return_tokens_as_token_ids))
                 parts = echo.logprobs(prompt_index, out, fmt)
                 parts.append(fmt.format(c.token_ids, c.logprobs or []))
                 logprobs = merge_completion_logprobs(parts)

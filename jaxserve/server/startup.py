@@ -14,6 +14,7 @@ import time
 
 from jaxserve.engine.args import engine_kwargs, served_model_names
 from jaxserve.engine.checks import StartupError, check_can_serve, check_model_argument
+from jaxserve.engine.vllm_flags import check_vllm_combinations, noop_notes
 
 logger = logging.getLogger("jaxserve")
 
@@ -61,7 +62,10 @@ def start_engine(args: argparse.Namespace):
     from jaxserve.engine import AsyncEngine
     from jaxserve.engine.generation_config import default_sampling
 
+    check_vllm_combinations(args)
     kwargs = engine_kwargs(args)
+    for note in noop_notes(args):    # vLLM's flags that change nothing here, and why
+        logger.info("%s", note)
     check_model_argument(kwargs["model"], kwargs["load_format"])
     template = read_chat_template(getattr(args, "chat_template", None))
     defaults = default_sampling(getattr(args, "generation_config", "vllm"), kwargs["model"])
@@ -97,4 +101,7 @@ def server_context(engine, args: argparse.Namespace, default_sampling: dict, **k
     return ServerContext(engine, served_model_names=served_model_names(args) or (engine.model_name,),
                          default_sampling=default_sampling,
                          enable_auto_tool_choice=getattr(args, "enable_auto_tool_choice", False),
-                         tool_call_parser=getattr(args, "tool_call_parser", None), **kwargs)
+                         tool_call_parser=getattr(args, "tool_call_parser", None),
+                         return_tokens_as_token_ids=getattr(args, "return_tokens_as_token_ids", False),
+                         log_requests=getattr(args, "enable_log_requests", False),
+                         max_log_len=getattr(args, "max_log_len", None), **kwargs)

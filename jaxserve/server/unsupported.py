@@ -52,8 +52,6 @@ UNSUPPORTED: dict[str, Unsupported] = {
     "bad_words": Unsupported("bad_words is not implemented; logit_bias with -100 bans tokens", _truthy),
     "truncate_prompt_tokens": Unsupported("prompt truncation is not implemented; shorten the prompt"),
     "prompt_embeds": Unsupported("prompt embeddings are not implemented; send text or token ids"),
-    "return_tokens_as_token_ids": Unsupported("token-id strings in logprobs are not implemented",
-                                              _truthy),
     "chat_template": Unsupported("a per-request chat template is not accepted; start the server "
                                  "with --chat-template"),
     "documents": Unsupported("documents for retrieval chat templates are not implemented"),

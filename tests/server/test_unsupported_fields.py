@@ -70,7 +70,7 @@ def test_the_same_fields_asking_for_nothing_are_accepted(client, field, value, e
 def test_every_table_entry_is_refused_when_it_asks(client):
     # Guards the table itself: a row whose predicate never fires would silently accept again.
     asking = {"use_beam_search": True, "functions": [{}], "logits_processors": ["p"],
-              "bad_words": ["w"], "return_tokens_as_token_ids": True, "priority": 1}
+              "bad_words": ["w"], "priority": 1}
     for field in unsupported.UNSUPPORTED:
         r = client.post("/v1/completions", json={**COMPLETION, field: asking.get(field, "x")})
         assert r.status_code == 400 and r.json()["error"]["param"] == field, (field, r.text)
