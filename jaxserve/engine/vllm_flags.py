@@ -133,6 +133,8 @@ VLLM_FLAGS: tuple[VllmFlag, ...] = (
           "this one"),
     _noop("--num-lookahead-slots", "speculative decoding reserves its own slots", "N"),
     _noop("--use-v2-block-manager", "there is one block manager"),
+    _noop("--scheduler-delay-factor", "the scheduler never holds a prompt back", "FACTOR"),
+    _noop("--show-hidden-metrics-for-version", "no metrics are hidden", "VERSION"),
     _noop("--disable-async-output-proc", "outputs are processed on the engine's thread"),
     _noop("--multi-step-stream-outputs", "multi-step outputs always stream per host step"),
     _refused("--enable-sleep-mode", "sleep mode is not implemented"),
@@ -170,6 +172,8 @@ VLLM_FLAGS: tuple[VllmFlag, ...] = (
     _refused("--worker-extension-cls", "custom workers are not implemented", "CLS"),
     _refused("--scheduler-cls", "custom schedulers are not implemented", "CLS"),
     _refused("--additional-config", "platform plugins are not implemented", "JSON"),
+    _refused("--override-neuron-config", "Neuron devices are not supported", "JSON"),
+    _refused("--override-pooler-config", "pooling models are not implemented", "JSON"),
     # tokenizer pool (older vLLM)
     _noop("--tokenizer-pool-size", _TOKENIZER_POOL, "N"),
     _noop("--tokenizer-pool-type", _TOKENIZER_POOL, "TYPE"),
@@ -184,6 +188,7 @@ VLLM_FLAGS: tuple[VllmFlag, ...] = (
     _refused("--lora-dtype", _LORA, "DTYPE"),
     _refused("--long-lora-scaling-factors", _LORA, "FACTORS"),
     _refused("--fully-sharded-loras", _LORA),
+    _refused("--enable-lora-bias", _LORA),
     _refused("--qlora-adapter-name-or-path", _LORA, "PATH"),
     _refused("--enable-prompt-adapter", "prompt adapters are not implemented"),
     _refused("--prompt-adapters", "prompt adapters are not implemented", "NAME=PATH"),
@@ -193,6 +198,7 @@ VLLM_FLAGS: tuple[VllmFlag, ...] = (
     _refused("--mm-processor-kwargs", _MM, "JSON"),
     _refused("--disable-mm-preprocessor-cache", _MM),
     _refused("--allowed-local-media-path", _MM, "PATH"),
+    _noop("--disable-chunked-mm-input", "there are no multimodal inputs to chunk"),
     # reasoning, tools, logits processors
     _refused("--enable-reasoning", "reasoning parsers are not implemented; the reasoning stays in "
              "the content"),
