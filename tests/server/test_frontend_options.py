@@ -5,6 +5,7 @@ SamplingParams it was given."""
 from __future__ import annotations
 
 import json
+import logging
 import re
 from types import SimpleNamespace
 
@@ -86,3 +87,60 @@ def test_api_key_from_the_environment(monkeypatch):
     assert api_keys_from(SimpleNamespace(api_key=["flag"])) == ("flag",)
     with pytest.raises(StartupError, match="must not be empty"):
         api_keys_from(SimpleNamespace(api_key=[" "]))
+
+
+class _LogprobEngine(RecordingEngine):
+    """Answers one token (id 7, "x") with its logprob and a runner-up (id 3)."""
+
+    async def generate(self, prompt_token_ids, sampling_params, request_id, prompt=None):
+        from jaxserve.outputs import CompletionOutput, Logprob, RequestOutput
+
+        self.params.append(sampling_params)
+        position = {7: Logprob(-0.5, rank=1), 3: Logprob(-1.5, rank=2)}
+        yield RequestOutput(request_id, prompt, list(prompt_token_ids),
+                            [CompletionOutput(0, "x", [7], logprobs=[position], finish_reason="length")],
+                            finished=True)
+
+
+@pytest.mark.parametrize("flag,field,want", [
+    (True, None, True), (False, None, False), (False, True, True), (True, False, False)])
+def test_return_tokens_as_token_ids(flag, field, want):
+    ctx = ServerContext(_LogprobEngine(), ("stub",), return_tokens_as_token_ids=flag)
+    extra = {} if field is None else {"return_tokens_as_token_ids": field}
+    with TestClient(build_app(ctx)) as client:
+        r = client.post("/v1/completions", json={"prompt": "hi", "logprobs": 2, "max_tokens": 1, **extra})
+        assert r.status_code == 200, r.text
+        lp = r.json()["choices"][0]["logprobs"]
+        r = client.post("/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 2,
+            "max_tokens": 1, **extra})
+        assert r.status_code == 200, r.text
+        chat = r.json()["choices"][0]["logprobs"]["content"][0]
+        stream = client.post("/v1/completions", json={"prompt": "hi", "logprobs": 1, "max_tokens": 1,
+                                                      "stream": True, **extra}).text
+    if want:
+        assert lp["tokens"] == ["token_id:7"] and list(lp["top_logprobs"][0]) == ["token_id:7", "token_id:3"]
+        assert chat["token"] == "token_id:7" and chat["bytes"] == list(b"token_id:7")
+        assert [t["token"] for t in chat["top_logprobs"]] == ["token_id:7", "token_id:3"]
+        assert '"tokens":["token_id:7"]' in stream.replace(" ", "")
+    else:
+        assert lp["tokens"] == ["x"] and chat["token"] == "x"
+        assert "token_id:" not in stream
+
+
+def test_enable_log_requests_logs_each_request(caplog):
+    ctx = ServerContext(RecordingEngine(), ("stub",), log_requests=True, max_log_len=3)
+    with caplog.at_level(logging.INFO, logger="jaxserve"), TestClient(build_app(ctx)) as client:
+        assert client.post("/v1/completions", json={"prompt": ["hello", "world"], "max_tokens": 2,
+                                                    "temperature": 0}).status_code == 200
+    lines = [r.getMessage() for r in caplog.records if r.name == "jaxserve.server.requests"]
+    assert len(lines) == 2
+    assert "prompt: 'hel'" in lines[0] and "prompt_token_ids: [4, 1, 8]" in lines[0]
+    assert "-0:" in lines[0] and "-1:" in lines[1] and "max_tokens=2" in lines[0]
+
+
+def test_requests_are_not_logged_by_default(caplog):
+    ctx = ServerContext(RecordingEngine(), ("stub",))
+    with caplog.at_level(logging.INFO, logger="jaxserve"), TestClient(build_app(ctx)) as client:
+        assert client.post("/v1/completions", json={"prompt": "hello"}).status_code == 200
+    assert not [r for r in caplog.records if r.name == "jaxserve.server.requests"]
