@@ -45,7 +45,9 @@ def test_serve_flags_and_sigterm_with_open_streams():
     cmd = [sys.executable, "-m", "jaxserve.cli", "serve", "--port", str(port), "--max-model-len", "1k",
            "--max-num-seqs", "2", "--max-num-batched-tokens", "16", "--no-warmup",
            "--served-model-name", "my-model", "other-name", "--uvicorn-log-level", "info",
-           "--disable-log-requests", "--enable-chunked-prefill", "--gpu-memory-utilization", "0.5"]
+           "--disable-log-requests", "--enable-chunked-prefill", "--gpu-memory-utilization", "0.5",
+           # vLLM's no-ops (a line each at start) and --enable-log-requests (a line per request)
+           "--enforce-eager", "--kv-cache-dtype", "auto", "--swap-space", "4", "--enable-log-requests"]
     proc = subprocess.Popen(cmd, env={**os.environ, "JAX_PLATFORMS": "cpu", "VLLM_API_KEY": KEY},
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
@@ -92,6 +94,9 @@ def test_serve_flags_and_sigterm_with_open_streams():
         log = proc.stdout.read()
         assert "engine stopped" in log and "Traceback" not in log, log
         assert "ready in" in log and "loading" in log, log
+        assert log.count("accepted for vLLM's command lines and ignored") == 3, log
+        assert "--enforce-eager: accepted" in log and "--kv-cache-dtype auto: accepted" in log
+        assert log.count("received request") == 2 and "Once upon a time" in log, log
     finally:
         if proc.poll() is None:
             proc.kill()
