@@ -5,6 +5,7 @@ from jaxserve.engine.builder import build_engine
 from jaxserve.engine.llm import LLM
 from jaxserve.models import registry
 from jaxserve.spec_decode.config import SpeculativeConfig
+from tests.step_bound import bound_steps
 
 
 def make_llm(model, spec: dict | None = None, *, max_num_seqs=8, max_tokens=32, max_len=128,
@@ -17,7 +18,8 @@ def make_llm(model, spec: dict | None = None, *, max_num_seqs=8, max_tokens=32, 
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_tokens,
                                   max_model_len=max_len),
         dtype="float32", warmup=warmup, speculative=SpeculativeConfig.from_dict(spec))
-    return LLM.from_engine(build_engine(config, params, tok, registry.get_family(cfg.architecture)))
+    engine = build_engine(config, params, tok, registry.get_family(cfg.architecture))
+    return LLM.from_engine(bound_steps(engine))     # a broken invariant fails, never hangs
 
 
 def token_ids(outs):

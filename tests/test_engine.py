@@ -12,6 +12,7 @@ from jaxserve.engine import AsyncEngine
 from jaxserve.engine.builder import build_engine
 from jaxserve.engine.llm import LLM
 from jaxserve.models import llama, loader, registry
+from tests.step_bound import bound_steps
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6)
 
@@ -30,7 +31,7 @@ def make_llm(model, *, max_num_seqs=16, max_tokens=128, max_len=256, num_kv_bloc
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_tokens,
                                   max_model_len=max_len),
         dtype="float32", warmup=warmup)
-    return LLM.from_engine(build_engine(config, params, tok, registry.LLAMA))
+    return LLM.from_engine(bound_steps(build_engine(config, params, tok, registry.LLAMA)))
 
 
 def prompts(n):
@@ -82,6 +83,16 @@ def test_chat_answers_paris(model):
     out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
                    SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)[0]
     assert "Paris" in out.outputs[0].text
+
+
+def test_an_engine_that_never_finishes_fails_in_steps_naming_its_requests(model, monkeypatch):
+    """tests/step_bound.py: a broken invariant fails the test instead of hanging it."""
+    llm = make_llm(model)
+    monkeypatch.setattr(llm.engine.core, "step", lambda: None)      # nothing ever runs
+    with pytest.raises(AssertionError, match=r"took \d+ steps.*stuck:\n  \d+: WAITING, tokens \d+ "
+                                             r"\(prompt \d+, outputs 0 of max_tokens 6\), computed 0"):
+        llm.generate(prompts(1), GREEDY, use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()                  # generate aborted it
 
 
 def test_abort_frees_blocks(model):

@@ -9,6 +9,7 @@ from jaxserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from jaxserve.core.request import RequestStatus
 from jaxserve.core.scheduler import Scheduler
 from jaxserve.core.step_messages import RunnerOutput
+from tests.step_bound import bound_steps
 
 from test_scheduler import req
 
@@ -130,7 +131,7 @@ def _engine(path, steps, warmup=False, attention_impl="xla", num_kv_blocks=96):
                           scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32,
                                                     max_model_len=64, num_scheduler_steps=steps),
                           dtype="float32", warmup=warmup, attention_impl=attention_impl)
-    return build_engine(config, params, tok, registry.get_family(cfg.architecture))
+    return bound_steps(build_engine(config, params, tok, registry.get_family(cfg.architecture)))
 
 
 def _spy(engine) -> list[int]:
@@ -247,7 +248,7 @@ def test_a_stop_string_inside_the_steps_ends_the_output_at_its_token():
                                                         max_model_len=128,
                                                         num_scheduler_steps=steps),
                               dtype="float32", warmup=False)
-        return LLM.from_engine(build_engine(config, params, tok, registry.LLAMA))
+        return LLM.from_engine(bound_steps(build_engine(config, params, tok, registry.LLAMA)))
 
     prompt = "The capital of France is"
     free = llm(1).generate(prompt, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),

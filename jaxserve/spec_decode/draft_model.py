@@ -40,13 +40,10 @@ logger = logging.getLogger(__name__)
 _GREEDY = SamplingParams(temperature=0, max_tokens=None)
 
 
-def _check_compatible(draft_cfg, target_cfg, max_model_len: int) -> None:
+def _check_compatible(draft_cfg, target_cfg) -> None:
     if draft_cfg.vocab_size != target_cfg.vocab_size:
         raise ValueError(f"speculative_config['model'] must have the target's vocabulary "
                          f"({target_cfg.vocab_size} tokens); the draft model has {draft_cfg.vocab_size}")
-    if draft_cfg.max_position_embeddings < max_model_len:
-        raise ValueError(f"speculative_config['model'] must allow max_model_len ({max_model_len}) "
-                         f"positions; the draft model allows {draft_cfg.max_position_embeddings}")
 
 
 class DraftModelProposer(Proposer):
@@ -70,11 +67,20 @@ class DraftModelProposer(Proposer):
         engine_config = self.engine_config
         cfg, params, _ = loader.load_model(self.spec_config.model, dtype=engine_config.dtype)
         sched = engine_config.scheduler
-        _check_compatible(cfg, engine_config.model, sched.max_model_len)
+        _check_compatible(cfg, engine_config.model)
+        # A draft shorter than the target drafts only below its own length (as vLLM caps
+        # the draft's max_model_len): drafting.py stops a request's drafts there, and the
+        # draft's runner and blocks are sized for its length alone
+        max_len = min(sched.max_model_len, cfg.max_position_embeddings)
+        if max_len < sched.max_model_len:
+            self.max_positions = max_len
+            logger.info("the draft model allows %d positions (max_model_len %d): a request "
+                        "carries on without drafts past them", max_len, sched.max_model_len)
         bs = engine_config.cache.block_size
-        useful = sched.max_num_seqs * math.ceil(sched.max_model_len / bs) + 1
+        useful = sched.max_num_seqs * math.ceil(max_len / bs) + 1
         blocks = min(useful, target.num_blocks)
         config = dataclasses.replace(engine_config, model=cfg, speculative=None,
+                                     scheduler=dataclasses.replace(sched, max_model_len=max_len),
                                      cache=dataclasses.replace(engine_config.cache, num_kv_blocks=blocks,
                                                                enable_prefix_caching=False))
         self.runner = ModelRunner(config, params, registry.get_family(cfg.architecture))

@@ -35,6 +35,13 @@ def draft_limit(req: Request, k: int, max_model_len: int, ahead: int = 0) -> int
     return max(0, limit)
 
 
+def position_limit(proposer: Proposer, max_model_len: int) -> int:
+    """Positions a request's drafts may reach: the target's and the proposer's own limit."""
+    if proposer.max_positions is None:
+        return max_model_len
+    return min(max_model_len, proposer.max_positions)
+
+
 def propose_drafts(proposer: Proposer, running: list[Request], k: int, max_model_len: int,
                    valid=None) -> None:
     """Set `spec_token_ids` of each decoding request in `running` from the proposer, which
@@ -43,6 +50,7 @@ def propose_drafts(proposer: Proposer, running: list[Request], k: int, max_model
     cuts a request's drafts (structured output: at the first token its grammar rejects, so
     the step neither computes nor verifies the rest; StructuredOutputManager.valid_drafts)."""
     proposer.retain({r.request_id for r in running})
+    max_model_len = position_limit(proposer, max_model_len)
     reqs, limits = [], []
     for req in running:
         if (req.status == RequestStatus.RUNNING and not req.num_output_placeholders
@@ -60,6 +68,7 @@ def propose_drafts(proposer: Proposer, running: list[Request], k: int, max_model
 def propose_ahead(proposer: Proposer, running: list[Request], k: int, max_model_len: int) -> None:
     """Drafts for each request whose newest step (a decode or a verifying one) is still on the
     device, assuming the step keeps its drafts (module docstring): they are the next step's."""
+    max_model_len = position_limit(proposer, max_model_len)
     reqs, limits, tails = [], [], []
     for req in running:
         tail = req.inflight_drafts

@@ -29,6 +29,9 @@ class Proposer:
     k: int = 0                      # drafts per request at most (num_speculative_tokens)
     pipelines: bool = False         # proposes ahead of a step still on the device (drafting.py)
     num_lookahead_tokens: int = 0   # positions past a scheduled chunk whose blocks it writes
+    # Positions its drafts may reach when fewer than the target's max_model_len (a draft
+    # model shorter than the target); None: the target's. Past it a request goes on undrafted
+    max_positions: int | None = None
     # What it asks of the target's runner (TargetNeeds' fields say what each is)
     target_cache_specs: tuple = ()
     target_weight_bytes: int = 0

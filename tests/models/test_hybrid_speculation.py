@@ -12,6 +12,7 @@ import pytest
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.spec_decode.proposer import Proposer
+from tests.step_bound import bound_steps
 from test_new_families_engine import assert_all_free, golden
 
 HYBRID = ["qwen3_next", "qwen3_5_moe"]
@@ -44,8 +45,10 @@ def make_llm(tiny_checkpoint, name, spec, caching=True, **kw):
                 block_size=4, num_kv_blocks=96, warmup=False)
     if caching:
         args["num_cached_states"] = 24
-    return LLM(tiny_checkpoint(name), enable_prefix_caching=caching, speculative_config=spec,
-               **{**args, **kw})
+    llm = LLM(tiny_checkpoint(name), enable_prefix_caching=caching, speculative_config=spec,
+              **{**args, **kw})
+    bound_steps(llm.engine)         # a broken rollback fails in seconds instead of hanging
+    return llm
 
 
 def generate(llm, prompts, max_tokens):
