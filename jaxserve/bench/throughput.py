@@ -18,7 +18,9 @@ from jaxserve.bench.engine_setup import add_bench_engine_arguments, build_llm
 from jaxserve.bench.step_timer import StepTimer
 
 
-def add_dataset_arguments(parser: argparse.ArgumentParser) -> None:
+def add_dataset_arguments(parser: argparse.ArgumentParser, tokenizer_flag: bool = True) -> None:
+    """The dataset's flags. tokenizer_flag False: the parser has the engine's --tokenizer (the
+    model's tokenizer, vLLM's flag), which then also counts a ShareGPT dataset's tokens."""
     g = parser.add_argument_group("dataset")
     g.add_argument("--dataset-name", choices=["sharegpt", "random", "jsonl"], default="random")
     g.add_argument("--dataset-path", default=None,
@@ -32,9 +34,10 @@ def add_dataset_arguments(parser: argparse.ArgumentParser) -> None:
                    help="random: tokens to generate (default 128); sharegpt: override the reply lengths")
     g.add_argument("--random-range-ratio", type=float, default=0.0,
                    help="random: lengths drawn from [len*(1-r), len*(1+r)]")
-    g.add_argument("--tokenizer", default=None,
-                   help="sharegpt: a .gguf or HF directory whose tokenizer counts the tokens "
-                        "(default: the model's, else the default model's)")
+    if tokenizer_flag:
+        g.add_argument("--tokenizer", default=None,
+                       help="sharegpt: a .gguf or HF directory whose tokenizer counts the tokens "
+                            "(default: the model's, else the default model's)")
     g.add_argument("--dataset-seed", type=int, default=0)
 
 
@@ -77,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="jaxserve bench throughput", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_bench_engine_arguments(p)
-    add_dataset_arguments(p)
+    add_dataset_arguments(p, tokenizer_flag=False)
     return p
 
 
