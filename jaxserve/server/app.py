@@ -149,10 +149,13 @@ def build_app(ctx: ServerContext, open_paths: tuple[str, ...] = DEFAULT_OPEN_PAT
 
     @app.get("/metrics")
     async def metrics():
-        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+        from prometheus_client import CONTENT_TYPE_LATEST
+
+        from jaxserve.metrics import prometheus_text
 
         registry = getattr(getattr(ctx.engine, "metrics", None), "registry", None)
-        text = generate_latest(registry) if registry is not None else b""
+        # vLLM labels its metrics with the first served model name
+        text = prometheus_text(registry, ctx.model_name) if registry is not None else b""
         return Response(text, media_type=CONTENT_TYPE_LATEST)
 
     return app
