@@ -46,7 +46,7 @@ def test_startup_block_with_speculation_on_cpu(caplog, model):
             f"{runner.num_blocks * runner.bytes_per_block / 2**20:.2f} MiB "
             f"({runner.num_blocks * runner.bytes_per_block} bytes) per device") in text
     assert f"maximum concurrency at max_model_len (128 tokens per request): {tokens / 128:.2f}x" in text
-    assert "on the CPU --gpu-memory-utilization is not used; the cache got a fixed 4.00 MiB" in text
+    assert "on the CPU --gpu-memory-utilization is not used; the budget is a fixed 4.00 MiB" in text
     assert "speculative decoding: on (method=ngram, num_speculative_tokens=3)" in text
     assert runner.num_blocks * runner.bytes_per_block <= 4 << 20
 

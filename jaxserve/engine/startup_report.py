@@ -32,8 +32,9 @@ def startup_lines(config: EngineConfig, num_blocks: int, block_size: int, bytes_
         lines.append(f"KV cache budget: num_kv_blocks={config.cache.num_kv_blocks} set explicitly")
     elif on_cpu:
         # NOTE: the CPU reports no free memory to take a share of (cache_sizing.plan_caches)
-        lines.append("KV cache budget: on the CPU --gpu-memory-utilization is not used; the cache "
-                     f"got a fixed {_bytes(config.cache.kv_cache_cpu_bytes)} (kv_cache_cpu_bytes)")
+        lines.append("KV cache budget: on the CPU --gpu-memory-utilization is not used; the budget is "
+                     f"a fixed {_bytes(config.cache.kv_cache_cpu_bytes)} (kv_cache_cpu_bytes; the cache "
+                     "takes no more than max_num_seqs requests at max_model_len need)")
     else:
         lines.append(f"KV cache budget: {config.cache.kv_cache_memory_fraction:g} of the device's "
                      "free memory after the weights (--gpu-memory-utilization)")
