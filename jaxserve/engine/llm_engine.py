@@ -17,6 +17,7 @@ from jaxserve.core.scheduler import Scheduler
 from jaxserve.engine.core import EngineCore
 from jaxserve.engine.input_processor import InputProcessor
 from jaxserve.engine.output_processor import OutputProcessor
+from jaxserve.engine.startup_report import startup_lines
 from jaxserve.metrics import EngineMetrics
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams
@@ -86,6 +87,9 @@ class LLMEngine:
                 self.wait_for_warmup(raise_errors=False)
             self.startup_seconds["warmup"] = time.perf_counter() - t0
             logger.info("warm-up took %.1f s", self.startup_seconds["warmup"])
+        logger.info("%s", "\n  ".join(["engine built:"] + startup_lines(
+            config, self.runner.num_blocks, self.runner.block_size, self.runner.bytes_per_block,
+            on_cpu=jax.default_backend() == "cpu")))
         self._update_gauges()
 
     def wait_for_warmup(self, raise_errors: bool = True) -> None:

@@ -12,6 +12,7 @@ import importlib.metadata
 import logging
 import os
 import signal
+import socket
 import threading
 from typing import Callable, TypeVar
 
@@ -148,10 +149,13 @@ def build_app(ctx: ServerContext, open_paths: tuple[str, ...] = DEFAULT_OPEN_PAT
 
     @app.get("/metrics")
     async def metrics():
-        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+        from prometheus_client import CONTENT_TYPE_LATEST
+
+        from jaxserve.metrics import prometheus_text
 
         registry = getattr(getattr(ctx.engine, "metrics", None), "registry", None)
-        text = generate_latest(registry) if registry is not None else b""
+        # vLLM labels its metrics with the first served model name
+        text = prometheus_text(registry, ctx.model_name) if registry is not None else b""
         return Response(text, media_type=CONTENT_TYPE_LATEST)
 
     return app
@@ -162,9 +166,15 @@ class _Server(uvicorn.Server):
     stream then ends with an error event and `data: [DONE]` (streaming.sse_events), so the
     connections close and uvicorn's graceful wait ends early instead of cutting them."""
 
-    def __init__(self, config: uvicorn.Config, on_signal: Callable[[], None]):
+    def __init__(self, config: uvicorn.Config, on_signal: Callable[[], None], ready_line: str = ""):
         super().__init__(config)
         self._on_signal = on_signal
+        self._ready_line = ready_line
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets)
+        if self.started and self._ready_line:   # only now is the socket listening
+            logger.info("%s", self._ready_line)
 
     def handle_exit(self, sig, frame) -> None:
         if not self.should_exit:
@@ -199,6 +209,24 @@ def api_keys_from(args: argparse.Namespace) -> tuple[str, ...]:
     return keys
 
 
+def bind_listen_socket(host: str, port: int) -> socket.socket:
+    """The server's socket, bound before the model loads: a port in use fails at once
+    (StartupError naming host:port) instead of after loading and compiling."""
+    from jaxserve.engine.checks import StartupError
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    # as uvicorn does: a port in TIME_WAIT from the last run can be taken again at once
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise StartupError(f"cannot listen on {host}:{port} (--host / --port): {e.strerror or e}") from e
+    sock.set_inheritable(True)
+    return sock
+
+
 def run_server(args: argparse.Namespace) -> None:
     """`jaxserve serve`: loads the model, serves until SIGINT/SIGTERM, then stops the engine thread.
 
@@ -208,7 +236,12 @@ def run_server(args: argparse.Namespace) -> None:
     from jaxserve.server.startup import server_context, start_engine
 
     keys = api_keys_from(args)
-    engine, default_sampling = start_engine(args)
+    sock = bind_listen_socket(args.host, args.port)
+    try:
+        engine, default_sampling = start_engine(args)
+    except BaseException:
+        sock.close()
+        raise
 
     def stop_engine() -> None:
         engine.shutdown()
@@ -223,8 +256,11 @@ def run_server(args: argparse.Namespace) -> None:
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                 access_log=not args.disable_uvicorn_access_log,
                                 timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
-        logger.info("serving %s on http://%s:%d (API keys: %s; API docs at /docs)",
-                    ", ".join(ctx.served_model_names), args.host, args.port, len(keys) or "off")
-        _Server(config, on_signal=engine.shutdown).run()   # SIGINT / SIGTERM: stop, drain, exit
+        port = sock.getsockname()[1]    # the one the system chose for --port 0
+        ready = (f"serving {', '.join(ctx.served_model_names)} on http://{args.host}:{port} "
+                 f"(API keys: {len(keys) or 'off'}; API docs at /docs)")
+        # SIGINT / SIGTERM: stop, drain, exit
+        _Server(config, on_signal=engine.shutdown, ready_line=ready).run(sockets=[sock])
     finally:
         engine.shutdown()   # for every other way out (no-op if already stopped)
+        sock.close()

@@ -52,11 +52,12 @@ class Served:
         return openai.AsyncOpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, **kwargs)
 
     def metrics(self) -> dict[str, float]:
-        """/metrics as {name: value} for unlabelled samples."""
+        """/metrics as {name: value}; a labelled sample's name with its labels as written:
+        'vllm:x_total{model_name="m"}'."""
         text = httpx.get(self.url + "/metrics").text
         out = {}
         for line in text.splitlines():
-            if line and not line.startswith("#") and "{" not in line:
+            if line and not line.startswith("#"):
                 name, value = line.rsplit(" ", 1)
                 out[name] = float(value)
         return out

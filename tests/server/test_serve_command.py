@@ -101,3 +101,18 @@ def test_serve_flags_and_sigterm_with_open_streams():
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_port_in_use_fails_before_loading():
+    """A port another socket holds: exit 1 naming host:port, before the model loads (no
+    'loading' line) and with no 'serving … on' line."""
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        cmd = [sys.executable, "-m", "jaxserve.cli", "serve", "--port", str(port), "--load-format", "dummy"]
+        done = subprocess.run(cmd, env={**os.environ, "JAX_PLATFORMS": "cpu"}, capture_output=True,
+                              text=True, timeout=60)
+    assert done.returncode == 1, done.stderr
+    assert f"cannot listen on 127.0.0.1:{port}" in done.stderr, done.stderr
+    assert "loading" not in done.stderr and "serving" not in done.stderr, done.stderr

@@ -194,6 +194,36 @@ def test_tokenize_detokenize_health_version_metrics(served):
         assert name in metrics.text
 
 
+
+def test_metrics_under_vllm_names_with_model_name(served):
+    """vLLM's names, with its `model_name` label, beside ours, counting the same."""
+    before = served.metrics()
+    label = f'{{model_name="{served.model}"}}'
+    out = served.client().completions.create(model=served.model, prompt="Hello", max_tokens=3,
+                                             temperature=0, extra_body={"ignore_eos": True})
+    m = served.wait_idle()
+    assert m["vllm:generation_tokens_total" + label] - before["vllm:generation_tokens_total" + label] == 3
+    assert (m["vllm:prompt_tokens_total" + label] - before["vllm:prompt_tokens_total" + label]
+            == out.usage.prompt_tokens)
+    assert m["vllm:request_success_total" + label] - before["vllm:request_success_total" + label] == 1
+    for ours, theirs in (("request_success_total", "request_success_total"),
+                         ("num_requests_running", "num_requests_running"),
+                         ("num_requests_waiting", "num_requests_waiting"),
+                         ("kv_cache_usage_perc", "kv_cache_usage_perc"),
+                         ("kv_cache_usage_perc", "gpu_cache_usage_perc"),
+                         ("time_to_first_token_seconds_count", "time_to_first_token_seconds_count"),
+                         ("e2e_request_latency_seconds_count", "e2e_request_latency_seconds_count"),
+                         ("spec_decode_num_drafts_total", "spec_decode_num_drafts_total"),
+                         ("spec_decode_num_draft_tokens_total", "spec_decode_num_draft_tokens_total"),
+                         ("spec_decode_num_accepted_tokens_total", "spec_decode_num_accepted_tokens_total")):
+        assert m[f"vllm:{theirs}{label}"] == m[f"jaxserve:{ours}"], theirs
+    assert m["vllm:e2e_request_latency_seconds_count" + label] >= 1
+    assert m["vllm:e2e_request_latency_seconds_sum" + label] > 0
+    text = httpx.get(served.url + "/metrics").text
+    assert "# TYPE vllm:time_to_first_token_seconds histogram" in text
+    assert "# TYPE vllm:request_success_total counter" in text and "# TYPE vllm:num_requests_running gauge" in text
+    assert f'vllm:time_to_first_token_seconds_bucket{{le="+Inf",model_name="{served.model}"}}' in text
+
 # ---- concurrency and disconnects -----------------------------------------------------------
 
 def test_32_concurrent_streaming_clients_all_finish(served):

@@ -1,0 +1,45 @@
+"""The engine's start-up block: the numbers a vLLM user looks for in its log once the engine
+is built (context length, KV cache size, concurrency it allows, speculation), from the
+engine's own config and runner, so they are what it will really do."""
+
+from __future__ import annotations
+
+from jaxserve.config import EngineConfig
+
+
+def _bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.2f} {unit}" if unit != "B" else f"{n} B"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def startup_lines(config: EngineConfig, num_blocks: int, block_size: int, bytes_per_block: int,
+                  on_cpu: bool) -> list[str]:
+    """One line each: max_model_len, KV cache, concurrency, the cache budget, speculation."""
+    max_len = config.scheduler.max_model_len
+    # block 0 is the null block (cache_sizing.CachePlan): it holds no request's tokens
+    tokens = (num_blocks - 1) * block_size
+    cache_bytes = num_blocks * bytes_per_block
+    lines = [f"max_model_len: {max_len} tokens (the model's maximum: "
+             f"{config.model.max_position_embeddings})",
+             f"KV cache: {num_blocks} blocks of {block_size} tokens, {tokens} tokens, "
+             f"{_bytes(cache_bytes)} ({cache_bytes} bytes) per device",
+             f"maximum concurrency at max_model_len ({max_len} tokens per request): "
+             f"{tokens / max_len:.2f}x"]
+    if config.cache.num_kv_blocks:
+        lines.append(f"KV cache budget: num_kv_blocks={config.cache.num_kv_blocks} set explicitly")
+    elif on_cpu:
+        # NOTE: the CPU reports no free memory to take a share of (cache_sizing.plan_caches)
+        lines.append("KV cache budget: on the CPU --gpu-memory-utilization is not used; the budget is "
+                     f"a fixed {_bytes(config.cache.kv_cache_cpu_bytes)} (kv_cache_cpu_bytes; the cache "
+                     "takes no more than max_num_seqs requests at max_model_len need)")
+    else:
+        lines.append(f"KV cache budget: {config.cache.kv_cache_memory_fraction:g} of the device's "
+                     "free memory after the weights (--gpu-memory-utilization)")
+    spec = config.speculative
+    lines.append("speculative decoding: off" if spec is None else
+                 f"speculative decoding: on (method={spec.method}, "
+                 f"num_speculative_tokens={spec.num_speculative_tokens})")
+    return lines
