@@ -29,6 +29,9 @@ from jaxserve.server.inputs import check_token_ids, render_chat
 from jaxserve.server.openapi import install_openapi
 from jaxserve.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                       TokenizeRequest)
+from jaxserve.server.responses import create_response, delete_response, stored_response
+from jaxserve.server.responses_protocol import ResponsesRequest
+from jaxserve.server.responses_store import ResponsesStore
 from jaxserve.server.serving_chat import create_chat_completion
 from jaxserve.server.serving_completions import create_completion
 
@@ -112,6 +115,21 @@ def build_app(ctx: ServerContext, open_paths: tuple[str, ...] = DEFAULT_OPEN_PAT
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         return await create_chat_completion(ctx, request, await read_body(ctx, request, ChatCompletionRequest))
+
+    responses_store = ResponsesStore()
+
+    @app.post("/v1/responses")
+    async def responses(request: Request):
+        return await create_response(ctx, request, await read_body(ctx, request, ResponsesRequest),
+                                     responses_store)
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str):
+        return stored_response(responses_store, response_id)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def remove_response(response_id: str):
+        return delete_response(responses_store, response_id)
 
     @app.post("/tokenize")
     async def tokenize(request: Request):

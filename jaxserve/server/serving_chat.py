@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import time
 import uuid
+from dataclasses import dataclass
 
 from jaxserve.outputs import CompletionOutput, RequestOutput
 from jaxserve.server.context import ServerContext
-from jaxserve.server.inputs import chat_prompt, chat_sampling_params
+from jaxserve.sampling_params import SamplingParams
+from jaxserve.server.inputs import PromptInput, chat_prompt, chat_sampling_params
 from jaxserve.server.logprobs import chat_logprobs
 from jaxserve.server.protocol import ChatCompletionRequest
 from jaxserve.server.serving import run_generation
@@ -114,13 +116,29 @@ def chat_body(ctx: ServerContext, req: ChatCompletionRequest, plan: ToolPlan, re
             "model": ctx.model_name, "choices": choices, "usage": usage(outputs)}
 
 
-async def create_chat_completion(ctx: ServerContext, request, req: ChatCompletionRequest):
+@dataclass(frozen=True)
+class ChatRun:
+    """A chat request checked and ready for the engine: what /v1/chat/completions and the APIs
+    translated onto it (responses.py, messages.py) run."""
+    req: ChatCompletionRequest
+    plan: ToolPlan
+    prompt: PromptInput
+    params: SamplingParams
+
+
+async def prepare_chat(ctx: ServerContext, req: ChatCompletionRequest) -> ChatRun:
     check_request(req)
     ctx.check_model(req.model)
     plan = tool_plan(ctx, req, structured_outputs(req))
     prompt = await ctx.in_tokenizer_thread(chat_prompt, ctx, req, plan.tools)
     params = chat_sampling_params(ctx, req, prompt, plan.structured)
     await check_compiles(ctx, params, "tools" if plan.mode in ("required", "named") else field_of(req))
+    return ChatRun(req, plan, prompt, params)
+
+
+async def create_chat_completion(ctx: ServerContext, request, req: ChatCompletionRequest):
+    run = await prepare_chat(ctx, req)
+    plan, prompt, params = run.plan, run.prompt, run.params
     request_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     stream = ChatStream(
