@@ -26,6 +26,8 @@ from jaxserve.server.auth import DEFAULT_OPEN_PATHS, APIKeyMiddleware
 from jaxserve.server.context import ServerContext
 from jaxserve.server.errors import APIError, bad_request, from_validation_error, install_error_handlers
 from jaxserve.server.inputs import check_token_ids, render_chat
+from jaxserve.server.messages import count_tokens, create_message, in_anthropic_shape
+from jaxserve.server.messages_protocol import CountTokensRequest, MessagesRequest
 from jaxserve.server.openapi import install_openapi
 from jaxserve.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                       TokenizeRequest)
@@ -130,6 +132,18 @@ def build_app(ctx: ServerContext, open_paths: tuple[str, ...] = DEFAULT_OPEN_PAT
     @app.delete("/v1/responses/{response_id}")
     async def remove_response(response_id: str):
         return delete_response(responses_store, response_id)
+
+    @app.post("/v1/messages")
+    async def messages(request: Request):
+        async def answer():
+            return await create_message(ctx, request, await read_body(ctx, request, MessagesRequest))
+        return await in_anthropic_shape(answer())
+
+    @app.post("/v1/messages/count_tokens")
+    async def messages_count_tokens(request: Request):
+        async def answer():
+            return await count_tokens(ctx, await read_body(ctx, request, CountTokensRequest))
+        return await in_anthropic_shape(answer())
 
     @app.post("/tokenize")
     async def tokenize(request: Request):
