@@ -18,6 +18,7 @@ from typing import Callable, TypeVar
 
 import pydantic
 import uvicorn
+from prometheus_client import CollectorRegistry
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.requests import ClientDisconnect
@@ -25,6 +26,7 @@ from starlette.requests import ClientDisconnect
 from jaxserve.server.auth import DEFAULT_OPEN_PATHS, APIKeyMiddleware
 from jaxserve.server.context import ServerContext
 from jaxserve.server.errors import APIError, bad_request, from_validation_error, install_error_handlers
+from jaxserve.server.http_metrics import RequestCounter, http_metrics_text
 from jaxserve.server.inputs import check_token_ids, render_chat
 from jaxserve.server.messages import count_tokens, create_message, in_anthropic_shape
 from jaxserve.server.messages_protocol import CountTokensRequest, MessagesRequest
@@ -100,6 +102,8 @@ def build_app(ctx: ServerContext, open_paths: tuple[str, ...] = DEFAULT_OPEN_PAT
     install_openapi(app)
     if ctx.api_keys:
         app.add_middleware(APIKeyMiddleware, api_keys=ctx.api_keys, open_paths=open_paths)
+    http_registry = CollectorRegistry()    # outermost: refused requests are counted too
+    app.add_middleware(RequestCounter, router=app.router, registry=http_registry)
 
     @app.get("/v1/models")
     async def list_models():
@@ -188,7 +192,7 @@ def build_app(ctx: ServerContext, open_paths: tuple[str, ...] = DEFAULT_OPEN_PAT
         registry = getattr(getattr(ctx.engine, "metrics", None), "registry", None)
         # vLLM labels its metrics with the first served model name
         text = prometheus_text(registry, ctx.model_name) if registry is not None else b""
-        return Response(text, media_type=CONTENT_TYPE_LATEST)
+        return Response(text + http_metrics_text(http_registry), media_type=CONTENT_TYPE_LATEST)
 
     return app
 
