@@ -71,6 +71,9 @@ class SamplingFields(_Body):
     prompt_logprobs: int | None = Field(None, ge=0)
     # vLLM's extension: logprobs name tokens "token_id:N" (None: the server's flag decides)
     return_tokens_as_token_ids: bool | None = None
+    # vLLM's: the prompt's and the output's token ids beside the text (a stream: the prompt's
+    # in the first chunk, each chunk's new ids in its choice)
+    return_token_ids: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
     echo: bool = False

@@ -34,9 +34,11 @@ def _echo_text(req: ChatCompletionRequest) -> str:
 class ChatStream(StreamFormatter):
     object_name = "chat.completion.chunk"
 
-    def __init__(self, ctx: ServerContext, req: ChatCompletionRequest, plan: ToolPlan, **kwargs):
+    def __init__(self, ctx: ServerContext, req: ChatCompletionRequest, plan: ToolPlan,
+                 prompt_token_ids: list[int] | None = None, **kwargs):
         super().__init__(**kwargs)
         self.ctx, self.req, self.plan = ctx, req, plan
+        self.prompt_token_ids = prompt_token_ids   # return_token_ids: sent in the first chunk
         self.call_ids: dict[int, str] = {}     # named tool choice: each choice's call id
         self.content_sent: dict[int, int] = {}  # auto: characters of each choice sent as content
         self.texts: dict[int, str] = {}         # auto, required: each choice's text so far
@@ -44,8 +46,11 @@ class ChatStream(StreamFormatter):
     def start(self) -> list[dict]:
         # OpenAI opens every choice with a delta that carries only the role.
         echo = _echo_text(self.req)
-        return [self.envelope([{"index": i, "delta": {"role": "assistant", "content": echo},
-                                "logprobs": None, "finish_reason": None}]) for i in range(self.n)]
+        chunks = [self.envelope([{"index": i, "delta": {"role": "assistant", "content": echo},
+                                  "logprobs": None, "finish_reason": None}]) for i in range(self.n)]
+        if self.req.return_token_ids:
+            chunks[0]["prompt_token_ids"] = self.prompt_token_ids
+        return chunks
 
     def choice(self, index: int, prompt_index: int, out: RequestOutput, c: CompletionOutput,
                delta: ChoiceDelta) -> dict | None:
@@ -55,10 +60,14 @@ class ChatStream(StreamFormatter):
                                      self.req.top_logprobs or 0,
                                      self.ctx.tokens_as_ids(self.req.return_tokens_as_token_ids))
         body, finish = self._delta(index, delta)
-        if not body and logprobs is None and finish is None:
+        ids = self.req.return_token_ids and delta.token_ids   # every id is sent, text or not
+        if not body and logprobs is None and finish is None and not ids:
             return None
-        return {"index": index, "delta": body, "logprobs": logprobs, "finish_reason": finish,
-                "stop_reason": delta.stop_reason}
+        choice = {"index": index, "delta": body, "logprobs": logprobs, "finish_reason": finish,
+                  "stop_reason": delta.stop_reason}
+        if self.req.return_token_ids:
+            choice["token_ids"] = delta.token_ids
+        return choice
 
     def _delta(self, index: int, delta: ChoiceDelta) -> tuple[dict, str | None]:
         """The delta's body and finish reason. A named tool's arguments stream as they come;
@@ -112,8 +121,13 @@ def chat_body(ctx: ServerContext, req: ChatCompletionRequest, plan: ToolPlan, re
             reason = finish_reason(plan, reason, calls)
         choices.append({"index": c.index, "message": message, "logprobs": logprobs,
                         "finish_reason": reason, "stop_reason": c.stop_reason})
-    return {"id": request_id, "object": "chat.completion", "created": created,
+        if req.return_token_ids:
+            choices[-1]["token_ids"] = list(c.token_ids)
+    body = {"id": request_id, "object": "chat.completion", "created": created,
             "model": ctx.model_name, "choices": choices, "usage": usage(outputs)}
+    if req.return_token_ids:
+        body["prompt_token_ids"] = list(out.prompt_token_ids)
+    return body
 
 
 @dataclass(frozen=True)
@@ -142,7 +156,7 @@ async def create_chat_completion(ctx: ServerContext, request, req: ChatCompletio
     request_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     stream = ChatStream(
-        ctx, req, plan, request_id=request_id, model=ctx.model_name, created=created, n=req.n,
+        ctx, req, plan, prompt.token_ids, request_id=request_id, model=ctx.model_name, created=created, n=req.n,
         include_usage=include_usage) if req.stream else None
     return await run_generation(ctx, request, request_id, [(prompt.token_ids, prompt.text)], [params],
                                 stream, lambda outputs: chat_body(ctx, req, plan, request_id, created, outputs))

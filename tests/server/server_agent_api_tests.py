@@ -247,3 +247,32 @@ def test_agent_api_disconnects_abort_and_requests_are_counted(served):
     key = 'http_requests_total{handler="%s",method="POST",status="2xx"}'
     for path in ("/v1/messages", "/v1/responses"):
         assert m[key % path] - before.get(key % path, 0) == 1
+
+
+# ---- vLLM's return_token_ids --------------------------------------------------------------
+
+def _sse_data(r: httpx.Response) -> list[dict]:
+    return [json.loads(line[6:]) for line in r.text.splitlines()
+            if line.startswith("data: ") and line != "data: [DONE]"]
+
+
+@pytest.mark.parametrize("case", ["completion", "chat"])
+def test_return_token_ids_whole_and_streamed(served, case):
+    ref = served.reference[case]
+    prompt, params = served.cases[case]
+    if case == "completion":
+        path, body = "/v1/completions", {"prompt": prompt}
+    else:
+        path, body = "/v1/chat/completions", {"messages": prompt}
+    body.update(model=served.model, max_tokens=params.max_tokens, temperature=0, return_token_ids=True)
+    whole = httpx.post(served.url + path, json=body).json()
+    (choice,) = whole["choices"]
+    prompt_ids = choice["prompt_token_ids"] if case == "completion" else whole["prompt_token_ids"]
+    assert prompt_ids == ref.prompt_token_ids and choice["token_ids"] == ref.outputs[0].token_ids
+    chunks = _sse_data(httpx.post(served.url + path, json={**body, "stream": True}))
+    first = chunks[0]["choices"][0] if case == "completion" else chunks[0]
+    assert first["prompt_token_ids"] == ref.prompt_token_ids
+    streamed = [t for c in chunks for ch in c["choices"] for t in ch.get("token_ids", [])]
+    assert streamed == ref.outputs[0].token_ids
+    plain = httpx.post(served.url + path, json={**body, "return_token_ids": False}).json()
+    assert "token_ids" not in plain["choices"][0] and "prompt_token_ids" not in plain
