@@ -216,3 +216,29 @@ def test_messages_errors_are_in_anthropics_shape(path):
     assert r.status_code == 400
     assert r.json()["type"] == "error" and r.json()["error"]["type"] == "invalid_request_error"
     assert "JSON" in r.json()["error"]["message"]
+
+
+def test_x_api_key_is_a_key_too_and_openapi_shows_the_bodies():
+    ctx = ServerContext(ScriptedEngine([("ok", "stop")]), ("stub",), api_keys=("secret",))
+    body = {"max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
+    with TestClient(build_app(ctx)) as client:
+        assert client.post("/v1/messages", json=body, headers={"x-api-key": "secret"}).status_code == 200
+        refused = client.post("/v1/messages", json=body, headers={"x-api-key": "wrong"})
+        assert refused.status_code == 401 and refused.json()["error"]["type"] == "authentication_error"
+        refused = client.post("/v1/responses", json={"input": "hi"})
+        assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key"
+        assert client.get("/v1/models", headers={"x-api-key": "secret"}).status_code == 200
+        spec = client.get("/openapi.json").json()
+    for path, field in (("/v1/responses", "input"), ("/v1/messages", "max_tokens"),
+                        ("/v1/messages/count_tokens", "messages")):
+        ref = spec["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]["$ref"]
+        assert field in spec["components"]["schemas"][ref.rsplit("/", 1)[1]]["properties"]
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_streamed_token_ids_include_a_chunk_without_text(path):
+    body = {"prompt": "hi"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "hi"}]}
+    with _client(ScriptedEngine([("Par", None), ("", None), ("is", "stop")])) as client:
+        r = client.post(path, json={**body, "max_tokens": 4, "stream": True, "return_token_ids": True})
+    chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+    assert [t for c in chunks for ch in c["choices"] for t in ch.get("token_ids", [])] == [7, 7, 7]
