@@ -242,3 +242,6 @@ def test_streamed_token_ids_include_a_chunk_without_text(path):
         r = client.post(path, json={**body, "max_tokens": 4, "stream": True, "return_token_ids": True})
     chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
     assert [t for c in chunks for ch in c["choices"] for t in ch.get("token_ids", [])] == [7, 7, 7]
+    with _client(ScriptedEngine([("Paris", "stop")])) as client:
+        plain = client.post(path, json={**body, "max_tokens": 4}).json()
+    assert "token_ids" not in plain["choices"][0] and "prompt_token_ids" not in plain
