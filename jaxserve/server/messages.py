@@ -3,7 +3,8 @@ onto the chat path (agent_bridge.py).
 
 - `system` (a string or text blocks) is the system message; `messages` hold text, `tool_use`
   (an assistant's calls) and `tool_result` blocks (tool messages); earlier `thinking` blocks
-  are dropped, as templates drop earlier thinking.
+  are dropped, as templates drop earlier thinking. A last assistant message is a prefill:
+  the answer continues it (chat's continue_final_message).
 - `max_tokens`, `temperature`, `top_p`, `top_k`, `stop_sequences`; `tools` with `input_schema`
   and `tool_choice` auto / any / tool / none (chat's auto / required / named / none: a forced
   choice is a grammar, as in chat); `output_format` json_schema -> structured output.
@@ -149,6 +150,8 @@ def chat_fields(req: CountTokensRequest) -> dict:
         messages += _message(i, m.role, m.content)
     fields: dict[str, Any] = {"model": req.model, "messages": messages, "tools": _tools(req),
                               "tool_choice": _tool_choice(req.tool_choice)}
+    if req.messages[-1].role == "assistant":    # a prefilled answer: the model continues it
+        fields.update(add_generation_prompt=False, continue_final_message=True)
     if req.tool_choice is not None:
         fields["parallel_tool_calls"] = not req.tool_choice.disable_parallel_tool_use
     if isinstance(req, MessagesRequest):

@@ -97,6 +97,26 @@ def test_responses_forced_function_call_satisfies_the_schema(served, stream):
         assert answer.output and answer.output[0].type == "message" and answer.output_text
 
 
+def test_responses_second_turn_continues_the_stored_conversation(served):
+    client = served.client()
+    first = client.responses.create(model=served.model, input="My name is Ada.", max_output_tokens=8,
+                                    temperature=0)
+    second = client.responses.create(model=served.model, input="What is my name?", max_output_tokens=8,
+                                     temperature=0, previous_response_id=first.id)
+    chat = _chat(served, [{"role": "user", "content": "My name is Ada."},
+                          {"role": "assistant", "content": first.output_text},
+                          {"role": "user", "content": "What is my name?"}], max_tokens=8)
+    assert second.previous_response_id == first.id
+    assert second.usage.input_tokens == chat.usage.prompt_tokens
+    assert second.output_text == chat.choices[0].message.content
+    assert client.responses.retrieve(first.id).output_text == first.output_text
+    client.responses.delete(first.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(first.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.create(model=served.model, input="Again?", previous_response_id=first.id)
+
+
 def test_responses_json_schema_text_format(served):
     r = served.client().responses.create(
         model=served.model, input="Describe the weather in Paris as JSON.", max_output_tokens=40, temperature=0,

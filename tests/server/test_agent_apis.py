@@ -139,6 +139,11 @@ def test_anthropic_blocks_become_chat_messages():
         {"role": "tool", "tool_call_id": "t2", "content": "Error: timeout"},
         {"role": "user", "content": "Thanks."}]
     assert (fields["stop"], fields["top_k"], fields["max_tokens"]) == (["END"], 5, 5)
+    assert "continue_final_message" not in fields
+    prefill = MessagesRequest.model_validate({"max_tokens": 5, "messages": [
+        {"role": "user", "content": "Capital of France?"}, {"role": "assistant", "content": "The capital is"}]})
+    fields = messages_chat_fields(prefill)
+    assert fields["continue_final_message"] and not fields["add_generation_prompt"]
 
 
 def test_store_evicts_the_oldest_by_count_and_by_size():
