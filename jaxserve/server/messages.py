@@ -120,9 +120,9 @@ def _tools(req: CountTokensRequest) -> list[dict] | None:
     return tools
 
 
-def _tool_choice(choice: ToolChoiceParam | None):
-    if choice is None:
-        return None
+def _tool_choice(choice: ToolChoiceParam | None, tools: list | None):
+    if choice is None or (not tools and choice.type in ("auto", "none")):
+        return None     # "auto" with no tools: there is nothing to choose
     if choice.type == "tool":
         if not choice.name:
             raise bad_request('tool_choice of type "tool" needs the tool\'s name', param="tool_choice.name")
@@ -149,7 +149,7 @@ def chat_fields(req: CountTokensRequest) -> dict:
     for i, m in enumerate(req.messages):
         messages += _message(i, m.role, m.content)
     fields: dict[str, Any] = {"model": req.model, "messages": messages, "tools": _tools(req),
-                              "tool_choice": _tool_choice(req.tool_choice)}
+                              "tool_choice": _tool_choice(req.tool_choice, req.tools)}
     if req.messages[-1].role == "assistant":    # a prefilled answer: the model continues it
         fields.update(add_generation_prompt=False, continue_final_message=True)
     if req.tool_choice is not None:

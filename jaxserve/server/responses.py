@@ -110,6 +110,8 @@ def _chat_tools(req: ResponsesRequest) -> list[dict] | None:
 
 def _chat_tool_choice(req: ResponsesRequest):
     choice = req.tool_choice
+    if not req.tools and choice in ("auto", "none"):
+        return None     # clients send "auto" with no tools: there is nothing to choose
     if choice is None or isinstance(choice, str):
         return choice
     if choice.get("type") != "function":
@@ -209,7 +211,8 @@ class ResponseBuilder:
             cut = result.finish_reason == "length"
             status = "incomplete" if cut else "completed"
             incomplete = {"reason": "max_output_tokens"} if cut else None
-            output = [self.item(b, i, "incomplete" if cut and b.kind == "text" else "completed")
+            last = len(result.blocks) - 1     # a cut answer's last item is the one cut short
+            output = [self.item(b, i, "incomplete" if cut and i == last else "completed")
                       for i, b in enumerate(result.blocks)]
             usage = _usage(result)
         fmt = req.text.format.model_dump(by_alias=True, exclude_none=True) if req.text and req.text.format \

@@ -186,14 +186,16 @@ def test_fields_the_sdks_send_are_accepted_and_store_false_is_not_kept():
         r = client.post("/v1/responses", json={
             "input": "hi", "store": False, "metadata": {"k": "v"}, "include": ["reasoning.encrypted_content"],
             "truncation": "auto", "reasoning": {"effort": "low"}, "service_tier": "auto", "user": "u",
-            "parallel_tool_calls": False, "prompt_cache_key": "p", "top_k": 3, "seed": 1})
+            "parallel_tool_calls": False, "prompt_cache_key": "p", "top_k": 3, "seed": 1,
+            "tools": [], "tool_choice": "auto"})
         assert r.status_code == 200, r.text
         assert r.json()["metadata"] == {"k": "v"} and r.json()["output"][0]["content"][0]["text"] == "ok"
         assert client.get(f"/v1/responses/{r.json()['id']}").status_code == 404
         m = client.post("/v1/messages", headers={"anthropic-version": "2023-06-01"}, json={
             "model": "stub", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}],
             "metadata": {"user_id": "u"}, "thinking": {"type": "enabled", "budget_tokens": 1024},
-            "service_tier": "auto", "output_config": {"effort": "low"}, "top_k": 3})
+            "service_tier": "auto", "output_config": {"effort": "low"}, "top_k": 3,
+            "tool_choice": {"type": "auto"}})
         assert m.status_code == 200, m.text
     params = client.app.state.ctx.engine.params
     assert [p.top_k for p in params] == [3, 3] and params[0].seed == 1
@@ -250,3 +252,18 @@ def test_streamed_token_ids_include_a_chunk_without_text(path):
     with _client(ScriptedEngine([("Paris", "stop")])) as client:
         plain = client.post(path, json={**body, "max_tokens": 4}).json()
     assert "token_ids" not in plain["choices"][0] and "prompt_token_ids" not in plain
+
+
+def test_an_answer_cut_by_max_tokens_is_incomplete_and_stops_on_max_tokens():
+    cut = {"choices": [{"index": 0, "message": {"role": "assistant", "content": "Sure.", "tool_calls": [
+        {"id": "chatcmpl-tool-1", "type": "function", "function": {"name": "f", "arguments": '{"a": '}}]},
+        "finish_reason": "length", "stop_reason": None}],
+        "usage": {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}}
+    result = chat_result(cut)
+    response = ResponseBuilder(ResponsesRequest.model_validate({"input": "x"}), "resp_1", 0, "m").response(result)
+    assert response["status"] == "incomplete" and response["incomplete_details"] == {"reason": "max_output_tokens"}
+    assert [(i["type"], i["status"]) for i in response["output"]] == [("message", "completed"),
+                                                                      ("function_call", "incomplete")]
+    body = message_body("msg_1", "m", result)
+    assert body["stop_reason"] == "max_tokens"
+    assert body["content"][1] == {"type": "tool_use", "id": "toolu_1", "name": "f", "input": {}}
