@@ -267,3 +267,20 @@ def test_an_answer_cut_by_max_tokens_is_incomplete_and_stops_on_max_tokens():
     body = message_body("msg_1", "m", result)
     assert body["stop_reason"] == "max_tokens"
     assert body["content"][1] == {"type": "tool_use", "id": "toolu_1", "name": "f", "input": {}}
+
+
+def test_requests_are_counted_per_route_template_and_status_class():
+    with _client(ScriptedEngine([("ok", "stop")])) as client:
+        rid = client.post("/v1/responses", json={"input": "hi"}).json()["id"]
+        client.get(f"/v1/responses/{rid}")
+        client.get("/v1/responses/resp_missing")
+        client.post("/v1/messages", json={"messages": []})
+        client.get("/no/such/path")
+        text = client.get("/metrics").text
+    counts = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+              if line.startswith("http_requests_total")}
+    assert counts == {
+        'http_requests_total{handler="/v1/responses",method="POST",status="2xx"}': 1.0,
+        'http_requests_total{handler="/v1/responses/{response_id}",method="GET",status="2xx"}': 1.0,
+        'http_requests_total{handler="/v1/responses/{response_id}",method="GET",status="4xx"}': 1.0,
+        'http_requests_total{handler="/v1/messages",method="POST",status="4xx"}': 1.0}
