@@ -78,12 +78,13 @@ def test_responses_forced_function_call_satisfies_the_schema(served, stream):
     client = served.client()
     kwargs = dict(model=served.model, input="What is the weather in Paris?", max_output_tokens=40,
                   temperature=0, tools=[RESPONSES_TOOL], tool_choice={"type": "function", "name": "get_weather"})
-    if stream:
-        events = list(client.responses.create(stream=True, **kwargs))
+    if stream:    # through the SDK's stream helper, which puts the call together from the events
+        with client.responses.stream(**kwargs) as s:
+            events = list(s)
+            response = s.get_final_response()
         deltas = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
         (done,) = [e for e in events if e.type == "response.function_call_arguments.done"]
-        assert deltas == done.arguments
-        response = events[-1].response
+        assert deltas == done.arguments == response.output[0].arguments
     else:
         response = client.responses.create(**kwargs)
     (call,) = response.output
