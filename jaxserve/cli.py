@@ -79,7 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_arguments(p)
     add_server_arguments(p)
     add_vllm_arguments(p)
-    p.set_defaults(func=_serve)
+    # 'ready' means ready: a server answers its first requests as fast as its tenth
+    p.set_defaults(func=_serve, warmup_all=True)
 
     _add_batch_parser(sub, "generate", "offline batch generation from an OpenAI batch file (JSONL)")
     _add_batch_parser(sub, "run-batch", "the same as generate, under vLLM's name (vllm run-batch)")

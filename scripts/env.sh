@@ -26,6 +26,7 @@ fi
 STAMP="$VENV/.jaxserve-installed"
 WANT="$(sha256sum "$ROOT/pyproject.toml" | cut -d' ' -f1)"
 if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
+  echo "installing jaxserve and its dependencies into $VENV (the first time: a minute or two)" >&2
   "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --upgrade pip
   "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check -e "$ROOT[test]"
   echo "$WANT" > "$STAMP"

@@ -22,6 +22,10 @@ class _FakeEngine:
         self.engine = SimpleNamespace(runner=SimpleNamespace(num_blocks=num_blocks),
                                       startup_seconds={"load": 0.1, "warmup": 0.2})
         self.stopped = False
+        self.logging_stats = False
+
+    def log_stats(self):
+        self.logging_stats = True
 
     def shutdown(self):
         self.stopped = True
@@ -50,6 +54,9 @@ def _args(tmp_path, *flags):
 def test_chat_template_reaches_the_tokenizer(tmp_path, built):
     engine, defaults = start_engine(_args(tmp_path, "--num-kv-blocks", "17", "--chat-template", "{{ x }}"))
     assert engine.tokenizer.hf.chat_template == "{{ x }}" and defaults == {} and not engine.stopped
+    assert engine.logging_stats        # vLLM's periodic statistics line, unless turned off
+    engine, _ = start_engine(_args(tmp_path, "--num-kv-blocks", "17", "--disable-log-stats"))
+    assert not engine.logging_stats
 
 
 def test_an_engine_that_cannot_serve_is_refused_and_stopped(tmp_path, built):

@@ -1,4 +1,4 @@
-"""`jaxserve bench latency`: time a batch of requests end to end and per decode step.
+r"""`jaxserve bench latency`: time a batch of requests end to end and per decode step.
 
 For each batch size, `--num-iters` times: submit `batch` requests of `--input-len` random
 tokens and generate exactly `--output-len` tokens each (ignore_eos). Reports the end-to-end
@@ -10,10 +10,10 @@ The first request's first token after process start is the cold start-up time.
 
 `--baseline hf` also runs each batch's first timed prompts through Hugging Face transformers
 (greedy, f32, the same model file; benchmarks/hf_cpu_baseline.py under `--baseline-python`,
-an interpreter with torch) and reports its ms per output token beside ours. On the CPU:
+an interpreter with torch and transformers) and reports its ms per output token beside ours. On the CPU:
 
     jaxserve bench latency --engine-defaults --batch-size 1 --input-len 32 --output-len 64 \
-        --baseline hf --baseline-python /work/ref311/bin/python
+        --baseline hf --baseline-python PYTHON_WITH_TORCH
 """
 
 from __future__ import annotations

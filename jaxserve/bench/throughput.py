@@ -51,10 +51,8 @@ def load_tokenizer(path: str | None, fallback=None):
         from jaxserve.models.loaders.default_model import ensure_default_model
         path = ensure_default_model()
     if path.endswith(".gguf"):
-        import gguf
-
-        from jaxserve.models.loaders.gguf import read_metadata
-        return Tokenizer.from_gguf_metadata(read_metadata(gguf.GGUFReader(path)))
+        from jaxserve.models.loaders.gguf import open_gguf, read_metadata
+        return Tokenizer.from_gguf_metadata(read_metadata(open_gguf(path)))
     return Tokenizer.from_pretrained(path)
 
 

@@ -95,10 +95,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         "policy.py auto_fused_kernels)")
     g.add_argument("--no-warmup", dest="warmup", action="store_false",
                    help="compile step buckets lazily instead of at start-up")
-    g.add_argument("--warmup-all", action="store_true",
+    g.add_argument("--warmup-all", action=argparse.BooleanOptionalAction, default=False,
                    help="at start-up wait for every step program, also those for logprobs, "
-                        "top-k/top-p and penalties (by default they compile in the background "
-                        "and the first request needing one waits for it)")
+                        "top-k/top-p, penalties, grammar masks and speculation (on for `serve`, "
+                        "so that 'ready' means nothing is left to compile; elsewhere off: they "
+                        "compile in the background and the first request needing one waits)")
     g.add_argument("--speculative-config", type=speculative_config, default=None, metavar="JSON",
                    help="speculative decoding, with vLLM's keys: "
                         "'{\"method\": \"ngram\", \"num_speculative_tokens\": 3, "

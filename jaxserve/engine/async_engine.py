@@ -15,6 +15,7 @@ from typing import AsyncIterator
 from jaxserve.config import EngineConfig
 from jaxserve.engine import builder
 from jaxserve.engine.llm_engine import EngineDeadError, EngineOverloadedError, LLMEngine
+from jaxserve.engine.stats_log import LOG_STATS_INTERVAL_S, StatsLogger
 from jaxserve.metrics import EngineMetrics
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams
@@ -54,12 +55,18 @@ class AsyncEngine:
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stopping = False
         self.dead_error: BaseException | None = None
+        self._stats: StatsLogger | None = None     # log_stats
         self._thread = threading.Thread(target=self._run, name="jaxserve-engine", daemon=True)
         self._thread.start()
 
     @classmethod
     def from_engine_args(cls, model: str | None = None, **kwargs) -> "AsyncEngine":
         return cls(builder.from_engine_args(model, **kwargs))
+
+    def log_stats(self, interval: float = LOG_STATS_INTERVAL_S) -> None:
+        """Log a line of throughput, queue and cache statistics every `interval` seconds in
+        which the engine works (a server's, unless --disable-log-stats)."""
+        self._stats = StatsLogger(self.engine.get_metrics, interval)
 
     @property
     def tokenizer(self) -> Tokenizer | None:
@@ -180,6 +187,8 @@ class AsyncEngine:
                     continue
                 for out in self.engine.step():
                     self._deliver(out.request_id, out)
+                if self._stats is not None:
+                    self._stats.maybe_log()
             except Exception as e:  # the step itself failed: nothing can be trusted any more
                 logger.exception("engine step failed; failing all in-flight requests")
                 self.dead_error = e

@@ -29,6 +29,7 @@ from jaxserve.tokenizer import Tokenizer
 from jaxserve.worker.runner import ModelRunner
 
 logger = logging.getLogger(__name__)
+PROGRESS_EVERY_S = 10.0     # a long wait (warm-up, a CPU request) shows a line this often
 
 
 class EngineOverloadedError(RuntimeError):
@@ -84,6 +85,11 @@ class LLMEngine:
             if proposer is not None:   # its programs compile in the background
                 proposer.warmup()
             if config.warmup_all:   # a failed compile is retried on first use (runner.run)
+                logger.info("waiting for the programs compiling in the background (logprobs, "
+                            "sampling extras, grammar masks, speculation): nothing compiles "
+                            "once this engine is ready (--no-warmup-all: ready sooner, and "
+                            "the first request needing one waits for it)")
+                self.runner.wait_for_warmup(raise_errors=False, log_every=PROGRESS_EVERY_S)
                 self.wait_for_warmup(raise_errors=False)
             self.startup_seconds["warmup"] = time.perf_counter() - t0
             logger.info("warm-up took %.1f s", self.startup_seconds["warmup"])

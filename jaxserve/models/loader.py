@@ -16,7 +16,7 @@ import numpy as np
 
 from jaxserve.config import ModelConfig
 from jaxserve.models import registry
-from jaxserve.models.loaders import dummy, gguf as gguf_loader, hf as hf_loader
+from jaxserve.models.loaders import default_model, dummy, gguf as gguf_loader, hf as hf_loader
 from jaxserve.sharding import rules
 from jaxserve.tokenizer import Tokenizer
 
@@ -61,10 +61,9 @@ def _load_model(model, load_format, dtype, *, mesh, seed, quantization):
     if load_format not in ("auto", "gguf", "safetensors", "dummy"):
         raise ValueError(f"load_format must be one of auto, gguf, safetensors, dummy; got {load_format!r}")
     if load_format == "dummy":
-        if model is None:
-            raise ValueError(f"load_format='dummy' needs a model config: a config.json, a HF directory "
-                             f"or one of {', '.join(dummy.known_configs())}")
-        cfg, params = load_dummy(model, dtype, mesh, seed)
+        # no model: the default model's shape, with its tokenizer if its GGUF is at hand
+        default_gguf = default_model.default_model_path() if model is None else None
+        cfg, params = load_dummy(model or default_model.DEFAULT_MODEL_NAME, dtype, mesh, seed)
         if quantization is not None:     # as an FP8 checkpoint of this shape would load
             if not registry.get_family(cfg.architecture).keeps_fp8_experts:
                 raise ValueError(f"quantization {quantization!r} is built for "
@@ -74,6 +73,9 @@ def _load_model(model, load_format, dtype, *, mesh, seed, quantization):
         tokenizer = None
         if isinstance(model, str) and hf_loader.is_hf_dir(model) and hf_loader.has_tokenizer_files(model):
             tokenizer = Tokenizer.from_pretrained(model, cfg.eos_token_ids)
+        elif default_gguf is not None and os.path.isfile(default_gguf):
+            meta = gguf_loader.read_metadata(gguf_loader.open_gguf(default_gguf))
+            tokenizer = Tokenizer.from_gguf_metadata(meta, cfg.eos_token_ids)
         return cfg, params, tokenizer
     path = resolve_model_path(model)
     jdtype = jnp.dtype(dtype)

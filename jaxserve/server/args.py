@@ -67,5 +67,5 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
                    help="with --enable-log-requests: characters (or token ids) of the prompt "
                         "logged (default: all)")
     g.add_argument("--disable-log-stats", action="store_true",
-                   help="accepted for vLLM's command lines: jaxserve logs no periodic statistics "
-                        "(they are on /metrics)")
+                   help="no periodic statistics line (throughput, running and waiting "
+                        "requests, KV cache use) in the log; /metrics has them either way")

@@ -162,19 +162,21 @@ def _count_lines(path: str) -> int:
 
 
 class BatchProgress:
-    """A bar on a terminal; elsewhere (a log file, CI) a line every `every` requests. Then a
-    summary, with the first failures by input line number."""
+    """A bar on a terminal; elsewhere (a log file, CI) a line every `every` requests or every
+    `seconds`, whichever comes first. Then a summary, with the first failures by input line
+    number."""
 
     SHOWN_ERRORS = 5
 
-    def __init__(self, total: int, every: int, stream=None):
+    def __init__(self, total: int, every: int, stream=None, seconds: float = 10.0):
         from tqdm import tqdm      # NOTE: not tqdm.auto: no notebook widget from a CLI
 
         self.stream = stream or sys.stderr
         self.total, self.every = total, every
         self.count = self.failed = 0
         self.errors: list[str] = []
-        self.t0 = time.perf_counter()
+        self.t0 = self.last_line = time.perf_counter()
+        self.seconds = seconds
         self.bar = tqdm(total=total, unit="req", desc="Running batch", file=self.stream) \
             if self.stream.isatty() else None
 
@@ -188,7 +190,10 @@ class BatchProgress:
                 self.errors.append(message if message.startswith(prefix) else prefix + message)
         if self.bar is not None:
             self.bar.update(1)
-        elif self.every and (self.count % self.every == 0) and self.count < self.total:
+        elif self.count < self.total and (
+                (self.every and self.count % self.every == 0)
+                or time.perf_counter() - self.last_line >= self.seconds):
+            self.last_line = time.perf_counter()
             self._print(f"{self.count}/{self.total} requests done ({self.failed} failed), "
                         f"{time.perf_counter() - self.t0:.1f} s")
 

@@ -34,6 +34,15 @@ class ServerContext:
     # requests never tokenize concurrently with each other.
     tokenizer_pool: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="jaxserve-tokenize"))
+    # what the server has checked once (first_time's keys)
+    checked_once: set = field(default_factory=set)
+
+    def first_time(self, key: str) -> bool:
+        """True the first time `key` is asked about (a warning the log shows once)."""
+        if key in self.checked_once:
+            return False
+        self.checked_once.add(key)
+        return True
 
     @property
     def model_name(self) -> str:

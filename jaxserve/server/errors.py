@@ -75,8 +75,10 @@ def bad_request(message: str, param: str | None = None, code: str = "invalid_req
     return APIError(400, message, param=param, code=code)
 
 
-def overloaded(message: str) -> APIError:
-    return APIError(503, message, code="overloaded", headers={"Retry-After": str(RETRY_AFTER_S)})
+def overloaded(message: str, code: str = "overloaded") -> APIError:
+    """503 with Retry-After: the server is full (`overloaded`) or its engine has stopped
+    (`engine_stopped`: shutting down or failed; another replica may answer)."""
+    return APIError(503, message, code=code, headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
 def loc_to_param(loc) -> str:

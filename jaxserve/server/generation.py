@@ -35,7 +35,7 @@ def engine_error(exc: BaseException) -> APIError:
     if isinstance(exc, EngineOverloadedError):
         return overloaded(f"the server is overloaded: {exc}; retry later")
     if isinstance(exc, EngineDeadError):
-        return overloaded(f"the engine has stopped: {exc}")
+        return overloaded(f"the engine has stopped: {exc}", code="engine_stopped")
     if isinstance(exc, ValueError):
         return bad_request(str(exc))
     logger.error("request failed: %r", exc, exc_info=exc)

@@ -7,6 +7,7 @@ naming the field and the allowed range before any stream has started.
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 
 from jaxserve.sampling_params import SamplingParams
@@ -17,6 +18,7 @@ from jaxserve.server.protocol import (MAX_STOP_STRINGS, ChatCompletionRequest, C
                                       CompletionRequest, SamplingFields)
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
+logger = logging.getLogger(__name__)
 # Template arguments a request may not override through chat_template_kwargs.
 _RESERVED_TEMPLATE_KWARGS = {"conversation", "messages", "tokenize", "chat_template", "tools",
                              "add_generation_prompt", "continue_final_message", "return_dict",
@@ -175,6 +177,12 @@ def chat_prompt(ctx: ServerContext, req: ChatCompletionRequest, tools: list[dict
     """Messages (and the tools to show the model) -> template text -> token ids (blocking)."""
     text = render_chat(ctx, req.messages, req.add_generation_prompt, req.continue_final_message,
                        req.chat_template_kwargs, tools)
+    if tools and ctx.first_time("template drops tools") and text == render_chat(
+            ctx, req.messages, req.add_generation_prompt, req.continue_final_message,
+            req.chat_template_kwargs):
+        logger.warning("the chat template ignores `tools`: the model never sees the tool "
+                       "definitions, so it will not call them (pass --chat-template with a "
+                       "template that renders tools)")
     return PromptInput(ctx.tokenizer.encode(text, add_special_tokens=req.add_special_tokens), text)
 
 

@@ -88,6 +88,8 @@ def start_engine(args: argparse.Namespace):
     except BaseException:
         engine.shutdown()
         raise
+    if not getattr(args, "disable_log_stats", False):
+        engine.log_stats()
     seconds = engine.engine.startup_seconds
     logger.info("ready in %.1f s (loading %.1f s, warm-up %.1f s)", time.perf_counter() - t0,
                 seconds.get("load", 0.0), seconds.get("warmup", 0.0))

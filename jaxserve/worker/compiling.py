@@ -150,8 +150,16 @@ def prepare_mosaic_gpu_runtime() -> None:
     import jax.experimental.mosaic.gpu  # noqa: F401 - imported for its side effect
 
 
-def wait_all(futures, raise_errors: bool = True) -> None:
-    """Wait for every compile future (a warm-up's); raise the first failure if asked."""
+def wait_all(futures, raise_errors: bool = True, log_every: float | None = None) -> None:
+    """Wait for every compile future (a warm-up's); raise the first failure if asked.
+    log_every: seconds between progress lines while it waits (None: silent)."""
+    futures = list(futures)
+    pending = set(futures)
+    while log_every is not None and pending:
+        pending = concurrent.futures.wait(pending, timeout=log_every).not_done
+        if pending:
+            logger.info("compiling: %d of %d step programs done", len(futures) - len(pending),
+                        len(futures))
     for future in futures:
         try:
             future.result()

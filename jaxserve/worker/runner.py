@@ -379,6 +379,6 @@ class ModelRunner:
         """The hidden states a step of this bucket returns, abstract (warmup.hidden_spec)."""
         return warmup.hidden_spec(self, num_tokens)
 
-    def wait_for_warmup(self, raise_errors: bool = True) -> None:
-        """Wait until every program warm-up started is compiled."""
-        wait_all(self._pending.values(), raise_errors)
+    def wait_for_warmup(self, raise_errors: bool = True, log_every: float | None = None) -> None:
+        """Wait until every program warm-up started is compiled (log_every: wait_all's)."""
+        wait_all(self._pending.values(), raise_errors, log_every)

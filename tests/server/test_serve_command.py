@@ -91,6 +91,7 @@ def test_serve_flags_and_sigterm_with_open_streams():
             last = json.loads(events[-2])
             # Ended early with an error event (the engine stopped), not cut off.
             assert last["error"]["type"] == "ServiceUnavailableError", last
+            assert last["error"]["code"] == "engine_stopped", last
         log = proc.stdout.read()
         assert "engine stopped" in log and "Traceback" not in log, log
         assert "ready in" in log and "loading" in log, log

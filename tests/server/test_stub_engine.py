@@ -53,13 +53,16 @@ def _client(engine) -> TestClient:
     return TestClient(build_app(ServerContext(engine, ("stub",))), raise_server_exceptions=False)
 
 
-@pytest.mark.parametrize("failure,status", [("overloaded", 503), ("dead", 503), ("alone", 500)])
+@pytest.mark.parametrize("failure,status,code", [("overloaded", 503, "overloaded"),
+                                                 ("dead", 503, "engine_stopped"),
+                                                 ("alone", 500, "internal_error")])
 @pytest.mark.parametrize("stream", [False, True])
-def test_engine_failure_status(failure, status, stream):
+def test_engine_failure_status(failure, status, code, stream):
     with _client(_FailingEngine(failure)) as client:
         r = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1, "stream": stream})
         assert r.status_code == status, r.text
         assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+        assert r.json()["error"]["code"] == code
         if status == 503:
             assert int(r.headers["retry-after"]) >= 1
         r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],

@@ -102,13 +102,24 @@ def _unpermute_rows(w_out_in: np.ndarray, n_head: int) -> np.ndarray:
             .swapaxes(1, 2).reshape(w_out_in.shape))
 
 
+def open_gguf(path: str):
+    """gguf's reader of `path`; ValueError naming the file when it is not a GGUF file (the
+    reader's own message, 'GGUF magic invalid', does not say which file)."""
+    import gguf
+
+    try:
+        return gguf.GGUFReader(path)
+    except (ValueError, OSError) as e:
+        raise ValueError(f"{path}: not a readable GGUF file ({e})") from e
+
+
 def load_gguf(path: str, dtype=np.float32) -> tuple[ModelConfig, dict, dict[str, Any]]:
     """Returns (config, params as numpy arrays, metadata for the tokenizer)."""
     import gguf
 
     if not os.path.isfile(path):
         raise FileNotFoundError(f"GGUF file not found: {path}")
-    reader = gguf.GGUFReader(path)
+    reader = open_gguf(path)
     meta = read_metadata(reader)
     hf = gguf_to_hf_config(meta)
     has_output = any(t.name == "output.weight" for t in reader.tensors)
