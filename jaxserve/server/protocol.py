@@ -117,6 +117,37 @@ class ChatMessage(_Body):
     name: str | None = None
     tool_calls: list[ToolCall] | None = None     # an assistant's earlier calls
     tool_call_id: str | None = None              # a tool message: the call it answers
+    # An assistant's earlier thinking (vLLM's field, and its legacy name), for templates that
+    # show it again (Qwen3's reads reasoning_content).
+    reasoning: str | None = None
+    reasoning_content: str | None = None
+
+
+# ---- response side: what the chat path answers (the Responses / Messages APIs translate these)
+
+class AssistantMessage(BaseModel):
+    """A chat completion choice's message. With a reasoning parser the thinking is in
+    `reasoning` (and vLLM's legacy `reasoning_content`, the same text), the answer in `content`."""
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+    reasoning: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[dict] = Field(default_factory=list)
+
+    def body(self) -> dict:
+        return self.model_dump()
+
+
+class DeltaMessage(BaseModel):
+    """One streamed chunk's `delta`: only the fields that carry something are sent."""
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+    reasoning: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[dict] | None = None    # OpenAI's tool-call deltas, each with its "index"
+
+    def body(self) -> dict:
+        return self.model_dump(exclude_none=True)
 
 
 class FunctionDefinition(_Body):
