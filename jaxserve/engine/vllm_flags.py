@@ -272,5 +272,6 @@ def check_vllm_combinations(args: argparse.Namespace) -> None:
     """vLLM's refusals of flag combinations: StartupError (one line), before anything loads."""
     if getattr(args, "enable_auto_tool_choice", False) and getattr(args, "tool_call_parser", None) is None:
         from jaxserve.engine.checks import StartupError
-        raise StartupError("--enable-auto-tool-choice needs --tool-call-parser, "
+        from jaxserve.parsers.tools import TOOL_PARSERS
+        raise StartupError(f"--enable-auto-tool-choice needs --tool-call-parser ({', '.join(sorted(TOOL_PARSERS))}), "
                            "as in vLLM: the server must know how to read the model's tool calls")

@@ -24,6 +24,7 @@ the whole response (`split` feeds it the whole text), so the two always agree.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from dataclasses import dataclass
 from typing import ClassVar
@@ -114,6 +115,22 @@ class ReasoningParser:
         """Whether the output may think before its answer: a grammar then waits for the
         end-of-thinking token (vLLM's structured output with a reasoning parser)."""
         return self.initial_phase(prompt_text, template_kwargs or {}) is not Phase.CONTENT
+
+    def end_token_id(self, encode) -> int | None:
+        """The end-of-thinking token's id (`encode`: text -> token ids), for the grammar to
+        wait on; None if the vocabulary does not hold the tag as one token."""
+        ids = encode(self.end_tag)
+        return ids[0] if len(ids) == 1 else None
+
+    def grammar_after_thinking(self, structured, encode, prompt_text: str | None,
+                               template_kwargs: dict | None = None):
+        """`structured` (a StructuredOutputsParams, or None) with the end-of-thinking token as
+        its `reasoning_end_token_id` when the output thinks first: the grammar then constrains
+        only the answer. Unchanged when it does not think (or the tag is no single token)."""
+        if structured is None or not self.thinks_first(prompt_text, template_kwargs):
+            return structured
+        end = self.end_token_id(encode)
+        return structured if end is None else dataclasses.replace(structured, reasoning_end_token_id=end)
 
     def split(self, text: str, prompt_text: str | None,
               template_kwargs: dict | None = None) -> tuple[str | None, str | None]:

@@ -142,7 +142,12 @@ async def create_chat_completion(ctx: ServerContext, request, req: ChatCompletio
     ctx.check_model(req.model)
     plan = tool_plan(ctx, req, structured_outputs(req))
     prompt = await ctx.in_tokenizer_thread(chat_prompt, ctx, req, plan.tools)
-    params = chat_sampling_params(ctx, req, prompt, plan.structured)
+    structured = plan.structured
+    if ctx.reasoning_parser is not None:     # a grammar constrains the answer, after the thinking
+        structured = ctx.reasoning_parser.grammar_after_thinking(
+            structured, lambda text: ctx.tokenizer.encode(text, add_special_tokens=False), prompt.text,
+            ctx.template_kwargs(req.chat_template_kwargs))
+    params = chat_sampling_params(ctx, req, prompt, structured)
     await check_compiles(ctx, params, "tools" if plan.mode in ("required", "named") else field_of(req))
     request_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     include_usage = bool(req.stream_options and req.stream_options.include_usage)

@@ -38,6 +38,11 @@ class TokenEngine:
     is_healthy = True
     config = Config
 
+    class grammars:          # grammars are the engine's (tests/test_structured_thinking.py)
+        @staticmethod
+        def check(structured):
+            pass
+
     def __init__(self, tokenizer, answer: str):
         self.tokenizer, self.answer = tokenizer, answer
         self.prompts, self.params = [], []
@@ -156,3 +161,18 @@ def test_invalid_call_is_text_not_an_error(serve):
     whole, streamed = _both(client, messages=USER, tools=TOOLS)
     assert whole.message.content == answer and not whole.message.tool_calls and whole.finish_reason == "stop"
     assert streamed[3] == "stop"
+
+
+def test_response_format_waits_for_the_end_of_thinking(serve):
+    engine, client = serve(qwen3(), '<think>\nA JSON object.\n</think>\n\n{"city": "Paris"}', reasoning="qwen3")
+    fmt = {"type": "json_schema", "json_schema": {"name": "w", "schema": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+    whole, streamed = _both(client, messages=USER, response_format=fmt)
+    assert json.loads(whole.message.content) == {"city": "Paris"}
+    assert whole.message.model_dump()["reasoning"] == "\nA JSON object.\n" == streamed[0]
+    end = qwen3().encode("</think>", add_special_tokens=False)
+    assert [p.structured_outputs.reasoning_end_token_id for p in engine.params] == end * 2
+    # thinking switched off: the prompt closes the thinking, the grammar holds from the start
+    client.chat.completions.create(model="family", messages=USER, response_format=fmt,
+                                   extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert engine.params[-1].structured_outputs.reasoning_end_token_id is None
