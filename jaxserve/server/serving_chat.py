@@ -39,6 +39,8 @@ class ChoiceSplit:
         self.thinking = None if parser is None else parser.stream(
             prompt_text, ctx.template_kwargs(req.chat_template_kwargs))
         self.tools = output_stream(plan)
+        # parallel_tool_calls false: the first call only (as vLLM)
+        self.max_calls = None if req.parallel_tool_calls else 1
         self.call_ids: dict[int, str] = {}
         self.reasoning: list[str] = []
         self.content: list[str] = []
@@ -56,8 +58,9 @@ class ChoiceSplit:
         else:
             d = self.tools.feed(text, final)
             content = d.content
-            if d.calls:
-                out.tool_calls = [self._call_delta(c) for c in d.calls]
+            calls = [c for c in d.calls if self.max_calls is None or c.index < self.max_calls]
+            if calls:
+                out.tool_calls = [self._call_delta(c) for c in calls]
         if content:
             self.content.append(content)
             out.content = content
@@ -74,6 +77,7 @@ class ChoiceSplit:
         reasoning = "".join(self.reasoning) if self.thinking is not None and self.thinking.saw_reasoning else None
         if self.tools is not None:
             content, calls = self.tools.result()
+            calls = calls[:self.max_calls]
         else:
             content, calls = echo + "".join(self.content), []
             if self.thinking is not None:

@@ -115,6 +115,8 @@ class NamedStream:
         self.name, self.text, self.started = name, "", False
 
     def feed(self, text: str, final: bool = False) -> ToolDelta:
+        if not self.started:     # whitespace before the object (after a thinking block) is no argument
+            text = text.lstrip()
         self.text += text
         if not text and (self.started or not final):
             return ToolDelta()

@@ -176,3 +176,25 @@ def test_response_format_waits_for_the_end_of_thinking(serve):
     client.chat.completions.create(model="family", messages=USER, response_format=fmt,
                                    extra_body={"chat_template_kwargs": {"enable_thinking": False}})
     assert engine.params[-1].structured_outputs.reasoning_end_token_id is None
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call(serve):
+    call = '<tool_call>\n{{"name": "get_weather", "arguments": {{"city": "{}"}}}}\n</tool_call>'
+    engine, client = serve(qwen3(), call.format("Paris") + "\n" + call.format("Rome"), tools="hermes")
+    whole, streamed = _both(client, messages=USER, tools=TOOLS)
+    assert [c.function.arguments for c in whole.message.tool_calls] == ['{"city": "Paris"}', '{"city": "Rome"}']
+    whole, streamed = _both(client, messages=USER, tools=TOOLS, parallel_tool_calls=False)
+    assert [c.function.arguments for c in whole.message.tool_calls] == ['{"city": "Paris"}']
+    assert streamed[2] == [("get_weather", '{"city": "Paris"}')]
+
+
+def test_named_tool_choice_after_thinking(serve):
+    engine, client = serve(qwen3(), '<think>\nEasy.\n</think>\n\n{"city": "Paris"}', reasoning="qwen3")
+    choice = {"type": "function", "function": {"name": "get_weather"}}
+    whole, streamed = _both(client, messages=USER, tools=TOOLS, tool_choice=choice)
+    (call,) = whole.message.tool_calls
+    assert (call.function.name, call.function.arguments) == ("get_weather", '{"city": "Paris"}')
+    assert whole.message.model_dump()["reasoning"] == "\nEasy.\n" == streamed[0]
+    assert streamed[2] == [("get_weather", '{"city": "Paris"}')]
+    end = qwen3().encode("</think>", add_special_tokens=False)
+    assert engine.params[0].structured_outputs.reasoning_end_token_id == end[0]     # its grammar waits too
