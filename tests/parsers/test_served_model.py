@@ -61,8 +61,18 @@ def _checkpoint(path: str) -> str:
     return path
 
 
+ENGINE = dict(dtype="float32", max_model_len=512, max_num_seqs=2, max_num_batched_tokens=512, warmup=False)
+CITY = {"type": "object", "properties": {"city": {"enum": ["Paris"]}}, "required": ["city"],
+        "additionalProperties": False}
+
+
 @pytest.fixture(scope="module")
-def client(tmp_path_factory):
+def ckpt(tmp_path_factory):
+    return _checkpoint(str(tmp_path_factory.mktemp("transition_qwen3")))
+
+
+@pytest.fixture(scope="module")
+def client(ckpt):
     from jaxserve import LLM
     from jaxserve.engine import AsyncEngine
     from jaxserve.parsers.reasoning import reasoning_parser
@@ -70,8 +80,7 @@ def client(tmp_path_factory):
     from jaxserve.server.background import BackgroundServer
     from jaxserve.server.context import ServerContext
 
-    llm = LLM(_checkpoint(str(tmp_path_factory.mktemp("transition_qwen3"))), dtype="float32",
-              max_model_len=512, max_num_seqs=2, max_num_batched_tokens=512, warmup=False)
+    llm = LLM(ckpt, **ENGINE)
     engine = AsyncEngine(llm.engine)
     ctx = ServerContext(engine, ("tiny-qwen3",), reasoning_parser=reasoning_parser("qwen3"),
                         enable_auto_tool_choice=True, tool_call_parser="mistral")
@@ -106,9 +115,7 @@ def test_thinking_and_answer_split(client):
 
 
 def test_response_format_constrains_the_answer_after_the_thinking(client):
-    fmt = {"type": "json_schema", "json_schema": {"name": "w", "schema": {
-        "type": "object", "properties": {"city": {"enum": ["Paris"]}}, "required": ["city"],
-        "additionalProperties": False}}}
+    fmt = {"type": "json_schema", "json_schema": {"name": "w", "schema": CITY}}
     whole, streamed = _both(client, messages=USER, response_format=fmt)
     assert whole.message.model_dump()["reasoning"] == "Looks warm" == streamed[0]
     assert json.loads(whole.message.content) == {"city": "Paris"} == json.loads(streamed[1])
@@ -122,3 +129,27 @@ def test_tool_call_after_the_thinking(client):
     assert whole.message.model_dump()["reasoning"] == "Looks warm" and whole.finish_reason == "tool_calls"
     assert streamed[0] == "Looks warm" and not streamed[1].strip()
     assert streamed[2] == [("get_weather", '{"city": "Paris"}')]
+
+
+def test_offline_chat_with_ngram_drafts_across_the_end_of_thinking(ckpt):
+    """The prompt repeats the script, so the n-gram proposer drafts " warm", "</think>", "{..."
+    while the output still thinks: the drafts before and at </think> pass unconstrained, the
+    ones after it under the grammar; the output is the one without speculation."""
+    from jaxserve import LLM, SamplingParams
+    from jaxserve.structured import StructuredOutputsParams as SO
+    from tests.spec_helpers import spec_counts
+
+    llm = LLM(ckpt, reasoning_parser="qwen3", speculative_config={
+        "method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 2}, **ENGINE)
+    structured = llm.engine.core.structured
+    kept, valid_drafts = [], structured.valid_drafts
+    structured.valid_drafts = lambda rid, drafts: kept.append(valid_drafts(rid, drafts)) or kept[-1]
+    params = SamplingParams(temperature=0, max_tokens=40, structured_outputs=SO(json=CITY))
+    messages = [{"role": "user", "content": 'Looks warm</think>{"city":"Paris"}'}]
+    (out,) = llm.chat(messages, params, use_tqdm=False)
+    c = out.outputs[0]
+    assert (c.reasoning, c.content) == ("Looks warm", '{"city":"Paris"}')
+    end = qwen3().encode("</think>", add_special_tokens=False)[0]
+    # drafts kept through the end of the thinking and on into the grammar's first tokens
+    assert any(end in k and 0 < k.index(end) < len(k) - 1 for k in kept), kept
+    assert spec_counts(llm)["spec_decode_num_accepted_tokens_total"] >= 3
