@@ -14,3 +14,13 @@ def by_name(registry: dict, flag: str, name: str):
     except KeyError:
         raise ValueError(f"{flag} {name!r} is not known; the known parsers are "
                          f"{', '.join(sorted(registry))}") from None
+
+
+def held_prefix(text: str, tags: tuple[str, ...]) -> int:
+    """The length of the longest tail of `text` that is the start of one of `tags`: what a
+    stream holds back until the next delta says whether a tag (or marker) begins there."""
+    for keep in range(min(len(text), max(len(t) for t in tags) - 1), 0, -1):
+        tail = text[-keep:]
+        if any(t.startswith(tail) for t in tags):
+            return keep
+    return 0

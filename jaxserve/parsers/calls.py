@@ -20,6 +20,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Callable, ClassVar
 
+from jaxserve.parsers import held_prefix
+
 
 @dataclass
 class PartialCall:
@@ -94,14 +96,6 @@ def json_arguments(text: str, start: int, done: bool) -> tuple[str, int | None]:
     return text[start:end], end
 
 
-def held_marker(text: str, markers: tuple[str, ...]) -> int:
-    """The length of the longest tail of `text` that begins one of `markers`."""
-    for keep in range(min(len(text), max(len(m) for m in markers) - 1), 0, -1):
-        if any(m.startswith(text[-keep:]) for m in markers):
-            return keep
-    return 0
-
-
 def content_before(text: str, marker: str, final: bool) -> tuple[str, int]:
     """(the content before `marker`, where the marker starts or -1). Without the marker, a
     tail that may begin it and trailing whitespace are held back (a stream sends them later,
@@ -111,7 +105,7 @@ def content_before(text: str, marker: str, final: bool) -> tuple[str, int]:
         return text[:i].rstrip(), i
     if final:
         return text, -1
-    cut = text[:len(text) - held_marker(text, (marker,))]
+    cut = text[:len(text) - held_prefix(text, (marker,))]
     return cut.rstrip(), -1
 
 

@@ -29,7 +29,7 @@ import enum
 from dataclasses import dataclass
 from typing import ClassVar
 
-from jaxserve.parsers import by_name
+from jaxserve.parsers import by_name, held_prefix
 
 
 class Phase(enum.Enum):
@@ -42,16 +42,6 @@ class Phase(enum.Enum):
 class ReasoningDelta:
     reasoning: str = ""
     content: str = ""
-
-
-def held_prefix(text: str, tags: tuple[str, ...]) -> int:
-    """The length of the longest tail of `text` that is the start of one of `tags` (the part
-    a stream must hold back until the next delta says whether it is a tag)."""
-    for keep in range(min(len(text), max(len(t) for t in tags) - 1), 0, -1):
-        tail = text[-keep:]
-        if any(t.startswith(tail) for t in tags):
-            return keep
-    return 0
 
 
 class ReasoningStream:
@@ -173,10 +163,7 @@ class MiniMaxM2AppendThink(ReasoningParser):
     name = "minimax_m2_append_think"
 
     def stream(self, prompt_text, template_kwargs=None) -> ReasoningStream:
-        return _AppendThinkStream(self, Phase.BEFORE)
-
-    def thinks_first(self, prompt_text, template_kwargs=None) -> bool:
-        return super().initial_phase(prompt_text, template_kwargs or {}) is not Phase.CONTENT
+        return _AppendThinkStream(self, Phase.BEFORE)    # (its grammar still waits for </think>)
 
 
 REASONING_PARSERS: dict[str, type[ReasoningParser]] = {

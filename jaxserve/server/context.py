@@ -8,6 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from jaxserve.parsers.reasoning import ReasoningParser
 from jaxserve.server.errors import APIError
 
 DEFAULT_MAX_REQUEST_BODY_BYTES = 4 * 1024 * 1024
@@ -26,7 +27,7 @@ class ServerContext:
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
     # --reasoning-parser (jaxserve.parsers.reasoning; None: the thinking stays in the content)
-    reasoning_parser: Any = None
+    reasoning_parser: ReasoningParser | None = None
     # --default-chat-template-kwargs: under each request's chat_template_kwargs
     default_chat_template_kwargs: dict = field(default_factory=dict)
     # --return-tokens-as-token-ids: logprobs name tokens "token_id:N" (a request may ask too)

@@ -180,6 +180,7 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    include_reasoning: bool = True       # vLLM's: false drops the thinking (a reasoning parser's)
     add_special_tokens: bool = False     # the chat template already places special tokens
     tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None

@@ -38,6 +38,7 @@ class ChoiceSplit:
         parser = ctx.reasoning_parser
         self.thinking = None if parser is None else parser.stream(
             prompt_text, ctx.template_kwargs(req.chat_template_kwargs))
+        self.include_reasoning = req.include_reasoning
         self.tools = output_stream(plan)
         # parallel_tool_calls false: the first call only (as vLLM)
         self.max_calls = None if req.parallel_tool_calls else 1
@@ -49,7 +50,7 @@ class ChoiceSplit:
         out = DeltaMessage()
         if self.thinking is not None:
             split = self.thinking.feed(text, final)
-            if split.reasoning:
+            if split.reasoning and self.include_reasoning:
                 self.reasoning.append(split.reasoning)
                 out.reasoning = out.reasoning_content = split.reasoning
             text = split.content
@@ -74,7 +75,8 @@ class ChoiceSplit:
 
     def message(self, echo: str) -> tuple[AssistantMessage, list]:
         """After the final feed: the whole message, and its calls."""
-        reasoning = "".join(self.reasoning) if self.thinking is not None and self.thinking.saw_reasoning else None
+        thought = self.thinking is not None and self.thinking.saw_reasoning and self.include_reasoning
+        reasoning = "".join(self.reasoning) if thought else None
         if self.tools is not None:
             content, calls = self.tools.result()
             calls = calls[:self.max_calls]

@@ -109,6 +109,13 @@ def test_qwen3_thinking_then_answer(serve):
     assert streamed == ("\nParis is in France.\n", "\n\nSunny.", [], "stop")
 
 
+def test_include_reasoning_false_drops_the_thinking(serve):
+    engine, client = serve(qwen3(), "<think>\nParis is in France.\n</think>\n\nSunny.", reasoning="qwen3")
+    whole, streamed = _both(client, messages=USER, extra_body={"include_reasoning": False})
+    assert whole.message.model_dump()["reasoning"] is None and whole.message.content == "\n\nSunny."
+    assert streamed == ("", "\n\nSunny.", [], "stop")
+
+
 def test_qwen3_thinking_switch_reaches_the_template(serve):
     engine, client = serve(qwen3(), "Sunny.", reasoning="qwen3",
                            default_chat_template_kwargs={"enable_thinking": False})
