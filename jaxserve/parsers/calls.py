@@ -113,6 +113,9 @@ class ToolParser:
     """A family's tool-call format: `parse(text, final, tools)` is its prefix parser."""
 
     name: ClassVar[str]
+    # its markers are special tokens that skip_special_tokens would drop from the text (as
+    # vLLM, the request then keeps them)
+    needs_special_tokens: ClassVar[bool] = False
 
     def parse(self, text: str, final: bool, tools: dict[str, dict]) -> Parsed:
         raise NotImplementedError

@@ -106,6 +106,7 @@ class Llama3Json(ToolParser):
 class Mistral(ToolParser):
     name = "mistral"
     start = "[TOOL_CALLS]"
+    needs_special_tokens = True      # [TOOL_CALLS] / [ARGS] are control tokens in Mistral's vocabularies
 
     def parse(self, text, final, tools) -> Parsed:
         content, pos = content_before(text, self.start, final)

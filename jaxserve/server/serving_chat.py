@@ -6,6 +6,7 @@ import time
 import uuid
 
 from jaxserve.outputs import CompletionOutput, RequestOutput
+from jaxserve.parsers.tools import tool_parser
 from jaxserve.server.context import ServerContext
 from jaxserve.server.inputs import chat_prompt, chat_sampling_params
 from jaxserve.server.logprobs import chat_logprobs
@@ -154,6 +155,8 @@ async def create_chat_completion(ctx: ServerContext, request, req: ChatCompletio
             structured, lambda text: ctx.tokenizer.encode(text, add_special_tokens=False), prompt.text,
             ctx.template_kwargs(req.chat_template_kwargs))
     params = chat_sampling_params(ctx, req, prompt, structured)
+    if plan.mode == "auto" and tool_parser(plan.parser).needs_special_tokens:
+        params = params.clone(skip_special_tokens=False)    # the call markers must reach the text
     await check_compiles(ctx, params, "tools" if plan.mode in ("required", "named") else field_of(req))
     request_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     include_usage = bool(req.stream_options and req.stream_options.include_usage)

@@ -205,3 +205,13 @@ def test_named_tool_choice_after_thinking(serve):
     assert streamed[2] == [("get_weather", '{"city": "Paris"}')]
     end = qwen3().encode("</think>", add_special_tokens=False)
     assert engine.params[0].structured_outputs.reasoning_end_token_id == end[0]     # its grammar waits too
+
+
+def test_mistral_calls_keep_their_special_tokens_in_the_text(serve):
+    engine, client = serve(qwen3(), '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}', tools="mistral")
+    whole, _ = _both(client, messages=USER, tools=TOOLS)
+    assert whole.message.tool_calls[0].function.arguments == '{"city": "Paris"}'
+    assert [p.skip_special_tokens for p in engine.params] == [False, False]
+    engine2, client2 = serve(qwen3(), "Sunny.", tools="hermes")
+    client2.chat.completions.create(model="family", messages=USER, tools=TOOLS)
+    assert engine2.params[0].skip_special_tokens
