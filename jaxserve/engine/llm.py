@@ -125,16 +125,24 @@ class LLM:
         params = sampling_params if isinstance(sampling_params, Sequence) else [sampling_params] * len(prompts)
         if self.reasoning is not None and len(params) == len(prompts):   # (else generate refuses it)
             encode = lambda t: tok.encode(t, add_special_tokens=False)   # noqa: E731
-            sampling_params = [p if p is None or p.structured_outputs is None else p.clone(
-                structured_outputs=self.reasoning.grammar_after_thinking(
-                    p.structured_outputs, encode, prompt["prompt"], kwargs))
-                for p, prompt in zip(params, prompts)]
+            keep_special = self.reasoning.needs_special_tokens(tok.is_special_token)
+            sampling_params = [self._reasoning_params(p or SamplingParams(), encode, prompt["prompt"], kwargs,
+                                                      keep_special) for p, prompt in zip(params, prompts)]
         outputs = self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
         if self.reasoning is not None:
             for prompt, out in zip(prompts, outputs):
                 for c in out.outputs:
                     c.reasoning, c.content = self.reasoning.split(c.text, prompt["prompt"], kwargs)
         return outputs
+
+    def _reasoning_params(self, params: SamplingParams, encode, prompt: str, kwargs: dict,
+                          keep_special: bool) -> SamplingParams:
+        """A chat request's params under the reasoning parser: its grammar after the thinking,
+        special tokens kept when the tags are special (the split reads them as text)."""
+        if params.structured_outputs is not None:
+            params = params.clone(structured_outputs=self.reasoning.grammar_after_thinking(
+                params.structured_outputs, encode, prompt, kwargs))
+        return params.clone(skip_special_tokens=False) if keep_special else params
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}

@@ -106,6 +106,11 @@ class ReasoningParser:
         end-of-thinking token (vLLM's structured output with a reasoning parser)."""
         return self.initial_phase(prompt_text, template_kwargs or {}) is not Phase.CONTENT
 
+    def needs_special_tokens(self, is_special) -> bool:
+        """Whether the tags are special tokens of this vocabulary (`is_special`: text -> bool):
+        decoding would then drop them, so the request must keep special tokens."""
+        return is_special(self.start_tag) or is_special(self.end_tag)
+
     def end_token_id(self, encode) -> int | None:
         """The end-of-thinking token's id (`encode`: text -> token ids), for the grammar to
         wait on; None if the vocabulary does not hold the tag as one token."""

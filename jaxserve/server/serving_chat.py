@@ -155,8 +155,10 @@ async def create_chat_completion(ctx: ServerContext, request, req: ChatCompletio
             structured, lambda text: ctx.tokenizer.encode(text, add_special_tokens=False), prompt.text,
             ctx.template_kwargs(req.chat_template_kwargs))
     params = chat_sampling_params(ctx, req, prompt, structured)
-    if plan.mode == "auto" and tool_parser(plan.parser).needs_special_tokens:
-        params = params.clone(skip_special_tokens=False)    # the call markers must reach the text
+    # the parsers read tags and call markers as text: special ones must not be dropped
+    if (plan.mode == "auto" and tool_parser(plan.parser).needs_special_tokens) or (
+            ctx.reasoning_parser is not None and ctx.reasoning_parser.needs_special_tokens(ctx.tokenizer.is_special_token)):
+        params = params.clone(skip_special_tokens=False)
     await check_compiles(ctx, params, "tools" if plan.mode in ("required", "named") else field_of(req))
     request_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     include_usage = bool(req.stream_options and req.stream_options.include_usage)

