@@ -147,8 +147,8 @@ class TranslatedStream(ChatStream):
     Subclasses say what opens and closes the stream and what each block event becomes."""
 
     def __init__(self, ctx: ServerContext, run: ChatRun, request_id: str, created: int):
-        super().__init__(ctx, run.req, run.plan, request_id=request_id, model=ctx.model_name,
-                         created=created, n=1, include_usage=False)
+        super().__init__(ctx, run.req, run.plan, run.prompt.text, request_id=request_id,
+                         model=ctx.model_name, created=created, n=1, include_usage=False)
         self.splitter = BlockSplitter()
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
@@ -197,7 +197,8 @@ async def run_translated(ctx: ServerContext, request, run: ChatRun, request_id: 
     prompt = run.prompt
 
     def whole(outputs: list[RequestOutput]) -> dict:
-        return body(chat_result(chat_body(ctx, run.req, run.plan, request_id, created, outputs)))
+        return body(chat_result(chat_body(ctx, run.req, run.plan, request_id, created, outputs,
+                                          prompt.text)))
 
     return await run_generation(ctx, request, request_id, [(prompt.token_ids, prompt.text)], [run.params],
                                 stream, whole)

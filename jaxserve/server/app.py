@@ -158,7 +158,8 @@ def build_app(ctx: ServerContext, open_paths: tuple[str, ...] = DEFAULT_OPEN_PAT
 
         def encode() -> list[int]:
             if req.messages is not None:
-                text = render_chat(ctx, req.messages, req.add_generation_prompt)
+                text = render_chat(ctx, req.messages, req.add_generation_prompt,
+                                   template_kwargs=ctx.template_kwargs(None))
                 return ctx.tokenizer.encode(text, add_special_tokens=False)
             return ctx.require_tokenizer("prompt").encode(req.prompt, add_special_tokens=req.add_special_tokens)
 
