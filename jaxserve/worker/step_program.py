@@ -62,7 +62,8 @@ def matmul_precision(dtype) -> str | None:
     """XLA's matmul precision for an engine computing in `dtype`: "highest" for float32, else
     JAX's default. A GPU's default f32 matmul is TF32 (10 mantissa bits), which is not what a
     user asking for float32 gets from vLLM (torch keeps f32 matmuls in f32 by default) nor
-    what transformers computes: it flipped greedy near-ties (issue 70)."""
+    what transformers computes: it flipped greedy near-ties (issue 70). Traced inside the
+    step, it also reaches the Triton kernels' dots that name no precision (attention, MLA)."""
     return "highest" if jnp.dtype(dtype) == jnp.float32 else None
 
 
