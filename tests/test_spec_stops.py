@@ -5,7 +5,8 @@ dropped), equals greedy decoding without speculation cut there, and says why it 
 
 The n-gram prompts are a prompt followed by 40 of its own greedy tokens: the continuation is
 the rest of that greedy output, whose runs and cycles the n-gram drafts then predict. The
-draft model is the target itself: every draft is accepted, so each step keeps k + 1 tokens."""
+draft model is the target itself: every draft is accepted, so each step keeps k + 1 tokens.
+EAGLE3 drafts for a target made to count (x -> x + 1) with a head made to count too."""
 
 import dataclasses
 import os
@@ -111,24 +112,52 @@ def test_stops_inside_multi_step_decode(model, plain):
     assert 4 in seen                                 # it did run several steps at once
 
 
-def test_max_tokens_inside_accepted_eagle3_chains(model, tmp_path):
-    """EAGLE3: a target that always gives token 0 and a head that always drafts it (every draft
-    accepted: tests/test_spec_eagle3_chained.py); max_tokens ends the output at every place
-    in the chains, and EOS (token 0 here) at the first token."""
+def counting_target(model):
+    """The tiny llama made to count: its layers add nothing (wo, w_down zero), so the last
+    hidden state is the token's embedding, and its LM head's column j is the embedding of
+    j - 1: the greedy token after x is x + 1 (random embeddings of width 64 are near enough
+    orthogonal)."""
     import jax.numpy as jnp
 
     cfg, params, tok = model
-    head = write_eagle3_head(tmp_path / "perfect", cfg, draft_vocab=cfg.vocab_size, aux_layers=(0, 1, 1),
-                             zero_norm=True)
-    target = (dataclasses.replace(cfg, eos_token_ids=(0,)),
-              {**params, "final_norm": jnp.zeros_like(params["final_norm"])}, tok)
-    llm = make_llm(target, {"method": "eagle3", "model": head, "num_speculative_tokens": K}, max_len=MAX_LEN)
-    for m in range(1, 2 * K + 3):
-        outs = outputs(llm, prompts(3), greedy(m, ignore_eos=True))
-        assert [list(o.token_ids) for o in outs] == [[0] * m] * 3
-        assert all(o.finish_reason == "length" for o in outs)
-    outs = outputs(llm, prompts(3), greedy())
-    assert [(list(o.token_ids), o.finish_reason) for o in outs] == [([0], "stop")] * 3
+    layers = [{**lp, "wo": jnp.zeros_like(lp["wo"]), "w_down": jnp.zeros_like(lp["w_down"])}
+              for lp in params["layers"]]
+    return cfg, {**params, "layers": layers, "lm_head": jnp.roll(params["embed"], 1, axis=0).T}, tok
+
+
+def counting_head(path, model) -> str:
+    """An EAGLE3 head right for the counting target: fc passes the first aux stream (the
+    token's embedding) through, its layer adds nothing, its LM head's row j is the embedding
+    of j - 2 (at position t it predicts token t + 2) and d2t is the identity."""
+    import numpy as np
+    from safetensors.numpy import load_file, save_file
+
+    cfg, params, _ = model
+    head = write_eagle3_head(path, cfg, draft_vocab=cfg.vocab_size, aux_layers=(0, 1, 1))
+    file = os.path.join(head, "model.safetensors")
+    t = load_file(file)
+    d = cfg.hidden_size
+    t["fc.weight"] = np.concatenate([np.eye(d), np.zeros((d, 2 * d))], 1).astype(np.float32)
+    t["midlayer.self_attn.o_proj.weight"] *= 0
+    t["midlayer.mlp.down_proj.weight"] *= 0
+    t["norm.weight"] = np.ones(d, np.float32)
+    t["lm_head.weight"] = np.roll(np.asarray(params["embed"]), 2, axis=0).astype(np.float32)
+    t["d2t"] = np.zeros(cfg.vocab_size, np.int64)
+    save_file(t, file)
+    return head
+
+
+def test_stops_on_accepted_eagle3_drafts(model, tmp_path):
+    """EAGLE3 (one draft a step: this head's chained drafts would be wrong) on the counting
+    target, every draft accepted: a stop on the draft drops the bonus token kept with it."""
+    target = counting_target(model)
+    batch = [{"prompt_token_ids": [5, 9, 30 + 40 * i]} for i in range(4)]
+    plain = make_llm(target, max_len=MAX_LEN)
+    ref = [r[0] for r in token_ids(plain.generate(batch, greedy(ignore_eos=True), use_tqdm=False))]
+    assert ref[0] == list(range(31, 31 + TOKENS))
+    head = counting_head(tmp_path / "head", target)
+    llm = make_llm(with_eos(target, ref), {"method": "eagle3", "model": head, "num_speculative_tokens": 1},
+                   max_len=MAX_LEN)
+    check_stops(llm, ref, batch)
     c = spec_counts(llm)
     assert c["spec_decode_num_accepted_tokens_total"] == c["spec_decode_num_draft_tokens_total"] > 0
-    assert llm.engine.scheduler.pool.num_used == 0
