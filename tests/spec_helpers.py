@@ -10,13 +10,13 @@ from tests.step_bound import bound_steps
 
 def make_llm(model, spec: dict | None = None, *, max_num_seqs=8, max_tokens=32, max_len=128,
              block_size=4, num_kv_blocks=None, cache_bytes=CacheConfig.kv_cache_cpu_bytes,
-             warmup=False) -> LLM:
+             warmup=False, num_scheduler_steps=1) -> LLM:
     cfg, params, tok = model
     config = EngineConfig(
         model=cfg, cache=CacheConfig(block_size=block_size, num_kv_blocks=num_kv_blocks,
                                      kv_cache_cpu_bytes=cache_bytes),
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_tokens,
-                                  max_model_len=max_len),
+                                  max_model_len=max_len, num_scheduler_steps=num_scheduler_steps),
         dtype="float32", warmup=warmup, speculative=SpeculativeConfig.from_dict(spec))
     engine = build_engine(config, params, tok, registry.get_family(cfg.architecture))
     return LLM.from_engine(bound_steps(engine))     # a broken invariant fails, never hangs

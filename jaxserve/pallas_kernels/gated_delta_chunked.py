@@ -41,8 +41,8 @@ N chunks (in the scratch shapes; state slots in state_NHVK's).
 
 Speed (H100, `benchmarks/kernels.py --only deltanet`, Qwen3.5-397B's heads, one sequence):
 0.98 ms for 2,048 tokens against the jnp form's 2.95, 4.06 against 11.30 for 8,192; the engine
-takes it for prompt chunks (models/qwen3_next.py CHUNKED_IMPL). Its dots are TF32 (PRECISION
-below: in f32 on the CUDA cores the same kernels took 63 ms). The previous one-kernel version
+takes it for prompt chunks (models/qwen3_next.py CHUNKED_IMPL). Its dots are TF32 for a bf16
+model, full f32 for a float32 one (dot_precision below: 63 ms there). The previous one-kernel version
 (grid (S, H, V/BV), each program running every chunk's row-by-row forward substitution in
 series) took 79.9 ms.
 """
@@ -59,12 +59,24 @@ from jax.experimental.pallas import triton as plgpu
 from jaxserve.models.layers import deltanet as gdn
 from jaxserve.pallas_kernels.dispatch import resolve_impl, whole
 
-# TF32 tensor-core dots (Triton's "tf32"). f32 ones ("ieee", Precision.HIGHEST) run on the CUDA
-# cores: both kernels took 63 ms for a 2,048-token sequence at Qwen3.5-397B's heads, against
-# 0.88 ms in TF32 (H200, per kernel: 48.5 / 14.9 ms against 0.47 / 0.41). XLA runs the jnp form's
-# f32 matmuls in TF32 too (JAX's default precision on the GPU), so this is the engine's precision
-# either way; the gpu test checks the kernel's error is within twice the jnp form's.
-PRECISION = jax.lax.Precision.DEFAULT
+# The dots' precision follows the model's dtype (v's: post-conv keeps conv's dtype). bf16: TF32
+# tensor-core dots (Triton's "tf32"); XLA runs the jnp form's f32 matmuls in TF32 too at default
+# precision, and bf16 activations carry more rounding than TF32 adds. f32: full-precision dots
+# (Triton's "ieee", on the CUDA cores): a float32 engine must compute what the reference
+# computes, and TF32 here gave Qwen3.5's tiny checkpoints 0.1-nat first-token logprob errors
+# and made a batch differ from each request alone (a decode row goes through this kernel in a
+# batch with a prefill, through the exact decode kernel alone; issue 70). The cost: both
+# kernels took 63 ms for a 2,048-token sequence at Qwen3.5-397B's heads in f32 against 0.88 ms
+# in TF32 (H200, per kernel: 48.5 / 14.9 ms against 0.47 / 0.41).
+TF32 = jax.lax.Precision.DEFAULT
+IEEE = jax.lax.Precision.HIGHEST
+
+
+def dot_precision(dtype) -> jax.lax.Precision:
+    """The dots' precision for a model computing in `dtype`: full f32 for float32, else TF32."""
+    return IEEE if jnp.dtype(dtype) == jnp.float32 else TF32
+
+
 DIAG_BLOCK = 16                       # rows of the diagonal blocks of (I + A) inverted row by row
 
 # ---------------------------------------------------------------------------------------------
@@ -118,7 +130,7 @@ def _validate(q_TGK, k_TGK, v_THV, g_TH, beta_TH, query_start_loc, seq_lens, sta
 # ---------------------------------------------------------------------------------------------
 
 
-def unit_lower_inverse(a_LL):
+def unit_lower_inverse(a_LL, precision=IEEE):
     """(I + a)^-1 for a strictly lower f32[L, L] a (L a power of two >= 16), stable in f32.
 
     The diagonal blocks (DIAG_BLOCK rows, or L if smaller) by forward substitution, all blocks
@@ -138,7 +150,7 @@ def unit_lower_inverse(a_LL):
 
     def diag_row(i, x_LL):
         at_i = pos_L[:, None] == i
-        return jnp.where(at_i, eye - plgpu.dot(jnp.where(at_i, diag, 0.0), x_LL, precision=PRECISION), x_LL)
+        return jnp.where(at_i, eye - plgpu.dot(jnp.where(at_i, diag, 0.0), x_LL, precision=precision), x_LL)
 
     # NOTE: both loop bounds int32 (a Python 0 gave an scf.for with mixed bound types)
     t_diag = jax.lax.fori_loop(jnp.int32(1), jnp.int32(b), diag_row, eye)
@@ -146,8 +158,8 @@ def unit_lower_inverse(a_LL):
         return t_diag
 
     def block_row(i, t_LL):
-        rest = eye - plgpu.dot(below, t_LL, precision=PRECISION)
-        return jnp.where(blk_L[:, None] == i, plgpu.dot(t_diag, rest, precision=PRECISION), t_LL)
+        rest = eye - plgpu.dot(below, t_LL, precision=precision)
+        return jnp.where(blk_L[:, None] == i, plgpu.dot(t_diag, rest, precision=precision), t_LL)
 
     return jax.lax.fori_loop(jnp.int32(1), jnp.int32(l // b), block_row, t_diag)
 
@@ -157,7 +169,7 @@ def _prep_kernel(
     first_ref, len_ref, q_ref, k_ref, v_ref, g_ref, beta_ref,
     # outputs (scratch)
     gam_ref, w_ref, u_ref, p_ref,
-    *, ratio: int, kd: int, vd: int, chunk: int, num_tokens: int):
+    *, ratio: int, kd: int, vd: int, chunk: int, num_tokens: int, precision):
     """Program (chunk c, value head h): the chunk's gam, W, U, P (nothing of the state)."""
     c, h = pl.program_id(0), pl.program_id(1)
     n = len_ref[c]
@@ -184,11 +196,11 @@ def _prep_kernel(
     gam = jnp.sum(jnp.where(tri, g[None, :], 0.0), axis=1)                          # cumsum
     # decays masked before exp: above the diagonal gam_i - gam_j > 0 could overflow
     dec = jnp.exp(jnp.where(tri, gam[:, None] - gam[None, :], -jnp.inf))
-    a = jnp.where(strict, beta[:, None] * plgpu.dot(k, k, trans_b=True, precision=PRECISION) * dec, 0.0)
-    t_inv = unit_lower_inverse(a)
-    w = plgpu.dot(t_inv, k * (beta * jnp.exp(gam))[:, None], precision=PRECISION)        # [L, K]
-    u = plgpu.dot(t_inv, v * beta[:, None], precision=PRECISION)                          # [L, V]
-    p = jnp.where(tri, plgpu.dot(q, k, trans_b=True, precision=PRECISION) * dec, 0.0)    # [L, L]
+    a = jnp.where(strict, beta[:, None] * plgpu.dot(k, k, trans_b=True, precision=precision) * dec, 0.0)
+    t_inv = unit_lower_inverse(a, precision)
+    w = plgpu.dot(t_inv, k * (beta * jnp.exp(gam))[:, None], precision=precision)        # [L, K]
+    u = plgpu.dot(t_inv, v * beta[:, None], precision=precision)                          # [L, V]
+    p = jnp.where(tri, plgpu.dot(q, k, trans_b=True, precision=precision) * dec, 0.0)    # [L, L]
     plgpu.store(gam_ref.at[l_L * 0 + c, l_L * 0 + h, l_L], gam)
     plgpu.store(w_ref.at[zlk + c, zlk + h, zlk + l_L[:, None], zlk + k_K[None, :]], w)
     plgpu.store(u_ref.at[zlv + c, zlv + h, zlv + l_L[:, None], zlv + v_V[None, :]], u)
@@ -201,7 +213,7 @@ def _state_kernel(
     state_in_ref,
     # outputs
     o_ref, state_ref,
-    *, ratio: int, bv: int, kd: int, chunk: int, num_tokens: int):
+    *, ratio: int, bv: int, kd: int, chunk: int, num_tokens: int, precision):
     """Program (sequence s, value head h, row block): the state pass over s's chunks."""
     s, h, vb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     begin = qsl_ref[s]
@@ -232,14 +244,14 @@ def _state_kernel(
         w = plgpu.load(w_ref.at[zlk + ci, zlk + h, zlk + l_L[:, None], zlk + k_K[None, :]])
         u = plgpu.load(u_ref.at[zlb + ci, zlb + h, zlb + l_L[:, None], zlb + v_B[None, :]])
         p = plgpu.load(p_ref.at[zll + ci, zll + h, zll + l_L[:, None], zll + l_L[None, :]])
-        v_new = u - plgpu.dot(w, st, trans_b=True, precision=PRECISION)                     # [L, BV]
-        o = (plgpu.dot(q * jnp.exp(gam)[:, None], st, trans_b=True, precision=PRECISION)
-             + plgpu.dot(p, v_new, precision=PRECISION))
+        v_new = u - plgpu.dot(w, st, trans_b=True, precision=precision)                     # [L, BV]
+        o = (plgpu.dot(q * jnp.exp(gam)[:, None], st, trans_b=True, precision=precision)
+             + plgpu.dot(p, v_new, precision=precision))
         plgpu.store(o_ref.at[zlb + tok_L[:, None], zlb + h, zlb + v_B[None, :]], o.astype(o_ref.dtype),
                     mask=valid[:, None] & (zlb == 0))
         last = jnp.sum(jnp.where(l_L == chunk - 1, gam, 0.0))     # gam is flat past the sequence
         k_dec = k * jnp.exp(last - gam)[:, None]
-        return st * jnp.exp(last) + plgpu.dot(v_new, k_dec, trans_a=True, precision=PRECISION)
+        return st * jnp.exp(last) + plgpu.dot(v_new, k_dec, trans_a=True, precision=precision)
 
     # NOTE: both loop bounds int32 (a Python 0 gave an scf.for with mixed bound types)
     st = jax.lax.fori_loop(jnp.int32(0), (n + chunk - 1) // chunk, one_chunk, state0)
@@ -290,6 +302,7 @@ def gated_delta_chunked(q_TGK, k_TGK, v_THV, g_TH, beta_TH, query_start_loc, seq
                                        state_slots, state_NHVK, chunk=chunk)
     interpret = (not on_gpu) if interpret is None else interpret
     params = plgpu.CompilerParams(num_warps=num_warps, num_stages=1)
+    precision = dot_precision(v_THV.dtype)
     qsl = query_start_loc.astype(jnp.int32)
     chunk0_S, tok0_N, len_N = chunk_table(qsl, t, chunk)
     n = tok0_N.shape[0]
@@ -297,7 +310,8 @@ def gated_delta_chunked(q_TGK, k_TGK, v_THV, g_TH, beta_TH, query_start_loc, seq
     ins = [tok0_N, len_N, q_TGK, k_TGK, v_THV, g_TH, beta_TH]
     scratch = [(n, h, chunk), (n, h, chunk, kd), (n, h, chunk, vd), (n, h, chunk, chunk)]
     gam, w, u, p = pl.pallas_call(
-        functools.partial(_prep_kernel, ratio=h // g, kd=kd, vd=vd, chunk=chunk, num_tokens=t),
+        functools.partial(_prep_kernel, ratio=h // g, kd=kd, vd=vd, chunk=chunk, num_tokens=t,
+                          precision=precision),
         grid=(n, h),
         in_specs=[whole(*a.shape) for a in ins],
         out_specs=[whole(*shape) for shape in scratch],
@@ -310,7 +324,8 @@ def gated_delta_chunked(q_TGK, k_TGK, v_THV, g_TH, beta_TH, query_start_loc, seq
     ins = [qsl, seq_lens.astype(jnp.int32), state_slots.astype(jnp.int32), chunk0_S, q_TGK, k_TGK,
            gam, w, u, p, state_NHVK]
     o, state = pl.pallas_call(
-        functools.partial(_state_kernel, ratio=h // g, bv=bv, kd=kd, chunk=chunk, num_tokens=t),
+        functools.partial(_state_kernel, ratio=h // g, bv=bv, kd=kd, chunk=chunk, num_tokens=t,
+                          precision=precision),
         grid=(s, h, vd // bv),
         in_specs=[whole(*a.shape) for a in ins],
         out_specs=[whole(t, h, vd), whole(*state_NHVK.shape)],

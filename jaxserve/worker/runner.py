@@ -43,7 +43,7 @@ from jaxserve.worker.cache_sizing import allocate_caches, plan_caches
 from jaxserve.worker.compiling import StepCompiler, abstract, wait_all
 from jaxserve.worker.input_batch import InputBatch, StepPlan, and_grammar_masks
 from jaxserve.worker.state_copies import StateCopier
-from jaxserve.worker.step_program import StepVariant, make_step, token_buckets
+from jaxserve.worker.step_program import StepVariant, make_step, matmul_precision, token_buckets
 from jaxserve.worker.target_view import TargetNeeds, TargetView
 
 logger = logging.getLogger(__name__)
@@ -122,7 +122,8 @@ class ModelRunner:
                 [i for i, spec in enumerate(self.cache_specs) if not isinstance(spec, PagedSpec)],
                 config.scheduler.max_num_seqs)
         self._step = make_step(mesh=mesh, model=model, cfg=self.cfg, backend=self.backend,
-                               kernel_plan=kernel_plan, block_size=self.block_size)
+                               kernel_plan=kernel_plan, block_size=self.block_size,
+                               precision=matmul_precision(self.dtype))
         self.return_hidden_states(proposer.hidden_states, proposer.aux_layers)
         self.batch = InputBatch(max_num_seqs=config.scheduler.max_num_seqs,
                                 max_blocks_per_seq=self.max_blocks_per_seq,

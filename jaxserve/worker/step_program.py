@@ -9,6 +9,7 @@ on the device by a proposer).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 
@@ -57,23 +58,37 @@ def token_buckets(max_tokens: int, smallest: int = 16) -> list[int]:
     return buckets + [max_tokens]
 
 
+def matmul_precision(dtype) -> str | None:
+    """XLA's matmul precision for an engine computing in `dtype`: "highest" for float32, else
+    JAX's default. A GPU's default f32 matmul is TF32 (10 mantissa bits), which is not what a
+    user asking for float32 gets from vLLM (torch keeps f32 matmuls in f32 by default) nor
+    what transformers computes: it flipped greedy near-ties (issue 70). Traced inside the
+    step, it also reaches the Triton kernels' dots that name no precision (attention, MLA)."""
+    return "highest" if jnp.dtype(dtype) == jnp.float32 else None
+
+
 def make_step(*, mesh, model, cfg, backend: AttentionBackend, kernel_plan: KernelPlan,
-              block_size: int):
+              block_size: int, precision: str | None = None):
     """The step, jitted: (params, caches, packed input, last ids; variant, layout) ->
     (caches, sampler output, prompt logprobs or None, last ids, hidden or None); the caches
-    are donated. `variant` and `layout` are static: one program per pair."""
-    return jax.jit(functools.partial(_step_on_mesh, mesh=mesh, model=model, cfg=cfg, backend=backend,
+    are donated. `variant` and `layout` are static: one program per pair. `precision`: XLA's
+    matmul precision inside the step (matmul_precision; None: JAX's configured one)."""
+    return jax.jit(functools.partial(_step_on_mesh, mesh=mesh, precision=precision, model=model, cfg=cfg,
+                                     backend=backend,
                                      kernel_plan=kernel_plan, block_size=block_size),
                    donate_argnums=(1,), static_argnames=("variant", "layout"))
 
 
-def _step_on_mesh(*args, mesh, **kwargs):
+def _step_on_mesh(*args, mesh, precision, **kwargs):
     """_step traced with `mesh` as the ambient (abstract) mesh, so kernel call sites can wrap
-    their kernels per shard (sharding/kernels.py). Set here, inside the traced function, not
-    around the runner's calls: warm-up lowers on threads, and a mesh context is per thread."""
-    if mesh is None:
-        return _step(*args, **kwargs)
-    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+    their kernels per shard (sharding/kernels.py), and at `precision`. Set here, inside the
+    traced function, not around the runner's calls: warm-up lowers on threads, and these
+    contexts are per thread."""
+    with contextlib.ExitStack() as stack:
+        if precision is not None:
+            stack.enter_context(jax.default_matmul_precision(precision))
+        if mesh is not None:
+            stack.enter_context(jax.sharding.use_abstract_mesh(mesh.abstract_mesh))
         return _step(*args, **kwargs)
 
 

@@ -233,6 +233,24 @@ def test_gated_delta_chunked(kind, model="qwen3.5-397b", v_dtype=BF16, heads=Non
     np.testing.assert_array_equal(np.asarray(got_o)[int(qsl[-1]):], 0.0)     # padding tokens
 
 
+@pytest.mark.parametrize("kind", list(GDN_CHUNKED_BATCHES))
+def test_gated_delta_chunked_float32_is_exact(kind, model="qwen3-next-80b", num_tokens=GDN_CHUNKED_T):
+    """A float32 model (v f32): full-precision dots (issue 70), so the kernel matches the f32
+    reference to f32 rounding, not TF32's (the bf16 test above allows 5e-3 of the output's
+    scale; TF32 here gave a float32 Qwen3.5 0.1-nat first-token logprob errors)."""
+    g, h, kd, vd = GDN_HEADS[model]
+    qlens, starts, slots = GDN_CHUNKED_BATCHES[kind]
+    q, k, v, gg, beta, qsl, seq_lens, slots_S, state = gdn_batch(
+        qlens, starts, slots, g=g, h=h, k=kd, v=vd, num_slots=GDN_SLOTS,
+        pad_tokens=num_tokens - sum(qlens), max_decay=0.6, state_scale=0.3, seed=sum(qlens))
+    want_o, want_state = highest(gdc.ref_gated_delta_chunked, q, k, v, gg, beta, qsl, seq_lens,
+                                 slots_S, state)
+    got_o, got_state = gdc.gated_delta_chunked(q, k, v, gg, beta, qsl, seq_lens, slots_S,
+                                               jnp.copy(state), impl="pallas", interpret=False)
+    for got, want in ((got_o, want_o), (got_state, want_state)):
+        close(got, want, 1e-4 * float(jnp.max(jnp.abs(want))), rtol=0)
+
+
 @pytest.mark.parametrize("model,dtype", [("qwen3.5-397b", BF16), ("qwen3-next-80b", F32)])
 @pytest.mark.parametrize("t", [1, 37, 2048])          # a decode row, a ragged block, a prefill
 def test_gdn_post_conv(t, model, dtype, heads=None):

@@ -88,3 +88,38 @@ def test_expert_weights_past_the_kernels_reach_run_as_chunks(name, tiny_checkpoi
     assert split and all(len(lp["w_down"]) == 2 and isinstance(lp.get("w_gate_up", ()), tuple)
                          for lp in split)
     assert run(llm, prompts) == [w[:STEPS] for w in want]
+
+
+def _log_softmax(x):
+    x = np.asarray(x, np.float64)
+    x = x - x.max(-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
+@pytest.mark.parametrize("name", ["qwen3_next", "qwen3_5_moe"])
+def test_pallas_path_batched_equals_alone_and_transformers(name, tiny_checkpoint):
+    """The gated-DeltaNet kernels (interpreted here; tests/gpu/test_gpu_hybrid.py runs them on
+    the GPU) in float32: each request batched with the others (the long prompt in chunks beside
+    decode rows, which then go through the chunked kernel) gives what it gives alone (the decode
+    kernel), and both give transformers' greedy tokens and first-token logprob (issue 70)."""
+    g = np.load(os.path.join(GOLDEN, f"{name}.npz"))
+    prompts, want = golden(name)
+    llm = LLM(tiny_checkpoint(name), dtype="float32", max_num_seqs=4, max_num_batched_tokens=16,
+              max_model_len=128, block_size=4, num_kv_blocks=64, warmup=False, attention_impl="pallas",
+              enable_prefix_caching=False)
+    params = SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True, logprobs=0)
+
+    def generate(batch):
+        outs = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
+        return [o.outputs[0] for o in outs]
+
+    batched = generate(prompts)
+    alone = [generate([p])[0] for p in prompts]
+    for i, (b, a) in enumerate(zip(batched, alone)):
+        assert b.token_ids == a.token_ids == want[i][:STEPS], i
+        first = _log_softmax(g[f"prefill_logits_{i}"][-1])[want[i][0]]
+        for out in (b, a):
+            assert abs(out.logprobs[0][want[i][0]].logprob - first) < 1e-4, i
+        for lb, la, t in zip(b.logprobs, a.logprobs, b.token_ids):
+            assert abs(lb[t].logprob - la[t].logprob) < 1e-4, i
+    assert_all_free(llm)

@@ -5,6 +5,8 @@ padding sequences and tokens, scattered state slots."""
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -107,3 +109,22 @@ def test_chunked_kernel_lowers_for_cuda():
     exported = export_for_cuda(lambda *a: gated_delta_chunked(*a, impl="pallas", interpret=False), *args)
     assert triton_kernel_names(exported) == ["gated_delta_chunked_prep_l64",
                                              "gated_delta_chunked_state_l64_bv32"]
+
+
+@pytest.mark.parametrize("v_dtype, want", [(jnp.float32, None), (jnp.bfloat16, "tf32")])
+def test_chunked_kernel_dots_full_precision_in_float32(v_dtype, want):
+    """A float32 model's kernels dot in full f32 (Triton's "ieee"); only a bf16 model's take
+    TF32 (issue 70: TF32 here gave a float32 Qwen3.5 0.1-nat logprob errors on the GPU). The
+    interpreter computes in f32 whatever the precision: this reads the Triton IR instead, where
+    a dot's precision is printed unless it is Triton's default, "ieee" (None here)."""
+    sds = jax.ShapeDtypeStruct
+    t, s = 64, 2
+    args = (sds((t, G, K), jnp.float32), sds((t, G, K), jnp.float32), sds((t, H, V), v_dtype),
+            sds((t, H), jnp.float32), sds((t, H), jnp.float32), sds((s + 1,), jnp.int32),
+            sds((s,), jnp.int32), sds((s,), jnp.int32), sds((NUM_SLOTS, H, V, K), jnp.float32))
+    ir: list[str] = []
+    export_for_cuda(lambda *a: gated_delta_chunked(*a, impl="pallas", interpret=False, chunk=L), *args,
+                    triton_ir=ir)
+    dots = [line for module in ir for line in module.splitlines() if "tt.dot " in line]
+    precisions = {(re.findall(r"inputPrecision = (\w+)", line) or [None])[0] for line in dots}
+    assert len(dots) >= 8 and precisions == {want}, dots
