@@ -25,6 +25,9 @@ class CompletionOutput:
     logprobs: list[PositionLogprobs] | None = None   # one entry per generated token, if asked
     finish_reason: str | None = None     # "stop" | "length" | "abort" | "error" | None (running)
     stop_reason: int | str | None = None  # the stop token id / stop string that ended it
+    # LLM.chat with a reasoning parser: `text` split into the thinking and the answer
+    reasoning: str | None = None
+    content: str | None = None
 
     @property
     def finished(self) -> bool:

@@ -105,6 +105,11 @@ class Tokenizer:
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def is_special_token(self, text: str) -> bool:
+        """Whether `text` is one special token (one that decoding with skip_special_tokens
+        drops: a parser that reads it as text needs the request to keep special tokens)."""
+        return any(t.content == text and t.special for t in self.hf.added_tokens_decoder.values())
+
     def convert_ids_to_tokens(self, ids) -> list[str]:
         return self.hf.convert_ids_to_tokens(list(ids))
 

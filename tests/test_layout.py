@@ -136,6 +136,8 @@ MUST_NOT_IMPORT = {
     "spec_decode": {"engine", "server", "structured", "bench", "train_draft"},
     "engine": {"server", "bench", "train_draft"},
     "server": {"bench", "train_draft"},
+    # text-only parsers, read by the server and the offline LLM.chat
+    "parsers": ABOVE_MODELS | {"models", "models.loaders", "core", "pallas_kernels", "sharding"},
 }
 
 

@@ -11,6 +11,8 @@ import logging
 import os
 import shlex
 
+import types
+
 import pytest
 
 from jaxserve import cli
@@ -119,8 +121,35 @@ def test_auto_tool_choice_without_a_parser_is_one_line_from_the_command(capsys):
     assert cli.main(["serve", "--enable-auto-tool-choice"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["jaxserve serve: error: --enable-auto-tool-choice needs --tool-call-parser "
-                   "(hermes or llama3_json), as in vLLM: the server must know how to read the "
+                   "(deepseek_v3, deepseek_v31, deepseek_v32, hermes, llama3_json, minimax_m2, mistral, "
+                   "pythonic, qwen3_coder, qwen3_xml), as in vLLM: the server must know how to read the "
                    "model's tool calls"]
+
+
+@pytest.mark.parametrize("flag,name", [("--reasoning-parser", "deepseek"), ("--tool-call-parser", "qwen3")])
+def test_unknown_parser_names_are_refused_at_start_listing_the_known_ones(flag, name, capsys):
+    args, lines = _parse([flag, name], capsys)
+    err = "\n".join(lines)
+    assert args is None
+    assert f"invalid choice: '{name}'" in err
+    known = ("deepseek_r1", "deepseek_v3", "minimax_m2", "minimax_m2_append_think", "qwen3") \
+        if flag == "--reasoning-parser" else ("hermes", "qwen3_coder", "deepseek_v32", "minimax_m2", "pythonic")
+    assert all(k in err for k in known)
+
+
+def test_reasoning_parser_and_default_template_kwargs_reach_the_server_context():
+    from jaxserve.server.startup import server_context
+    args = _serve_parser().parse_args(["--reasoning-parser", "qwen3", "--default-chat-template-kwargs",
+                                       '{"enable_thinking": false}'])
+    ctx = server_context(types.SimpleNamespace(model_name="m"), args, {})
+    assert ctx.reasoning_parser.name == "qwen3"
+    assert ctx.template_kwargs({"x": 1}) == {"enable_thinking": False, "x": 1}
+    assert ctx.template_kwargs({"enable_thinking": True}) == {"enable_thinking": True}
+
+
+def test_default_chat_template_kwargs_must_be_a_json_object(capsys):
+    _, err = _parse(["--default-chat-template-kwargs", "[1]"], capsys)
+    assert "must be a JSON object" in err[-1]
 
 
 # --- --tokenizer DIR ------------------------------------------------------------------------

@@ -12,6 +12,7 @@ from typing import Any
 
 from jaxserve.engine import LLMEngine, builder
 from jaxserve.outputs import RequestOutput
+from jaxserve.parsers.reasoning import reasoning_parser as reasoning_parser_named
 from jaxserve.sampling_params import SamplingParams
 
 PromptType = str | dict[str, Any]
@@ -36,9 +37,14 @@ class LLM:
             model on the same vocabulary; eagle3: the HF head's directory)}; off by default),
             data_parallel_size (N whole engines on their own devices, requests routed by load:
             jaxserve/engine/data_parallel.py). Several hosts: jaxserve/distributed.py.
+        reasoning_parser: vLLM's name of the model's thinking format (deepseek_r1, qwen3, ...:
+            jaxserve/parsers/reasoning.py): `chat` outputs then carry `reasoning` and
+            `content` beside `text`, and a grammar constrains only the answer.
     """
 
-    def __init__(self, model: str | None = None, *, dtype: str | None = None, **engine_args):
+    def __init__(self, model: str | None = None, *, dtype: str | None = None,
+                 reasoning_parser: str | None = None, **engine_args):
+        self.reasoning = None if reasoning_parser is None else reasoning_parser_named(reasoning_parser)
         self.engine = builder.from_engine_args(model, dtype=dtype, **engine_args)
         self._ids = itertools.count()
 
@@ -47,6 +53,7 @@ class LLM:
         """Wrap an engine built elsewhere (e.g. sharing loaded weights between engines)."""
         llm = cls.__new__(cls)
         llm.engine = engine
+        llm.reasoning = None
         llm._ids = itertools.count()
         return llm
 
@@ -99,19 +106,43 @@ class LLM:
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True,
-             chat_template: str | None = None) -> list[RequestOutput]:
-        """Apply the model's chat template to one conversation or a list of them, then generate."""
-        if self.engine.tokenizer is None:
+             chat_template: str | None = None,
+             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation or a list of them, then generate.
+        `chat_template_kwargs` reach the template (`{"enable_thinking": False}`, ...). With the
+        LLM's reasoning parser each output's `reasoning` and `content` are set."""
+        tok = self.engine.tokenizer
+        if tok is None:
             raise ValueError("this model has no tokenizer, so no chat template")
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        kwargs = dict(chat_template_kwargs or {})
         prompts = []
         for conv in conversations:
-            text = self.engine.tokenizer.apply_chat_template(
-                conv, add_generation_prompt=add_generation_prompt, chat_template=chat_template)
+            text = tok.apply_chat_template(conv, add_generation_prompt=add_generation_prompt,
+                                           chat_template=chat_template, **kwargs)
             # The template already carries special tokens such as BOS.
-            prompts.append({"prompt": text,
-                            "prompt_token_ids": self.engine.tokenizer.encode(text, add_special_tokens=False)})
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+            prompts.append({"prompt": text, "prompt_token_ids": tok.encode(text, add_special_tokens=False)})
+        params = sampling_params if isinstance(sampling_params, Sequence) else [sampling_params] * len(prompts)
+        if self.reasoning is not None and len(params) == len(prompts):   # (else generate refuses it)
+            encode = lambda t: tok.encode(t, add_special_tokens=False)   # noqa: E731
+            keep_special = self.reasoning.needs_special_tokens(tok.is_special_token)
+            sampling_params = [self._reasoning_params(p or SamplingParams(), encode, prompt["prompt"], kwargs,
+                                                      keep_special) for p, prompt in zip(params, prompts)]
+        outputs = self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        if self.reasoning is not None:
+            for prompt, out in zip(prompts, outputs):
+                for c in out.outputs:
+                    c.reasoning, c.content = self.reasoning.split(c.text, prompt["prompt"], kwargs)
+        return outputs
+
+    def _reasoning_params(self, params: SamplingParams, encode, prompt: str, kwargs: dict,
+                          keep_special: bool) -> SamplingParams:
+        """A chat request's params under the reasoning parser: its grammar after the thinking,
+        special tokens kept when the tags are special (the split reads them as text)."""
+        if params.structured_outputs is not None:
+            params = params.clone(structured_outputs=self.reasoning.grammar_after_thinking(
+                params.structured_outputs, encode, prompt, kwargs))
+        return params.clone(skip_special_tokens=False) if keep_special else params
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}

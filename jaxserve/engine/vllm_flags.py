@@ -27,7 +27,8 @@ OURS = (
     "--chat-template", "--enable-auto-tool-choice", "--tool-call-parser", "--host", "--port",
     "--api-key", "--uvicorn-log-level", "--disable-uvicorn-access-log", "--disable-log-requests",
     "--enable-log-requests", "--max-log-len", "--disable-log-stats", "--return-tokens-as-token-ids",
-    "--nnodes", "--node-rank", "--master-addr", "--master-port",
+    "--nnodes", "--node-rank", "--master-addr", "--master-port", "--reasoning-parser",
+    "--default-chat-template-kwargs",
 )
 
 
@@ -200,12 +201,10 @@ VLLM_FLAGS: tuple[VllmFlag, ...] = (
     _refused("--allowed-local-media-path", _MM, "PATH"),
     _noop("--disable-chunked-mm-input", "there are no multimodal inputs to chunk"),
     # reasoning, tools, logits processors
-    _refused("--enable-reasoning", "reasoning parsers are not implemented; the reasoning stays in "
-             "the content"),
-    _refused("--reasoning-parser", "reasoning parsers are not implemented; the reasoning stays in "
-             "the content", "PARSER"),
+    _noop("--enable-reasoning", "reasoning is split off whenever --reasoning-parser names a "
+          "parser (vLLM dropped this switch too)"),
     _refused("--tool-parser-plugin", "tool parser plugins are not implemented; --tool-call-parser "
-             "takes hermes or llama3_json", "FILE"),
+             "takes the built-in parsers' names", "FILE"),
     _refused("--logits-processor-pattern", "custom logits processors are not implemented",
              "PATTERN"),
     _refused("--logits-processors", "custom logits processors are not implemented", "CLS"),
@@ -273,5 +272,6 @@ def check_vllm_combinations(args: argparse.Namespace) -> None:
     """vLLM's refusals of flag combinations: StartupError (one line), before anything loads."""
     if getattr(args, "enable_auto_tool_choice", False) and getattr(args, "tool_call_parser", None) is None:
         from jaxserve.engine.checks import StartupError
-        raise StartupError("--enable-auto-tool-choice needs --tool-call-parser (hermes or llama3_json), "
+        from jaxserve.parsers.tools import TOOL_PARSERS
+        raise StartupError(f"--enable-auto-tool-choice needs --tool-call-parser ({', '.join(sorted(TOOL_PARSERS))}), "
                            "as in vLLM: the server must know how to read the model's tool calls")

@@ -18,6 +18,7 @@ from typing import Callable, TypeVar
 
 import pydantic
 import uvicorn
+from prometheus_client import CollectorRegistry
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.requests import ClientDisconnect
@@ -25,10 +26,16 @@ from starlette.requests import ClientDisconnect
 from jaxserve.server.auth import DEFAULT_OPEN_PATHS, APIKeyMiddleware
 from jaxserve.server.context import ServerContext
 from jaxserve.server.errors import APIError, bad_request, from_validation_error, install_error_handlers
+from jaxserve.server.http_metrics import RequestCounter, http_metrics_text
 from jaxserve.server.inputs import check_token_ids, render_chat
+from jaxserve.server.messages import count_tokens, create_message, in_anthropic_shape
+from jaxserve.server.messages_protocol import CountTokensRequest, MessagesRequest
 from jaxserve.server.openapi import install_openapi
 from jaxserve.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                       TokenizeRequest)
+from jaxserve.server.responses import create_response, delete_response, stored_response
+from jaxserve.server.responses_protocol import ResponsesRequest
+from jaxserve.server.responses_store import ResponsesStore
 from jaxserve.server.serving_chat import create_chat_completion
 from jaxserve.server.serving_completions import create_completion
 
@@ -95,6 +102,8 @@ def build_app(ctx: ServerContext, open_paths: tuple[str, ...] = DEFAULT_OPEN_PAT
     install_openapi(app)
     if ctx.api_keys:
         app.add_middleware(APIKeyMiddleware, api_keys=ctx.api_keys, open_paths=open_paths)
+    http_registry = CollectorRegistry()    # outermost: refused requests are counted too
+    app.add_middleware(RequestCounter, router=app.router, registry=http_registry)
 
     @app.get("/v1/models")
     async def list_models():
@@ -113,6 +122,33 @@ def build_app(ctx: ServerContext, open_paths: tuple[str, ...] = DEFAULT_OPEN_PAT
     async def chat_completions(request: Request):
         return await create_chat_completion(ctx, request, await read_body(ctx, request, ChatCompletionRequest))
 
+    responses_store = ResponsesStore()
+
+    @app.post("/v1/responses")
+    async def responses(request: Request):
+        return await create_response(ctx, request, await read_body(ctx, request, ResponsesRequest),
+                                     responses_store)
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str):
+        return stored_response(responses_store, response_id)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def remove_response(response_id: str):
+        return delete_response(responses_store, response_id)
+
+    @app.post("/v1/messages")
+    async def messages(request: Request):
+        async def answer():
+            return await create_message(ctx, request, await read_body(ctx, request, MessagesRequest))
+        return await in_anthropic_shape(answer())
+
+    @app.post("/v1/messages/count_tokens")
+    async def messages_count_tokens(request: Request):
+        async def answer():
+            return await count_tokens(ctx, await read_body(ctx, request, CountTokensRequest))
+        return await in_anthropic_shape(answer())
+
     @app.post("/tokenize")
     async def tokenize(request: Request):
         req = await read_body(ctx, request, TokenizeRequest)
@@ -122,7 +158,8 @@ def build_app(ctx: ServerContext, open_paths: tuple[str, ...] = DEFAULT_OPEN_PAT
 
         def encode() -> list[int]:
             if req.messages is not None:
-                text = render_chat(ctx, req.messages, req.add_generation_prompt)
+                text = render_chat(ctx, req.messages, req.add_generation_prompt,
+                                   template_kwargs=ctx.template_kwargs(None))
                 return ctx.tokenizer.encode(text, add_special_tokens=False)
             return ctx.require_tokenizer("prompt").encode(req.prompt, add_special_tokens=req.add_special_tokens)
 
@@ -156,7 +193,7 @@ def build_app(ctx: ServerContext, open_paths: tuple[str, ...] = DEFAULT_OPEN_PAT
         registry = getattr(getattr(ctx.engine, "metrics", None), "registry", None)
         # vLLM labels its metrics with the first served model name
         text = prometheus_text(registry, ctx.model_name) if registry is not None else b""
-        return Response(text, media_type=CONTENT_TYPE_LATEST)
+        return Response(text + http_metrics_text(http_registry), media_type=CONTENT_TYPE_LATEST)
 
     return app
 

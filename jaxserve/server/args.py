@@ -7,8 +7,11 @@ add_frontend_arguments: what shapes requests and responses, shared with `generat
 from __future__ import annotations
 
 import argparse
+import json
 
 from jaxserve.engine.arg_types import int_at_least
+from jaxserve.parsers.reasoning import REASONING_PARSERS
+from jaxserve.parsers.tools import TOOL_PARSERS
 
 LOG_LEVELS = ["critical", "error", "warning", "info", "debug", "trace"]
 
@@ -29,13 +32,33 @@ def add_frontend_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--enable-auto-tool-choice", action="store_true",
                    help='allow tool_choice "auto": the tools go through the chat template and the '
                         "model's tool calls are parsed (needs --tool-call-parser)")
-    g.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json"],
-                   help="the model's tool-call format: hermes (Hermes, Qwen: <tool_call>{...}</tool_call>) "
-                        "or llama3_json (Llama 3.x: a JSON object with name and parameters)")
+    g.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
+                   help="the model's tool-call format, vLLM's names: hermes (Hermes, Qwen2.5/Qwen3: "
+                        "<tool_call>{...}</tool_call>), llama3_json (Llama 3.x), qwen3_coder / qwen3_xml "
+                        "(Qwen3-Coder, Qwen3.5: <function=...> XML), deepseek_v3, deepseek_v31, "
+                        "deepseek_v32 (their special-token call formats), minimax_m2 (<invoke> XML), "
+                        "mistral ([TOOL_CALLS]), pythonic ([f(x=1)])")
+    g.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
+                   help="split a thinking model's output into `reasoning` (its <think> block) and "
+                        "`content` (vLLM's names); with it, a grammar (response_format, forced tool "
+                        "calls) constrains only the text after the thinking")
+    g.add_argument("--default-chat-template-kwargs", type=_json_object, default=None, metavar="JSON",
+                   help='chat template arguments for every request, e.g. \'{"enable_thinking": false}\' '
+                        "(a request's own chat_template_kwargs win, key by key)")
     g.add_argument("--return-tokens-as-token-ids", action="store_true",
                    help="in logprobs, name every token 'token_id:N' instead of its text (as vLLM; "
                         "for tokens that do not decode to text on their own); a request's own "
                         "return_tokens_as_token_ids also asks for it")
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
+    return value
 
 
 def add_server_arguments(parser: argparse.ArgumentParser) -> None:

@@ -1,4 +1,5 @@
-"""API keys: `Authorization: Bearer <key>`, checked in constant time against every key.
+"""API keys: `Authorization: Bearer <key>` (or Anthropic's `x-api-key: <key>`), checked in
+constant time against every key.
 
 A pure ASGI middleware (not starlette's BaseHTTPMiddleware, which gets in the way of
 streaming responses and of the cancellation that aborts a disconnected client's request).
@@ -29,10 +30,13 @@ class APIKeyMiddleware:
         self.key_digests = tuple(_digest(k) for k in api_keys)
         self.open_paths = frozenset(open_paths) | frozenset(ALWAYS_OPEN_PATHS)
 
-    def authorized(self, authorization: bytes | None) -> bool:
-        if authorization is None or not authorization[:7].lower() == b"bearer ":
+    def authorized(self, authorization: bytes | None, x_api_key: bytes | None = None) -> bool:
+        if authorization is not None and authorization[:7].lower() == b"bearer ":
+            offered = _digest(authorization[7:].strip())
+        elif x_api_key is not None:    # the anthropic SDK's header
+            offered = _digest(x_api_key.strip())
+        else:
             return False
-        offered = _digest(authorization[7:].strip())
         ok = False
         for key in self.key_digests:   # no early exit: every key is compared every time
             ok |= hmac.compare_digest(offered, key)
@@ -42,10 +46,12 @@ class APIKeyMiddleware:
         if (scope["type"] != "http" or not self.key_digests or scope["path"] in self.open_paths
                 or scope["method"] == "OPTIONS"):
             return await self.app(scope, receive, send)
-        authorization = next((v for k, v in scope["headers"] if k == b"authorization"), None)
-        if not self.authorized(authorization):
+        headers = dict(scope["headers"])
+        if not self.authorized(headers.get(b"authorization"), headers.get(b"x-api-key")):
             error = APIError(401, "missing or invalid API key: send 'Authorization: Bearer <key>' "
-                                  "with one of the server's --api-key values",
+                                  "or 'x-api-key: <key>' with one of the server's --api-key values",
                              code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
-            return await error.response()(scope, receive, send)
+            anthropic = scope["path"].startswith("/v1/messages")
+            response = error.anthropic_response() if anthropic else error.response()
+            return await response(scope, receive, send)
         return await self.app(scope, receive, send)

@@ -8,6 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from jaxserve.parsers.reasoning import ReasoningParser
 from jaxserve.server.errors import APIError
 
 DEFAULT_MAX_REQUEST_BODY_BYTES = 4 * 1024 * 1024
@@ -25,6 +26,10 @@ class ServerContext:
     # tool_choice "auto": vLLM's --enable-auto-tool-choice and --tool-call-parser (server/tools.py)
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
+    # --reasoning-parser (jaxserve.parsers.reasoning; None: the thinking stays in the content)
+    reasoning_parser: ReasoningParser | None = None
+    # --default-chat-template-kwargs: under each request's chat_template_kwargs
+    default_chat_template_kwargs: dict = field(default_factory=dict)
     # --return-tokens-as-token-ids: logprobs name tokens "token_id:N" (a request may ask too)
     return_tokens_as_token_ids: bool = False
     # --enable-log-requests: one log line per request, its prompt cut at --max-log-len
@@ -70,6 +75,10 @@ class ServerContext:
     @property
     def max_logprobs(self) -> int:
         return self.engine.config.max_logprobs
+
+    def template_kwargs(self, asked: dict | None) -> dict:
+        """The chat template's arguments for a request: the server's defaults, then its own."""
+        return {**self.default_chat_template_kwargs, **(asked or {})}
 
     def tokens_as_ids(self, asked: bool | None) -> bool:
         """Whether logprobs name tokens "token_id:N": the request's return_tokens_as_token_ids

@@ -29,6 +29,19 @@ _TYPE_BY_STATUS = {
 }
 
 
+# Anthropic's error types by status (its Messages API answers in this shape).
+_ANTHROPIC_TYPE_BY_STATUS = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    503: "overloaded_error",
+}
+
+
 class APIError(Exception):
     """An error the server answers with `status` and an OpenAI error body."""
 
@@ -49,6 +62,13 @@ class APIError(Exception):
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+    def anthropic_body(self) -> dict:
+        return {"type": "error", "error": {"type": _ANTHROPIC_TYPE_BY_STATUS.get(self.status, "api_error"),
+                                           "message": self.message}}
+
+    def anthropic_response(self) -> JSONResponse:
+        return JSONResponse(self.anthropic_body(), status_code=self.status, headers=self.headers)
 
 
 def bad_request(message: str, param: str | None = None, code: str = "invalid_request") -> APIError:

@@ -126,6 +126,9 @@ def _message_dict(i: int, m: ChatMessage) -> dict:
         out["name"] = m.name
     if m.tool_call_id is not None:
         out["tool_call_id"] = m.tool_call_id
+    thinking = m.reasoning if m.reasoning is not None else m.reasoning_content
+    if thinking is not None:     # templates that show earlier thinking read this name (Qwen3)
+        out["reasoning_content"] = thinking
     if m.tool_calls:
         # Templates read the arguments as a mapping (HF's convention), clients send JSON text.
         out["tool_calls"] = [{"id": c.id, "type": c.type, "function": {
@@ -176,10 +179,10 @@ def render_chat(ctx: ServerContext, messages: list[ChatMessage], add_generation_
 def chat_prompt(ctx: ServerContext, req: ChatCompletionRequest, tools: list[dict] | None = None) -> PromptInput:
     """Messages (and the tools to show the model) -> template text -> token ids (blocking)."""
     text = render_chat(ctx, req.messages, req.add_generation_prompt, req.continue_final_message,
-                       req.chat_template_kwargs, tools)
+                       ctx.template_kwargs(req.chat_template_kwargs), tools)
     if tools and ctx.first_time("template drops tools") and text == render_chat(
             ctx, req.messages, req.add_generation_prompt, req.continue_final_message,
-            req.chat_template_kwargs):
+            ctx.template_kwargs(req.chat_template_kwargs)):
         logger.warning("the chat template ignores `tools`: the model never sees the tool "
                        "definitions, so it will not call them (pass --chat-template with a "
                        "template that renders tools)")

@@ -7,12 +7,16 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic.json_schema import models_json_schema
 
+from jaxserve.server.messages_protocol import CountTokensRequest, MessagesRequest
 from jaxserve.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                       TokenizeRequest)
+from jaxserve.server.responses_protocol import ResponsesRequest
 
 # route path -> the body model it reads
 BODIES = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
-          "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest}
+          "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest,
+          "/v1/responses": ResponsesRequest, "/v1/messages": MessagesRequest,
+          "/v1/messages/count_tokens": CountTokensRequest}
 _REF = "#/components/schemas/{model}"
 
 

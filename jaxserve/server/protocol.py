@@ -71,6 +71,9 @@ class SamplingFields(_Body):
     prompt_logprobs: int | None = Field(None, ge=0)
     # vLLM's extension: logprobs name tokens "token_id:N" (None: the server's flag decides)
     return_tokens_as_token_ids: bool | None = None
+    # vLLM's: the prompt's and the output's token ids beside the text (a stream: the prompt's
+    # in the first chunk, each chunk's new ids in its choice)
+    return_token_ids: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
     echo: bool = False
@@ -117,6 +120,37 @@ class ChatMessage(_Body):
     name: str | None = None
     tool_calls: list[ToolCall] | None = None     # an assistant's earlier calls
     tool_call_id: str | None = None              # a tool message: the call it answers
+    # An assistant's earlier thinking (vLLM's field, and its legacy name), for templates that
+    # show it again (Qwen3's reads reasoning_content).
+    reasoning: str | None = None
+    reasoning_content: str | None = None
+
+
+# ---- response side: what the chat path answers (the Responses / Messages APIs translate these)
+
+class AssistantMessage(BaseModel):
+    """A chat completion choice's message. With a reasoning parser the thinking is in
+    `reasoning` (and vLLM's legacy `reasoning_content`, the same text), the answer in `content`."""
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+    reasoning: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[dict] = Field(default_factory=list)
+
+    def body(self) -> dict:
+        return self.model_dump()
+
+
+class DeltaMessage(BaseModel):
+    """One streamed chunk's `delta`: only the fields that carry something are sent."""
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+    reasoning: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[dict] | None = None    # OpenAI's tool-call deltas, each with its "index"
+
+    def body(self) -> dict:
+        return self.model_dump(exclude_none=True)
 
 
 class FunctionDefinition(_Body):
@@ -149,6 +183,7 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    include_reasoning: bool = True       # vLLM's: false drops the thinking (a reasoning parser's)
     add_special_tokens: bool = False     # the chat template already places special tokens
     tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None

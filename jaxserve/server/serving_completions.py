@@ -60,10 +60,16 @@ class CompletionStream(StreamFormatter):
         if delta.first:
             text = self.echo.text(prompt_index) + text
         has_tokens = logprobs is not None and logprobs["tokens"]
-        if not text and not has_tokens and delta.finish_reason is None:
+        ids = self.req.return_token_ids and delta.token_ids   # every id is sent, text or not
+        if not text and not has_tokens and delta.finish_reason is None and not ids:
             return None
-        return {"index": index, "text": text, "logprobs": logprobs,
-                "finish_reason": delta.finish_reason, "stop_reason": delta.stop_reason}
+        choice = {"index": index, "text": text, "logprobs": logprobs,
+                  "finish_reason": delta.finish_reason, "stop_reason": delta.stop_reason}
+        if self.req.return_token_ids:
+            choice["token_ids"] = delta.token_ids
+            if delta.first:
+                choice["prompt_token_ids"] = list(out.prompt_token_ids)
+        return choice
 
 
 def completion_body(ctx: ServerContext, req: CompletionRequest, echo: _Echo, request_id: str,
@@ -81,6 +87,9 @@ def completion_body(ctx: ServerContext, req: CompletionRequest, echo: _Echo, req
             choice = {"index": prompt_index * req.n + c.index,
                       "text": echo.text(prompt_index) + c.text, "logprobs": logprobs,
                       "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+            if req.return_token_ids:
+                choice["prompt_token_ids"] = list(out.prompt_token_ids)
+                choice["token_ids"] = list(c.token_ids)
             if req.prompt_logprobs is not None:      # vLLM's extension: per prompt position
                 choice["prompt_logprobs"] = [
                     None if pos is None else {str(t): {"logprob": lp.logprob, "rank": lp.rank,

@@ -98,12 +98,16 @@ def start_engine(args: argparse.Namespace):
 
 def server_context(engine, args: argparse.Namespace, default_sampling: dict, **kwargs):
     """The ServerContext for `engine`: the served names of `args`, the sampling defaults."""
+    from jaxserve.parsers.reasoning import reasoning_parser
     from jaxserve.server.context import ServerContext
 
+    reasoning = getattr(args, "reasoning_parser", None)
     return ServerContext(engine, served_model_names=served_model_names(args) or (engine.model_name,),
                          default_sampling=default_sampling,
                          enable_auto_tool_choice=getattr(args, "enable_auto_tool_choice", False),
                          tool_call_parser=getattr(args, "tool_call_parser", None),
+                         reasoning_parser=reasoning_parser(reasoning) if reasoning else None,
+                         default_chat_template_kwargs=getattr(args, "default_chat_template_kwargs", None) or {},
                          return_tokens_as_token_ids=getattr(args, "return_tokens_as_token_ids", False),
                          log_requests=getattr(args, "enable_log_requests", False),
                          max_log_len=getattr(args, "max_log_len", None), **kwargs)

@@ -89,6 +89,17 @@ class StreamFormatter:
     def start(self) -> list[dict]:
         return []
 
+    # How chunks, an error and the end are written: OpenAI's chat / completions SSE here; the
+    # Responses and Messages APIs name each event (agent_bridge.py).
+    def encode(self, chunk: dict) -> str:
+        return sse(chunk)
+
+    def error_chunk(self, error: APIError) -> dict:
+        return error.body()
+
+    def done(self) -> str:
+        return DONE
+
     def choice(self, index: int, prompt_index: int, out: RequestOutput, c: CompletionOutput,
                delta: ChoiceDelta) -> dict | None:
         raise NotImplementedError
@@ -115,19 +126,20 @@ async def sse_events(formatter: StreamFormatter, generation: GenerationSet,
     """The whole event stream of one request, ending in `data: [DONE]` (errors included)."""
     try:
         for chunk in formatter.start():
-            yield sse(chunk)
+            yield formatter.encode(chunk)
         news = first_news
         while True:
             for chunk in formatter.chunks(news):
-                yield sse(chunk)
+                yield formatter.encode(chunk)
             if generation.finished:
                 break
             news = await generation.next_outputs()
         for chunk in formatter.end(generation.latest):
-            yield sse(chunk)
+            yield formatter.encode(chunk)
     except APIError as e:
-        yield sse(e.body())
+        yield formatter.encode(formatter.error_chunk(e))
     except Exception as e:   # a bug here must still end the stream in the documented way
         logger.exception("stream failed")
-        yield sse(APIError(500, f"the stream failed: {type(e).__name__}", code="internal_error").body())
-    yield DONE
+        error = APIError(500, f"the stream failed: {type(e).__name__}", code="internal_error")
+        yield formatter.encode(formatter.error_chunk(error))
+    yield formatter.done()

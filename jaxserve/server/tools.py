@@ -5,8 +5,10 @@
   objects, one of the listed functions each, with that function's parameter schema.
 - a named function: the output is forced to that function's parameters (its arguments).
 - "auto" (the default when tools are given): the tools go through the chat template and the
-  model's own tool-call format is parsed (tool_parsers.py); needs the server's
+  model's own tool-call format is parsed (jaxserve/parsers/); needs the server's
   `--enable-auto-tool-choice --tool-call-parser NAME`, as vLLM.
+Every mode's output goes through a stream (`output_stream`: feed text deltas, get content and
+tool-call deltas); a whole response is one final feed, so both agree.
 Structured output (response_format, ...) together with a forced tool choice is refused.
 """
 
@@ -19,7 +21,8 @@ from dataclasses import dataclass
 from jaxserve.server.context import ServerContext
 from jaxserve.server.errors import bad_request
 from jaxserve.server.protocol import ChatCompletionRequest
-from jaxserve.server.tool_parsers import PARSERS
+from jaxserve.parsers.calls import CallDelta, ToolDelta
+from jaxserve.parsers.tools import tool_parser
 from jaxserve.structured.params import StructuredOutputsParams
 
 EMPTY_PARAMETERS = {"type": "object", "properties": {}}
@@ -105,19 +108,65 @@ def tool_call(name: str, arguments: str, index: int | None = None, call_id: str 
     return call
 
 
+class NamedStream:
+    """A named function's forced output: all of it is that call's arguments, streamed."""
+
+    def __init__(self, name: str):
+        self.name, self.text, self.started = name, "", False
+
+    def feed(self, text: str, final: bool = False) -> ToolDelta:
+        if not self.started:     # whitespace before the object (after a thinking block) is no argument
+            text = text.lstrip()
+        self.text += text
+        if not text and (self.started or not final):
+            return ToolDelta()
+        first, self.started = not self.started, True
+        return ToolDelta(calls=[CallDelta(0, self.name if first else None, text)])
+
+    def result(self) -> tuple[str | None, list[tuple[str, str]]]:
+        return None, [(self.name, self.text)]
+
+
+class RequiredStream:
+    """tool_choice "required": a JSON array of {"name", "parameters"} (its grammar's), read
+    once whole (cut short by max_tokens: it stays text)."""
+
+    def __init__(self):
+        self.text, self.parsed = "", None
+
+    def feed(self, text: str, final: bool = False) -> ToolDelta:
+        self.text += text
+        if not final:
+            return ToolDelta()
+        try:
+            self.parsed = [(c["name"], json.dumps(c["parameters"], ensure_ascii=False))
+                           for c in json.loads(self.text)]
+        except (json.JSONDecodeError, KeyError, TypeError):
+            return ToolDelta(self.text)
+        return ToolDelta(calls=[CallDelta(i, n, a) for i, (n, a) in enumerate(self.parsed)])
+
+    def result(self) -> tuple[str | None, list[tuple[str, str]]]:
+        return (None, self.parsed) if self.parsed is not None else (self.text or None, [])
+
+
+def output_stream(plan: ToolPlan):
+    """The stream that reads one choice's content for `plan` (None: plain content)."""
+    if plan.mode == "named":
+        return NamedStream(plan.name)
+    if plan.mode == "required":
+        return RequiredStream()
+    if plan.mode == "auto":
+        return tool_parser(plan.parser).stream(plan.tools)
+    return None
+
+
 def parse_output(plan: ToolPlan, text: str) -> tuple[str | None, list[tuple[str, str]]]:
     """(content, [(function name, arguments JSON)]) of a finished output."""
-    if plan.mode == "named":
-        return None, [(plan.name, text)]
-    if plan.mode == "required":
-        try:
-            calls = json.loads(text)
-            return None, [(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in calls]
-        except (json.JSONDecodeError, KeyError, TypeError):   # cut short by max_tokens
-            return text, []
-    if plan.mode == "auto":
-        return PARSERS[plan.parser](text)
-    return text, []
+    stream = output_stream(plan)
+    if stream is None:
+        return text, []
+    stream.feed(text, final=True)
+    return stream.result()
 
 
 def finish_reason(plan: ToolPlan, reason: str | None, calls: list) -> str | None:

@@ -14,6 +14,11 @@ on a little-endian host that is bit t % 8 of byte t // 8, the layout of `allowed
 (np.packbits(..., bitorder="little")), so the words are viewed as bytes, not converted.
 A matcher at the end of its grammar allows only EOS.
 
+After thinking: a request whose params name a `reasoning_end_token_id` is unconstrained until
+it emits that token (its rows keep the all-allowed mask, its matcher consumes nothing); the
+grammar starts with the token after it. Drafts follow the same rule, the switch undone with
+the matcher's rollback.
+
 Speculative decoding: a constrained request's drafts are first cut at the first token its
 grammar rejects (`RequestGrammar.valid_drafts`, before the step is scheduled), so no invalid
 draft is verified. A verifying step then needs a mask for each of the request's logits rows:
@@ -36,9 +41,11 @@ assert sys.byteorder == "little", "the mask layout below assumes a little-endian
 class RequestGrammar:
     """One request's matcher and how many of its output tokens it has consumed."""
 
-    def __init__(self, matcher, consumed: int = 0):
+    def __init__(self, matcher, consumed: int = 0, thinking_end: int | None = None):
         self.matcher = matcher
         self.consumed = consumed
+        self.thinking_end = thinking_end
+        self.thinking = thinking_end is not None     # before the end of the thinking: no constraint
 
     @classmethod
     def for_request(cls, grammars, new) -> "RequestGrammar":
@@ -46,7 +53,8 @@ class RequestGrammar:
         the tokens it generated before a preemption."""
         if grammars is None:
             raise ValueError("structured_outputs needs the model's tokenizer; this model has none")
-        grammar = cls(grammars.matcher(new.sampling_params.structured_outputs))
+        params = new.sampling_params.structured_outputs
+        grammar = cls(grammars.matcher(params), thinking_end=params.reasoning_end_token_id)
         grammar.catch_up(list(new.output_token_ids))    # as the live path consumed them
         return grammar
 
@@ -63,6 +71,9 @@ class RequestGrammar:
 
     def _consume(self, tokens: list[int]) -> None:
         for token in tokens:        # one by one: several come back at once from a verifying step
+            if self.thinking:
+                self.thinking = token != self.thinking_end
+                continue
             if self.matcher.is_stopped():      # past the end (ignore_eos): nothing to follow
                 return
             self.matcher.consume_token(token)
@@ -72,9 +83,15 @@ class RequestGrammar:
         (all read back: a request drafts only then). A stopped matcher allows only EOS, which
         it does not consume: no draft is worth verifying there."""
         self.catch_up(output_token_ids)
+        free = 0
+        if self.thinking:          # drafts up to the end of the thinking are all valid
+            if self.thinking_end not in drafts:
+                return len(drafts)
+            free = drafts.index(self.thinking_end) + 1
+            drafts = drafts[free:]
         if not drafts or self.matcher.is_stopped():
-            return 0
-        return self.matcher.validate_tokens(list(drafts))
+            return free
+        return free + self.matcher.validate_tokens(list(drafts))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,29 +138,36 @@ def fill_step_masks(grammars, allowed_SW: np.ndarray, constrained: list[Constrai
                                    int(ids[c.request.req_id]) if c.pending else None)
     advanced = [0] * len(constrained)       # draft tokens each matcher consumed (to roll back)
     alive = [True] * len(constrained)       # its drafts so far were valid
+    thinking = [c.request.grammar.thinking for c in constrained]    # committed state (to restore)
     try:
         for depth in range(1 + max((len(c.drafts) for c in constrained), default=0)):
             rows = []
             for i, c in enumerate(constrained):
                 k = len(c.drafts)
-                if depth <= k and alive[i]:
+                if depth <= k and alive[i] and not c.request.grammar.thinking:
                     rows.append((c.draft_rows[depth] if depth < k else c.row, c.request.grammar.matcher))
             fill_masks(grammars.executor, allowed_SW, rows, grammars.mask_words)
             for i, c in enumerate(constrained):
                 if depth < len(c.drafts) and alive[i]:
-                    advanced[i], alive[i] = _advance(c.request.grammar.matcher, c.drafts[depth], advanced[i])
+                    advanced[i], alive[i] = _advance(c.request.grammar, c.drafts[depth], advanced[i])
     finally:
-        for c, n in zip(constrained, advanced):
+        for c, n, t in zip(constrained, advanced, thinking):
+            c.request.grammar.thinking = t
             if n and not c.request.grammar.matcher.rollback(n):
                 raise RuntimeError(f"request {c.request.req_id}: its matcher could not roll back "
                                    f"{n} draft tokens")
 
 
-def _advance(matcher, token: int, advanced: int) -> tuple[int, bool]:
-    """Feed one draft to a matcher as the committed path would (a stopped matcher consumes
-    nothing): (tokens consumed so far, whether the draft was valid). An invalid draft (drafts
-    are cut before scheduling, so only if a caller skipped that) is left unconsumed: its own
-    row's mask rejects it, so the rows after it are never kept and keep no mask."""
+def _advance(grammar: RequestGrammar, token: int, advanced: int) -> tuple[int, bool]:
+    """Feed one draft to a request's grammar as the committed path would (a stopped matcher
+    consumes nothing; one still thinking only watches for the end of the thinking): (tokens
+    its matcher consumed so far, whether the draft was valid). An invalid draft (drafts are
+    cut before scheduling, so only if a caller skipped that) is left unconsumed: its own row's
+    mask rejects it, so the rows after it are never kept and keep no mask."""
+    if grammar.thinking:
+        grammar.thinking = token != grammar.thinking_end
+        return advanced, True
+    matcher = grammar.matcher
     if matcher.is_stopped():
         return advanced, True
     if matcher.try_consume_tokens([token]) == 1:

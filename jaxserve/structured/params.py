@@ -26,6 +26,11 @@ class StructuredOutputsParams:
     # NOTE: vLLM's flag; here JSON has no free whitespace unless it is set to False, because
     # small models given free whitespace may emit newlines until max_tokens.
     disable_any_whitespace: bool = True
+    # Set by the server (or LLM.chat) when a reasoning parser says the output thinks first:
+    # the grammar then starts after this token (the end of the thinking, `</think>`), the
+    # tokens up to it unconstrained (vLLM's structured output with a reasoning parser). Not a
+    # client field, and not part of the compiled grammar's key.
+    reasoning_end_token_id: int | None = None
 
     def __post_init__(self):
         if self.choice is not None:
@@ -57,6 +62,9 @@ class StructuredOutputsParams:
         if self.choice is not None:
             if not self.choice or any(not isinstance(c, str) or not c for c in self.choice):
                 _bad("choice", "a non-empty list of non-empty strings", list(self.choice))
+        end = self.reasoning_end_token_id
+        if end is not None and (not isinstance(end, int) or isinstance(end, bool) or end < 0):
+            _bad("reasoning_end_token_id", "a token id (an integer >= 0) or None", end)
         if not isinstance(self.json_object, bool):
             _bad("json_object", "true or false", self.json_object)
         if len(self.key()[1]) > MAX_GRAMMAR_CHARS:
@@ -64,7 +72,7 @@ class StructuredOutputsParams:
 
     @classmethod
     def from_dict(cls, fields: dict) -> "StructuredOutputsParams":
-        known = {f.name for f in dataclasses.fields(cls)}
+        known = {f.name for f in dataclasses.fields(cls)} - {"reasoning_end_token_id"}
         unknown = sorted(set(fields) - known)
         if unknown:
             raise ValueError(f"structured_outputs has no field {unknown[0]!r}; its fields are "

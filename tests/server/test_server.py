@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 
 from server_fuzz_bodies import NUM_CHAT_BODIES, NUM_COMPLETION_BODIES, chat_bodies, completion_bodies
 from server_invalid_requests import INVALID
+from server_agent_api_tests import *  # noqa: F401,F403  (run here, on this file's engine)
 from server_structured_tests import *  # noqa: F401,F403  (run here, on this file's engine)
 
 

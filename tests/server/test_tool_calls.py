@@ -17,7 +17,7 @@ from stubs import RecordingEngine
 from jaxserve.outputs import CompletionOutput, RequestOutput
 from jaxserve.server.app import build_app
 from jaxserve.server.context import ServerContext
-from jaxserve.server.tool_parsers import parse_hermes, parse_llama3_json
+from jaxserve.parsers.tools import tool_parser
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather",
                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
@@ -32,7 +32,7 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather",
     ("<tool_call>{not json}</tool_call>", "<tool_call>{not json}</tool_call>", []),
 ])
 def test_hermes_parser(text, content, calls):
-    assert parse_hermes(text) == (content, calls)
+    assert tool_parser("hermes").extract(text, None) == (content, calls)
 
 
 @pytest.mark.parametrize("text,content,calls", [
@@ -44,7 +44,7 @@ def test_hermes_parser(text, content, calls):
     ('{"city": "Paris"}', '{"city": "Paris"}', []),                                          # no name: text
 ])
 def test_llama3_json_parser(text, content, calls):
-    assert parse_llama3_json(text) == (content, calls)
+    assert tool_parser("llama3_json").extract(text, None) == (content, calls)
 
 
 class ScriptedEngine(RecordingEngine):
@@ -93,6 +93,21 @@ def test_auto_tool_calls_streamed():
     assert events[-1]["choices"][0]["finish_reason"] == "tool_calls"
 
 
+def assemble_calls(deltas: list[dict]) -> list[tuple[str, str]]:
+    """Streamed tool-call deltas put together: each call's name (its first delta) and its
+    argument pieces concatenated, in index order."""
+    calls: dict[int, list] = {}
+    for d in deltas:
+        for tc in d.get("tool_calls", []):
+            if tc["index"] not in calls:
+                assert tc["id"].startswith("chatcmpl-tool-") and tc["type"] == "function"
+                calls[tc["index"]] = [tc["function"]["name"], ""]
+            else:
+                assert "name" not in tc["function"]
+            calls[tc["index"]][1] += tc["function"]["arguments"]
+    return [tuple(calls[i]) for i in sorted(calls)]
+
+
 class ChunkedEngine(ScriptedEngine):
     """Answers with `text` a few characters per output: delta outputs when asked (streams),
     else cumulative ones."""
@@ -115,7 +130,7 @@ class ChunkedEngine(ScriptedEngine):
     ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Oslo"}}', "", [("get_weather", '{"city": "Oslo"}')]),
     ("llama3_json", "Plain words here.", "Plain words here.", []),
 ])
-def test_auto_streams_content_as_it_comes_and_calls_at_the_end(parser, text, content, calls):
+def test_auto_streams_content_and_call_arguments_as_they_come(parser, text, content, calls):
     ctx = ServerContext(ChunkedEngine(text), ("stub",), enable_auto_tool_choice=True, tool_call_parser=parser)
     with TestClient(build_app(ctx)) as client:
         r = client.post("/v1/chat/completions", json={**BODY, "stream": True})
@@ -123,7 +138,7 @@ def test_auto_streams_content_as_it_comes_and_calls_at_the_end(parser, text, con
     events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
     deltas = [c["delta"] for e in events for c in e["choices"]]
     pieces = [d["content"] for d in deltas if d.get("content")]
-    got_calls = [(tc["function"]["name"], tc["function"]["arguments"]) for d in deltas for tc in d.get("tool_calls", [])]
+    got_calls = assemble_calls(deltas)
     assert "".join(pieces).strip() == content == (whole["content"] or "")
     assert got_calls == calls == [(c["function"]["name"], c["function"]["arguments"]) for c in whole["tool_calls"]]
     if not calls:
