@@ -8,6 +8,7 @@ import argparse
 import asyncio
 import json
 import math
+import sys
 
 import pytest
 
@@ -126,7 +127,7 @@ def test_latency_bench_runs_in_process(llm):
 
     args = argparse.Namespace(input_len=8, output_len=4, num_iters=1, num_iters_warmup=0,
                               device_only_iters=2, hbm_bandwidth=None, profile_dir=None,
-                              top_p=0.8, top_k=20)   # truncation in the timed steps
+                              top_p=0.8, top_k=20, temperature=1.0)   # truncation in the timed steps
     row = bench_batch(llm, 2, args)
     assert row["batch_size"] == 2 and row["latency_mean_s"] > 0
     assert row["num_decode_steps"] >= 1 and row["ms_per_output_token"] > 0
@@ -144,7 +145,7 @@ def test_latency_bench_says_when_no_step_decoded_the_whole_batch(llm, capsys):
 
     args = argparse.Namespace(input_len=30, output_len=2, num_iters=1, num_iters_warmup=0,
                               device_only_iters=2, hbm_bandwidth=None, profile_dir=None,
-                              top_p=1.0, top_k=0)
+                              top_p=1.0, top_k=0, temperature=1.0)
     row = bench_batch(llm, 4, args)
     assert row["latency_mean_s"] > 0 and "device_only_step_ms" not in row
     assert "no decode step held all 4 requests" in capsys.readouterr().err
@@ -235,3 +236,29 @@ def test_roofline_counts_only_the_experts_a_batch_reaches():
     tied = {"embed": embed, "layers": [layer]}
     assert roofline.decode_weight_bytes(tied, 8, 2, 3) == pytest.approx(
         roofline.touched_param_bytes([layer], 8, 2, 3) + embed.nbytes)
+
+
+def test_latency_bench_runs_the_hf_baseline_after_each_timed_iteration(llm, tmp_path, monkeypatch):
+    """Interleaved (issue 68): one baseline run after each of ours, medians of both, greedy."""
+    from jaxserve.bench import hf_baseline
+    from jaxserve.bench.latency import bench_batch
+
+    calls = tmp_path / "calls"
+    fake = tmp_path / "fake_hf.py"
+    fake.write_text(
+        "import json, sys\n"
+        f"open({str(calls)!r}, 'a').write(' '.join(sys.argv[1:]) + '\\n')\n"
+        "n = len(open(" + repr(str(calls)) + ").readlines())\n"
+        "print(json.dumps({'ms_per_output_token': 10.0 * n, 'torch_threads': 2, 'prefill_s': 0.05}))\n")
+    monkeypatch.setattr(hf_baseline, "SCRIPT", str(fake))
+    monkeypatch.setattr(hf_baseline, "model_gguf", lambda model: "/m/model.gguf")
+    args = argparse.Namespace(input_len=8, output_len=4, num_iters=3, num_iters_warmup=0,
+                              device_only_iters=0, hbm_bandwidth=None, profile_dir=None,
+                              top_p=1.0, top_k=0, temperature=0.0, baseline="hf",
+                              baseline_python=sys.executable, model=None)
+    row = bench_batch(llm, 1, args)
+    runs = calls.read_text().splitlines()
+    assert len(runs) == 3 and all("--num-iters 1" in r for r in runs), runs
+    assert row["hf_ms_per_output_token"] == 20.0 and row["hf_ttft_ms"] == pytest.approx(50.0)
+    assert row["ratio_to_hf"] == pytest.approx(row["ms_per_output_token"] / 20.0)
+    assert row["ttft_ms"] > 0

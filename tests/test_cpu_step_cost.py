@@ -20,10 +20,10 @@ from jaxserve.core.step_messages import SchedulerOutput
 TINY = os.path.join(os.path.dirname(__file__), "golden", "ckpt", "llama")
 
 
-def step_program(num_kv_blocks: int, max_model_len: int, num_tokens: int):
+def step_program(num_kv_blocks: int, max_model_len: int, num_tokens: int, model: str = TINY):
     """The compiled lean step program of the `num_tokens` bucket (no warm-up) and its
     cache array's shape."""
-    llm = LLM(TINY, dtype="float32", max_num_seqs=4, max_num_batched_tokens=16,
+    llm = LLM(model, dtype="float32", max_num_seqs=4, max_num_batched_tokens=16,
               max_model_len=max_model_len, num_kv_blocks=num_kv_blocks, warmup=False)
     runner = llm.engine.runner
     empty = SchedulerOutput(new_requests=[], scheduled=[], finished_req_ids=[],
@@ -42,7 +42,10 @@ def cost(program) -> tuple[float, float]:
 
 def whole_cache_copies(program, cache) -> list[str]:
     """Instructions that copy an array of the cache's size (any shape: a reshape is free)."""
-    size = cache.size
+    return copies_of_size(program, cache.size)
+
+
+def copies_of_size(program, size: int) -> list[str]:
     found = []
     for m in re.finditer(r"= f32\[([0-9,]+)\]\{[0-9,]*\} copy\(", program.as_text()):
         dims = [int(d) for d in m.group(1).split(",")]
@@ -85,3 +88,13 @@ def test_the_lone_decode_writes_the_cache_in_place():
     assert whole_cache_copies(prog, cache) == []
     header = text.splitlines()[0]          # HloModule ..., input_output_alias={ {0}: (15, ...
     assert len(re.findall(r"\((\d+), \{\}, (may|must)-alias\)", header)) == 4   # 2 layers' k, v
+
+
+def test_a_tied_lm_head_reads_the_embedding_as_stored():
+    """The LM head of tied embeddings contracts the [V, D] table on D where it lies: written
+    as `h @ embed.T`, XLA CPU copied the transposed table every step (the default model's
+    113 MB), reading it at a seventh of the bandwidth (issue 68)."""
+    tied = os.path.join(os.path.dirname(__file__), "golden", "ckpt", "llama_tied")
+    prog, _ = step_program(64, 128, 1, tied)
+    vocab, hidden = 256, 64                  # the checkpoint's config.json
+    assert copies_of_size(prog, vocab * hidden) == []

@@ -255,3 +255,20 @@ def test_threshold_kernels_only_where_they_were_measured_faster(monkeypatch):
     assert sampler.threshold_kernels_apply(sampler.THRESHOLD_KERNEL_MAX_ROWS, True)
     assert not sampler.threshold_kernels_apply(sampler.THRESHOLD_KERNEL_MAX_ROWS + 1, True)
     assert not sampler.threshold_kernels_apply(4, False)
+
+
+@pytest.mark.parametrize("temps", [(0.0, 0.0, 0.0), (0.0, 0.9, 0.0), (1.0, 1.0, 0.5)])
+def test_branching_on_greedy_changes_no_draw(temps):
+    """branch_on_greedy (the CPU's step: no Gumbel draw when every row is greedy) draws what
+    the unbranched sampler draws, for all-greedy, mixed and random batches (with padding)."""
+    rng = np.random.default_rng(3)
+    logits = rng.standard_normal((4, 300)).astype(np.float32)
+    rows = [SamplingRow(SamplingParams(temperature=t), [1], [], seed=50 + i, offset=0)
+            for i, t in enumerate(temps)]
+    t = make_sampling_tensors(rows, 4, 300, L)
+    plain = jax.jit(lambda x, t: sample(x, t, 2))(logits, t)
+    branched = jax.jit(lambda x, t: sample(x, t, 2, branch_on_greedy=True))(logits, t)
+    for a, b in zip(jax.tree.leaves(plain), jax.tree.leaves(branched)):
+        np.testing.assert_array_equal(a, b)
+    if max(temps) == 0:
+        np.testing.assert_array_equal(branched.token_ids, logits.argmax(-1))

@@ -13,7 +13,7 @@ The first request's first token after process start is the cold start-up time.
 an interpreter with torch and transformers) and reports its ms per output token beside ours. On the CPU:
 
     jaxserve bench latency --engine-defaults --batch-size 1 --input-len 32 --output-len 64 \
-        --baseline hf --baseline-python PYTHON_WITH_TORCH
+        --temperature 0 --baseline hf --baseline-python PYTHON_WITH_TORCH
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ import time
 from jaxserve.bench import report, roofline
 from jaxserve.bench.datasets import random_requests
 from jaxserve.bench.engine_setup import add_bench_engine_arguments, build_llm, seconds_since_process_start
+from jaxserve.bench.hf_baseline import run_hf_baseline
 from jaxserve.bench.step_timer import StepTimer, device_only_step_seconds
 
 
@@ -44,13 +45,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="nucleus sampling for every request (1: off); with --top-k, the "
                         "sampler's truncation is in the timed steps")
     g.add_argument("--top-k", type=int, default=0, help="top-k sampling (0: off)")
+    g.add_argument("--temperature", type=float, default=1.0,
+                   help="every request's temperature (0: greedy, as the hf baseline decodes)")
     g.add_argument("--device-only-iters", type=int, default=20,
                    help="back-to-back replays of one decode step (0: skip)")
     g.add_argument("--engine-defaults", action="store_true",
                    help="leave max_model_len and max_num_seqs at the engine's defaults (LLM()'s) "
                         "instead of fitting them to the lengths and batch sizes")
     g.add_argument("--baseline", choices=["hf"], default=None,
-                   help="hf: time the same prompts with Hugging Face transformers too")
+                   help="hf: time the same prompts with Hugging Face transformers too, one "
+                        "of its runs after each timed iteration (interleaved: a busy machine "
+                        "slows both alike)")
     g.add_argument("--baseline-python", default=sys.executable,
                    help="the interpreter (with torch and transformers) that runs the baseline")
     g.add_argument("--profile-dir", default=None,
@@ -86,17 +91,24 @@ def bench_batch(llm, batch: int, args, bar=None) -> dict:
     engine = llm.engine
     cfg = engine.config.model
     vocab = cfg.vocab_size
-    params = dict(temperature=1.0, top_p=args.top_p, top_k=args.top_k, ignore_eos=True)
+    params = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, ignore_eos=True)
     reqs = lambda seed: random_requests(batch, args.input_len, args.output_len, vocab, seed=seed)  # noqa: E731
     for i in range(args.num_iters_warmup):
         generate_once(engine, reqs(1000 + i), params)
         if bar is not None:
             bar.update(1)
     timer = StepTimer(engine)
-    latencies = []
+    latencies, firsts, hf_rows = [], [], []
+    baseline = getattr(args, "baseline", None) == "hf"   # (callers building args by hand may omit it)
     try:
         for i in range(args.num_iters):
-            latencies.append(generate_once(engine, reqs(i), params)[0])
+            seconds, first = generate_once(engine, reqs(i), params)
+            latencies.append(seconds)
+            firsts.append(first)
+            if baseline:     # (in a subprocess: no engine step runs meanwhile)
+                hf_rows.append(run_hf_baseline(args.baseline_python, args.model,
+                                               [r.prompt_token_ids for r in reqs(i)],
+                                               args.output_len, 1))
             if bar is not None:
                 bar.update(1)
     finally:
@@ -105,7 +117,8 @@ def bench_batch(llm, batch: int, args, bar=None) -> dict:
     row = {"batch_size": batch, "input_len": args.input_len, "output_len": args.output_len,
            "latency_mean_s": statistics.mean(latencies), "latency_p50_s": report.percentile(latencies, 50),
            "latency_p99_s": report.percentile(latencies, 99),
-           "output_tok_per_s_e2e": batch * args.output_len / statistics.mean(latencies)}
+           "output_tok_per_s_e2e": batch * args.output_len / statistics.mean(latencies),
+           "ttft_ms": 1e3 * statistics.median(firsts)}
     if steps["num_steps"]:
         step_s = steps["per_token"]     # a multi-step decode's step makes `steps` tokens a sequence
         row.update(ms_per_output_token=1e3 * step_s, decode_tok_per_s=batch / step_s,
@@ -133,14 +146,12 @@ def bench_batch(llm, batch: int, args, bar=None) -> dict:
             dev_s = device_only_step_seconds(engine.runner, *captured, iters=args.device_only_iters)
             row.update(device_only_step_ms=1e3 * dev_s, device_only_roofline_fraction=floor_s / dev_s,
                        host_overhead_fraction=1 - dev_s / step_s)
-    if getattr(args, "baseline", None) == "hf":     # (callers building args by hand may omit it)
-        from jaxserve.bench.hf_baseline import run_hf_baseline
-        hf = run_hf_baseline(args.baseline_python, args.model,
-                             [r.prompt_token_ids for r in reqs(0)], args.output_len,
-                             args.num_iters)
-        row.update(hf_ms_per_output_token=hf["ms_per_output_token"], hf_torch_threads=hf["torch_threads"])
+    if hf_rows:
+        hf_ms = statistics.median(r["ms_per_output_token"] for r in hf_rows)
+        row.update(hf_ms_per_output_token=hf_ms, hf_torch_threads=hf_rows[0]["torch_threads"],
+                   hf_ttft_ms=1e3 * statistics.median(r["prefill_s"] for r in hf_rows))
         if "ms_per_output_token" in row:
-            row["ratio_to_hf"] = row["ms_per_output_token"] / hf["ms_per_output_token"]
+            row["ratio_to_hf"] = row["ms_per_output_token"] / hf_ms
     if args.profile_dir:
         from jaxserve.bench.profile import profile_decode_steps
         row["profile"] = profile_decode_steps(engine, batch, args, params)

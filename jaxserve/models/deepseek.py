@@ -445,5 +445,4 @@ def mtp_forward(cfg: DeepseekConfig, params: dict, caches: list[dict], x: StepIn
 
 def compute_logits(cfg: DeepseekConfig, params: dict, hidden_SD: jax.Array, kernels=None) -> jax.Array:
     del kernels   # (the fused LM head is llama's Kernels.linear)
-    head = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
-    return jnp.dot(hidden_SD, head, preferred_element_type=jnp.float32)
+    return layers.lm_head(hidden_SD, params, cfg.tie_word_embeddings)

@@ -292,8 +292,7 @@ def compute_logits(cfg: ModelConfig, params: dict, hidden_SD: jax.Array,
         from jaxserve.pallas_kernels.fused_linear import fused_linear
         return fused_linear(hidden_SD, params["embed"], w_layout="NK", out_dtype=jnp.float32,
                             impl=kernels.impl)
-    head = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
-    return jnp.dot(hidden_SD, head, preferred_element_type=jnp.float32)
+    return layers.lm_head(hidden_SD, params, cfg.tie_word_embeddings)
 
 
 def param_shapes(cfg: ModelConfig) -> dict:

@@ -116,6 +116,12 @@ class KernelPlan:
     fused_stack: bool = False     # "linear" is on and fused_stack_fits the model
     device: str = "cpu"           # the device kind the plan was made for (dispatch.device_kind)
 
+    @property
+    def cheap_branches(self) -> bool:
+        """Whether a data-dependent `lax.cond` inside a step costs nothing: on the CPU. On a
+        GPU its predicate is read back by the host mid-step, stalling the stream."""
+        return self.device == "cpu"
+
     @classmethod
     def for_model(cls, cfg, family: str, fused: tuple | list | frozenset | set = (),
                   device: str | None = None) -> KernelPlan:

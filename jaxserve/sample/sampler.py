@@ -41,16 +41,24 @@ class SamplerOutput:
 
 
 def sample(logits_SV: jax.Array, t: SamplingTensors, num_top: int, truncate: bool = True,
-           kernels: bool = True) -> SamplerOutput:
+           kernels: bool = True, branch_on_greedy: bool = False) -> SamplerOutput:
     """Draw one token per row; call inside jit (`num_top`, `truncate`, `kernels` are static).
 
     `truncate=False` leaves min_p / top_k / top_p out of the program (no passes over the
     vocabulary for their thresholds): the runner passes it when no row of the step uses them.
     `kernels=False` keeps the Pallas threshold kernels out (a full sort instead): the runner's
-    XLA path. Under a mesh the kernels run on gathered (replicated) logits (_truncate)."""
+    XLA path. Under a mesh the kernels run on gathered (replicated) logits (_truncate).
+    `branch_on_greedy`: skip the Gumbel draw when every row is greedy, by a `lax.cond` (only
+    where a branch is cheap, KernelPlan.cheap_branches: the draw over the vocabulary was
+    ~1 ms of a ~40 ms CPU step, BENCHMARKS.md)."""
     logits_SV = logits_SV.astype(jnp.float32)
     x_SV, greedy_S, is_greedy_S = target_logits(logits_SV, t, truncate, kernels)
-    drawn_S = gumbel_draw(x_SV, row_keys(t.seeds, t.offsets))
+    keys_S = row_keys(t.seeds, t.offsets)
+    if branch_on_greedy:
+        drawn_S = jax.lax.cond(jnp.all(is_greedy_S), lambda: greedy_S,
+                               lambda: gumbel_draw(x_SV, keys_S))
+    else:
+        drawn_S = gumbel_draw(x_SV, keys_S)
     ids_S = jnp.where(is_greedy_S, greedy_S, drawn_S)
     return token_logprobs(logits_SV, ids_S, num_top)
 

@@ -109,7 +109,8 @@ def _step(params, caches, packed_W, prev_ids_MC, *, model, cfg, backend: Attenti
     kernels = model.make_kernels(cfg, backend, variant.attention, kernel_plan)
     if variant.steps > 1:
         caches, out, last_ids_S = _decode_steps(params, caches, x, model=model, cfg=cfg,
-                                                kernels=kernels, backend=backend,
+                                                kernels=kernels, kernel_plan=kernel_plan,
+                                                backend=backend,
                                                 variant=variant, block_size=block_size)
         ids_MC = jnp.zeros_like(prev_ids_MC).at[:last_ids_S.shape[0], 0].set(last_ids_S)
         return caches, out, None, ids_MC, None
@@ -118,7 +119,7 @@ def _step(params, caches, packed_W, prev_ids_MC, *, model, cfg, backend: Attenti
     else:
         caches, hidden_TD, aux = model.forward(cfg, params, caches, x, kernels)
     logits_SV = model.compute_logits(cfg, params, hidden_TD[x.logits_indices], kernels)
-    out, last_ids_S = _sample(logits_SV, x, variant, backend)
+    out, last_ids_S = _sample(logits_SV, x, variant, backend, kernel_plan)
     prompt = None
     if variant.prompt_logprobs:
         prompt = sampler.prompt_logprobs(model.compute_logits(cfg, params, hidden_TD, kernels),
@@ -133,8 +134,8 @@ def _step(params, caches, packed_W, prev_ids_MC, *, model, cfg, backend: Attenti
     return caches, out, prompt, ids_MC, (hidden_TD, *_after_step(x, out))
 
 
-def _decode_steps(params, caches, x: StepInput, *, model, cfg, kernels, backend, variant,
-                  block_size: int):
+def _decode_steps(params, caches, x: StepInput, *, model, cfg, kernels, kernel_plan, backend,
+                  variant, block_size: int):
     """Multi-step decode (scheduler.py): `variant.steps` one-token-per-sequence decode steps
     in one program, each feeding its sampled ids to the next. Returns (caches, the sampler's
     output of every step, stacked: token_ids i32[steps, S], the logprobs fields too when the
@@ -159,7 +160,7 @@ def _decode_steps(params, caches, x: StepInput, *, model, cfg, kernels, backend,
             sampling=dataclasses.replace(x.sampling, offsets=x.sampling.offsets + i))
         caches, hidden_TD, _ = model.forward(cfg, params, caches, xi, kernels)
         logits_SV = model.compute_logits(cfg, params, hidden_TD[xi.logits_indices], kernels)
-        out = _sample(logits_SV, xi, variant, backend)[0]
+        out = _sample(logits_SV, xi, variant, backend, kernel_plan)[0]
         ids_S = out.token_ids.astype(jnp.int32)
         # a lean step keeps its ids alone (its logprobs would be computed for nothing)
         if not variant.num_top:
@@ -204,14 +205,15 @@ def _after_step(x: StepInput, out):
     return next_T, kept_S.astype(jnp.int32)
 
 
-def _sample(logits_RV, x: StepInput, variant: StepVariant, backend: AttentionBackend):
+def _sample(logits_RV, x: StepInput, variant: StepVariant, backend: AttentionBackend,
+            kernel_plan: KernelPlan):
     """(the step's sampler output, each sequence's last new token). A step that carries
     drafts (x.draft_rows: a static part of its layout, so a step without them compiles
     exactly as before) verifies them instead: rejection_sampler.verify."""
     kernels = backend.impl != "xla"
     if x.draft_rows is None:
         out = sampler.sample(logits_RV, x.sampling, variant.num_top, truncate=variant.full,
-                             kernels=kernels)
+                             kernels=kernels, branch_on_greedy=kernel_plan.cheap_branches)
         return out, out.token_ids
     out = rejection_sampler.verify(logits_RV, x.sampling, x.draft_token_ids, x.draft_rows,
                                    x.num_drafts, variant.num_top, truncate=variant.full,

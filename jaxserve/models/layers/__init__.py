@@ -38,6 +38,17 @@ def linear(x_TD: jax.Array, w_DF: jax.Array) -> jax.Array:
     return x_TD @ w_DF
 
 
+def lm_head(h_SD: jax.Array, params: dict, tied: bool) -> jax.Array:
+    """f32 logits of the LM head: `lm_head` f[D, V], or a tied `embed` f[V, D] contracted on
+    its D axis as it is stored. NOTE: not `h @ embed.T`: XLA CPU copied the transposed table
+    (113 MB for the default model) inside the dot's fusion every step, reading it at ~1/7 of
+    the bandwidth of this form (BENCHMARKS.md, CPU)."""
+    if tied:
+        return jax.lax.dot_general(h_SD, params["embed"], (((1,), (1,)), ((), ())),
+                                   preferred_element_type=jnp.float32)
+    return jnp.dot(h_SD, params["lm_head"], preferred_element_type=jnp.float32)
+
+
 def project(h_TD: jax.Array, lp: dict, name: str) -> jax.Array:
     """h_TD @ lp[name], or through its [out, in] copy lp[name + "_t"] (llama.transpose_for_fused_stack)."""
     if name + "_t" in lp:
