@@ -54,7 +54,8 @@ def build_engine(config: EngineConfig, params, tokenizer, family, model_name: st
 def from_engine_args(model: str | None = None, *, dtype: str | None = None,
                      load_format: str = "auto", served_model_name: str | None = None,
                      block_size: int = 16, num_kv_blocks: int | None = None,
-                     kv_cache_memory_fraction: float = 0.9,
+                     gpu_memory_utilization: float = 0.9,
+                     kv_cache_memory_bytes: int | None = None,
                      kv_cache_cpu_bytes: int = cpu_defaults.KV_CACHE_BYTES,
                      enable_prefix_caching: bool = True, num_cached_states: int | None = None,
                      max_num_seqs: int | None = None,
@@ -111,7 +112,7 @@ def _default(value, gpu, cpu):
 
 
 def _build(model, *, dtype, load_format, served_model_name, block_size, num_kv_blocks,
-           kv_cache_memory_fraction, kv_cache_cpu_bytes, enable_prefix_caching,
+           gpu_memory_utilization, kv_cache_memory_bytes, kv_cache_cpu_bytes, enable_prefix_caching,
            num_cached_states, max_num_seqs, max_num_batched_tokens, max_model_len,
            max_waiting_requests, long_prefill_token_threshold, num_scheduler_steps,
            tensor_parallel_size,
@@ -149,7 +150,8 @@ def _build(model, *, dtype, load_format, served_model_name, block_size, num_kv_b
     config = EngineConfig(
         model=cfg,
         cache=CacheConfig(block_size=block_size, num_kv_blocks=num_kv_blocks,
-                          kv_cache_memory_fraction=kv_cache_memory_fraction,
+                          gpu_memory_utilization=gpu_memory_utilization,
+                          kv_cache_memory_bytes=kv_cache_memory_bytes,
                           kv_cache_cpu_bytes=kv_cache_cpu_bytes,
                           enable_prefix_caching=enable_prefix_caching,
                           num_cached_states=num_cached_states),
