@@ -28,6 +28,7 @@ from jaxserve.engine.llm_engine import LLMEngine, enable_compilation_cache
 from jaxserve.pallas_kernels.policy import KernelPlan
 from jaxserve.spec_decode import drafting
 from jaxserve.spec_decode.config import SpeculativeConfig
+from jaxserve.worker import memory_plan
 from jaxserve.worker.runner import ModelRunner
 from jaxserve.worker.target_view import TargetNeeds
 
@@ -75,6 +76,8 @@ def from_engine_args(model: str | None = None, *, dtype: str | None = None,
     first tensor_parallel_size * expert_parallel_size)."""
     # every option but these, as given (first: before this function has locals of its own)
     options = {k: v for k, v in locals().items() if k not in ("model", "data_parallel_size", "devices")}
+    # before anything here starts JAX's backend (jax.devices() below, the defaults' backend)
+    memory_plan.configure_allocator(gpu_memory_utilization)
     if data_parallel_size > 1:
         return _data_parallel(model, data_parallel_size, options)
     if data_parallel_size < 1:

@@ -129,7 +129,8 @@ def _report(config: EngineConfig, source: str, num_blocks: int, num_slots: int, 
         gpu_memory_utilization=config.cache.gpu_memory_utilization if memory else None,
         weights_bytes=memory.in_use if memory else None,
         peak_bytes=measured.peak_bytes if measured else None,
-        headroom_bytes=measured.headroom_bytes if measured else None)
+        headroom_bytes=measured.headroom_bytes if measured else None,
+        allocator=memory_plan.allocator_note() if memory else "")
 
 
 def _num_cached_states(config: EngineConfig, specs, kinds, itemsize: int, budget: int | None) -> int:

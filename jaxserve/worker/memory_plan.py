@@ -50,16 +50,23 @@ class CacheDoesNotFit(ValueError):
     change (one line: the CLI prints it as a start-up error)."""
 
 
+_configured: str | None = None    # the fraction this process set
+_note = ""                        # configure_allocator's line
+
+
 def configure_allocator(utilization: float) -> str:
     """Give JAX's allocator `utilization` of the device (XLA_PYTHON_CLIENT_MEM_FRACTION)
     before its backend starts, so that the budget is usable (JAX's default, 75 %, is less
     than the default budget of 90 %); preallocation stays JAX's default (on), which reserves
     the budget at once, as vLLM's engine holds its share. Kept as they are: a user's own
     allocator variables, and a backend already initialised (the variables are read once).
-    Returns the line it logs."""
+    Returns what it did, in a line that the memory report shows (allocator_note)."""
     from jax._src import xla_bridge   # NOTE: the one way to ask without starting a backend
 
+    global _configured, _note
     given = {name: os.environ[name] for name in ALLOCATOR_ENVS if name in os.environ}
+    if _configured is not None and given == {MEM_FRACTION_ENV: _configured}:
+        return _note                 # set here before (the CLI, then the engine)
     if given:
         line = ("JAX allocator: kept as set by the environment ("
                 + ", ".join(f"{k}={v}" for k, v in given.items()) + ")")
@@ -71,8 +78,21 @@ def configure_allocator(utilization: float) -> str:
         os.environ[MEM_FRACTION_ENV] = f"{utilization:g}"
         line = (f"JAX allocator: {MEM_FRACTION_ENV}={utilization:g} "
                 f"(--gpu-memory-utilization; set the variable yourself to override)")
-    logger.info("%s", line)
+        _configured = f"{utilization:g}"
+    # NOTE: not logged here (the CPU has no such allocator): the GPU's memory report says it
+    logger.debug("%s", line)
+    _note = line
     return line
+
+
+def allocator_note() -> str:
+    """What configure_allocator did, or the allocator's variables if it never ran."""
+    if _note:
+        return _note
+    given = {name: os.environ[name] for name in ALLOCATOR_ENVS if name in os.environ}
+    return ("JAX allocator: not configured by the engine (" + (", ".join(
+        f"{k}={v}" for k, v in given.items()) or f"JAX's default fraction {JAX_DEFAULT_MEM_FRACTION}")
+        + ")")
 
 
 def allocator_fraction() -> float:
@@ -146,6 +166,7 @@ class MemoryReport:
     weights_bytes: int | None = None     # in use on the device once the weights were loaded
     peak_bytes: int | None = None        # the largest step program's (program_peak_bytes)
     headroom_bytes: int | None = None
+    allocator: str = ""                  # allocator_note()
 
     @property
     def tokens(self) -> int:
@@ -174,6 +195,8 @@ class MemoryReport:
         used = (self.weights_bytes or 0) + (self.peak_bytes or 0) + self.cache_bytes
         out.append(f"memory: weights + peak + KV cache = {_gib(used)} = "
                    f"{used / self.device_total_bytes:.3f} of the device")
+        if self.allocator:
+            out.append(f"memory: {self.allocator}")
         return out
 
 
