@@ -264,3 +264,23 @@ def test_bench_says_a_model_that_cannot_fit_in_one_line(monkeypatch, capsys):
     assert len(err) == 1 and err[0].startswith(
         "jaxserve bench latency: error: not enough GPU memory for one request of max_model_len 16")
     assert "--gpu-memory-utilization" in err[0] and "--tensor-parallel-size" in err[0]
+
+
+@pytest.mark.parametrize("load_format", ["safetensors", "dummy"])
+def test_loading_goes_a_layer_at_a_time_with_progress(load_format, caplog):
+    import logging
+
+    logger = logging.getLogger("jaxserve")
+    own = not logger.propagate      # configure_logging (other tests) stops propagation
+    if own:
+        logger.addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.INFO, logger="jaxserve"):
+            cfg, params, _ = loader.load_model(TINY, load_format=load_format, dtype="float32")
+    finally:
+        if own:
+            logger.removeHandler(caplog.handler)
+    lines = [r.getMessage() for r in caplog.records if "layer " in r.getMessage()]
+    assert [line.split(": layer ")[1].split(",")[0] for line in lines] == ["1/2", "2/2"], lines
+    total = sum(a.nbytes for a in __import__("jax").tree.leaves(params))
+    assert f"{total / 2**30:.2f} GiB" in lines[-1]
