@@ -284,3 +284,24 @@ def test_loading_goes_a_layer_at_a_time_with_progress(load_format, caplog):
     assert [line.split(": layer ")[1].split(",")[0] for line in lines] == ["1/2", "2/2"], lines
     total = sum(a.nbytes for a in __import__("jax").tree.leaves(params))
     assert f"{total / 2**30:.2f} GiB" in lines[-1]
+
+
+def test_warmup_compiles_the_plain_programs_before_the_caches_take_their_memory(monkeypatch):
+    """XLA's autotuner allocates operands of its own while compiling: the plain programs
+    compile against the caches' shapes, and the caches are allocated only then."""
+    from jaxserve import LLM
+    from jaxserve.worker import runner as runner_module
+
+    events = []
+    original_compile, original_allocate = compiling.StepCompiler.compile, runner_module.allocate_caches
+    monkeypatch.setattr(compiling.StepCompiler, "compile", lambda self, layout, variant, n: events.append(
+        ("compile", variant.full)) or original_compile(self, layout, variant, n))
+    monkeypatch.setattr(runner_module, "allocate_caches",
+                        lambda *a: events.append(("allocate", None)) or original_allocate(*a))
+    monkeypatch.setattr(os, "cpu_count", lambda: 1)      # the background ones after, in order
+    llm = LLM(TINY, dtype="float32", max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64)
+    llm.engine.wait_for_warmup()
+    allocated = events.index(("allocate", None))
+    lean = [i for i, e in enumerate(events) if e == ("compile", False)]
+    assert events.count(("allocate", None)) == 1 and len(lean) == len(llm.engine.runner.buckets)
+    assert max(lean) < allocated

@@ -105,6 +105,10 @@ class ModelRunner:
             self.input_sharding = jax.sharding.SingleDeviceSharding(device)
             self.params = params = jax.device_put(params, device)
             sharding_of = lambda name, shape: self.input_sharding   # noqa: E731
+        else:   # the weights' device, named: programs compile against the caches' shapes first
+            where = next((a.sharding for a in jax.tree.leaves(params) if isinstance(a, jax.Array)), None)
+            if isinstance(where, jax.sharding.SingleDeviceSharding):
+                sharding_of = lambda name, shape: where   # noqa: E731
         self._step = make_step(mesh=mesh, model=model, cfg=self.cfg, backend=self.backend,
                                kernel_plan=kernel_plan, block_size=self.block_size)
         self.return_hidden_states(proposer.hidden_states, proposer.aux_layers)
@@ -133,9 +137,13 @@ class ModelRunner:
         self.num_blocks, self.num_slots = plan.num_blocks, plan.num_slots
         self.num_cached_states, self.num_state_snapshots = plan.num_cached_states, plan.num_state_snapshots
         self.bytes_per_block = plan.bytes_per_block
-        self.kv_cache = allocate_caches(self.cache_specs, self.num_blocks,
-                                        self.num_slots + self.num_state_snapshots,
-                                        self.block_size, self.dtype, sharding_of)
+        # NOTE: allocated on first use (kv_cache): warm-up compiles the plain programs against
+        # their shapes first, so XLA's GEMM autotuner, which allocates operands of its own,
+        # runs while the cache's memory is still free (it ran out at warm-up on an H100 when
+        # the cache came first: issue 62)
+        self._kv_cache = None
+        self._cache_layout = (self.cache_specs, self.num_blocks, self.num_slots + self.num_state_snapshots,
+                              self.block_size, self.dtype, sharding_of)
         # Hybrid prefix caching and speculation: saved states and snapshots in and out of the
         # live slots (state_copies.py)
         self.state_copier = None
@@ -144,7 +152,7 @@ class ModelRunner:
                 [i for i, spec in enumerate(self.cache_specs) if not isinstance(spec, PagedSpec)],
                 config.scheduler.max_num_seqs)
         # Compiled step programs by (input layout, variant): warm-up fills it, run() uses it.
-        self._compiler = StepCompiler(self._step, self.params, self.kv_cache, self.prev_ids,
+        self._compiler = StepCompiler(self._step, self.params, abstract_caches(*self._cache_layout), self.prev_ids,
                                       self.input_sharding, store=config.program_cache_dir,
                                       identity=self._identity)
         self._executables = self._compiler.executables
@@ -208,6 +216,21 @@ class ModelRunner:
         logger.info("the largest step programs need %.2f GiB beyond the weights and caches",
                     max(peaks) / 2**30)
         return max(peaks)
+
+    @property
+    def kv_cache(self) -> list[dict[str, jax.Array]]:
+        """The caches, one dict of arrays per layer; allocated on first use (warm-up allocates
+        them once its plain programs are compiled)."""
+        self._allocate_caches()
+        return self._kv_cache
+
+    def _allocate_caches(self) -> None:
+        if self._kv_cache is None:
+            self._kv_cache = allocate_caches(*self._cache_layout)
+
+    @kv_cache.setter
+    def kv_cache(self, caches: list[dict[str, jax.Array]]) -> None:
+        self._kv_cache = caches
 
     def use_grammar_masks(self, on: bool = True) -> None:
         """Steps may carry grammar masks (the engine's structured output): warm-up also
@@ -422,6 +445,7 @@ class ModelRunner:
         (a draft model samples greedily: its steps never run one)."""
         now, later = warmup.step_jobs(self, lean_only, self._lean_keys)
         self._pending = warmup.start(self, now, later, background)
+        self._allocate_caches()     # now: after the plain programs' compiles (__init__'s note)
         if self.state_copier is not None:     # a few small programs (hybrid prefix caching)
             self.state_copier.warmup(self.kv_cache)
         logger.info("compiled %d step programs; %d more compile in the background",
