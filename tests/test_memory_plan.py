@@ -88,8 +88,9 @@ def test_kv_cache_memory_bytes_fixes_the_size(tiny):
     assert plan.num_blocks == (1 << 20) // _per_block(config) < 32 * 64 + 1
     assert plan.memory.source == "kv_cache_memory_bytes"
     small = _config(tiny[0], kv_cache_memory_bytes=1000)
-    with pytest.raises(CacheDoesNotFit, match="--kv-cache-memory-bytes 1000 holds less than one request"):
-        _plan(small, None)
+    for measured in (None, Measured(memory, None, 2 * GiB)):      # the CPU, a GPU
+        with pytest.raises(CacheDoesNotFit, match="--kv-cache-memory-bytes 1000 holds less than one request"):
+            _plan(small, measured)
 
 
 def test_one_request_that_cannot_fit_names_the_numbers_and_the_flags(tiny):

@@ -198,7 +198,8 @@ def main(argv: list[str]) -> int:
               "startup": startup, "results": rows}
     report.print_table("start-up", [startup])
     if result["engine"]["memory"] is not None:
-        report.print_table("memory", [result["engine"]["memory"]])
+        report.print_table("memory", [{k: v for k, v in result["engine"]["memory"].items()
+                                       if k != "allocator"}])     # a sentence: the JSON keeps it
     report.print_table("latency", [{k: v for k, v in r.items() if not isinstance(v, dict)} for r in rows],
                        ["batch_size", "latency_mean_s", "ms_per_output_token", "decode_tok_per_s",
                         "roofline_ms", "roofline_fraction", "step_host_ms", "step_device_ms",

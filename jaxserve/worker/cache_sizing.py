@@ -99,13 +99,14 @@ def plan_caches(config: EngineConfig, specs: list, proposer_specs: list, propose
 def _check_one_request_fits(config: EngineConfig, budget: int, per_block: int, per_slot: int,
                             max_blocks_per_seq: int, min_slots: int, measured: Measured | None) -> None:
     """CacheDoesNotFit unless `budget` (one device's) holds the state slots and one request of
-    max_model_len (its blocks and the null block)."""
+    max_model_len (its blocks and the null block). `measured` is set unless
+    --kv-cache-memory-bytes was given on a device that reports no memory."""
     need = (max_blocks_per_seq + 1) * per_block + min_slots * per_slot
     if budget >= need:
         return
     block_size = config.cache.block_size
     fits_tokens = ((budget - min_slots * per_slot) // per_block - 1) * block_size if per_block else 0
-    if measured is None:      # --kv-cache-memory-bytes
+    if config.cache.kv_cache_memory_bytes:
         raise memory_plan.CacheDoesNotFit(
             f"--kv-cache-memory-bytes {config.cache.kv_cache_memory_bytes} holds less than one "
             f"request of max_model_len {config.scheduler.max_model_len} ({need} bytes per device): "

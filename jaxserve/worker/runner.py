@@ -178,6 +178,11 @@ class ModelRunner:
         first = device or (self.mesh.devices.flat[0] if self.mesh is not None else jax.local_devices()[0])
         memory = memory_plan.measure(first)
         if memory is None:          # the CPU: its own byte budget
+            if first.platform != "cpu":
+                logger.warning("JAX's allocator reports no memory limit on %s (%s); the KV cache "
+                               "takes kv_cache_cpu_bytes (%d): give --kv-cache-memory-bytes or "
+                               "--num-gpu-blocks-override", first.platform, memory_plan.allocator_note(),
+                               config.cache.kv_cache_cpu_bytes)
             return plan_caches(*args)
         measured = Measured(memory, None, memory_plan.headroom_bytes(self.params))
         if config.cache.kv_cache_memory_bytes:       # the size is given: nothing to measure
