@@ -126,8 +126,8 @@ def test_runner_profiles_the_largest_program_then_sizes(tiny, monkeypatch):
     monkeypatch.setattr(memory_plan, "measure", lambda device: memory)
     monkeypatch.setattr(memory_plan, "headroom_bytes", lambda params: headroom)
     compiled = []
-    original = compiling.StepCompiler.compile
-    monkeypatch.setattr(compiling.StepCompiler, "compile",
+    original = compiling.StepCompiler._compile_fresh
+    monkeypatch.setattr(compiling.StepCompiler, "_compile_fresh",
                         lambda self, layout, variant, n: compiled.append(variant) or original(self, layout, variant, n))
     config = _config(tiny[0], max_len=256, max_seqs=32)   # useful: 2049 blocks
     runner = _runner(tiny, config)
@@ -143,13 +143,30 @@ def test_runner_profiles_the_largest_program_then_sizes(tiny, monkeypatch):
     assert "step programs' peak" in lines[1] and "KV cache" in lines[1]
 
 
+def test_a_warm_start_reads_the_noted_peak_instead_of_compiling(tiny, tmp_path, monkeypatch):
+    monkeypatch.setattr(compiling, "STORE_PLATFORMS", ("cpu",))     # a GPU's program store
+    memory = DeviceMemory(total=64 * GiB, limit=64 * GiB, in_use=_weights_leaving(3 << 20, 64 * GiB, 0, 1 << 20))
+    monkeypatch.setattr(memory_plan, "measure", lambda device: memory)
+    monkeypatch.setattr(memory_plan, "headroom_bytes", lambda params: 1 << 20)
+    config = dataclasses.replace(_config(tiny[0], max_len=256, max_seqs=32), program_cache_dir=str(tmp_path))
+    first = _runner(tiny, config)
+    assert len(list(tmp_path.glob("*.peak"))) == 1 and not list(tmp_path.glob("*.jaxprog"))
+
+    def no_compile(*args, **kwargs):
+        raise AssertionError("compiled a step program")
+    monkeypatch.setattr(compiling.StepCompiler, "_compile_fresh", no_compile)
+    second = _runner(tiny, config)
+    assert second.memory.peak_bytes == first.memory.peak_bytes > 0
+    assert second.num_blocks == first.num_blocks
+
+
 def test_weights_that_leave_no_room_fail_before_any_compile(tiny, monkeypatch):
     memory = DeviceMemory(total=10 * GiB, limit=10 * GiB, in_use=9 * GiB)
     monkeypatch.setattr(memory_plan, "measure", lambda device: memory)
 
     def no_compile(*args, **kwargs):
         raise AssertionError("compiled a step program")
-    monkeypatch.setattr(compiling.StepCompiler, "compile", no_compile)
+    monkeypatch.setattr(compiling.StepCompiler, "_compile_fresh", no_compile)
     with pytest.raises(CacheDoesNotFit, match="step programs' peak not measured yet"):
         _runner(tiny, _config(tiny[0]))
 

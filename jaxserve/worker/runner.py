@@ -199,21 +199,15 @@ class ModelRunner:
         of blocks (the attention reads each request's blocks through its block table), so a
         small cache gives the same peak. The cost is one more compile of these programs; its
         GEMMs are autotuned now, while the memory is free, and XLA reuses those results when
-        warm-up compiles the real ones. With a program store the profiled programs are kept
-        too, and a warm start loads them instead of compiling."""
+        warm-up compiles the real ones. With a program store the peak is noted there, and a
+        warm start reads it instead of compiling (StepCompiler.peak_bytes)."""
         provisional = abstract_caches(self.cache_specs, self.max_blocks_per_seq + 1,
                                       self.config.scheduler.max_num_seqs + 2, self.block_size,
                                       self.dtype, sharding_of)
-        peaks = []
-        for store in dict.fromkeys((self.config.program_cache_dir, None)):
-            compiler = StepCompiler(self._step, self.params, provisional, self.prev_ids, self.input_sharding,
-                                    store=store, identity=self._identity)
-            peaks = [memory_plan.program_peak_bytes(compiler.compile(*job))
-                     for job in warmup.profile_jobs(self)]
-            compiler.stop()
-            if None not in peaks:
-                break
-            # a stored program may come back without XLA's memory analysis: compile it afresh
+        compiler = StepCompiler(self._step, self.params, provisional, self.prev_ids, self.input_sharding,
+                                store=self.config.program_cache_dir, identity=self._identity)
+        peaks = [compiler.peak_bytes(*job) for job in warmup.profile_jobs(self)]
+        compiler.stop()
         if None in peaks:
             logger.warning("XLA gave no memory analysis of the step programs; sizing the caches "
                            "with the headroom alone")
