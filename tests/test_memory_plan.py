@@ -323,3 +323,17 @@ def test_warmup_compiles_the_plain_programs_before_the_caches_take_their_memory(
     lean = [i for i, e in enumerate(events) if e == ("compile", False)]
     assert events.count(("allocate", None)) == 1 and len(lean) == len(llm.engine.runner.buckets)
     assert max(lean) < allocated
+
+
+def test_the_engine_configures_the_allocator_before_anything_else(monkeypatch):
+    from jaxserve.engine import builder
+
+    class Stop(Exception):
+        pass
+
+    def configure(utilization):
+        raise Stop(utilization)
+    monkeypatch.setattr(memory_plan, "configure_allocator", configure)
+    with pytest.raises(Stop) as e:     # before data parallelism asks for jax.devices()
+        builder.from_engine_args(TINY, gpu_memory_utilization=0.7, data_parallel_size=2)
+    assert e.value.args == (0.7,)
