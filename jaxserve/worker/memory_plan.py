@@ -150,7 +150,8 @@ def cache_budget(utilization: float, memory: DeviceMemory, peak: int, headroom: 
 
 
 def _gib(n: int | float) -> str:
-    return f"{n / 2**30:.2f} GiB"
+    """GiB, or MiB below one GiB."""
+    return f"{n / 2**30:.2f} GiB" if abs(n) >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
 @dataclasses.dataclass(frozen=True)
