@@ -201,6 +201,7 @@ def fresh_allocator(monkeypatch):
 
     for name in memory_plan.ALLOCATOR_ENVS:
         monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("JAX_PLATFORMS", "")        # as on a GPU machine
     monkeypatch.setattr(memory_plan, "_configured", None)
     monkeypatch.setattr(memory_plan, "_note", "")
     state = SimpleNamespace(initialised=False)
@@ -225,6 +226,12 @@ def test_allocator_keeps_a_users_variables(fresh_allocator, monkeypatch):
     memory_plan.configure_allocator(0.9)
     assert os.environ[memory_plan.MEM_FRACTION_ENV] == "0.5"
     assert memory_plan.allocator_fraction() == 0.5
+
+
+def test_allocator_left_alone_on_the_cpu(fresh_allocator, monkeypatch):
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    assert "not configured (JAX_PLATFORMS=cpu)" in memory_plan.configure_allocator(0.9)
+    assert memory_plan.MEM_FRACTION_ENV not in os.environ
 
 
 def test_allocator_left_alone_once_the_backend_started(fresh_allocator):

@@ -67,7 +67,9 @@ def configure_allocator(utilization: float) -> str:
     given = {name: os.environ[name] for name in ALLOCATOR_ENVS if name in os.environ}
     if _configured is not None and given == {MEM_FRACTION_ENV: _configured}:
         return _note                 # set here before (the CLI, then the engine)
-    if given:
+    if os.environ.get("JAX_PLATFORMS", "").strip().lower() == "cpu":
+        line = "JAX allocator: not configured (JAX_PLATFORMS=cpu)"
+    elif given:
         line = ("JAX allocator: kept as set by the environment ("
                 + ", ".join(f"{k}={v}" for k, v in given.items()) + ")")
     elif xla_bridge.backends_are_initialized():
