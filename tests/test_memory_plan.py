@@ -7,6 +7,7 @@ allocator variables, and the memory report. On the CPU, with the device's memory
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from types import SimpleNamespace
 
@@ -269,7 +270,6 @@ def test_bench_json_carries_the_memory_plan(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(memory_plan, "headroom_bytes", lambda params: 1 << 20)
     out = tmp_path / "latency.json"
     assert main(BENCH + ["--output-json", str(out)]) == 0
-    import json
     fields = json.loads(out.read_text())["engine"]["memory"]
     assert fields["device_total_bytes"] == 64 * GiB and fields["weights_bytes"] == memory.in_use
     assert fields["peak_bytes"] > 0 and fields["headroom_bytes"] == 1 << 20
@@ -307,7 +307,9 @@ def test_loading_goes_a_layer_at_a_time_with_progress(load_format, caplog):
             logger.removeHandler(caplog.handler)
     lines = [r.getMessage() for r in caplog.records if "layer " in r.getMessage()]
     assert [line.split(": layer ")[1].split(",")[0] for line in lines] == ["1/2", "2/2"], lines
-    total = sum(a.nbytes for a in __import__("jax").tree.leaves(params))
+    import jax
+
+    total = sum(a.nbytes for a in jax.tree.leaves(params))
     assert f"{total / 2**30:.2f} GiB" in lines[-1]
 
 
@@ -344,3 +346,27 @@ def test_the_engine_configures_the_allocator_before_anything_else(monkeypatch):
     with pytest.raises(Stop) as e:     # before data parallelism asks for jax.devices()
         builder.from_engine_args(TINY, gpu_memory_utilization=0.7, data_parallel_size=2)
     assert e.value.args == (0.7,)
+
+
+def test_a_draft_models_weights_and_cache_are_paid_from_the_targets_budget(tiny, tmp_path):
+    """A draft model loads after the target's caches are sized: its weights and its cache
+    (at most the target's blocks) come out of the same budget first."""
+    from jaxserve.core.kv_cache import manager
+    from jaxserve.spec_decode.config import SpeculativeConfig
+    from jaxserve.spec_decode.draft_model import DraftModelProposer
+    from tests.spec_helpers import write_tiny_llama
+
+    path = str(write_tiny_llama(tmp_path / "draft", 256))
+    config = _config(tiny[0], max_len=256, max_seqs=32)
+    spec = SpeculativeConfig.from_dict({"method": "draft_model", "model": path, "num_speculative_tokens": 2})
+    needs = DraftModelProposer(spec, config).target_needs()
+    draft_cfg = loader.model_config_from_hf(json.loads((tmp_path / "draft" / "config.json").read_text()))
+    # 1 layer of 32 wide (2 heads of 16, 1 kv head), MLP 64, tied 256-token embedding; f32
+    assert needs.weight_bytes == 4 * (256 * 32 + 32 + 32 * (32 + 16 + 16 + 32) + 2 * 32 + 3 * 32 * 64)
+    per_block = manager.bytes_per_block(list(needs.cache_specs), 4, 4)
+    assert per_block == 4 * 4 * 2 * 16 and draft_cfg.num_layers == 1      # k and v of one kv head
+    specs = registry.get_family(config.model.architecture).cache_specs(config.model)
+    memory = DeviceMemory(total=64 * GiB, limit=64 * GiB, in_use=_weights_leaving(1 << 20, 64 * GiB, 0, 0))
+    alone = plan_caches(config, specs, [], 0, 64, Measured(memory, 0, 0))
+    drafted = plan_caches(config, specs, list(needs.cache_specs), needs.weight_bytes, 64, Measured(memory, 0, 0))
+    assert drafted.num_blocks == ((1 << 20) - needs.weight_bytes) // (alone.bytes_per_block + per_block)
