@@ -7,7 +7,9 @@ runner loads the weights, compiles its largest step program and reads its peak
 
     cache = utilization x total - weights (in use) - step programs' peak - headroom
 
-(`cache_budget`). A configuration whose budget cannot hold one request of max_model_len fails
+(`cache_budget`). The caches are allocated once warm-up's plain programs are compiled (XLA's
+GEMM autotuner allocates operands of its own while compiling: runner.py). A configuration
+whose budget cannot hold one request of max_model_len fails
 with one line naming the numbers and what to change (`CacheDoesNotFit`), before warm-up, and
 before even the profiling compile when the weights alone leave too little.
 
@@ -30,9 +32,10 @@ import jax
 logger = logging.getLogger(__name__)
 
 # Kept free inside the budget beyond the measured peak, plus the largest weight array
-# (`headroom_bytes`). Why: programs compiled once the caches exist (warm-up's smaller buckets
-# and other variants, the state-copy programs, a prompt-logprobs step on first use) run XLA's
-# GEMM autotuner, which allocates fresh operands and outputs to time candidate kernels: at
+# (`headroom_bytes`). Why: programs compiled once the caches exist (warm-up's background
+# variants, the state-copy programs, a prompt-logprobs step on first use) run XLA's GEMM
+# autotuner where its results are not cached yet, and it allocates fresh operands and outputs
+# to time candidate kernels: at
 # the 8B shape on an H100 it could not get 1018 MiB for the LM head's GEMM once the cache had
 # taken the rest (issue 62), and 609.5 MiB (the LM head's copy) for Qwen3-30B-A3B. The fixed
 # GiB covers the GEMM's output and the sampler's [rows, V] f32 buffers of programs bigger
