@@ -176,6 +176,8 @@ class ModelRunner:
         if num_blocks or config.cache.num_kv_blocks:
             return plan_caches(*args, num_blocks=num_blocks)
         first = device or (self.mesh.devices.flat[0] if self.mesh is not None else jax.local_devices()[0])
+        # NOTE: once the weights are ready: a draw or copy still running holds its scratch
+        jax.block_until_ready(self.params)
         memory = memory_plan.measure(first)
         if memory is None:          # the CPU: its own byte budget
             if first.platform != "cpu":
