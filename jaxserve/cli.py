@@ -121,6 +121,10 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging(getattr(args, "log_level", "info"))
     try:
         if getattr(args, "nnodes", None) is not None or os.environ.get("JAX_NUM_PROCESSES"):
+            # JAX's allocator reads its variables when its backend starts: before
+            # jax.distributed can start it (one host: from_engine_args does it)
+            from jaxserve.worker.memory_plan import configure_allocator
+            configure_allocator(args.gpu_memory_utilization)
             # Several hosts: jax.distributed first, before anything touches jax
             from jaxserve.engine import distributed
             from jaxserve.engine.args import distributed_config

@@ -110,7 +110,10 @@ class ModelConfig:
 class CacheConfig:
     block_size: int = 16                 # P: tokens per KV block
     num_kv_blocks: int | None = None     # explicit block count; None = size from memory budget
-    kv_cache_memory_fraction: float = 0.9  # of free device memory after weights (GPU)
+    # vLLM's meaning: the share of the device's TOTAL memory the engine may use (weights, the
+    # step programs' peak and the caches together; worker/memory_plan.py)
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory_bytes: int | None = None   # the cache's size per device, exactly (vLLM's flag)
     kv_cache_cpu_bytes: int = 1 << 30    # budget on CPU, where free memory is not reported
     enable_prefix_caching: bool = True
     # Hybrid models (linear attention): states saved at block boundaries for prefix hits
@@ -124,8 +127,10 @@ class CacheConfig:
                "a power of two from 1 to 128", self.block_size)
         _check(self.num_kv_blocks is None or self.num_kv_blocks >= 2, "num_kv_blocks", ">= 2",
                self.num_kv_blocks)
-        _check(0.0 < self.kv_cache_memory_fraction <= 1.0, "kv_cache_memory_fraction", "in (0, 1]",
-               self.kv_cache_memory_fraction)
+        _check(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization", "in (0, 1]",
+               self.gpu_memory_utilization)
+        _check(self.kv_cache_memory_bytes is None or self.kv_cache_memory_bytes >= 1,
+               "kv_cache_memory_bytes", ">= 1", self.kv_cache_memory_bytes)
 
 
 MAX_SCHEDULER_STEPS = 64

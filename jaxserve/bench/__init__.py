@@ -29,4 +29,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"jaxserve bench: unknown benchmark {command!r}; choose one of {', '.join(COMMANDS)}",
               file=sys.stderr)
         return 2
-    return run(rest)
+    from jaxserve.engine.checks import StartupError
+
+    try:
+        return run(rest)
+    except StartupError as e:    # one line (the engine's start-up errors), as the other commands
+        print(f"jaxserve bench {command}: error: {e}", file=sys.stderr)
+        return 1

@@ -42,6 +42,18 @@ def build_llm(args: argparse.Namespace, **overrides):
         if kwargs.get(key) is None:
             kwargs[key] = value
     model = kwargs.pop("model")
+    from jaxserve.engine.checks import StartupError
+
     t0 = time.perf_counter()
-    llm = LLM(model, **kwargs)
+    try:
+        llm = LLM(model, **kwargs)
+    except (ValueError, OSError) as e:   # a bad file or a limit the model cannot take
+        raise StartupError(str(e)) from e
     return llm, time.perf_counter() - t0
+
+
+def memory_fields(runner) -> dict | None:
+    """The engine's memory plan (worker/memory_plan.py MemoryReport) for the JSON and the
+    "memory" table: device total, weights, step programs' peak, headroom, KV cache bytes,
+    blocks, tokens and concurrency at max_model_len."""
+    return runner.memory.as_dict() if runner.memory is not None else None

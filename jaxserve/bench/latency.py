@@ -26,7 +26,8 @@ import time
 
 from jaxserve.bench import report, roofline
 from jaxserve.bench.datasets import random_requests
-from jaxserve.bench.engine_setup import add_bench_engine_arguments, build_llm, seconds_since_process_start
+from jaxserve.bench.engine_setup import (add_bench_engine_arguments, build_llm, memory_fields,
+                                         seconds_since_process_start)
 from jaxserve.bench.hf_baseline import run_hf_baseline
 from jaxserve.bench.step_timer import StepTimer, device_only_step_seconds
 
@@ -203,9 +204,13 @@ def main(argv: list[str]) -> int:
                          "attention_impl": llm.engine.runner.attention_impl,
                          "max_model_len": llm.engine.config.scheduler.max_model_len,
                          "max_num_seqs": llm.engine.config.scheduler.max_num_seqs,
-                         "num_kv_blocks": llm.engine.runner.num_blocks},
+                         "num_kv_blocks": llm.engine.runner.num_blocks,
+                         "memory": memory_fields(llm.engine.runner)},
               "startup": startup, "results": rows}
     report.print_table("start-up", [startup])
+    if result["engine"]["memory"] is not None:
+        report.print_table("memory", [{k: v for k, v in result["engine"]["memory"].items()
+                                       if k != "allocator"}])     # a sentence: the JSON keeps it
     report.print_table("latency", [{k: v for k, v in r.items() if not isinstance(v, dict)} for r in rows],
                        ["batch_size", "latency_mean_s", "ms_per_output_token", "decode_tok_per_s",
                         "roofline_ms", "roofline_fraction", "step_host_ms", "step_device_ms",

@@ -14,7 +14,7 @@ import time
 
 from jaxserve.bench import report
 from jaxserve.bench.datasets import load_requests, random_requests, sample_sharegpt, save_requests
-from jaxserve.bench.engine_setup import add_bench_engine_arguments, build_llm
+from jaxserve.bench.engine_setup import add_bench_engine_arguments, build_llm, memory_fields
 from jaxserve.bench.step_timer import StepTimer
 
 
@@ -128,8 +128,12 @@ def main(argv: list[str]) -> int:
                          "max_num_seqs": llm.engine.config.scheduler.max_num_seqs,
                          "max_num_batched_tokens": llm.engine.config.scheduler.max_num_batched_tokens,
                          "max_model_len": llm.engine.config.scheduler.max_model_len,
-                         "num_kv_blocks": llm.engine.runner.num_blocks, "build_s": build_s},
+                         "num_kv_blocks": llm.engine.runner.num_blocks,
+                         "memory": memory_fields(llm.engine.runner), "build_s": build_s},
               "results": row}
+    if result["engine"]["memory"] is not None:
+        report.print_table("memory", [{k: v for k, v in result["engine"]["memory"].items()
+                                       if k != "allocator"}])     # a sentence: the JSON keeps it
     report.print_table("throughput", [row])
     report.write_json(args.output_json, result)
     return 0

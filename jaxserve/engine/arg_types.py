@@ -34,6 +34,15 @@ def human_int(text: str) -> int:
     return value
 
 
+def human_bytes(text: str) -> int:
+    """A byte count, written as human_int's numbers ("8G" = 8 GiB, "8g" = 8e9)."""
+    try:
+        return human_int(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of bytes (e.g. 8589934592, "
+                                         f"8G = 8 GiB, 8g = 8e9)") from None
+
+
 def int_at_least(lo: int):
     def parse(text: str) -> int:
         try:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from jaxserve.engine.arg_types import fraction, human_int, int_at_least
+from jaxserve.engine.arg_types import fraction, human_bytes, human_int, int_at_least
 
 # vLLM's --dtype values -> ours (None: bfloat16 on GPU, float32 on CPU).
 DTYPES = {"auto": None, "half": "float16", "float16": "float16", "bfloat16": "bfloat16",
@@ -47,13 +47,15 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int_at_least(1), default=None, help="sequences in one step")
     g.add_argument("--max-num-batched-tokens", type=human_int, default=None, help="token budget of one step")
     g.add_argument("--block-size", type=int_at_least(1), default=16, help="tokens per KV-cache block")
-    g.add_argument("--kv-cache-memory-fraction", "--gpu-memory-utilization", type=fraction, default=0.9,
-                   dest="kv_cache_memory_fraction",
-                   help="fraction of the device memory still free once the weights are loaded that "
-                        "the KV cache takes (default 0.9). --gpu-memory-utilization is vLLM's name and "
-                        "sets the same number, but vLLM means something else by it: the share of the "
-                        "GPU's whole memory its instance may use for weights, activations and KV cache "
-                        "together; here the weights come first and the rest is split")
+    g.add_argument("--gpu-memory-utilization", type=fraction, default=0.9,
+                   help="the share of the GPU's whole memory this engine may use: weights, the "
+                        "step programs' peak and the KV cache together (vLLM's meaning; default "
+                        "0.9). The cache gets what is left once the weights are loaded and the "
+                        "largest step program is measured; JAX's allocator is given this share "
+                        "unless XLA_PYTHON_CLIENT_MEM_FRACTION is set")
+    g.add_argument("--kv-cache-memory-bytes", type=human_bytes, default=None, metavar="BYTES",
+                   help="the KV cache's size per device in bytes, exactly (vLLM's flag; 8G = 8 GiB, "
+                        "8g = 8e9); overrides --gpu-memory-utilization's sizing, on the CPU too")
     g.add_argument("--num-kv-blocks", "--num-gpu-blocks-override", type=int_at_least(2), default=None,
                    dest="num_kv_blocks",
                    help="KV blocks (overrides the memory fraction); block 0 is reserved, so a request "
@@ -192,7 +194,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         model=model_argument(args), dtype=DTYPES[args.dtype],
         load_format=args.load_format, max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        block_size=args.block_size, kv_cache_memory_fraction=args.kv_cache_memory_fraction,
+        block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,
+        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         num_kv_blocks=args.num_kv_blocks, enable_prefix_caching=args.enable_prefix_caching,
         num_cached_states=args.num_cached_states,
         tensor_parallel_size=args.tensor_parallel_size, seed=args.seed,

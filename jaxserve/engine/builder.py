@@ -28,6 +28,7 @@ from jaxserve.engine.llm_engine import LLMEngine, enable_compilation_cache
 from jaxserve.pallas_kernels.policy import KernelPlan
 from jaxserve.spec_decode import drafting
 from jaxserve.spec_decode.config import SpeculativeConfig
+from jaxserve.worker import memory_plan
 from jaxserve.worker.runner import ModelRunner
 from jaxserve.worker.target_view import TargetNeeds
 
@@ -54,7 +55,8 @@ def build_engine(config: EngineConfig, params, tokenizer, family, model_name: st
 def from_engine_args(model: str | None = None, *, dtype: str | None = None,
                      load_format: str = "auto", served_model_name: str | None = None,
                      block_size: int = 16, num_kv_blocks: int | None = None,
-                     kv_cache_memory_fraction: float = 0.9,
+                     gpu_memory_utilization: float = 0.9,
+                     kv_cache_memory_bytes: int | None = None,
                      kv_cache_cpu_bytes: int = cpu_defaults.KV_CACHE_BYTES,
                      enable_prefix_caching: bool = True, num_cached_states: int | None = None,
                      max_num_seqs: int | None = None,
@@ -74,6 +76,8 @@ def from_engine_args(model: str | None = None, *, dtype: str | None = None,
     first tensor_parallel_size * expert_parallel_size)."""
     # every option but these, as given (first: before this function has locals of its own)
     options = {k: v for k, v in locals().items() if k not in ("model", "data_parallel_size", "devices")}
+    # before anything here starts JAX's backend (jax.devices() below, the defaults' backend)
+    memory_plan.configure_allocator(gpu_memory_utilization)
     if data_parallel_size > 1:
         return _data_parallel(model, data_parallel_size, options)
     if data_parallel_size < 1:
@@ -111,7 +115,7 @@ def _default(value, gpu, cpu):
 
 
 def _build(model, *, dtype, load_format, served_model_name, block_size, num_kv_blocks,
-           kv_cache_memory_fraction, kv_cache_cpu_bytes, enable_prefix_caching,
+           gpu_memory_utilization, kv_cache_memory_bytes, kv_cache_cpu_bytes, enable_prefix_caching,
            num_cached_states, max_num_seqs, max_num_batched_tokens, max_model_len,
            max_waiting_requests, long_prefill_token_threshold, num_scheduler_steps,
            tensor_parallel_size,
@@ -149,7 +153,8 @@ def _build(model, *, dtype, load_format, served_model_name, block_size, num_kv_b
     config = EngineConfig(
         model=cfg,
         cache=CacheConfig(block_size=block_size, num_kv_blocks=num_kv_blocks,
-                          kv_cache_memory_fraction=kv_cache_memory_fraction,
+                          gpu_memory_utilization=gpu_memory_utilization,
+                          kv_cache_memory_bytes=kv_cache_memory_bytes,
                           kv_cache_cpu_bytes=kv_cache_cpu_bytes,
                           enable_prefix_caching=enable_prefix_caching,
                           num_cached_states=num_cached_states),

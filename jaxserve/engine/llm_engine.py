@@ -95,7 +95,7 @@ class LLMEngine:
             logger.info("warm-up took %.1f s", self.startup_seconds["warmup"])
         logger.info("%s", "\n  ".join(["engine built:"] + startup_lines(
             config, self.runner.num_blocks, self.runner.block_size, self.runner.bytes_per_block,
-            on_cpu=jax.default_backend() == "cpu")))
+            on_cpu=jax.default_backend() == "cpu", memory=self.runner.memory)))
         self._update_gauges()
 
     def wait_for_warmup(self, raise_errors: bool = True) -> None:

@@ -5,6 +5,7 @@ engine's own config and runner, so they are what it will really do."""
 from __future__ import annotations
 
 from jaxserve.config import EngineConfig
+from jaxserve.worker.memory_plan import MemoryReport
 
 
 def _bytes(n: int) -> str:
@@ -16,8 +17,10 @@ def _bytes(n: int) -> str:
 
 
 def startup_lines(config: EngineConfig, num_blocks: int, block_size: int, bytes_per_block: int,
-                  on_cpu: bool) -> list[str]:
-    """One line each: max_model_len, KV cache, concurrency, the cache budget, speculation."""
+                  on_cpu: bool, memory: MemoryReport | None = None) -> list[str]:
+    """One line each: max_model_len, KV cache, concurrency, the cache budget (on a GPU the
+    memory plan: device total, weights, step programs' peak, headroom; memory_plan.py),
+    speculation."""
     max_len = config.scheduler.max_model_len
     # block 0 is the null block (cache_sizing.CachePlan): it holds no request's tokens
     tokens = (num_blocks - 1) * block_size
@@ -30,14 +33,20 @@ def startup_lines(config: EngineConfig, num_blocks: int, block_size: int, bytes_
              f"{tokens / max_len:.2f}x"]
     if config.cache.num_kv_blocks:
         lines.append(f"KV cache budget: num_kv_blocks={config.cache.num_kv_blocks} set explicitly")
+    elif config.cache.kv_cache_memory_bytes:
+        lines.append(f"KV cache budget: kv_cache_memory_bytes={config.cache.kv_cache_memory_bytes} "
+                     "per device, set explicitly")
     elif on_cpu:
         # NOTE: the CPU reports no free memory to take a share of (cache_sizing.plan_caches)
         lines.append("KV cache budget: on the CPU --gpu-memory-utilization is not used; the budget is "
                      f"a fixed {_bytes(config.cache.kv_cache_cpu_bytes)} (kv_cache_cpu_bytes; the cache "
                      "takes no more than max_num_seqs requests at max_model_len need)")
     else:
-        lines.append(f"KV cache budget: {config.cache.kv_cache_memory_fraction:g} of the device's "
-                     "free memory after the weights (--gpu-memory-utilization)")
+        lines.append(f"KV cache budget: what {config.cache.gpu_memory_utilization:g} of the "
+                     "device's total memory leaves after the weights, the step programs' peak and "
+                     "the headroom (--gpu-memory-utilization)")
+    if memory is not None:
+        lines += memory.lines()
     spec = config.speculative
     lines.append("speculative decoding: off" if spec is None else
                  f"speculative decoding: on (method={spec.method}, "

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 OURS = (
     "--model", "--served-model-name", "--dtype", "--load-format", "--quantization", "-q",
     "--max-model-len", "--max-num-seqs", "--max-num-batched-tokens", "--block-size",
-    "--gpu-memory-utilization", "--num-gpu-blocks-override", "--enable-prefix-caching",
-    "--no-enable-prefix-caching", "--enable-chunked-prefill", "--no-enable-chunked-prefill",
+    "--gpu-memory-utilization", "--kv-cache-memory-bytes", "--num-gpu-blocks-override",
+    "--enable-prefix-caching", "--no-enable-prefix-caching", "--enable-chunked-prefill", "--no-enable-chunked-prefill",
     "--tensor-parallel-size", "-tp", "--data-parallel-size", "-dp", "--enable-expert-parallel",
     "--seed", "--max-logprobs", "--trust-remote-code", "--long-prefill-token-threshold",
     "--num-scheduler-steps", "--speculative-config", "--generation-config", "--tokenizer",

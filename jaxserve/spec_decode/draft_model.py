@@ -46,14 +46,47 @@ def _check_compatible(draft_cfg, target_cfg) -> None:
                          f"({target_cfg.vocab_size} tokens); the draft model has {draft_cfg.vocab_size}")
 
 
+def _draft_needs(path: str, engine_config) -> tuple[tuple, int]:
+    """(the draft's cache specs, its weights' bytes in the engine's dtype), read from its HF
+    config: the target's runner sizes its caches with them (worker/memory_plan.py), as the
+    draft's cache holds at most the target's blocks and its weights load after the sizing. A
+    GGUF draft: its file's size (its config is read when it loads), no cache specs."""
+    import os
+
+    import jax.numpy as jnp
+
+    from jaxserve.models import loader, registry
+    from jaxserve.models.loaders import hf as hf_loader
+
+    if not (isinstance(path, str) and hf_loader.is_hf_dir(path)):
+        return (), os.path.getsize(path) if isinstance(path, str) and os.path.isfile(path) else 0
+    cfg = loader.model_config_from_hf(hf_loader.read_hf_config(path))
+    family = registry.get_family(cfg.architecture)
+    elements = sum(math.prod(shape) for shape in _shape_leaves(family.param_shapes(cfg)))
+    return tuple(family.cache_specs(cfg)), elements * jnp.dtype(engine_config.dtype).itemsize
+
+
+def _shape_leaves(tree):
+    """The shapes (tuples of ints) of a family's param_shapes tree."""
+    if isinstance(tree, dict):
+        for value in tree.values():
+            yield from _shape_leaves(value)
+    elif isinstance(tree, (list, tuple)) and not all(isinstance(d, int) for d in tree):
+        for value in tree:
+            yield from _shape_leaves(value)
+    else:
+        yield tuple(tree)
+
+
 class DraftModelProposer(Proposer):
     method = "draft_model"
     pipelines = True      # reads token ids only (module docstring)
 
     def __init__(self, spec_config, engine_config):
-        """Nothing of the target's runner is needed: the draft loads when bound (after the
-        target's caches are sized, as it always did)."""
+        """The draft loads when bound, after the target's caches are sized: the target's
+        memory plan pays for its weights and its cache first (_draft_needs)."""
         self.spec_config, self.engine_config = spec_config, engine_config
+        self.target_cache_specs, self.target_weight_bytes = _draft_needs(spec_config.model, engine_config)
         self.k = spec_config.num_speculative_tokens
         self.budget = engine_config.scheduler.max_num_batched_tokens
         self.cached: dict[str, np.ndarray] = {}    # request -> tokens whose KV the draft cache holds

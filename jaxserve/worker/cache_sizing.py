@@ -3,8 +3,10 @@
 One place sizes them (`plan_caches`) and one allocates them (`allocate_caches`): the
 target's paged blocks and a proposer's caches on the same block tables (MTP, EAGLE3) are
 paid from one budget, the state slots of a hybrid model first (live ones, saved states for
-prefix hits, snapshots for speculation's rollback). The budget is a share of the device's
-free memory (the CPU: a fixed byte count), less a proposer's weights that load after it.
+prefix hits, snapshots for speculation's rollback). The budget is what --gpu-memory-
+utilization x the device's total memory leaves after the weights, the step programs' measured
+peak and a headroom (memory_plan.py), or --kv-cache-memory-bytes, or on the CPU a fixed byte
+count; a proposer's weights that load after the sizing are paid from it first.
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ import jax.numpy as jnp
 from jaxserve.config import EngineConfig
 from jaxserve.core.kv_cache import manager as cache_manager
 from jaxserve.core.kv_cache.specs import PagedSpec
-from jaxserve.worker import hosts
+from jaxserve.worker import hosts, memory_plan
+from jaxserve.worker.memory_plan import DeviceMemory, MemoryReport
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,45 +30,108 @@ class CachePlan:
     num_cached_states: int    # of those, the saved states for hybrid prefix hits
     num_state_snapshots: int  # slots past those: a request's state before its verifying step
     bytes_per_block: int      # one block on each device, the proposer's caches included
+    memory: MemoryReport | None = None    # how they were sized (the start-up block)
+
+
+@dataclasses.dataclass(frozen=True)
+class Measured:
+    """What the profile measured on the device (memory_plan.py): its memory once the weights
+    are loaded, the step programs' peak (None: not measured yet) and the headroom kept."""
+    memory: DeviceMemory
+    peak_bytes: int | None
+    headroom_bytes: int
 
 
 def plan_caches(config: EngineConfig, specs: list, proposer_specs: list, proposer_weight_bytes: int,
-                max_blocks_per_seq: int, device=None, num_blocks: int | None = None) -> CachePlan:
-    """The cache plan: `num_blocks` given, configured, or from the memory budget (which pays
-    for the snapshot slots too). device: the one whose memory is measured (default: the
-    first local one)."""
+                max_blocks_per_seq: int, measured: Measured | None = None,
+                num_blocks: int | None = None) -> CachePlan:
+    """The cache plan: `num_blocks` given or configured; else from --kv-cache-memory-bytes,
+    from the budget the device `measured` leaves (memory_plan.cache_budget: it pays for the
+    snapshot slots too), or, with nothing measured (the CPU), from kv_cache_cpu_bytes.
+    Raises CacheDoesNotFit when a measured or given budget cannot hold one request of
+    max_model_len (measured.peak_bytes None: the check before the profiling compile)."""
     itemsize = jnp.dtype(config.dtype).itemsize
     kinds = cache_manager.group_kinds(specs)
     max_seqs = config.scheduler.max_num_seqs
+    tp = config.parallel.tensor_parallel_size
     # Speculating with recurrent state: a snapshot slot per live slot, past the scheduler's
     # slots, holds a request's state from before its verifying step (scheduler.py: rollback)
     snapshots = max_seqs if config.speculative is not None and cache_manager.STATE in kinds else 0
-    per_block = cache_manager.bytes_per_block(specs + proposer_specs, config.cache.block_size, itemsize) \
-        // config.parallel.tensor_parallel_size
+    all_specs = specs + proposer_specs
+    per_block = cache_manager.bytes_per_block(all_specs, config.cache.block_size, itemsize) // tp
+    per_slot = cache_manager.bytes_per_slot(all_specs, itemsize) // tp
     num_blocks = num_blocks or config.cache.num_kv_blocks
-    budget = None
+    budget, source = None, "num_kv_blocks"
     if not num_blocks:
-        first = device or jax.local_devices()[0]
-        stats = first.memory_stats() if jax.default_backend() != "cpu" else None
-        if stats and "bytes_limit" in stats:
-            free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
-            budget = int(free * config.cache.kv_cache_memory_fraction)
+        if config.cache.kv_cache_memory_bytes:
+            budget, source = config.cache.kv_cache_memory_bytes, "kv_cache_memory_bytes"
+        elif measured is not None:
+            budget = memory_plan.cache_budget(config.cache.gpu_memory_utilization, measured.memory,
+                                              measured.peak_bytes or 0, measured.headroom_bytes)
+            source = "gpu_memory_utilization"
         else:
-            budget = config.cache.kv_cache_cpu_bytes
+            budget, source = config.cache.kv_cache_cpu_bytes, "cpu"
         # a proposer's weights (an EAGLE3 head) load after the sizing: their bytes first
-        budget = (budget - proposer_weight_bytes) * config.parallel.tensor_parallel_size
+        if source != "kv_cache_memory_bytes":
+            budget -= proposer_weight_bytes
         budget = hosts.agree_min(budget)     # every host sizes the same cache
+        if source != "cpu":
+            _check_one_request_fits(config, budget, per_block, per_slot, max_blocks_per_seq,
+                                    (max_seqs + 1 + snapshots) if cache_manager.STATE in kinds else 0,
+                                    measured)
+        budget *= tp
     cached = _num_cached_states(config, specs, kinds, itemsize, budget)
     if num_blocks:
         num_slots = max_seqs + 1 + cached if cache_manager.STATE in kinds else 0
-        return CachePlan(num_blocks, num_slots, cached, snapshots, per_block)
+        return CachePlan(num_blocks, num_slots, cached, snapshots, per_block,
+                         _report(config, source, num_blocks, num_slots + snapshots, per_block, per_slot,
+                                 measured))
     # No use holding more than every sequence at full length.
     useful = max_seqs * max_blocks_per_seq + 1
     blocks, slots = cache_manager.size_caches(
-        specs + proposer_specs, block_size=config.cache.block_size, itemsize=itemsize,
+        all_specs, block_size=config.cache.block_size, itemsize=itemsize,
         budget_bytes=budget, max_num_seqs=max_seqs, useful_blocks=useful,
         cached_states=cached + snapshots)
-    return CachePlan(blocks, slots - snapshots, cached, snapshots, per_block)
+    return CachePlan(blocks, slots - snapshots, cached, snapshots, per_block,
+                     _report(config, source, blocks, slots, per_block, per_slot, measured))
+
+
+def _check_one_request_fits(config: EngineConfig, budget: int, per_block: int, per_slot: int,
+                            max_blocks_per_seq: int, min_slots: int, measured: Measured | None) -> None:
+    """CacheDoesNotFit unless `budget` (one device's) holds the state slots and one request of
+    max_model_len (its blocks and the null block). `measured` is set unless
+    --kv-cache-memory-bytes was given on a device that reports no memory."""
+    need = (max_blocks_per_seq + 1) * per_block + min_slots * per_slot
+    if budget >= need:
+        return
+    block_size = config.cache.block_size
+    fits_tokens = ((budget - min_slots * per_slot) // per_block - 1) * block_size if per_block else 0
+    if config.cache.kv_cache_memory_bytes:
+        raise memory_plan.CacheDoesNotFit(
+            f"--kv-cache-memory-bytes {config.cache.kv_cache_memory_bytes} holds less than one "
+            f"request of max_model_len {config.scheduler.max_model_len} ({need} bytes per device): "
+            f"raise it to at least {need}, or lower --max-model-len"
+            + (f" (at most {fits_tokens} tokens fit)" if fits_tokens > 0 else ""))
+    raise memory_plan.does_not_fit(
+        max_model_len=config.scheduler.max_model_len, need=need, left=budget, memory=measured.memory,
+        utilization=config.cache.gpu_memory_utilization, peak=measured.peak_bytes,
+        headroom=measured.headroom_bytes, fits_tokens=fits_tokens,
+        tensor_parallel_size=config.parallel.tensor_parallel_size)
+
+
+def _report(config: EngineConfig, source: str, num_blocks: int, num_slots: int, per_block: int,
+            per_slot: int, measured: Measured | None) -> MemoryReport:
+    memory = measured.memory if measured is not None else None
+    return MemoryReport(
+        source=source, cache_bytes=num_blocks * per_block + num_slots * per_slot,
+        num_blocks=num_blocks, block_size=config.cache.block_size,
+        max_model_len=config.scheduler.max_model_len,
+        device_total_bytes=memory.total if memory else None,
+        gpu_memory_utilization=config.cache.gpu_memory_utilization if memory else None,
+        weights_bytes=memory.in_use if memory else None,
+        peak_bytes=measured.peak_bytes if measured else None,
+        headroom_bytes=measured.headroom_bytes if measured else None,
+        allocator=memory_plan.allocator_note() if memory else "")
 
 
 def _num_cached_states(config: EngineConfig, specs, kinds, itemsize: int, budget: int | None) -> int:
@@ -79,22 +145,36 @@ def _num_cached_states(config: EngineConfig, specs, kinds, itemsize: int, budget
                                             max_num_seqs=config.scheduler.max_num_seqs)
 
 
+def _cache_arrays(specs, num_blocks: int, num_slots: int, block_size: int, dtype, sharding_of):
+    """(layer index, name, shape, dtype, sharding) of every cache array."""
+    for i, spec in enumerate(specs):
+        lead = (num_blocks, block_size) if isinstance(spec, PagedSpec) else (num_slots,)
+        for name, shape in spec.arrays:
+            full = lead + tuple(shape)
+            kind = jnp.float32 if name in getattr(spec, "float32", ()) else dtype
+            yield i, name, full, jnp.dtype(kind), sharding_of(name, full) if sharding_of else None
+
+
+def abstract_caches(specs, num_blocks: int, num_slots: int, block_size: int, dtype,
+                    sharding_of=None) -> list[dict[str, jax.ShapeDtypeStruct]]:
+    """allocate_caches' arrays as shapes only (what a program is compiled against)."""
+    caches = [{} for _ in specs]
+    for i, name, full, kind, out in _cache_arrays(specs, num_blocks, num_slots, block_size, dtype,
+                                                  sharding_of):
+        caches[i][name] = jax.ShapeDtypeStruct(full, kind, sharding=out)
+    return caches
+
+
 def allocate_caches(specs, num_blocks: int, num_slots: int, block_size: int, dtype,
                     sharding_of=None) -> list[dict[str, jax.Array]]:
     """Zeroed device arrays of every layer's cache spec: paged arrays [num_blocks, P, *shape],
     state arrays [num_slots, *shape]; `sharding_of(name, shape)` places them (None: default)."""
-    caches, makers = [], {}
-    for spec in specs:
-        lead = (num_blocks, block_size) if isinstance(spec, PagedSpec) else (num_slots,)
-        layer = {}
-        for name, shape in spec.arrays:
-            full = lead + tuple(shape)
-            out = sharding_of(name, full) if sharding_of else None
-            kind = jnp.float32 if name in getattr(spec, "float32", ()) else dtype
-            # One compiled zeros per distinct array (not per layer: 4 s of start-up at 8B)
-            key = (full, jnp.dtype(kind).name, out)
-            if key not in makers:
-                makers[key] = jax.jit(lambda s=full, d=kind: jnp.zeros(s, d), out_shardings=out)
-            layer[name] = makers[key]()
-        caches.append(layer)
+    caches, makers = [{} for _ in specs], {}
+    for i, name, full, kind, out in _cache_arrays(specs, num_blocks, num_slots, block_size, dtype,
+                                                  sharding_of):
+        # One compiled zeros per distinct array (not per layer: 4 s of start-up at 8B)
+        key = (full, kind.name, out)
+        if key not in makers:
+            makers[key] = jax.jit(lambda s=full, d=kind: jnp.zeros(s, d), out_shardings=out)
+        caches[i][name] = makers[key]()
     return caches

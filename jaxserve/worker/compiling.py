@@ -35,6 +35,8 @@ from collections.abc import Callable, Hashable
 
 import jax
 
+from jaxserve.worker.memory_plan import program_peak_bytes
+
 logger = logging.getLogger(__name__)
 
 
@@ -211,16 +213,7 @@ class StepCompiler:
                     self.seconds["stored"] += time.perf_counter() - t0
                 self.executables[(layout, variant)] = compiled
                 return compiled
-        params, kv_cache, prev_ids = self._args
-        packed = jax.ShapeDtypeStruct((num_words,), jax.numpy.uint32, sharding=self._input_sharding)
-        t0 = time.perf_counter()
-        lowered = self._step.lower(params, kv_cache, packed, prev_ids, variant=variant, layout=layout)
-        t1 = time.perf_counter()
-        compiled = lowered.compile()      # a persistent-cache hit only loads the executable
-        t2 = time.perf_counter()
-        with self._lock:
-            self.seconds["lower"] += t1 - t0
-            self.seconds["compile"] += t2 - t1
+        compiled = self._compile_fresh(layout, variant, num_words)
         if path:
             try:
                 store.save(path, compiled)
@@ -231,6 +224,43 @@ class StepCompiler:
                                "programs from now on", path, exc_info=True)
         self.executables[(layout, variant)] = compiled
         return compiled
+
+    def _compile_fresh(self, layout, variant, num_words: int):
+        params, kv_cache, prev_ids = self._args
+        packed = jax.ShapeDtypeStruct((num_words,), jax.numpy.uint32, sharding=self._input_sharding)
+        t0 = time.perf_counter()
+        lowered = self._step.lower(params, kv_cache, packed, prev_ids, variant=variant, layout=layout)
+        t1 = time.perf_counter()
+        compiled = lowered.compile()      # a persistent-cache hit only loads the executable
+        t2 = time.perf_counter()
+        with self._lock:
+            self.seconds["lower"] += t1 - t0
+            self.seconds["compile"] += t2 - t1
+        return compiled
+
+    def peak_bytes(self, layout, variant, num_words: int) -> int | None:
+        """memory_plan.program_peak_bytes of this program (None: XLA gave no analysis). With a
+        store, the number an earlier run noted there beside the programs (a file of its own:
+        the program itself is not kept, and a stored executable need not carry XLA's memory
+        analysis); else compiled now (and noted)."""
+        note = self.store.path(layout, variant, num_words)[:-len(".jaxprog")] + ".peak" if self.store else None
+        if note and os.path.exists(note):
+            try:
+                with open(note) as f:
+                    return int(f.read())
+            except (OSError, ValueError):
+                logger.warning("could not read %s; measuring the program again", note)
+        peak = program_peak_bytes(self._compile_fresh(layout, variant, num_words))
+        if note and peak is not None:
+            try:
+                os.makedirs(os.path.dirname(note), exist_ok=True)
+                tmp = f"{note}.{os.getpid()}.tmp"
+                with open(tmp, "w") as f:
+                    f.write(str(peak))
+                os.replace(tmp, note)
+            except OSError:
+                logger.warning("could not note the step program's peak in %s", note)
+        return peak
 
     def start(self, jobs: list[tuple], num_threads: int) -> dict[tuple, concurrent.futures.Future]:
         """Compile `jobs` ((layout, variant, num_words) each) on `num_threads` daemon threads;

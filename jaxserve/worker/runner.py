@@ -38,8 +38,8 @@ from jaxserve.core.step_messages import (GrammarMasks, PromptLogprobs, RunnerOut
                                          SchedulerOutput, TokenLogprobs)
 from jaxserve.models.attention import AttentionBackend, AttentionPlan
 from jaxserve.sample import rejection_sampler, sampler
-from jaxserve.worker import packing, verify_rows, warmup
-from jaxserve.worker.cache_sizing import allocate_caches, plan_caches
+from jaxserve.worker import memory_plan, packing, verify_rows, warmup
+from jaxserve.worker.cache_sizing import CachePlan, Measured, abstract_caches, allocate_caches, plan_caches
 from jaxserve.worker.compiling import StepCompiler, abstract, wait_all
 from jaxserve.worker.input_batch import InputBatch, StepPlan, and_grammar_masks
 from jaxserve.worker.state_copies import StateCopier
@@ -91,12 +91,6 @@ class ModelRunner:
                                                      backend=self.backend)
         self.cache_specs = model.cache_specs(self.cfg)
         self.group_kinds = cache_manager.group_kinds(self.cache_specs)
-        # A proposer's cache on the target's block tables (MTP, EAGLE3) is sized with it.
-        plan = plan_caches(config, self.cache_specs, list(proposer.cache_specs), proposer.weight_bytes,
-                           self.max_blocks_per_seq, device, num_blocks)
-        self.num_blocks, self.num_slots = plan.num_blocks, plan.num_slots
-        self.num_cached_states, self.num_state_snapshots = plan.num_cached_states, plan.num_state_snapshots
-        self.bytes_per_block = plan.bytes_per_block
         # With a mesh (tensor / expert parallel) each cache array is placed by its name's rule
         # (k / v by kv heads, MLA latents replicated, DeltaNet states by head) and step inputs
         # are replicated; jit partitions the step from the parameters' shardings.
@@ -111,16 +105,10 @@ class ModelRunner:
             self.input_sharding = jax.sharding.SingleDeviceSharding(device)
             self.params = params = jax.device_put(params, device)
             sharding_of = lambda name, shape: self.input_sharding   # noqa: E731
-        self.kv_cache = allocate_caches(self.cache_specs, self.num_blocks,
-                                        self.num_slots + self.num_state_snapshots,
-                                        self.block_size, self.dtype, sharding_of)
-        # Hybrid prefix caching and speculation: saved states and snapshots in and out of the
-        # live slots (state_copies.py)
-        self.state_copier = None
-        if self.num_cached_states or self.num_state_snapshots:
-            self.state_copier = StateCopier(
-                [i for i, spec in enumerate(self.cache_specs) if not isinstance(spec, PagedSpec)],
-                config.scheduler.max_num_seqs)
+        else:   # the weights' device, named: programs compile against the caches' shapes first
+            where = next((a.sharding for a in jax.tree.leaves(params) if isinstance(a, jax.Array)), None)
+            if isinstance(where, jax.sharding.SingleDeviceSharding):
+                sharding_of = lambda name, shape: where   # noqa: E731
         self._step = make_step(mesh=mesh, model=model, cfg=self.cfg, backend=self.backend,
                                kernel_plan=kernel_plan, block_size=self.block_size,
                                precision=matmul_precision(self.dtype))
@@ -140,14 +128,34 @@ class ModelRunner:
             jnp.zeros((config.scheduler.max_num_seqs, self.batch.prev_stride), jnp.int32),
             self.input_sharding)
         self.grammar_masks = False    # steps may carry grammar masks (use_grammar_masks)
-        # Compiled step programs by (input layout, variant): warm-up fills it, run() uses it.
         # NOTE: the identity names what the jitted step closes over: a stored program is
         # loaded only for the same ones (compiling.ProgramStore)
-        identity = repr((model.name, self.cfg, self.backend.impl,
-                         repr(mesh), kernel_plan))
-        self._compiler = StepCompiler(self._step, self.params, self.kv_cache, self.prev_ids,
+        self._identity = repr((model.name, self.cfg, self.backend.impl, repr(mesh), kernel_plan))
+        # A proposer's cache on the target's block tables (MTP, EAGLE3) is sized with it;
+        # on a GPU after measuring the largest step program (memory_plan.py).
+        plan = self._plan_caches(proposer, device, num_blocks, sharding_of)
+        self.memory = plan.memory
+        self.num_blocks, self.num_slots = plan.num_blocks, plan.num_slots
+        self.num_cached_states, self.num_state_snapshots = plan.num_cached_states, plan.num_state_snapshots
+        self.bytes_per_block = plan.bytes_per_block
+        # NOTE: allocated on first use (kv_cache): warm-up compiles the plain programs against
+        # their shapes first, so XLA's GEMM autotuner, which allocates operands of its own,
+        # runs while the cache's memory is still free (it ran out at warm-up on an H100 when
+        # the cache came first: issue 62)
+        self._kv_cache = None
+        self._cache_layout = (self.cache_specs, self.num_blocks, self.num_slots + self.num_state_snapshots,
+                              self.block_size, self.dtype, sharding_of)
+        # Hybrid prefix caching and speculation: saved states and snapshots in and out of the
+        # live slots (state_copies.py)
+        self.state_copier = None
+        if self.num_cached_states or self.num_state_snapshots:
+            self.state_copier = StateCopier(
+                [i for i, spec in enumerate(self.cache_specs) if not isinstance(spec, PagedSpec)],
+                config.scheduler.max_num_seqs)
+        # Compiled step programs by (input layout, variant): warm-up fills it, run() uses it.
+        self._compiler = StepCompiler(self._step, self.params, abstract_caches(*self._cache_layout), self.prev_ids,
                                       self.input_sharding, store=config.program_cache_dir,
-                                      identity=identity)
+                                      identity=self._identity)
         self._executables = self._compiler.executables
         # Seconds spent tracing + lowering, compiling and loading stored step programs, summed
         # over programs.
@@ -157,6 +165,74 @@ class ModelRunner:
         # broadcaster that makes the other hosts launch it too (jaxserve/distributed.py)
         self.step_tap = None
         self._lean_keys: dict[int, tuple] = {}   # bucket -> (layout, variant) of its lean program
+
+    def _plan_caches(self, proposer: TargetNeeds, device, num_blocks: int | None, sharding_of) -> CachePlan:
+        """The caches' plan (cache_sizing.plan_caches). On a device that reports its memory
+        and without a fixed size: the weights alone must leave room for one request of
+        max_model_len (CacheDoesNotFit before any compile), then the largest step program is
+        measured (_profile_peak) and the caches take what the budget leaves."""
+        config = self.config
+        args = (config, self.cache_specs, list(proposer.cache_specs), proposer.weight_bytes,
+                self.max_blocks_per_seq)
+        if num_blocks or config.cache.num_kv_blocks:
+            return plan_caches(*args, num_blocks=num_blocks)
+        first = device or (self.mesh.devices.flat[0] if self.mesh is not None else jax.local_devices()[0])
+        # NOTE: once the weights are ready: a draw or copy still running holds its scratch
+        jax.block_until_ready(self.params)
+        memory = memory_plan.measure(first)
+        if memory is None:          # the CPU: its own byte budget
+            if first.platform != "cpu":
+                logger.warning("JAX's allocator reports no memory limit on %s (%s); the KV cache "
+                               "takes kv_cache_cpu_bytes (%d): give --kv-cache-memory-bytes or "
+                               "--num-gpu-blocks-override", first.platform, memory_plan.allocator_note(),
+                               config.cache.kv_cache_cpu_bytes)
+            return plan_caches(*args)
+        measured = Measured(memory, None, memory_plan.headroom_bytes(self.params))
+        if config.cache.kv_cache_memory_bytes:       # the size is given: nothing to measure
+            return plan_caches(*args, measured)
+        plan_caches(*args, measured)     # raises if even a peak of 0 leaves too little
+        return plan_caches(*args, dataclasses.replace(measured, peak_bytes=self._profile_peak(sharding_of)))
+
+    def _profile_peak(self, sharding_of) -> int:
+        """The peak (memory_plan.program_peak_bytes) of the largest step programs
+        (warmup.profile_jobs), compiled against caches of a provisional size: one request of
+        max_model_len. Why provisional: the real programs take the caches as arguments, so
+        they can only be compiled once the caches' size is known, and that size depends on
+        this peak; a step's temporaries depend on its tokens and sequences, not on the number
+        of blocks (the attention reads each request's blocks through its block table), so a
+        small cache gives the same peak. The cost is one more compile of these programs; its
+        GEMMs are autotuned now, while the memory is free, and XLA reuses those results when
+        warm-up compiles the real ones. With a program store the peak is noted there, and a
+        warm start reads it instead of compiling (StepCompiler.peak_bytes)."""
+        provisional = abstract_caches(self.cache_specs, self.max_blocks_per_seq + 1,
+                                      self.config.scheduler.max_num_seqs + 2, self.block_size,
+                                      self.dtype, sharding_of)
+        compiler = StepCompiler(self._step, self.params, provisional, self.prev_ids, self.input_sharding,
+                                store=self.config.program_cache_dir, identity=self._identity)
+        peaks = [compiler.peak_bytes(*job) for job in warmup.profile_jobs(self)]
+        compiler.stop()
+        if None in peaks:
+            logger.warning("XLA gave no memory analysis of the step programs; sizing the caches "
+                           "with the headroom alone")
+            return 0
+        logger.info("the largest step programs need %.2f GiB beyond the weights and caches",
+                    max(peaks) / 2**30)
+        return max(peaks)
+
+    @property
+    def kv_cache(self) -> list[dict[str, jax.Array]]:
+        """The caches, one dict of arrays per layer; allocated on first use (warm-up allocates
+        them once its plain programs are compiled)."""
+        self._allocate_caches()
+        return self._kv_cache
+
+    def _allocate_caches(self) -> None:
+        if self._kv_cache is None:
+            self._kv_cache = allocate_caches(*self._cache_layout)
+
+    @kv_cache.setter
+    def kv_cache(self, caches: list[dict[str, jax.Array]]) -> None:
+        self._kv_cache = caches
 
     def use_grammar_masks(self, on: bool = True) -> None:
         """Steps may carry grammar masks (the engine's structured output): warm-up also
@@ -371,6 +447,7 @@ class ModelRunner:
         (a draft model samples greedily: its steps never run one)."""
         now, later = warmup.step_jobs(self, lean_only, self._lean_keys)
         self._pending = warmup.start(self, now, later, background)
+        self._allocate_caches()     # now: after the plain programs' compiles (__init__'s note)
         if self.state_copier is not None:     # a few small programs (hybrid prefix caching)
             self.state_copier.warmup(self.kv_cache)
         logger.info("compiled %d step programs; %d more compile in the background",

@@ -83,6 +83,20 @@ def step_jobs(runner, lean_only: bool, lean_keys: dict) -> tuple[list[Job], list
     return [job for job in jobs if job not in later], later
 
 
+def profile_jobs(runner) -> list[Job]:
+    """The programs whose peak sizes the caches (memory_plan.py): the largest bucket's, with
+    the sampler's extras and logprobs (its full variant) unless the runner's steps never
+    need them. Its temporaries are the largest: the most tokens through the layers, the most
+    rows through the sampler; smaller buckets, multi-step and verifying programs take fewer."""
+    empty = SchedulerOutput(new_requests=[], scheduled=[], finished_req_ids=[],
+                            num_tokens=runner.buckets[-1], preempted_ids=[], num_cached_tokens=0)
+    lean, _, _ = runner._build(empty)
+    variant = runner.warmup_variants[-1]
+    x = with_sampling(runner, lean, lean.num_seqs, True) if variant.full else lean
+    packed, layout = packing.pack(x)
+    return [(layout, variant, len(packed))]
+
+
 def start(runner, now: list[Job], later: list[Job], background: bool
           ) -> dict[tuple, concurrent.futures.Future]:
     """Compile `now` (waited for unless `background`) and `later` on threads; the compiles

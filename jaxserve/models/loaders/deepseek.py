@@ -37,6 +37,7 @@ import ml_dtypes
 import numpy as np
 
 from jaxserve.models import deepseek
+from jaxserve.models.loaders.progress import LayerProgress
 from jaxserve.pallas_kernels.grouped_matmul import BlockScaledFp8
 from jaxserve.sharding import expert_parallel, rules
 
@@ -242,10 +243,13 @@ def load_hf(family, path: str, cfg, dtype: str = "float32", mesh=None, quantizat
               "final_norm": top("final_norm", ck.weight("model.norm.weight")), "layers": []}
     if "lm_head" in shapes:
         params["lm_head"] = top("lm_head", ck.weight("lm_head.weight", block).T)
+    progress = LayerProgress(f"loading {os.path.basename(os.path.normpath(path))}", len(shapes["layers"]))
+    progress.done(params, layer=False)
     for i, ls in enumerate(shapes["layers"]):
         prefix = f"model.layers.{i}."
         params["layers"].append(_checked(_layer_tensors(cfg, ck, prefix, ls, block), ls, prefix, jdtype,
                                          place["layers"][i], keep_fp8))
+        progress.done(params["layers"][-1])
     mtp = []
     for m, ms in enumerate(mtp_shapes):
         prefix = f"model.layers.{cfg.num_layers + m}."

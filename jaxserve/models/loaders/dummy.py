@@ -2,7 +2,8 @@
 
 For benchmarking 8B / 30B-A3B shapes without their files: each parameter is drawn by a
 jitted function whose output sharding is that parameter's NamedSharding, so nothing passes
-through host memory and every device materialises only its own slice.
+through host memory and every device materialises only its own slice, a layer at a time
+(one draw's f32 scratch is one layer's, freed before the next: no model-sized temporary).
 Ready configs (public model cards) live in models/configs/: `dummy_config_path("Qwen3-8B")`.
 """
 
@@ -16,6 +17,8 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+
+from jaxserve.models.loaders.progress import LayerProgress
 
 
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")   # models/configs
@@ -87,7 +90,11 @@ def draw_params(shapes: dict, shardings: dict, dtype: str, seed: int = 0) -> dic
     dtype = jnp.dtype(dtype).name
     root = jax.random.key(seed)
     top = {k: v for k, v in shapes.items() if k != "layers"}
+    progress = LayerProgress("dummy weights", len(shapes["layers"]))
     params = _draw(root, top, shardings, dtype)
-    params["layers"] = [_draw(jax.random.fold_in(root, i + 1), layer, layer_sh, dtype)
-                        for i, (layer, layer_sh) in enumerate(zip(shapes["layers"], shardings["layers"]))]
+    progress.done(params, layer=False)
+    params["layers"] = []
+    for i, (layer, layer_sh) in enumerate(zip(shapes["layers"], shardings["layers"])):
+        params["layers"].append(_draw(jax.random.fold_in(root, i + 1), layer, layer_sh, dtype))
+        progress.done(params["layers"][-1])
     return params

@@ -4,7 +4,8 @@ HF stores a Linear weight as [out, in]; we keep [in, out] (llama.py), so 2-D pro
 transposed, and MoE experts, stored one tensor per expert, are stacked into [X, in, out].
 Each parameter is built with `jax.make_array_from_callback`: every device asks only for its
 own slice, which is read from the memory-mapped file with safetensors' `get_slice`, so a
-sharded model never passes whole through host memory.
+model never passes whole through host memory (at most one parameter: a layer's experts
+stacked) and loads a layer at a time, with a progress line every tenth of its layers.
 
 Legend: X experts, D model dim, F MLP dim, V vocabulary.
 """
@@ -22,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.config import ModelConfig
+from jaxserve.models.loaders.progress import LayerProgress
 from jaxserve.sharding import rules
 
 # Per-layer HF name (after "model.layers.{i}.") -> (our name, stored [out, in] -> transpose).
@@ -190,8 +192,21 @@ def load_llama_layout(family, path: str, cfg: ModelConfig, dtype: str = "float32
             return jax.make_array_from_callback(
                 tuple(shape), sharding, lambda index: np.asarray(read(index)).astype(jdtype))
 
-        params = jax.tree.map(build, plan, shapes, shardings,
-                              is_leaf=lambda x: isinstance(x, tuple) and len(x) == 2 and callable(x[1]))
+        def build_tree(plans, tree_shapes, tree_shardings):
+            return jax.tree.map(build, plans, tree_shapes, tree_shardings,
+                                is_leaf=lambda x: isinstance(x, tuple) and len(x) == 2 and callable(x[1]))
+
+        # A layer at a time (a parameter at a time within it), with progress
+        progress = LayerProgress(f"loading {os.path.basename(os.path.normpath(path))}", len(plan["layers"]))
+        params = build_tree({k: v for k, v in plan.items() if k != "layers"},
+                            {k: v for k, v in shapes.items() if k != "layers"},
+                            {k: v for k, v in shardings.items() if k != "layers"})
+        progress.done(params, layer=False)
+        params["layers"] = []
+        for layer_plan, layer_shapes, layer_shardings in zip(plan["layers"], shapes["layers"],
+                                                             shardings["layers"]):
+            params["layers"].append(build_tree(layer_plan, layer_shapes, layer_shardings))
+            progress.done(params["layers"][-1])
     return params
 
 
