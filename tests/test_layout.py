@@ -136,6 +136,9 @@ MUST_NOT_IMPORT = {
     "spec_decode": {"engine", "server", "structured", "bench", "train_draft"},
     "engine": {"server", "bench", "train_draft"},
     "server": {"bench", "train_draft"},
+    # adapters' files, slots and requests: below the engine, beside core (which reads its
+    # LoRARequest and slot bookkeeping)
+    "lora": ABOVE_MODELS | {"models", "models.loaders", "core", "sharding"},
 }
 
 

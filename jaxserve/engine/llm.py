@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from jaxserve.engine import LLMEngine, builder
+from jaxserve.lora.request import LoRARequest
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams
 
@@ -36,6 +37,9 @@ class LLM:
             model on the same vocabulary; eagle3: the HF head's directory)}; off by default),
             data_parallel_size (N whole engines on their own devices, requests routed by load:
             jaxserve/engine/data_parallel.py). Several hosts: jaxserve/distributed.py.
+            enable_lora, max_loras, max_lora_rank, max_cpu_loras: serve PEFT LoRA adapters
+            beside the base model (jaxserve/lora/); generate(..., lora_request=LoRARequest(
+            name, int_id, path)) picks one per call or per prompt.
     """
 
     def __init__(self, model: str | None = None, *, dtype: str | None = None, **engine_args):
@@ -72,7 +76,8 @@ class LLM:
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -86,13 +91,18 @@ class LLM:
         # Only finished outputs are returned, so the engine need not build the others.
         final = {id(p): p.clone(output_kind="final_only") for p in sampling_params}
         sampling_params = [final[id(p)] for p in sampling_params]
+        loras = (list(lora_request) if isinstance(lora_request, (list, tuple))
+                 else [lora_request] * len(prompts))
+        if len(loras) != len(prompts):
+            raise ValueError(f"lora_request must be one LoRARequest or one per prompt "
+                             f"({len(prompts)}); got {len(loras)}")
         encoded = [self._to_token_ids(p) for p in prompts]
         for (text, ids), params in zip(encoded, sampling_params):
             self.engine.validate_request(ids, params)   # fail before anything is queued
         ids_in_order = []
-        for (text, ids), params in zip(encoded, sampling_params):
+        for (text, ids), params, lora in zip(encoded, sampling_params, loras):
             rid = str(next(self._ids))
-            self.engine.add_request(rid, ids, params, prompt=text)
+            self.engine.add_request(rid, ids, params, prompt=text, lora_request=lora)
             ids_in_order.append(rid)
         return self._run(ids_in_order, use_tqdm)
 

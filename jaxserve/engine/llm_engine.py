@@ -16,6 +16,7 @@ from jaxserve.core.request import RequestStatus
 from jaxserve.core.scheduler import Scheduler
 from jaxserve.engine.core import EngineCore
 from jaxserve.engine.input_processor import InputProcessor
+from jaxserve.lora.request import LoRARequest
 from jaxserve.engine.output_processor import OutputProcessor
 from jaxserve.engine.startup_report import startup_lines
 from jaxserve.metrics import EngineMetrics
@@ -105,11 +106,14 @@ class LLMEngine:
         self.inputs.validate(prompt_token_ids, params)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    prompt: str | None = None, arrival_time: float | None = None) -> None:
+                    prompt: str | None = None, arrival_time: float | None = None,
+                    lora_request: LoRARequest | None = None) -> None:
         if request_id in self.outputs.groups:
             raise ValueError(f"request_id {request_id!r} is already in use")
         children = self.inputs.process(request_id, prompt_token_ids, params,
-                                       arrival_time or time.monotonic())
+                                       arrival_time or time.monotonic(), lora_request)
+        if lora_request is not None:     # read (and so checked) now, not in a step
+            self.runner.lora_store.check(lora_request)
         taken = [c.request_id for c in children if c.request_id in self.outputs.samples
                  or c.request_id in self.scheduler.requests]
         if taken:

@@ -22,6 +22,11 @@ class LoRARequest:
         if not self.lora_name:
             raise ValueError("lora_name must not be empty")
 
+    @property
+    def cache_salt(self) -> str:
+        """What keys its prefix-cache blocks besides the tokens (kv_cache/prefix_cache.py)."""
+        return f"lora:{self.lora_int_id}:{self.lora_path}"
+
     # the short names (jaxserve's docs use them)
     name = property(lambda self: self.lora_name)
     int_id = property(lambda self: self.lora_int_id)

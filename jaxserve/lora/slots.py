@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+from jaxserve.lora.request import LoRARequest
+
 
 class LoRASlots:
     def __init__(self, max_loras: int):
@@ -20,6 +22,37 @@ class LoRASlots:
         self._idle: OrderedDict[int, None] = OrderedDict()   # resident, unreferenced: LRU first
         self._free = list(range(max_loras, 0, -1))
         self.num_loads = 0                       # slot writes asked for (metrics, tests)
+        self.held: dict[str, int] = {}           # running request -> the adapter it references
+        self._loads: list[tuple[int, int]] = []  # (slot, int id) to write before the next step
+
+    # -- per request (the scheduler's calls) ---------------------------------------------------
+    def take(self, request_id: str, lora: LoRARequest | None) -> None:
+        """A starting request's reference (None: it runs the base model, nothing to take); a
+        slot its adapter must be written into first (it was not resident) joins the next
+        step's loads (take_loads)."""
+        if lora is None:
+            return
+        int_id = lora.lora_int_id
+        slot, write = self.acquire(int_id)
+        self.held[request_id] = int_id
+        if write:
+            self._loads.append((slot, int_id))
+
+    def take_loads(self) -> list[tuple[int, int]]:
+        """The slot writes (slot, adapter int id) the step being scheduled needs first."""
+        loads, self._loads = self._loads, []
+        return loads
+
+    def drop(self, request_id: str) -> None:
+        """The request left the running set (finished, aborted, preempted): its reference goes."""
+        int_id = self.held.pop(request_id, None)
+        if int_id is not None:
+            self.release(int_id)
+
+    def slot_for(self, request_id: str) -> int:
+        """The slot of a running request's adapter (0: it runs the base model)."""
+        int_id = self.held.get(request_id)
+        return 0 if int_id is None else self.slot_of[int_id]
 
     def can_acquire(self, int_id: int) -> bool:
         """Whether a request on this adapter could start now."""

@@ -40,6 +40,8 @@ from jaxserve.models.attention import AttentionBackend, AttentionPlan
 from jaxserve.sample import rejection_sampler, sampler
 from jaxserve.worker import packing, verify_rows, warmup
 from jaxserve.worker.cache_sizing import allocate_caches, plan_caches
+from jaxserve.lora import weights as lora_weights
+from jaxserve.lora.store import AdapterStore
 from jaxserve.worker.compiling import StepCompiler, abstract, wait_all
 from jaxserve.worker.input_batch import InputBatch, StepPlan, and_grammar_masks
 from jaxserve.worker.state_copies import StateCopier
@@ -91,8 +93,16 @@ class ModelRunner:
                                                      backend=self.backend)
         self.cache_specs = model.cache_specs(self.cfg)
         self.group_kinds = cache_manager.group_kinds(self.cache_specs)
+        # LoRA (jaxserve/lora/): the adapters' device slots, zeroed, in each layer's parameters
+        # (paid for beside the weights), and the adapters known to the engine.
+        self.lora_store, lora_bytes = None, 0
+        if config.lora is not None:
+            self.lora_store = AdapterStore(self.cfg, config.lora)
+            lora_bytes = lora_weights.slot_bytes(self.cfg, config.lora, self.dtype)
+            self.params = params = lora_weights.attach(params, self.cfg, config.lora, self.dtype, device)
         # A proposer's cache on the target's block tables (MTP, EAGLE3) is sized with it.
-        plan = plan_caches(config, self.cache_specs, list(proposer.cache_specs), proposer.weight_bytes,
+        plan = plan_caches(config, self.cache_specs, list(proposer.cache_specs),
+                           proposer.weight_bytes + lora_bytes,
                            self.max_blocks_per_seq, device, num_blocks)
         self.num_blocks, self.num_slots = plan.num_blocks, plan.num_slots
         self.num_cached_states, self.num_state_snapshots = plan.num_cached_states, plan.num_state_snapshots
@@ -129,7 +139,8 @@ class ModelRunner:
                                 block_size=self.block_size, vocab_size=self.cfg.vocab_size,
                                 max_model_len=config.scheduler.max_model_len,
                                 group_kinds=self.group_kinds,
-                                max_spec_tokens=config.num_speculative_tokens)
+                                max_spec_tokens=config.num_speculative_tokens,
+                                lora=config.lora is not None)
         # The previous step's sampled ids (padded to max_num_seqs), a row per sequence, then the
         # drafts a proposer made on the device after it (spec_decode/hidden_steps.py: its pass
         # takes them and gives them back with its drafts, through set_prev_ids).
@@ -277,6 +288,8 @@ class ModelRunner:
         sampling masks; called once the step is built, as it may wait for the last step."""
         if out.state_loads:   # first: a step taken back after this keeps its requests' loads
             self.copy_states(out.state_loads)
+        for slot, int_id in out.lora_loads:    # the step's new adapters into their slots
+            self.params = lora_weights.write_slot(self.params, slot, self.lora_store.get(int_id))
         x, plan, variant = self.prepare(out, grammar_masks)
         result, prompt, after = self.run(x, variant)
         if out.state_saves:

@@ -75,6 +75,11 @@ def main() -> None:
         model.eval()
         path = os.path.join(OUT, name)
         model.save_pretrained(path)
+        os.remove(os.path.join(path, "README.md"))     # peft's model card: not needed here
+        conf_path = os.path.join(path, "adapter_config.json")
+        conf = json.load(open(conf_path))
+        conf["base_model_name_or_path"] = "tests/golden/ckpt/llama"    # not this machine's path
+        json.dump(conf, open(conf_path, "w"), indent=2, sort_keys=True)
         # (read back as saved, so the goldens describe the files)
         loaded = peft.PeftModel.from_pretrained(_base(), path).eval()
         result["greedy"][name] = [_greedy(loaded, p) for p in prompts]
