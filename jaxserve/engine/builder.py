@@ -96,6 +96,8 @@ def _data_parallel(model, data_parallel_size: int, options: dict) -> DataParalle
         raise ValueError("data_parallel_size > 1 with nnodes > 1 is not supported yet")
     if options["speculative_config"]:
         raise ValueError("speculative_config is not supported with data_parallel_size > 1 yet")
+    if options["enable_lora"]:
+        raise ValueError("enable_lora is not supported with data_parallel_size > 1 yet")
     tp, ep = options["tensor_parallel_size"], options["expert_parallel_size"]
     per, devices = tp * ep, jax.devices()
     if data_parallel_size * per > len(devices):

@@ -37,8 +37,10 @@ class AdapterStore:
             self._by_id[req.lora_int_id] = req
 
     def unregister(self, int_id: int) -> None:
+        """Drop the adapter's host arrays. Its path stays known: requests already running on
+        it may need its slot written again (after a preemption); new ones no longer name it
+        (the server forgets the name)."""
         with self._lock:
-            self._by_id.pop(int_id, None)
             self._cache.pop(int_id, None)
 
     def get(self, int_id: int) -> LoRAAdapter:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 
 from jaxserve.engine.arg_types import int_at_least
+from jaxserve.server.lora_modules import lora_module
 
 LOG_LEVELS = ["critical", "error", "warning", "info", "debug", "trace"]
 
@@ -41,6 +42,11 @@ def add_frontend_arguments(parser: argparse.ArgumentParser) -> None:
 def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     add_frontend_arguments(parser)
     g = parser.add_argument_group("server")
+    g.add_argument("--lora-modules", nargs="+", action="extend", type=lora_module, default=None,
+                   metavar="NAME=PATH",
+                   help="LoRA adapters to serve (with --enable-lora), each NAME=PATH or vLLM's JSON "
+                        '{"name": ..., "path": ..., "base_model_name": ...}; a request picks one '
+                        "by its model; more at run time: POST /v1/load_lora_adapter"),
     g.add_argument("--host", default="127.0.0.1")
     g.add_argument("--port", type=int_at_least(0), default=8000)
     g.add_argument("--api-key", action="append", default=None,

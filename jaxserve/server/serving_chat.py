@@ -116,7 +116,7 @@ def chat_body(ctx: ServerContext, req: ChatCompletionRequest, plan: ToolPlan, re
 
 async def create_chat_completion(ctx: ServerContext, request, req: ChatCompletionRequest):
     check_request(req)
-    ctx.check_model(req.model)
+    lora = ctx.check_model(req.model)
     plan = tool_plan(ctx, req, structured_outputs(req))
     prompt = await ctx.in_tokenizer_thread(chat_prompt, ctx, req, plan.tools)
     params = chat_sampling_params(ctx, req, prompt, plan.structured)
@@ -127,4 +127,5 @@ async def create_chat_completion(ctx: ServerContext, request, req: ChatCompletio
         ctx, req, plan, request_id=request_id, model=ctx.model_name, created=created, n=req.n,
         include_usage=include_usage) if req.stream else None
     return await run_generation(ctx, request, request_id, [(prompt.token_ids, prompt.text)], [params],
-                                stream, lambda outputs: chat_body(ctx, req, plan, request_id, created, outputs))
+                                stream, lambda outputs: chat_body(ctx, req, plan, request_id, created, outputs),
+                                lora)

@@ -94,7 +94,7 @@ def completion_body(ctx: ServerContext, req: CompletionRequest, echo: _Echo, req
 
 async def create_completion(ctx: ServerContext, request, req: CompletionRequest):
     check_request(req)
-    ctx.check_model(req.model)
+    lora = ctx.check_model(req.model)
     prompts = await ctx.in_tokenizer_thread(completion_prompts, ctx, req)
     params = [completion_sampling_params(ctx, req, p) for p in prompts]
     if params:
@@ -107,4 +107,4 @@ async def create_completion(ctx: ServerContext, request, req: CompletionRequest)
         include_usage=include_usage) if req.stream else None
     return await run_generation(
         ctx, request, request_id, [(p.token_ids, p.text) for p in prompts], params, stream,
-        lambda outputs: completion_body(ctx, req, echo, request_id, created, outputs))
+        lambda outputs: completion_body(ctx, req, echo, request_id, created, outputs), lora)
