@@ -64,3 +64,23 @@ def test_an_engine_without_lora_refuses_a_lora_request():
     inputs = InputProcessor(EngineConfig(model=cfg), (2,), 64)
     with pytest.raises(ValueError, match="enable_lora"):
         inputs.process("r", [5, 6], SamplingParams(max_tokens=2), 0.0, ADAPTERS["sql"])
+
+
+def test_adapters_coming_and_going_compile_nothing(llm):
+    """After the first slot write (its small program), a third adapter evicting a resident
+    one and the batches mixing them compile nothing: the slots are fixed-shape parameters."""
+    import jax
+
+    llm.generate(_prompts()[:1], _params(), use_tqdm=False, lora_request=ADAPTERS["sql"])
+    compiles = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, secs, **kw: compiles.append(event)
+        if event == "/jax/core/compile/backend_compile_duration" else None)
+    third = LoRARequest("sql-again", 3, ADAPTERS["sql"].lora_path)
+    loads = llm.engine.scheduler.lora_slots.num_loads
+    outs = llm.generate(_prompts(), _params(), use_tqdm=False, lora_request=[third, ADAPTERS["chat"], None])
+    assert llm.engine.scheduler.lora_slots.num_loads > loads      # a slot was written
+    assert _ids(outs)[0] == GOLDENS["greedy"]["sql"][0]
+    assert _ids(outs)[1] == GOLDENS["greedy"]["chat"][1]
+    assert _ids(outs)[2] == GOLDENS["greedy"]["base"][2]
+    assert compiles == []
