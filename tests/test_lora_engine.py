@@ -84,3 +84,21 @@ def test_adapters_coming_and_going_compile_nothing(llm):
     assert _ids(outs)[1] == GOLDENS["greedy"]["chat"][1]
     assert _ids(outs)[2] == GOLDENS["greedy"]["base"][2]
     assert compiles == []
+
+
+def test_latency_bench_with_random_adapters(llm, tmp_path):
+    """`jaxserve bench latency --lora-adapters N`'s batch: requests over N synthetic adapters
+    (every projection adapted), and the device-only replay of a decode step with them."""
+    import argparse
+
+    from jaxserve.bench.latency import bench_batch
+    from jaxserve.lora.synthetic import random_adapters
+
+    loras = random_adapters(str(tmp_path), llm.engine.config.model, 2, rank=8, first_id=10)
+    args = argparse.Namespace(input_len=6, output_len=4, num_iters=1, num_iters_warmup=0,
+                              device_only_iters=2, hbm_bandwidth=None, profile_dir=None,
+                              top_p=1.0, top_k=0)
+    row = bench_batch(llm, 4, args, loras=loras)
+    assert row["num_decode_steps"] >= 1 and row["device_only_step_ms"] > 0
+    assert not llm.engine.has_unfinished_requests()
+    assert llm.engine.scheduler.lora_slots.num_referenced == 0
