@@ -102,3 +102,15 @@ def test_latency_bench_with_random_adapters(llm, tmp_path):
     assert row["num_decode_steps"] >= 1 and row["device_only_step_ms"] > 0
     assert not llm.engine.has_unfinished_requests()
     assert llm.engine.scheduler.lora_slots.num_referenced == 0
+
+
+def test_mixed_batch_with_chunked_prefill_and_multi_step_decode():
+    """16-token steps chunk the 20-token prompt; decode runs 4 steps a launch (multi-step):
+    each token keeps its slot through both."""
+    llm = LLM(BASE, enable_lora=True, max_loras=2, max_lora_rank=16, max_num_seqs=4,
+              max_num_batched_tokens=16, num_scheduler_steps=4, max_model_len=64,
+              num_kv_blocks=64, block_size=4, warmup=False)
+    names = ["chat", "base", "sql"]
+    outs = llm.generate(_prompts(), _params(), use_tqdm=False,
+                        lora_request=[ADAPTERS.get(n) for n in names])
+    assert _ids(outs) == [GOLDENS["greedy"][n][i] for i, n in enumerate(names)]
