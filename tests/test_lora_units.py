@@ -164,3 +164,17 @@ def test_a_prefix_hit_never_crosses_adapters():
     s.schedule()
     assert s.requests["b"].num_cached_tokens == 0 and s.requests["d"].num_cached_tokens == 0
     assert s.requests["c"].num_cached_tokens == 8             # same adapter: a hit
+
+
+def test_startup_block_states_the_slots_bytes():
+    from jaxserve.engine.startup_report import startup_lines
+    from jaxserve.lora.weights import slot_bytes
+
+    lora = LoRAConfig(max_loras=2, max_lora_rank=8, max_cpu_loras=3)
+    # per layer, rank 16 (8 rounded up), 3 slots: qkv 64x48 + 48x128, o 64x16 + 16x64,
+    # gate|up 64x32 + 32x192, down 96x16 + 16x64; two layers of f32
+    per_layer = 64 * 48 + 48 * 128 + 64 * 16 + 16 * 64 + 64 * 32 + 32 * 192 + 96 * 16 + 16 * 64
+    assert slot_bytes(CFG, lora, "float32") == 3 * per_layer * 2 * 4
+    lines = startup_lines(EngineConfig(model=CFG, lora=lora), 10, 4, 100, on_cpu=True)
+    assert any(line.startswith("LoRA: 2 adapter slots of rank 8") and "3 adapters cached" in line
+               for line in lines)

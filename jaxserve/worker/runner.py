@@ -93,16 +93,15 @@ class ModelRunner:
                                                      backend=self.backend)
         self.cache_specs = model.cache_specs(self.cfg)
         self.group_kinds = cache_manager.group_kinds(self.cache_specs)
-        # LoRA (jaxserve/lora/): the adapters' device slots, zeroed, in each layer's parameters
-        # (paid for beside the weights), and the adapters known to the engine.
-        self.lora_store, lora_bytes = None, 0
+        # LoRA (jaxserve/lora/): the adapters' device slots, zeroed, in each layer's parameters,
+        # and the adapters known to the engine. Allocated before the cache plan reads the
+        # device's free memory, so the KV budget already leaves them out.
+        self.lora_store = None
         if config.lora is not None:
             self.lora_store = AdapterStore(self.cfg, config.lora)
-            lora_bytes = lora_weights.slot_bytes(self.cfg, config.lora, self.dtype)
             self.params = params = lora_weights.attach(params, self.cfg, config.lora, self.dtype, device)
         # A proposer's cache on the target's block tables (MTP, EAGLE3) is sized with it.
-        plan = plan_caches(config, self.cache_specs, list(proposer.cache_specs),
-                           proposer.weight_bytes + lora_bytes,
+        plan = plan_caches(config, self.cache_specs, list(proposer.cache_specs), proposer.weight_bytes,
                            self.max_blocks_per_seq, device, num_blocks)
         self.num_blocks, self.num_slots = plan.num_blocks, plan.num_slots
         self.num_cached_states, self.num_state_snapshots = plan.num_cached_states, plan.num_state_snapshots
