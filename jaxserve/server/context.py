@@ -82,6 +82,10 @@ class ServerContext:
                            param="model", code="model_not_found")
         return lora
 
+    def response_model(self, lora) -> str:
+        """The `model` a response carries: the adapter's name, else the first served name."""
+        return lora.lora_name if lora is not None else self.model_name
+
     async def in_tokenizer_thread(self, fn: Callable, *args, **kwargs):
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self.tokenizer_pool, lambda: fn(*args, **kwargs))

@@ -124,8 +124,8 @@ async def create_chat_completion(ctx: ServerContext, request, req: ChatCompletio
     request_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     stream = ChatStream(
-        ctx, req, plan, request_id=request_id, model=ctx.model_name, created=created, n=req.n,
+        ctx, req, plan, request_id=request_id, model=ctx.response_model(lora), created=created, n=req.n,
         include_usage=include_usage) if req.stream else None
     return await run_generation(ctx, request, request_id, [(prompt.token_ids, prompt.text)], [params],
-                                stream, lambda outputs: chat_body(ctx, req, plan, request_id, created, outputs),
-                                lora)
+                                stream, lambda outputs: {**chat_body(ctx, req, plan, request_id, created, outputs),
+                                                         "model": ctx.response_model(lora)}, lora)

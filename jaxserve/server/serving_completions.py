@@ -103,8 +103,9 @@ async def create_completion(ctx: ServerContext, request, req: CompletionRequest)
     echo = _Echo(ctx, req, prompts)
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     stream = CompletionStream(
-        ctx, req, echo, request_id=request_id, model=ctx.model_name, created=created, n=req.n,
+        ctx, req, echo, request_id=request_id, model=ctx.response_model(lora), created=created, n=req.n,
         include_usage=include_usage) if req.stream else None
     return await run_generation(
         ctx, request, request_id, [(p.token_ids, p.text) for p in prompts], params, stream,
-        lambda outputs: completion_body(ctx, req, echo, request_id, created, outputs), lora)
+        lambda outputs: {**completion_body(ctx, req, echo, request_id, created, outputs),
+                         "model": ctx.response_model(lora)}, lora)

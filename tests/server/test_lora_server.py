@@ -65,6 +65,7 @@ def test_greedy_ids_per_model_match_peft(client, model):
         assert r.status_code == 200, r.text
         tokens = r.json()["choices"][0]["logprobs"]["tokens"]
         assert [int(t.split(":")[1]) for t in tokens] == want
+        assert r.json()["model"] == model           # vLLM's: the adapter's name
 
 
 def test_unknown_adapter_is_404_and_bad_path_400_and_the_server_goes_on(client, tmp_path):
@@ -93,6 +94,15 @@ def test_load_use_and_unload_at_run_time(client):
     assert r.status_code == 400          # already loaded
     assert client.post("/v1/unload_lora_adapter", json={"lora_name": "sql2"}).status_code == 200
     assert _complete(client, "sql2", GOLDENS["prompts"][0]).status_code == 404
+
+
+def test_a_stream_names_the_adapter(client):
+    with client.stream("POST", "/v1/completions", json={
+            "model": "chat", "prompt": GOLDENS["prompts"][0], "max_tokens": 3, "temperature": 0,
+            "stream": True}) as r:
+        assert r.status_code == 200
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert events and all(e["model"] == "chat" for e in events)
 
 
 def test_lora_modules_parse_both_forms():
