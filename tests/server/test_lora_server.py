@@ -112,3 +112,33 @@ def test_lora_modules_parse_both_forms():
         lora_module("nopath")
     with pytest.raises(argparse.ArgumentTypeError, match="base_model_name"):
         lora_module('{"name": "a"}')
+
+
+def test_lora_modules_need_enable_lora_and_a_bad_one_stops_the_start(tmp_path):
+    from jaxserve.engine.checks import StartupError
+    from jaxserve.server.startup import lora_modules
+
+    args = argparse.Namespace(enable_lora=False, lora_modules=[lora_module(f"sql={GOLDEN}/sql")])
+    with pytest.raises(StartupError, match="--enable-lora"):
+        lora_modules(None, args, ("base",))
+
+    class Engine:        # refuses every adapter, as the real one does a bad directory
+        def add_lora(self, lora):
+            raise ValueError(f"LoRA adapter {lora.lora_path}: no adapter_config.json there")
+
+    args = argparse.Namespace(enable_lora=True, lora_modules=[lora_module(f"bad={tmp_path}")])
+    with pytest.raises(StartupError, match="--lora-modules bad: .*adapter_config.json"):
+        lora_modules(Engine(), args, ("base",))
+    assert lora_modules(Engine(), argparse.Namespace(enable_lora=True), ("base",)).names == []
+
+
+def test_serve_parses_vllms_lora_flags():
+    from jaxserve.cli import build_parser
+    from jaxserve.engine.args import engine_kwargs
+
+    args = build_parser().parse_args(
+        ["serve", "m", "--enable-lora", "--lora-modules", "a=/x", '{"name": "b", "path": "/y"}',
+         "--lora-modules", "c=/z", "--max-loras", "3", "--max-lora-rank", "32", "--max-cpu-loras", "5"])
+    assert [m["name"] for m in args.lora_modules] == ["a", "b", "c"]
+    kw = engine_kwargs(args)
+    assert (kw["enable_lora"], kw["max_loras"], kw["max_lora_rank"], kw["max_cpu_loras"]) == (True, 3, 32, 5)
