@@ -22,7 +22,8 @@ shapes, so adapters coming and going never recompile); the sort, counts and unso
 small XLA ops on [T] ids and the [T, N] result.
 
 Implementations: "pallas" (the above; interpret mode on CPU), "xla" (the reference: a masked
-dense pass per slot, in f32), "auto" = "pallas" on a GPU, else "xla".
+dense pass per slot, in f32), "auto" = "pallas" on a GPU, else "xla". The grouped kernel
+tiles K and N by 16: a projection whose width is not a multiple of 16 takes "xla".
 """
 
 from __future__ import annotations
@@ -74,6 +75,6 @@ def lora_delta(x_TK, a_LKR, b_LRN, slots_T, *, impl: str = "auto", interpret: bo
     """Each token's adapter update f[T, N] (module doc); impl "auto" | "pallas" | "xla"."""
     _validate(x_TK, a_LKR, b_LRN, slots_T)
     impl, on_gpu = resolve_impl(impl)
-    if impl == "xla":
+    if impl == "xla" or x_TK.shape[1] % 16 or b_LRN.shape[2] % 16 or a_LKR.shape[2] % 16:
         return ref_lora_delta(x_TK, a_LKR, b_LRN, slots_T)
     return _sgmv(x_TK, a_LKR, b_LRN, slots_T, (not on_gpu) if interpret is None else interpret)

@@ -60,3 +60,14 @@ def test_bad_shapes_name_the_operand():
         lora_delta(jnp.asarray(x), a, b, slots[:1], impl="xla")
     with pytest.raises(ValueError, match="a_LKR"):
         lora_delta(jnp.asarray(x), a[:, :8], b, slots, impl="xla")
+
+
+def test_widths_the_kernel_cannot_tile_take_the_reference():
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((5, 24)).astype(np.float32)
+    a = rng.standard_normal((3, 24, 16)).astype(np.float32)
+    b = rng.standard_normal((3, 16, 40)).astype(np.float32)
+    slots = np.array([0, 1, 2, 1, 0], np.int32)
+    got = np.asarray(lora_delta(jnp.asarray(x), a, b, slots, impl="pallas", interpret=True))
+    np.testing.assert_allclose(got, _per_token(x, a * (np.arange(3) > 0)[:, None, None], b, slots),
+                               rtol=1e-4, atol=1e-4)
