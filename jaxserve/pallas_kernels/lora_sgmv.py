@@ -67,7 +67,9 @@ def _sgmv(x_TK, a_LKR, b_LRN, slots_T, interpret):
     x_sorted = x_TK[order_T]
     h_TR = grouped_matmul(x_sorted, a_LKR.astype(x_TK.dtype), sizes_L, impl="pallas", interpret=interpret)
     y_TN = grouped_matmul(h_TR, b_LRN.astype(x_TK.dtype), sizes_L, impl="pallas", interpret=interpret)
-    return jnp.zeros_like(y_TN).at[order_T].set(y_TN)
+    # back to token order by a gather (the [T] inverse permutation is the only scatter)
+    rank_T = jnp.zeros_like(order_T).at[order_T].set(jnp.arange(order_T.shape[0], dtype=order_T.dtype))
+    return y_TN[rank_T]
 
 
 @functools.partial(jax.jit, static_argnames=("impl", "interpret"))
