@@ -178,3 +178,19 @@ def test_startup_block_states_the_slots_bytes():
     lines = startup_lines(EngineConfig(model=CFG, lora=lora), 10, 4, 100, on_cpu=True)
     assert any(line.startswith("LoRA: 2 adapter slots of rank 8") and "3 adapters cached" in line
                for line in lines)
+
+
+def test_cpu_cache_keeps_max_cpu_loras_adapters_and_reads_others_again():
+    from jaxserve.lora.store import AdapterStore
+
+    store = AdapterStore(CFG, LoRAConfig(max_loras=1, max_lora_rank=16, max_cpu_loras=1))
+    sql = LoRARequest("sql", 1, os.path.join(GOLDEN, "sql"))
+    chat = LoRARequest("chat", 2, os.path.join(GOLDEN, "chat"))
+    store.check(sql)
+    store.check(chat)                 # evicts sql from the host cache
+    assert store.num_disk_loads == 2
+    store.get(2)
+    assert store.num_disk_loads == 2  # cached
+    assert store.get(1).name == "sql" and store.num_disk_loads == 3
+    with pytest.raises(ValueError, match="already 'sql'"):
+        store.register(LoRARequest("other", 1, os.path.join(GOLDEN, "chat")))
