@@ -7,7 +7,7 @@ _os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 _os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "__version__"]
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "LoRARequest", "__version__"]
 
 
 def __getattr__(name):
@@ -18,6 +18,9 @@ def __getattr__(name):
     if name == "SamplingParams":
         from jaxserve.sampling_params import SamplingParams
         return SamplingParams
+    if name == "LoRARequest":
+        from jaxserve.lora.request import LoRARequest
+        return LoRARequest
     if name in ("RequestOutput", "CompletionOutput"):
         from jaxserve import outputs
         return getattr(outputs, name)

@@ -163,6 +163,24 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class LoRAConfig:
+    """Multi-LoRA (jaxserve/lora/): vLLM's --max-loras, --max-lora-rank, --max-cpu-loras."""
+    max_loras: int = 1          # adapters resident on the device at once (distinct in one step)
+    max_lora_rank: int = 16     # the largest rank an adapter's module may have
+    max_cpu_loras: int | None = None   # adapters kept loaded on the host (None: max_loras)
+
+    def __post_init__(self):
+        _check(self.max_loras >= 1, "max_loras", ">= 1", self.max_loras)
+        _check(1 <= self.max_lora_rank <= 512, "max_lora_rank", "in [1, 512]", self.max_lora_rank)
+        _check(self.max_cpu_loras is None or self.max_cpu_loras >= self.max_loras, "max_cpu_loras",
+               f">= max_loras ({self.max_loras})", self.max_cpu_loras)
+
+    @property
+    def cpu_capacity(self) -> int:
+        return self.max_loras if self.max_cpu_loras is None else self.max_cpu_loras
+
+
+@dataclass(frozen=True)
 class ParallelConfig:
     tensor_parallel_size: int = 1
     expert_parallel_size: int = 1
@@ -189,6 +207,7 @@ class EngineConfig:
                                          # (compiling.ProgramStore; None: not kept)
     kernel_plan: KernelPlan = KernelPlan()  # the kernels to run (pallas_kernels/policy.py)
     speculative: Any = None              # spec_decode.config.SpeculativeConfig, or None: off
+    lora: LoRAConfig | None = None       # multi-LoRA (jaxserve/lora/); None: off
 
     @property
     def num_speculative_tokens(self) -> int:
@@ -203,6 +222,9 @@ class EngineConfig:
         if self.speculative is not None and self.scheduler.num_scheduler_steps > 1:
             raise ValueError("num_scheduler_steps must be 1 with speculative decoding (a "
                              f"verifying step is one step); got {self.scheduler.num_scheduler_steps}")
+        if self.lora is not None and self.speculative is not None:
+            raise ValueError("enable_lora with speculative decoding is not supported yet: the "
+                             "draft would propose without the request's adapter; turn one off")
 
     def replace(self, **changes) -> "EngineConfig":
         return dataclasses.replace(self, **changes)

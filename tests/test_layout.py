@@ -138,6 +138,9 @@ MUST_NOT_IMPORT = {
     "server": {"bench", "train_draft"},
     # text-only parsers, read by the server and the offline LLM.chat
     "parsers": ABOVE_MODELS | {"models", "models.loaders", "core", "pallas_kernels", "sharding"},
+    # adapters' files, slots and requests: below the engine, beside core (which reads its
+    # LoRARequest and slot bookkeeping)
+    "lora": ABOVE_MODELS | {"models", "models.loaders", "core", "sharding"},
 }
 
 

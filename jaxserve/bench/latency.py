@@ -48,6 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=int, default=0, help="top-k sampling (0: off)")
     g.add_argument("--temperature", type=float, default=1.0,
                    help="every request's temperature (0: greedy, as the hf baseline decodes)")
+    g.add_argument("--lora-adapters", type=int, default=0, metavar="N",
+                   help="with --enable-lora: N random adapters of rank --max-lora-rank on every "
+                        "projection, the requests spread over them in turn (0: the base model)")
     g.add_argument("--device-only-iters", type=int, default=20,
                    help="back-to-back replays of one decode step (0: skip)")
     g.add_argument("--engine-defaults", action="store_true",
@@ -68,17 +71,19 @@ def build_parser() -> argparse.ArgumentParser:
 _ids = itertools.count()
 
 
-def generate_once(engine, requests, params) -> tuple[float, float | None]:
-    """Run `requests` to completion on the engine's own step loop.
-    Returns (seconds, seconds until the first token of any request)."""
+def generate_once(engine, requests, params, loras=()) -> tuple[float, float | None]:
+    """Run `requests` to completion on the engine's own step loop (request i on adapter
+    loras[i % len(loras)], if any). Returns (seconds, seconds until the first token of any
+    request)."""
     from jaxserve.sampling_params import SamplingParams
 
     rids = []
     t0 = time.perf_counter()
-    for r in requests:
+    for i, r in enumerate(requests):
         rid = f"bench-{next(_ids)}"
         engine.add_request(rid, r.prompt_token_ids,
-                           SamplingParams(**{**params, "max_tokens": r.output_len}))
+                           SamplingParams(**{**params, "max_tokens": r.output_len}),
+                           lora_request=loras[i % len(loras)] if loras else None)
         rids.append(rid)
     first = None
     while engine.has_unfinished_requests():
@@ -88,14 +93,14 @@ def generate_once(engine, requests, params) -> tuple[float, float | None]:
     return time.perf_counter() - t0, first
 
 
-def bench_batch(llm, batch: int, args, bar=None) -> dict:
+def bench_batch(llm, batch: int, args, bar=None, loras=()) -> dict:
     engine = llm.engine
     cfg = engine.config.model
     vocab = cfg.vocab_size
     params = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, ignore_eos=True)
     reqs = lambda seed: random_requests(batch, args.input_len, args.output_len, vocab, seed=seed)  # noqa: E731
     for i in range(args.num_iters_warmup):
-        generate_once(engine, reqs(1000 + i), params)
+        generate_once(engine, reqs(1000 + i), params, loras)
         if bar is not None:
             bar.update(1)
     timer = StepTimer(engine)
@@ -103,7 +108,7 @@ def bench_batch(llm, batch: int, args, bar=None) -> dict:
     baseline = getattr(args, "baseline", None) == "hf"   # (callers building args by hand may omit it)
     try:
         for i in range(args.num_iters):
-            seconds, first = generate_once(engine, reqs(i), params)
+            seconds, first = generate_once(engine, reqs(i), params, loras)
             latencies.append(seconds)
             firsts.append(first)
             if baseline:     # (in a subprocess: no engine step runs meanwhile)
@@ -172,7 +177,11 @@ def startup_row(build_s: float, before_build: float | None, first_token_s: float
 
 
 def main(argv: list[str]) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.lora_adapters and (not args.enable_lora or args.lora_adapters > args.max_loras):
+        parser.error(f"--lora-adapters {args.lora_adapters} needs --enable-lora and --max-loras >= "
+                     f"{args.lora_adapters} (all of them in one step)")
     before_build = seconds_since_process_start()
     block = args.block_size
     max_len = -(-(args.input_len + args.output_len) // block) * block
@@ -194,8 +203,14 @@ def main(argv: list[str]) -> int:
         from tqdm.auto import tqdm
         bar = tqdm(total=len(args.batch_size) * (args.num_iters + args.num_iters_warmup),
                    desc="latency iterations", dynamic_ncols=True)
+    loras = []
+    if args.lora_adapters:
+        import tempfile
+        from jaxserve.lora.synthetic import random_adapters
+        loras = random_adapters(tempfile.mkdtemp(prefix="jaxserve-lora-"), llm.engine.config.model,
+                                args.lora_adapters, args.max_lora_rank)
     try:
-        rows = [bench_batch(llm, b, args, bar) for b in args.batch_size]
+        rows = [bench_batch(llm, b, args, bar, loras) for b in args.batch_size]
     finally:
         if bar is not None:
             bar.close()
@@ -205,7 +220,8 @@ def main(argv: list[str]) -> int:
                          "max_model_len": llm.engine.config.scheduler.max_model_len,
                          "max_num_seqs": llm.engine.config.scheduler.max_num_seqs,
                          "num_kv_blocks": llm.engine.runner.num_blocks,
-                         "memory": memory_fields(llm.engine.runner)},
+                         "memory": memory_fields(llm.engine.runner),
+                         "lora_adapters": args.lora_adapters},
               "startup": startup, "results": rows}
     report.print_table("start-up", [startup])
     if result["engine"]["memory"] is not None:

@@ -9,6 +9,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from jaxserve.lora.request import LoRARequest
 from jaxserve.sampling_params import SamplingParams
 
 
@@ -51,6 +52,7 @@ class Request:
     seed: int = 0                            # sampling seed (random when the user gave none)
     first_token_time: float | None = None
     error: str | None = None
+    lora_request: LoRARequest | None = None  # its adapter (None: the base model)
 
     @property
     def num_prompt_tokens(self) -> int:

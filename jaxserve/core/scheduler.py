@@ -49,6 +49,7 @@ from jaxserve.config import CacheConfig, SchedulerConfig
 from jaxserve.core.kv_cache.manager import KVCacheManager
 from jaxserve.core.kv_cache.specs import PagedSpec
 from jaxserve.core.request import Request, RequestStatus
+from jaxserve.lora.slots import LoRASlots
 from jaxserve.core.step_messages import (NewRequestData, RunnerOutput, ScheduledRequest,
                                     SchedulerOutput)
 
@@ -91,7 +92,7 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, cache: CacheConfig, num_blocks: int,
                  step_sizes: tuple[int, ...] = (), cache_specs=None, num_slots: int = 0,
                  num_cached_states: int = 0, num_lookahead_tokens: int = 0,
-                 state_snapshots: bool = False):
+                 state_snapshots: bool = False, max_loras: int = 0):
         """step_sizes: the token counts the runner pads a step to (its buckets), if any; a
         step that would spill a little past one is cut to end there (see _fit). cache_specs:
         the model's per-layer specs (default: plain paged K/V). num_slots: state slots, of
@@ -122,6 +123,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self._finished_ids: list[str] = []       # for the next step's finished_req_ids
         self._unsent: set[str] = set()           # running requests the runner does not hold
+        self.lora_slots = LoRASlots(max_loras)   # running requests' adapters: max_loras at once
         self._in_flight: deque[_ScheduledStep] = deque()     # oldest first
         # Counters (cumulative) for metrics.
         self.prefix_queries = 0     # prompt tokens looked up in the prefix cache
@@ -135,6 +137,7 @@ class Scheduler:
         if req.request_id in self.requests:
             raise ValueError(f"request_id {req.request_id!r} is already in use")
         self.requests[req.request_id] = req
+        self.kv.salt_blocks(req.request_id, req.lora_request and req.lora_request.cache_salt)
         self.waiting.append(req)
 
     def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
@@ -157,6 +160,7 @@ class Scheduler:
         return len(self.requests)
 
     def _drop_from_runner(self, req: Request) -> None:
+        self.lora_slots.drop(req.request_id)     # (only running requests hold a LoRA slot)
         if req.request_id in self._unsent:
             self._unsent.discard(req.request_id)
         else:
@@ -205,6 +209,7 @@ class Scheduler:
         added: dict[str, list[list[int]]] = {}      # running requests' new ids per group
         preempted: list[str] = []
         state_loads: list[tuple[int, int]] = []
+        skipped: list[Request] = []       # waiting on a LoRA slot: the others may go first
         steps = self._num_steps()
 
         i = 0
@@ -237,6 +242,9 @@ class Scheduler:
         while (self.waiting and budget > 0 and not preempted
                and len(self.running) < self.config.max_num_seqs):
             req = self.waiting[0]
+            if (lora := req.lora_request) and not self.lora_slots.can_acquire(lora.lora_int_id):
+                skipped.append(self.waiting.popleft())     # max_loras adapters are running
+                continue
             # Prompt logprobs need every prompt position's logits: no cache hits for those.
             wants_prompt_lp = req.sampling_params.prompt_logprobs is not None
             hits = (self.kv.prefix_hits(req.request_id, req.all_token_ids)
@@ -250,6 +258,7 @@ class Scheduler:
             if self.kv.free_blocks_after_hits(hits) - need < reserve:
                 break
             self.waiting.popleft()
+            self.lora_slots.take(req.request_id, lora)    # (written before the step if new)
             load = self.kv.admit(req.request_id, hits, end)
             if load is not None:          # a hybrid hit: its saved state into its slot first
                 state_loads.append(load)
@@ -265,6 +274,7 @@ class Scheduler:
             chunks.append((req, n))
             budget -= n
 
+        self.waiting.extendleft(reversed(skipped))
         chunks = self._fit(chunks, self.config.max_num_batched_tokens - budget)
         new_requests, scheduled, state_saves = [], [], []
         for req, n in chunks:
@@ -273,7 +283,7 @@ class Scheduler:
                 self._unsent.discard(rid)
                 new_requests.append(NewRequestData(
                     rid, list(req.prompt_token_ids), list(req.output_token_ids),
-                    req.sampling_params, req.seed, req.eos_token_ids))
+                    req.sampling_params, req.seed, req.eos_token_ids, self.lora_slots.slot_for(rid)))
             new_ids = added.get(rid) if rid in added else self.kv.group_block_ids(rid)
             scheduled.append(sched := self._advance(req, n, new_ids, steps))
             if rid in self._restores:         # before the step: its state as before the drafts
@@ -291,10 +301,10 @@ class Scheduler:
             finished, self._finished_ids = self._finished_ids, []
             self._in_flight.append(_ScheduledStep([req for req, _ in chunks], scheduled, set()))
         return SchedulerOutput(new_requests=new_requests, scheduled=scheduled,
-                               finished_req_ids=finished,
-                               num_tokens=sum(r.num_tokens for r in scheduled),
+                               finished_req_ids=finished, num_tokens=sum(r.num_tokens for r in scheduled),
                                preempted_ids=preempted, num_cached_tokens=cached_tokens,
-                               state_loads=state_loads, state_saves=state_saves)
+                               state_loads=state_loads, state_saves=state_saves,
+                               lora_loads=self.lora_slots.take_loads())
 
     def _advance(self, req: Request, n: int, new_ids: list[list[int]],
                  steps: int = 1) -> ScheduledRequest:

@@ -35,6 +35,8 @@ class StepInput:
     prev_token_rows: jax.Array | None = None  # i32[T] row of the previous step's output holding this
                                               # token (it was sampled there); -1: token_ids has it
     state_slots: jax.Array | None = None  # i32[S] state slot of each sequence (0: null slot)
+    lora_slots: jax.Array | None = None   # i32[T] LoRA slot of each token (0: no adapter;
+                                          # only when the engine serves adapters: lora/)
     # Only in a step that verifies drafts (spec_decode/): then logits_indices and sampling
     # have R = S + D rows, the D draft rows after the sequence rows.
     draft_token_ids: jax.Array | None = None  # i32[R] the draft each logits row verifies (-1: none)

@@ -28,6 +28,7 @@ class NewRequestData:
     sampling_params: SamplingParams
     seed: int                       # sampling seed (the engine picks one if the user gave none)
     eos_token_ids: tuple[int, ...]  # banned until min_tokens are generated
+    lora_slot: int = 0              # the device slot of its LoRA adapter (0: none; lora/slots.py)
 
 
 # A draft id standing for one a proposer made on the device after the step before, which the
@@ -74,6 +75,8 @@ class SchedulerOutput:
     # live slots copied into saved-state slots after it (chunks ending on a block boundary).
     state_loads: list[tuple[int, int]] = field(default_factory=list)
     state_saves: list[tuple[int, int]] = field(default_factory=list)
+    # LoRA slots to write before the step: (slot, adapter int id) (lora/slots.py)
+    lora_loads: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def req_ids(self) -> list[str]:

@@ -116,6 +116,22 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         "instead of tracing the model again)")
 
     add_parallel_arguments(parser)
+    add_lora_arguments(parser)
+
+
+def add_lora_arguments(parser: argparse.ArgumentParser) -> None:
+    """Multi-LoRA (jaxserve/lora/), vLLM's flags; the adapters to serve: --lora-modules
+    (server/args.py) or POST /v1/load_lora_adapter."""
+    g = parser.add_argument_group("LoRA adapters")
+    g.add_argument("--enable-lora", action="store_true",
+                   help="serve PEFT LoRA adapters beside the base model, mixed in one batch "
+                        "(dense llama-family models, one device, no speculative decoding)")
+    g.add_argument("--max-loras", type=int_at_least(1), default=1,
+                   help="adapters on the device at once: the distinct adapters of one step")
+    g.add_argument("--max-lora-rank", type=int_at_least(1), default=16,
+                   help="the largest rank an adapter's module may have (slots are this wide)")
+    g.add_argument("--max-cpu-loras", type=int_at_least(1), default=None,
+                   help="adapters kept loaded in host memory (default: --max-loras)")
 
 
 def add_parallel_arguments(parser: argparse.ArgumentParser) -> None:
@@ -209,6 +225,9 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         quantization=getattr(args, "quantization", None),
         data_parallel_size=getattr(args, "data_parallel_size", 1),
         tokenizer=getattr(args, "tokenizer", None),
+        enable_lora=getattr(args, "enable_lora", False), max_loras=getattr(args, "max_loras", 1),
+        max_lora_rank=getattr(args, "max_lora_rank", 16),
+        max_cpu_loras=getattr(args, "max_cpu_loras", None),
         # The engine carries one name; the server lists and accepts all of them.
         served_model_name=names[0] if names else None)
 

@@ -16,6 +16,7 @@ from jaxserve.config import EngineConfig
 from jaxserve.engine import builder
 from jaxserve.engine.llm_engine import EngineDeadError, EngineOverloadedError, LLMEngine
 from jaxserve.engine.stats_log import LOG_STATS_INTERVAL_S, StatsLogger
+from jaxserve.lora.request import LoRARequest
 from jaxserve.metrics import EngineMetrics
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams
@@ -32,6 +33,7 @@ class AddRequest:
     sampling_params: SamplingParams
     prompt: str | None
     arrival_time: float
+    lora_request: LoRARequest | None = None
 
 
 @dataclass(frozen=True)
@@ -97,8 +99,8 @@ class AsyncEngine:
         return self.engine.get_metrics()
 
     async def generate(self, prompt_token_ids: list[int], sampling_params: SamplingParams,
-                       request_id: str | None = None, prompt: str | None = None
-                       ) -> AsyncIterator[RequestOutput]:
+                       request_id: str | None = None, prompt: str | None = None,
+                       lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
         if not self.is_healthy:
             raise EngineDeadError(f"the engine has stopped: {self.dead_error!r}")
         limit = self.config.scheduler.max_num_seqs + self.config.scheduler.max_waiting_requests
@@ -115,7 +117,7 @@ class AsyncEngine:
             self._streams.pop(request_id, None)
             raise EngineDeadError(f"the engine has stopped: {self.dead_error!r}")
         self._commands.put(AddRequest(request_id, list(prompt_token_ids), sampling_params, prompt,
-                                      time.monotonic()))
+                                      time.monotonic(), lora_request))
         self._wake.set()
         finished = False
         # Delta outputs are each yielded (each holds only its own news); cumulative ones that
@@ -144,6 +146,14 @@ class AsyncEngine:
         self._commands.put(AbortRequest(request_id))
         self._wake.set()
 
+    def add_lora(self, lora: LoRARequest) -> None:
+        """Load and check an adapter (any thread: LLMEngine.add_lora touches only the adapter
+        store, which has its own lock). ValueError: it cannot be served."""
+        self.engine.add_lora(lora)
+
+    def remove_lora(self, int_id: int) -> None:
+        self.engine.remove_lora(int_id)
+
     def shutdown(self, timeout: float = 10.0) -> None:
         self._stopping = True
         self._wake.set()
@@ -171,7 +181,8 @@ class AsyncEngine:
                     continue
                 try:
                     self.engine.add_request(rid, cmd.prompt_token_ids, cmd.sampling_params,
-                                            prompt=cmd.prompt, arrival_time=cmd.arrival_time)
+                                            prompt=cmd.prompt, arrival_time=cmd.arrival_time,
+                                            lora_request=cmd.lora_request)
                 except Exception as e:
                     self._deliver(rid, e if isinstance(e, ValueError) else RuntimeError(str(e)))
             else:

@@ -20,7 +20,7 @@ import time
 
 import jax
 
-from jaxserve.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
+from jaxserve.config import CacheConfig, EngineConfig, LoRAConfig, ParallelConfig, SchedulerConfig
 from jaxserve.core.scheduler import Scheduler
 from jaxserve.engine import cpu_defaults, distributed
 from jaxserve.engine.data_parallel import DataParallelEngine
@@ -48,7 +48,8 @@ def build_engine(config: EngineConfig, params, tokenizer, family, model_name: st
                           step_sizes=tuple(runner.buckets), cache_specs=runner.cache_specs,
                           num_slots=runner.num_slots, num_cached_states=runner.num_cached_states,
                           state_snapshots=runner.num_state_snapshots > 0,
-                          num_lookahead_tokens=proposer.num_lookahead_tokens if proposer is not None else 0)
+                          num_lookahead_tokens=proposer.num_lookahead_tokens if proposer is not None else 0,
+                          max_loras=config.lora.max_loras if config.lora is not None else 0)
     return LLMEngine(config, tokenizer, runner, scheduler, proposer, model_name, startup_seconds)
 
 
@@ -70,7 +71,9 @@ def from_engine_args(model: str | None = None, *, dtype: str | None = None,
                      warmup_all: bool = False, program_cache: bool = False,
                      speculative_config: dict | str | None = None, quantization: str | None = None,
                      data_parallel_size: int = 1, devices: list | None = None,
-                     tokenizer: str | None = None) -> LLMEngine | DataParallelEngine:
+                     tokenizer: str | None = None, enable_lora: bool = False,
+                     max_loras: int = 1, max_lora_rank: int = 16,
+                     max_cpu_loras: int | None = None) -> LLMEngine | DataParallelEngine:
     """The engine for these options. data_parallel_size > 1: a DataParallelEngine of that
     many (engine/data_parallel.py). devices: the ones this engine runs on (default: the
     first tensor_parallel_size * expert_parallel_size)."""
@@ -97,6 +100,8 @@ def _data_parallel(model, data_parallel_size: int, options: dict) -> DataParalle
         raise ValueError("data_parallel_size > 1 with nnodes > 1 is not supported yet")
     if options["speculative_config"]:
         raise ValueError("speculative_config is not supported with data_parallel_size > 1 yet")
+    if options["enable_lora"]:
+        raise ValueError("enable_lora is not supported with data_parallel_size > 1 yet")
     tp, ep = options["tensor_parallel_size"], options["expert_parallel_size"]
     per, devices = tp * ep, jax.devices()
     if data_parallel_size * per > len(devices):
@@ -106,6 +111,17 @@ def _data_parallel(model, data_parallel_size: int, options: dict) -> DataParalle
             f"but only {len(devices)} are available")
     return DataParallelEngine([from_engine_args(model, devices=devices[i * per:(i + 1) * per], **options)
                                for i in range(data_parallel_size)])
+
+
+def _check_lora(cfg, family_name: str, mesh) -> None:
+    """What enable_lora serves: dense models of the llama family (Llama, Mistral, Qwen2/3) on
+    one device (EngineConfig refuses it with speculative decoding)."""
+    if family_name != "llama" or cfg.is_moe:
+        raise ValueError(f"enable_lora: LoRA adapters are served for dense llama-family models "
+                         f"(Llama, Mistral, Qwen2, Qwen3); {cfg.architecture} is not one")
+    if mesh is not None:
+        raise ValueError("enable_lora runs on one device; tensor_parallel_size and "
+                         "expert_parallel_size must be 1")
 
 
 def _default(value, gpu, cpu):
@@ -121,7 +137,7 @@ def _build(model, *, dtype, load_format, served_model_name, block_size, num_kv_b
            tensor_parallel_size,
            expert_parallel_size, seed, max_logprobs, attention_impl, fused_kernels, warmup,
            warmup_all, program_cache, speculative_config, quantization, tokenizer, devices,
-           device) -> LLMEngine:
+           device, enable_lora, max_loras, max_lora_rank, max_cpu_loras) -> LLMEngine:
     from jaxserve.models import loader, registry
     from jaxserve.models.loaders import default_model
 
@@ -148,8 +164,14 @@ def _build(model, *, dtype, load_format, served_model_name, block_size, num_kv_b
                          f"({cfg.max_position_embeddings}); got {max_model_len}")
     max_num_seqs = _default(max_num_seqs, 256, cpu_defaults.MAX_NUM_SEQS)
     max_num_batched_tokens = _default(max_num_batched_tokens, 2048, cpu_defaults.MAX_NUM_BATCHED_TOKENS)
-    kernel_plan = KernelPlan.resolve(fused_kernels, cfg, registry.get_family(cfg.architecture).name,
+    family_name = registry.get_family(cfg.architecture).name
+    kernel_plan = KernelPlan.resolve(fused_kernels, cfg, family_name,
                                      tensor_parallel_size * expert_parallel_size)
+    lora = None
+    if enable_lora:
+        lora = LoRAConfig(max_loras=max_loras, max_lora_rank=max_lora_rank, max_cpu_loras=max_cpu_loras)
+        _check_lora(cfg, family_name, mesh)
+        kernel_plan = kernel_plan.with_lora()
     config = EngineConfig(
         model=cfg,
         cache=CacheConfig(block_size=block_size, num_kv_blocks=num_kv_blocks,
@@ -168,7 +190,7 @@ def _build(model, *, dtype, load_format, served_model_name, block_size, num_kv_b
         parallel=parallel,
         dtype=dtype, seed=seed, max_logprobs=max_logprobs, attention_impl=attention_impl,
         kernel_plan=kernel_plan,
-        warmup=warmup, warmup_all=warmup_all, speculative=speculative,
+        warmup=warmup, warmup_all=warmup_all, speculative=speculative, lora=lora,
         # NOTE: off unless asked (the CLI does): a program is keyed on the package's
         # sources, so code changed in memory (a notebook's monkeypatch) would not be seen
         program_cache_dir=os.path.join(default_model.cache_dir(), "steps") if program_cache

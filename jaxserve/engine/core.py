@@ -57,7 +57,8 @@ class EngineCore:
     def add(self, req: EngineRequest) -> None:
         self.scheduler.add_request(Request(
             req.request_id, list(req.prompt_token_ids), req.sampling_params,
-            arrival_time=req.arrival_time, eos_token_ids=req.eos_token_ids, seed=req.seed))
+            arrival_time=req.arrival_time, eos_token_ids=req.eos_token_ids, seed=req.seed,
+            lora_request=req.lora_request))
 
     def finish(self, request_ids, status: RequestStatus) -> None:
         for rid in request_ids:

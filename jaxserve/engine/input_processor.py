@@ -10,6 +10,7 @@ import random
 from dataclasses import dataclass
 
 from jaxserve.config import EngineConfig
+from jaxserve.lora.request import LoRARequest
 from jaxserve.sampling_params import SamplingParams
 
 
@@ -24,6 +25,7 @@ class EngineRequest:
     eos_token_ids: tuple[int, ...]
     seed: int
     arrival_time: float
+    lora_request: LoRARequest | None = None   # its adapter (None: the base model)
 
 
 class InputProcessor:
@@ -62,11 +64,14 @@ class InputProcessor:
             self.grammars.check(params.structured_outputs)   # ValueError: invalid or too slow
 
     def process(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                arrival_time: float) -> list[EngineRequest]:
+                arrival_time: float, lora_request: LoRARequest | None = None) -> list[EngineRequest]:
         """The validated request's child requests (one unless n > 1)."""
         self.validate(prompt_token_ids, params)
+        if lora_request is not None and self.config.lora is None:
+            raise ValueError(f"lora_request {lora_request.lora_name!r}: this engine serves no "
+                             "adapters; start it with enable_lora=True (--enable-lora)")
         base_seed = params.seed if params.seed is not None else self._rng.getrandbits(31)
         ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
         prompt = tuple(prompt_token_ids)
         return [EngineRequest(child, request_id, i, prompt, params, self.eos_token_ids,
-                              base_seed + i, arrival_time) for i, child in enumerate(ids)]
+                              base_seed + i, arrival_time, lora_request) for i, child in enumerate(ids)]

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from jaxserve.engine import LLMEngine, builder
+from jaxserve.lora.request import LoRARequest
 from jaxserve.outputs import RequestOutput
 from jaxserve.parsers.reasoning import reasoning_parser as reasoning_parser_named
 from jaxserve.sampling_params import SamplingParams
@@ -40,6 +41,9 @@ class LLM:
         reasoning_parser: vLLM's name of the model's thinking format (deepseek_r1, qwen3, ...:
             jaxserve/parsers/reasoning.py): `chat` outputs then carry `reasoning` and
             `content` beside `text`, and a grammar constrains only the answer.
+        enable_lora, max_loras, max_lora_rank, max_cpu_loras: serve PEFT LoRA adapters
+            beside the base model (jaxserve/lora/); generate(..., lora_request=LoRARequest(
+            name, int_id, path)) picks one per call or per prompt.
     """
 
     def __init__(self, model: str | None = None, *, dtype: str | None = None,
@@ -79,7 +83,8 @@ class LLM:
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -93,13 +98,18 @@ class LLM:
         # Only finished outputs are returned, so the engine need not build the others.
         final = {id(p): p.clone(output_kind="final_only") for p in sampling_params}
         sampling_params = [final[id(p)] for p in sampling_params]
+        loras = (list(lora_request) if isinstance(lora_request, (list, tuple))
+                 else [lora_request] * len(prompts))
+        if len(loras) != len(prompts):
+            raise ValueError(f"lora_request must be one LoRARequest or one per prompt "
+                             f"({len(prompts)}); got {len(loras)}")
         encoded = [self._to_token_ids(p) for p in prompts]
         for (text, ids), params in zip(encoded, sampling_params):
             self.engine.validate_request(ids, params)   # fail before anything is queued
         ids_in_order = []
-        for (text, ids), params in zip(encoded, sampling_params):
+        for (text, ids), params, lora in zip(encoded, sampling_params, loras):
             rid = str(next(self._ids))
-            self.engine.add_request(rid, ids, params, prompt=text)
+            self.engine.add_request(rid, ids, params, prompt=text, lora_request=lora)
             ids_in_order.append(rid)
         return self._run(ids_in_order, use_tqdm)
 
@@ -107,7 +117,8 @@ class LLM:
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True,
              chat_template: str | None = None,
-             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+             chat_template_kwargs: dict[str, Any] | None = None,
+             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation or a list of them, then generate.
         `chat_template_kwargs` reach the template (`{"enable_thinking": False}`, ...). With the
         LLM's reasoning parser each output's `reasoning` and `content` are set."""
@@ -128,7 +139,7 @@ class LLM:
             keep_special = self.reasoning.needs_special_tokens(tok.is_special_token)
             sampling_params = [self._reasoning_params(p or SamplingParams(), encode, prompt["prompt"], kwargs,
                                                       keep_special) for p, prompt in zip(params, prompts)]
-        outputs = self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        outputs = self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
         if self.reasoning is not None:
             for prompt, out in zip(prompts, outputs):
                 for c in out.outputs:

@@ -16,6 +16,7 @@ from jaxserve.core.request import RequestStatus
 from jaxserve.core.scheduler import Scheduler
 from jaxserve.engine.core import EngineCore
 from jaxserve.engine.input_processor import InputProcessor
+from jaxserve.lora.request import LoRARequest
 from jaxserve.engine.output_processor import OutputProcessor
 from jaxserve.engine.startup_report import startup_lines
 from jaxserve.metrics import EngineMetrics
@@ -111,11 +112,14 @@ class LLMEngine:
         self.inputs.validate(prompt_token_ids, params)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    prompt: str | None = None, arrival_time: float | None = None) -> None:
+                    prompt: str | None = None, arrival_time: float | None = None,
+                    lora_request: LoRARequest | None = None) -> None:
         if request_id in self.outputs.groups:
             raise ValueError(f"request_id {request_id!r} is already in use")
         children = self.inputs.process(request_id, prompt_token_ids, params,
-                                       arrival_time or time.monotonic())
+                                       arrival_time or time.monotonic(), lora_request)
+        if lora_request is not None:     # read (and so checked) now, not in a step
+            self.add_lora(lora_request)
         taken = [c.request_id for c in children if c.request_id in self.outputs.samples
                  or c.request_id in self.scheduler.requests]
         if taken:
@@ -125,6 +129,19 @@ class LLMEngine:
             self.core.add(child)
         self.metrics.inc("prompt_tokens", len(prompt_token_ids))
         self._update_gauges()
+
+    def add_lora(self, lora: LoRARequest) -> None:
+        """Know an adapter, its weights read and checked now (ValueError if it cannot be
+        served); requests then name it by its LoRARequest."""
+        if self.runner.lora_store is None:
+            raise ValueError(f"adapter {lora.lora_name!r}: this engine serves no adapters; start "
+                             "it with enable_lora=True (--enable-lora)")
+        self.runner.lora_store.check(lora)
+
+    def remove_lora(self, int_id: int) -> None:
+        """Drop an adapter's host copy (requests still running on it finish with it)."""
+        if self.runner.lora_store is not None:
+            self.runner.lora_store.unregister(int_id)
 
     def abort_request(self, request_id: str) -> bool:
         children = self.outputs.remove(request_id)

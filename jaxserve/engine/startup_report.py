@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from jaxserve.config import EngineConfig
 from jaxserve.worker.memory_plan import MemoryReport
+from jaxserve.lora.weights import slot_bytes
 
 
 def _bytes(n: int) -> str:
@@ -51,4 +52,9 @@ def startup_lines(config: EngineConfig, num_blocks: int, block_size: int, bytes_
     lines.append("speculative decoding: off" if spec is None else
                  f"speculative decoding: on (method={spec.method}, "
                  f"num_speculative_tokens={spec.num_speculative_tokens})")
+    if config.lora is not None:     # (its slots were allocated before the KV budget was read)
+        lora = config.lora
+        lines.append(f"LoRA: {lora.max_loras} adapter slots of rank {lora.max_lora_rank}, "
+                     f"{_bytes(slot_bytes(config.model, lora, config.dtype))} on the device; "
+                     f"{lora.cpu_capacity} adapters cached on the host")
     return lines

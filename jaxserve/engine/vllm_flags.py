@@ -29,6 +29,7 @@ OURS = (
     "--enable-log-requests", "--max-log-len", "--disable-log-stats", "--return-tokens-as-token-ids",
     "--nnodes", "--node-rank", "--master-addr", "--master-port", "--reasoning-parser",
     "--default-chat-template-kwargs",
+    "--enable-lora", "--lora-modules", "--max-loras", "--max-lora-rank", "--max-cpu-loras",
 )
 
 
@@ -70,7 +71,9 @@ def _by_value(name, value, noop_values, noop, refused):
 
 
 _LOCAL = "models load from a local path (nothing is downloaded from a hub), as they are on disk"
-_LORA = "LoRA adapters are not implemented; merge the adapter into the weights and serve that"
+_LORA = ("not supported: jaxserve's LoRA runs adapters on one device in the model's dtype over "
+         "the base vocabulary (--enable-lora, --lora-modules, --max-loras, --max-lora-rank and "
+         "--max-cpu-loras are supported)")
 _MM = "multimodal inputs are not implemented (text models only)"
 _CORS = "CORS headers are not implemented; put a proxy that adds them in front of jaxserve"
 _TLS = "TLS is not implemented; put a TLS-terminating proxy in front of jaxserve"
@@ -180,11 +183,6 @@ VLLM_FLAGS: tuple[VllmFlag, ...] = (
     _noop("--tokenizer-pool-type", _TOKENIZER_POOL, "TYPE"),
     _noop("--tokenizer-pool-extra-config", _TOKENIZER_POOL, "JSON"),
     # LoRA, prompt adapters, multimodal
-    _refused("--enable-lora", _LORA),
-    _refused("--lora-modules", _LORA, "NAME=PATH"),
-    _refused("--max-loras", _LORA, "N"),
-    _refused("--max-lora-rank", _LORA, "N"),
-    _refused("--max-cpu-loras", _LORA, "N"),
     _refused("--lora-extra-vocab-size", _LORA, "N"),
     _refused("--lora-dtype", _LORA, "DTYPE"),
     _refused("--long-lora-scaling-factors", _LORA, "FACTORS"),

@@ -33,6 +33,7 @@ from jaxserve.core.kv_cache.specs import PagedSpec
 from jaxserve.models import layers, moe
 from jaxserve.models.attention import AttentionBackend, AttentionPlan
 from jaxserve.pallas_kernels.grouped_matmul import MAX_WEIGHT_ELEMENTS
+from jaxserve.pallas_kernels.lora_sgmv import lora_delta
 from jaxserve.pallas_kernels.policy import KernelPlan
 from jaxserve.core.step_input import StepInput
 
@@ -49,6 +50,7 @@ def attention_block(cfg: ModelConfig, lp: dict, kv: dict, h_TD: jax.Array, x: St
         qkv = layers.project(h_TD, lp, "wqkv")
         if cfg.attention_bias:
             qkv = qkv + lp["bqkv"]
+        qkv = adapted(kernels, lp, "wqkv", h_TD, qkv, x)
         q, k, v = jnp.split(qkv, [n * e, (n + kh) * e], axis=-1)
     else:
         q, k, v = (layers.linear(h_TD, lp[w]) for w in ("wq", "wk", "wv"))
@@ -58,10 +60,26 @@ def attention_block(cfg: ModelConfig, lp: dict, kv: dict, h_TD: jax.Array, x: St
         q.reshape(t, n, e), k.reshape(t, kh, e), v.reshape(t, kh, e), x.positions, x.slot_mapping,
         kv["k"], kv["v"], inv_freq, lp.get("q_norm"), lp.get("k_norm"))
     o_TNE = kernels.attention(q_TNE, k_cache, v_cache, x)
-    return {"k": k_cache, "v": v_cache}, layers.project(o_TNE.reshape(t, n * e), lp, "wo")
+    o_TD = o_TNE.reshape(t, n * e)
+    return {"k": k_cache, "v": v_cache}, adapted(kernels, lp, "wo", o_TD, layers.project(o_TD, lp, "wo"), x)
 
 
-def dense_mlp(lp: dict, h_TD: jax.Array) -> jax.Array:
+def adapted(kernels: "Kernels", lp: dict, name: str, in_TK: jax.Array, out_TN: jax.Array,
+            x: StepInput) -> jax.Array:
+    """A fused projection's output plus each token's LoRA update (Kernels.lora_impl set: the
+    layers carry the adapters' slot arrays, lp["lora"][name], lora/weights.py)."""
+    if kernels.lora_impl is None:
+        return out_TN
+    w = lp["lora"][name]
+    return out_TN + lora_delta(in_TK, w["a"], w["b"], x.lora_slots, impl=kernels.lora_impl).astype(out_TN.dtype)
+
+
+def dense_mlp(lp: dict, h_TD: jax.Array, kernels: "Kernels | None" = None, x: StepInput | None = None) -> jax.Array:
+    if kernels is not None and kernels.lora_impl is not None:    # fused gate|up (fuse_projections)
+        gate_up = adapted(kernels, lp, "w_gate_up", h_TD, layers.project(h_TD, lp, "w_gate_up"), x)
+        gate, up = jnp.split(gate_up, 2, axis=-1)
+        act = jax.nn.silu(gate) * up
+        return adapted(kernels, lp, "w_down", act, layers.project(act, lp, "w_down"), x)
     if "w_gate_up_t" in lp:
         gate, up = jnp.split(layers.project(h_TD, lp, "w_gate_up"), 2, axis=-1)
     else:
@@ -132,6 +150,8 @@ class Kernels:
     linear: bool = False       # dense layers and the LM head through fused_linear (fused_stack)
     fused_moe: bool = False    # small steps' routed experts through pallas_kernels/moe_decode.py
     kernel_plan: KernelPlan = KernelPlan()   # the engine's plan (which steps and projections fuse)
+    lora_impl: str | None = None   # LoRA adapters' updates through lora_sgmv with this impl
+                                   # (KernelPlan.lora); None: the layers carry no adapters
 
     @property
     def moe_impl(self) -> str:
@@ -147,6 +167,14 @@ def make_kernels(cfg: ModelConfig, backend: "AttentionBackend | str" = "xla",
     which fused kernels to swap in (pallas_kernels/policy.py)."""
     if isinstance(backend, str):
         backend = AttentionBackend(cfg, backend, context=cfg.max_position_embeddings, itemsize=2)
+    kernels = _make_kernels(cfg, backend, plan, kernel_plan)
+    if kernel_plan.lora:
+        return dataclasses.replace(kernels, lora_impl=backend.impl)
+    return kernels
+
+
+def _make_kernels(cfg: ModelConfig, backend: AttentionBackend, plan: AttentionPlan,
+                  kernel_plan: KernelPlan) -> Kernels:
     fused = frozenset(kernel_plan.fused)
     impl = backend.impl
     fused_moe = "moe" in fused and impl == "pallas"
@@ -259,7 +287,7 @@ def forward(cfg: ModelConfig, params: dict, caches: Caches, x: StepInput,
     return decoder_stack(
         params, caches, x, kernels,
         attention=lambda lp, kv, h: attention_block(cfg, lp, kv, h, x, inv_freq, kernels),
-        mlp=lambda lp, h: moe.moe_mlp(cfg, lp, h, kernels.moe_impl) if cfg.is_moe else dense_mlp(lp, h),
+        mlp=lambda lp, h: moe.moe_mlp(cfg, lp, h, kernels.moe_impl) if cfg.is_moe else dense_mlp(lp, h, kernels, x),
         aux_layers=aux_layers)
 
 

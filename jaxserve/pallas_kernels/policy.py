@@ -115,6 +115,7 @@ class KernelPlan:
     fused: tuple[str, ...] = ()   # the fused kernels switched on (FUSABLE names, as given)
     fused_stack: bool = False     # "linear" is on and fused_stack_fits the model
     device: str = "cpu"           # the device kind the plan was made for (dispatch.device_kind)
+    lora: bool = False            # the layers carry LoRA slots (lora_sgmv.py on each projection)
 
     @property
     def cheap_branches(self) -> bool:
@@ -153,6 +154,12 @@ class KernelPlan:
         """This plan less some fused kernels (a family whose own blocks replace them)."""
         kept = tuple(n for n in self.fused if n not in names)
         return dataclasses.replace(self, fused=kept, fused_stack=self.fused_stack and "linear" in kept)
+
+    def with_lora(self) -> KernelPlan:
+        """This plan for an engine serving LoRA adapters: the projections take each token's
+        adapter update (lora_sgmv.py), which the fused stack's kernels have no place for, so
+        "linear" is off."""
+        return dataclasses.replace(self.without("linear"), lora=True)
 
     def stack_takes(self, num_tokens: int) -> bool:
         """Whether a step of this many tokens runs through the fused stack."""

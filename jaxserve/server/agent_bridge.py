@@ -201,4 +201,4 @@ async def run_translated(ctx: ServerContext, request, run: ChatRun, request_id: 
                                           prompt.text)))
 
     return await run_generation(ctx, request, request_id, [(prompt.token_ids, prompt.text)], [run.params],
-                                stream, whole)
+                                stream, whole, run.lora)

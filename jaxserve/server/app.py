@@ -30,6 +30,7 @@ from jaxserve.server.http_metrics import RequestCounter, http_metrics_text
 from jaxserve.server.inputs import check_token_ids, render_chat
 from jaxserve.server.messages import count_tokens, create_message, in_anthropic_shape
 from jaxserve.server.messages_protocol import CountTokensRequest, MessagesRequest
+from jaxserve.server.lora_modules import install_lora_routes
 from jaxserve.server.openapi import install_openapi
 from jaxserve.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                       TokenizeRequest)
@@ -107,12 +108,15 @@ def build_app(ctx: ServerContext, open_paths: tuple[str, ...] = DEFAULT_OPEN_PAT
 
     @app.get("/v1/models")
     async def list_models():
-        return {"object": "list", "data": [_model_card(ctx, n) for n in ctx.served_model_names]}
+        adapters = ctx.lora.cards(ctx.created, ctx.max_model_len) if ctx.lora is not None else []
+        return {"object": "list", "data": [_model_card(ctx, n) for n in ctx.served_model_names] + adapters}
 
     @app.get("/v1/models/{model:path}")
     async def retrieve_model(model: str):
         ctx.check_model(model)
         return _model_card(ctx, model)
+
+    install_lora_routes(app, ctx, read_body)
 
     @app.post("/v1/completions")
     async def completions(request: Request):

@@ -12,6 +12,7 @@ import json
 from jaxserve.engine.arg_types import int_at_least
 from jaxserve.parsers.reasoning import REASONING_PARSERS
 from jaxserve.parsers.tools import TOOL_PARSERS
+from jaxserve.server.lora_modules import lora_module
 
 LOG_LEVELS = ["critical", "error", "warning", "info", "debug", "trace"]
 
@@ -64,6 +65,11 @@ def _json_object(text: str) -> dict:
 def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     add_frontend_arguments(parser)
     g = parser.add_argument_group("server")
+    g.add_argument("--lora-modules", nargs="+", action="extend", type=lora_module, default=None,
+                   metavar="NAME=PATH",
+                   help="LoRA adapters to serve (with --enable-lora), each NAME=PATH or vLLM's JSON "
+                        '{"name": ..., "path": ..., "base_model_name": ...}; a request picks one '
+                        "by its model; more at run time: POST /v1/load_lora_adapter"),
     g.add_argument("--host", default="127.0.0.1")
     g.add_argument("--port", type=int_at_least(0), default=8000)
     g.add_argument("--api-key", action="append", default=None,

@@ -35,6 +35,8 @@ class ServerContext:
     # --enable-log-requests: one log line per request, its prompt cut at --max-log-len
     log_requests: bool = False
     max_log_len: int | None = None
+    # LoRA adapters by name (--enable-lora; server/lora_modules.py), None: none served
+    lora: Any = None
     # NOTE: tokenizing and chat templates run here, off the event loop; one thread, so that
     # requests never tokenize concurrently with each other.
     tokenizer_pool: ThreadPoolExecutor = field(
@@ -85,12 +87,22 @@ class ServerContext:
         if it gives one, else --return-tokens-as-token-ids."""
         return self.return_tokens_as_token_ids if asked is None else asked
 
-    def check_model(self, name: str | None) -> None:
-        """A request may leave `model` out; if it names one, it must be one we serve."""
-        if name is not None and name not in self.served_model_names:
+    def check_model(self, name: str | None):
+        """A request may leave `model` out; if it names one, it must be one we serve: the base
+        model (None returned) or a LoRA adapter (its LoRARequest)."""
+        if name is None or name in self.served_model_names:
+            return None
+        lora = self.lora.get(name) if self.lora is not None else None
+        if lora is None:
+            served = list(self.served_model_names) + (self.lora.names if self.lora is not None else [])
             raise APIError(404, f"model {name!r} does not exist; this server serves "
-                                f"{', '.join(repr(n) for n in self.served_model_names)}",
+                                f"{', '.join(repr(n) for n in served)}",
                            param="model", code="model_not_found")
+        return lora
+
+    def response_model(self, lora) -> str:
+        """The `model` a response carries: the adapter's name, else the first served name."""
+        return lora.lora_name if lora is not None else self.model_name
 
     async def in_tokenizer_thread(self, fn: Callable, *args, **kwargs):
         loop = asyncio.get_running_loop()

@@ -50,8 +50,10 @@ class GenerationSet:
     """The engine requests of one HTTP request (one per prompt), merged into one queue."""
 
     def __init__(self, engine, request_id: str, prompts: list[tuple[list[int], str | None]],
-                 params: list[SamplingParams]):
+                 params: list[SamplingParams], lora_request=None):
         self.engine = engine
+        # (passed only when set: the engine's test doubles take no adapters)
+        self._lora = {"lora_request": lora_request} if lora_request is not None else {}
         self.request_ids = [request_id if len(prompts) == 1 else f"{request_id}-{i}"
                             for i in range(len(prompts))]
         self.latest: list[RequestOutput | None] = [None] * len(prompts)
@@ -61,7 +63,8 @@ class GenerationSet:
 
     async def _consume(self, index: int, token_ids, text, params) -> None:
         try:
-            async for out in self.engine.generate(token_ids, params, self.request_ids[index], prompt=text):
+            async for out in self.engine.generate(token_ids, params, self.request_ids[index], prompt=text,
+                                                  **self._lora):
                 self._queue.put_nowait((index, out))
         except Exception as e:   # handed to the route, which maps it to a status (cancellation passes)
             self._queue.put_nowait((index, e))

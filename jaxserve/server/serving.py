@@ -33,10 +33,10 @@ def log_request(ctx: ServerContext, request_id: str, token_ids: list[int], text:
 async def run_generation(ctx: ServerContext, request, request_id: str,
                          prompts: list[tuple[list[int], str | None]], params: list[SamplingParams],
                          stream: StreamFormatter | None,
-                         body: Callable[[list[RequestOutput]], dict]) -> Response:
+                         body: Callable[[list[RequestOutput]], dict], lora_request=None) -> Response:
     if stream is not None:    # a stream sends what is new: the engine hands out only that
         params = [p.clone(output_kind="delta") for p in params]
-    generation = GenerationSet(ctx.engine, request_id, prompts, params)
+    generation = GenerationSet(ctx.engine, request_id, prompts, params, lora_request)
     if ctx.log_requests:
         for rid, (ids, text), sp in zip(generation.request_ids, prompts, params):
             log_request(ctx, rid, ids, text, sp)

@@ -6,6 +6,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
+from jaxserve.lora.request import LoRARequest
 from jaxserve.outputs import CompletionOutput, RequestOutput
 from jaxserve.parsers.tools import tool_parser
 from jaxserve.server.context import ServerContext
@@ -167,11 +168,12 @@ class ChatRun:
     plan: ToolPlan
     prompt: PromptInput
     params: SamplingParams
+    lora: LoRARequest | None = None    # the adapter the request's `model` names (None: the base)
 
 
 async def prepare_chat(ctx: ServerContext, req: ChatCompletionRequest) -> ChatRun:
     check_request(req)
-    ctx.check_model(req.model)
+    lora = ctx.check_model(req.model)
     plan = tool_plan(ctx, req, structured_outputs(req))
     prompt = await ctx.in_tokenizer_thread(chat_prompt, ctx, req, plan.tools)
     structured = plan.structured
@@ -185,18 +187,19 @@ async def prepare_chat(ctx: ServerContext, req: ChatCompletionRequest) -> ChatRu
             ctx.reasoning_parser is not None and ctx.reasoning_parser.needs_special_tokens(ctx.tokenizer.is_special_token)):
         params = params.clone(skip_special_tokens=False)
     await check_compiles(ctx, params, "tools" if plan.mode in ("required", "named") else field_of(req))
-    return ChatRun(req, plan, prompt, params)
+    return ChatRun(req, plan, prompt, params, lora)
 
 
 async def create_chat_completion(ctx: ServerContext, request, req: ChatCompletionRequest):
     run = await prepare_chat(ctx, req)
-    plan, prompt, params = run.plan, run.prompt, run.params
+    plan, prompt, params, lora = run.plan, run.prompt, run.params, run.lora
     request_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     stream = ChatStream(
-        ctx, req, plan, prompt.text, prompt.token_ids, request_id=request_id, model=ctx.model_name,
-        created=created, n=req.n,
+        ctx, req, plan, prompt.text, prompt.token_ids, request_id=request_id,
+        model=ctx.response_model(lora), created=created, n=req.n,
         include_usage=include_usage) if req.stream else None
     return await run_generation(ctx, request, request_id, [(prompt.token_ids, prompt.text)], [params],
-                                stream, lambda outputs: chat_body(ctx, req, plan, request_id, created, outputs,
-                                                                   prompt.text))
+                                stream, lambda outputs: {**chat_body(ctx, req, plan, request_id, created,
+                                                                     outputs, prompt.text),
+                                                         "model": ctx.response_model(lora)}, lora)

@@ -103,7 +103,7 @@ def completion_body(ctx: ServerContext, req: CompletionRequest, echo: _Echo, req
 
 async def create_completion(ctx: ServerContext, request, req: CompletionRequest):
     check_request(req)
-    ctx.check_model(req.model)
+    lora = ctx.check_model(req.model)
     prompts = await ctx.in_tokenizer_thread(completion_prompts, ctx, req)
     params = [completion_sampling_params(ctx, req, p) for p in prompts]
     if params:
@@ -112,8 +112,9 @@ async def create_completion(ctx: ServerContext, request, req: CompletionRequest)
     echo = _Echo(ctx, req, prompts)
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     stream = CompletionStream(
-        ctx, req, echo, request_id=request_id, model=ctx.model_name, created=created, n=req.n,
+        ctx, req, echo, request_id=request_id, model=ctx.response_model(lora), created=created, n=req.n,
         include_usage=include_usage) if req.stream else None
     return await run_generation(
         ctx, request, request_id, [(p.token_ids, p.text) for p in prompts], params, stream,
-        lambda outputs: completion_body(ctx, req, echo, request_id, created, outputs))
+        lambda outputs: {**completion_body(ctx, req, echo, request_id, created, outputs),
+                         "model": ctx.response_model(lora)}, lora)

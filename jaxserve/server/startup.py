@@ -96,13 +96,33 @@ def start_engine(args: argparse.Namespace):
     return engine, defaults
 
 
+def lora_modules(engine, args: argparse.Namespace, names: tuple[str, ...]):
+    """The server's adapters (--enable-lora), --lora-modules loaded now (a bad one stops the
+    start with its reason); None without --enable-lora."""
+    from jaxserve.server.lora_modules import LoRAModules
+
+    modules = getattr(args, "lora_modules", None) or []
+    if not getattr(args, "enable_lora", False):
+        if modules:
+            raise StartupError("--lora-modules needs --enable-lora")
+        return None
+    loras = LoRAModules(engine, names[0], names)
+    for entry in modules:
+        try:
+            loras.add(entry["name"], entry["path"], entry.get("base_model_name"))
+        except ValueError as e:
+            raise StartupError(f"--lora-modules {entry['name']}: {e}") from None
+    return loras
+
+
 def server_context(engine, args: argparse.Namespace, default_sampling: dict, **kwargs):
     """The ServerContext for `engine`: the served names of `args`, the sampling defaults."""
     from jaxserve.parsers.reasoning import reasoning_parser
     from jaxserve.server.context import ServerContext
 
     reasoning = getattr(args, "reasoning_parser", None)
-    return ServerContext(engine, served_model_names=served_model_names(args) or (engine.model_name,),
+    names = served_model_names(args) or (engine.model_name,)
+    return ServerContext(engine, served_model_names=names, lora=lora_modules(engine, args, names),
                          default_sampling=default_sampling,
                          enable_auto_tool_choice=getattr(args, "enable_auto_tool_choice", False),
                          tool_call_parser=getattr(args, "tool_call_parser", None),

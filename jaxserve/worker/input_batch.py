@@ -41,6 +41,7 @@ class CachedRequest:
     row: int                        # its row of InputBatch.block_table
     num_blocks: int = 0             # filled entries of that row
     state_slot: int = 0             # its state slot (0: the model keeps no state)
+    lora_slot: int = 0              # its LoRA adapter's device slot (0: none)
 
     @property
     def num_tokens(self) -> int:
@@ -80,8 +81,9 @@ class StepPlan:
 class InputBatch:
     def __init__(self, *, max_num_seqs: int, max_blocks_per_seq: int, block_size: int,
                  vocab_size: int, max_model_len: int, group_kinds: list[str],
-                 max_spec_tokens: int = 0):
+                 max_spec_tokens: int = 0, lora: bool = False):
         self.max_spec_tokens = max_spec_tokens    # K of a verifying step (at least its most drafts)
+        self.lora = lora                          # steps carry each token's LoRA slot
         self.block_size = block_size
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
@@ -115,7 +117,7 @@ class InputBatch:
         self.block_table[row] = 0
         self.requests[new.req_id] = CachedRequest(
             new.req_id, list(new.prompt_token_ids), list(new.output_token_ids),
-            new.sampling_params, new.seed, tuple(new.eos_token_ids), row)
+            new.sampling_params, new.seed, tuple(new.eos_token_ids), row, lora_slot=new.lora_slot)
 
     def remove(self, req_id: str) -> None:
         req = self.requests.pop(req_id, None)
@@ -135,7 +137,7 @@ class InputBatch:
         which a request with structured output samples gets a full-width allowed-token mask,
         for the engine's grammar masks (and_grammar_masks)."""
         p = self.block_size
-        token_ids, positions, seq_ids = [], [], []
+        token_ids, positions, seq_ids, lora_T = [], [], [], []
         rows = np.zeros(num_seqs, np.int64)
         next_ids = np.zeros(num_tokens, np.int32)
         prev_rows = np.full(num_tokens, -1, np.int32)
@@ -173,6 +175,8 @@ class InputBatch:
             token_ids += drafts
             positions += range(start, start + n)
             seq_ids += [s] * n
+            if self.lora:
+                lora_T += [req.lora_slot] * n
             rows[s] = req.row
             slots_S[s] = req.state_slot
             qsl[s + 1] = t + n
@@ -223,6 +227,7 @@ class InputBatch:
                       logits_indices=logits_idx, next_token_ids=next_ids,
                       prev_token_rows=prev_rows, sampling=sampling,
                       state_slots=slots_S if STATE in self.group_kinds else None,
+                      lora_slots=np.array(lora_T + [0] * pad, np.int32) if self.lora else None,
                       draft_token_ids=spec.draft_token_ids if spec else None,
                       draft_rows=spec.draft_rows if spec else None,
                       num_drafts=spec.num_drafts if spec else None)

@@ -40,6 +40,8 @@ from jaxserve.models.attention import AttentionBackend, AttentionPlan
 from jaxserve.sample import rejection_sampler, sampler
 from jaxserve.worker import memory_plan, packing, verify_rows, warmup
 from jaxserve.worker.cache_sizing import CachePlan, Measured, abstract_caches, allocate_caches, plan_caches
+from jaxserve.lora import weights as lora_weights
+from jaxserve.lora.store import AdapterStore
 from jaxserve.worker.compiling import StepCompiler, abstract, wait_all
 from jaxserve.worker.input_batch import InputBatch, StepPlan, and_grammar_masks
 from jaxserve.worker.state_copies import StateCopier
@@ -91,6 +93,13 @@ class ModelRunner:
                                                      backend=self.backend)
         self.cache_specs = model.cache_specs(self.cfg)
         self.group_kinds = cache_manager.group_kinds(self.cache_specs)
+        # LoRA (jaxserve/lora/): the adapters' device slots, zeroed, in each layer's parameters,
+        # and the adapters known to the engine. Allocated before the cache plan measures the
+        # device's memory in use, so the KV budget already leaves them out.
+        self.lora_store = None
+        if config.lora is not None:
+            self.lora_store = AdapterStore(self.cfg, config.lora)
+            self.params = params = lora_weights.attach(params, self.cfg, config.lora, self.dtype, device)
         # With a mesh (tensor / expert parallel) each cache array is placed by its name's rule
         # (k / v by kv heads, MLA latents replicated, DeltaNet states by head) and step inputs
         # are replicated; jit partitions the step from the parameters' shardings.
@@ -118,7 +127,8 @@ class ModelRunner:
                                 block_size=self.block_size, vocab_size=self.cfg.vocab_size,
                                 max_model_len=config.scheduler.max_model_len,
                                 group_kinds=self.group_kinds,
-                                max_spec_tokens=config.num_speculative_tokens)
+                                max_spec_tokens=config.num_speculative_tokens,
+                                lora=config.lora is not None)
         # The previous step's sampled ids (padded to max_num_seqs), a row per sequence, then the
         # drafts a proposer made on the device after it (spec_decode/hidden_steps.py: its pass
         # takes them and gives them back with its drafts, through set_prev_ids).
@@ -354,6 +364,8 @@ class ModelRunner:
         sampling masks; called once the step is built, as it may wait for the last step."""
         if out.state_loads:   # first: a step taken back after this keeps its requests' loads
             self.copy_states(out.state_loads)
+        for slot, int_id in out.lora_loads:    # the step's new adapters into their slots
+            self.params = lora_weights.write_slot(self.params, slot, self.lora_store.get(int_id))
         x, plan, variant = self.prepare(out, grammar_masks)
         result, prompt, after = self.run(x, variant)
         if out.state_saves:

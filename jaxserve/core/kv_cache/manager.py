@@ -27,7 +27,7 @@ import math
 from collections.abc import Callable, Sequence
 
 from jaxserve.core.kv_cache.block_pool import BlockPool
-from jaxserve.core.kv_cache.prefix_cache import extend_block_hashes
+from jaxserve.core.kv_cache.prefix_cache import ROOT_HASH, extend_block_hashes, root_hash
 from jaxserve.core.kv_cache.specs import PagedSpec, StateSpec
 from jaxserve.core.kv_cache.state_cache import NO_SLOT, StateCache
 
@@ -118,6 +118,7 @@ class KVCacheManager:
         self.blocks: dict[str, list[int]] = {}     # request -> its block table (paged group)
         self.slots: dict[str, int] = {}            # request -> its state slot
         self.hashes: dict[str, list[bytes]] = {}   # request -> hashes of its full blocks
+        self.roots: dict[str, bytes] = {}          # request -> its hash chain's root, if salted
         self.registered: dict[str, int] = {}       # request -> its leading blocks already cached
         self.output_saves: dict[str, bytes] = {}   # request -> its latest state saved past its prompt
 
@@ -140,7 +141,7 @@ class KVCacheManager:
         """Cached blocks matching the request's leading full blocks, a hit in every group. At
         least one token is always left to compute, so the step still produces its logits."""
         hashes = self.hashes.setdefault(request_id, [])
-        extend_block_hashes(hashes, token_ids, self.block_size)
+        extend_block_hashes(hashes, token_ids, self.block_size, self.roots.get(request_id, ROOT_HASH))
         if self.has_state and self.states is None:
             return []                # no saved states: no hit could resume the state
         hits = []
@@ -155,6 +156,12 @@ class KVCacheManager:
                 n -= 1
             del hits[n:]
         return hits
+
+    def salt_blocks(self, request_id: str, salt: str | None) -> None:
+        """Key the request's blocks by `salt` too (its LoRA adapter; None: nothing to add): a
+        prefix hit never crosses salts (prefix_cache.root_hash)."""
+        if salt:
+            self.roots[request_id] = root_hash(salt)
 
     def free_blocks_after_hits(self, hits: list[int]) -> int:
         """Free blocks left once `hits` are taken (unreferenced cached blocks count as free)."""
@@ -249,7 +256,8 @@ class KVCacheManager:
         hashes = self.hashes.setdefault(request_id, [])
         full = num_computed // self.block_size
         if len(hashes) < full:
-            extend_block_hashes(hashes, token_slice(0, full * self.block_size), self.block_size)
+            extend_block_hashes(hashes, token_slice(0, full * self.block_size), self.block_size,
+                                self.roots.get(request_id, ROOT_HASH))
         blocks = self.blocks.get(request_id, [])
         # Only the blocks filled since the last call: the earlier ones are registered already
         # (a step at 256 sequences otherwise walked every block of every table).
@@ -270,4 +278,5 @@ class KVCacheManager:
             self.free_slots.append(slot)
         if forget:
             self.hashes.pop(request_id, None)
+            self.roots.pop(request_id, None)
             self.output_saves.pop(request_id, None)     # its last save stays (a next turn's)

@@ -17,8 +17,15 @@ def hash_block(parent: bytes, token_ids: list[int]) -> bytes:
     return hashlib.blake2b(parent + struct.pack(f"<{len(token_ids)}i", *token_ids), digest_size=16).digest()
 
 
-def extend_block_hashes(hashes: list[bytes], token_ids: list[int], block_size: int) -> None:
+def root_hash(salt: str) -> bytes:
+    """The chain's root for requests whose KV depends on more than their tokens (a LoRA
+    adapter: the same tokens give other keys and values), so their blocks never match others'."""
+    return hash_block(ROOT_HASH + salt.encode(), [])
+
+
+def extend_block_hashes(hashes: list[bytes], token_ids: list[int], block_size: int,
+                        root: bytes = ROOT_HASH) -> None:
     """Append the hashes of every full block of `token_ids` not hashed yet (in place)."""
     for i in range(len(hashes), len(token_ids) // block_size):
-        parent = hashes[-1] if hashes else ROOT_HASH
+        parent = hashes[-1] if hashes else root
         hashes.append(hash_block(parent, token_ids[i * block_size:(i + 1) * block_size]))
