@@ -370,3 +370,23 @@ def test_a_draft_models_weights_and_cache_are_paid_from_the_targets_budget(tiny,
     alone = plan_caches(config, specs, [], 0, 64, Measured(memory, 0, 0))
     drafted = plan_caches(config, specs, list(needs.cache_specs), needs.weight_bytes, 64, Measured(memory, 0, 0))
     assert drafted.num_blocks == ((1 << 20) - needs.weight_bytes) // (alone.bytes_per_block + per_block)
+
+
+def test_on_a_planned_device_every_program_compiles_before_the_caches(tiny, monkeypatch):
+    """With the memory planned (a GPU), the background programs finish before the caches take
+    their share: beside them XLA's autotuner ran the 8B's first step out of memory (H100)."""
+    from jaxserve.worker import runner as runner_module
+
+    headroom = 1 << 20
+    memory = DeviceMemory(total=64 * GiB, limit=64 * GiB,
+                          in_use=_weights_leaving(3 << 20, 64 * GiB, 0, headroom))
+    monkeypatch.setattr(memory_plan, "measure", lambda device: memory)
+    monkeypatch.setattr(memory_plan, "headroom_bytes", lambda params: headroom)
+    runner = _runner(tiny, _config(tiny[0], max_len=256, max_seqs=32))
+    assert runner.memory is not None
+    pending_at_allocation = []
+    original = runner_module.allocate_caches
+    monkeypatch.setattr(runner_module, "allocate_caches", lambda *a: pending_at_allocation.append(
+        [f for f in runner._pending.values() if not f.done()]) or original(*a))
+    runner.warmup()
+    assert pending_at_allocation == [[]] and len(runner._pending) > len(runner.buckets)

@@ -459,11 +459,19 @@ class ModelRunner:
         (a draft model samples greedily: its steps never run one)."""
         now, later = warmup.step_jobs(self, lean_only, self._lean_keys)
         self._pending = warmup.start(self, now, later, background)
-        self._allocate_caches()     # now: after the plain programs' compiles (__init__'s note)
+        planned = self.memory is not None and not background
+        if planned:
+            # NOTE: on a device whose memory was planned, every program compiles before the
+            # caches take their share: XLA's GEMM autotuner allocates while it compiles, and
+            # beside 16 background compiles the 8B's first step ran out of memory with 2 GiB
+            # of headroom (H100, issue 62)
+            wait_all(self._pending.values(), False, log_every=10.0)
+        self._allocate_caches()     # now: after the programs' compiles (__init__'s note)
         if self.state_copier is not None:     # a few small programs (hybrid prefix caching)
             self.state_copier.warmup(self.kv_cache)
+        waited = len(now) + len(later) if planned else 0 if background else len(now)
         logger.info("compiled %d step programs; %d more compile in the background",
-                    0 if background else len(now), len(later) + (len(now) if background else 0))
+                    waited, len(now) + len(later) - waited)
 
     def hidden_spec(self, num_tokens: int) -> jax.ShapeDtypeStruct | None:
         """The hidden states a step of this bucket returns, abstract (warmup.hidden_spec)."""
