@@ -72,6 +72,7 @@ def test_adapters_coming_and_going_compile_nothing(llm):
     import jax
 
     llm.generate(_prompts()[:1], _params(), use_tqdm=False, lora_request=ADAPTERS["sql"])
+    llm.engine.wait_for_warmup()     # (warm-up's background programs are not the adapters')
     compiles = []
     jax.monitoring.register_event_duration_secs_listener(
         lambda event, secs, **kw: compiles.append(event)
@@ -97,7 +98,7 @@ def test_latency_bench_with_random_adapters(llm, tmp_path):
     loras = random_adapters(str(tmp_path), llm.engine.config.model, 2, rank=8, first_id=10)
     args = argparse.Namespace(input_len=6, output_len=4, num_iters=1, num_iters_warmup=0,
                               device_only_iters=2, hbm_bandwidth=None, profile_dir=None,
-                              top_p=1.0, top_k=0)
+                              top_p=1.0, top_k=0, temperature=1.0)
     row = bench_batch(llm, 4, args, loras=loras)
     assert row["num_decode_steps"] >= 1 and row["device_only_step_ms"] > 0
     assert not llm.engine.has_unfinished_requests()

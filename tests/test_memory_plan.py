@@ -383,7 +383,7 @@ def test_on_a_planned_device_every_program_compiles_before_the_caches(tiny, monk
     monkeypatch.setattr(memory_plan, "measure", lambda device: memory)
     monkeypatch.setattr(memory_plan, "headroom_bytes", lambda params: headroom)
     runner = _runner(tiny, _config(tiny[0], max_len=256, max_seqs=32))
-    assert runner.memory is not None
+    assert runner.memory.on_device
     pending_at_allocation = []
     original = runner_module.allocate_caches
     monkeypatch.setattr(runner_module, "allocate_caches", lambda *a: pending_at_allocation.append(

@@ -105,12 +105,13 @@ class DataParallelEngine:
         self.replicas[0].validate_request(prompt_token_ids, params)
 
     def add_request(self, request_id: str, prompt_token_ids, params, prompt=None,
-                    arrival_time=None) -> None:
+                    arrival_time=None, lora_request=None) -> None:
         if request_id in self._owner:
             raise ValueError(f"request_id {request_id!r} is already in use")
         i = self._route()
+        # (LoRA with data parallelism is refused at build: lora_request is None here)
         self.replicas[i].add_request(request_id, prompt_token_ids, params, prompt=prompt,
-                                     arrival_time=arrival_time)
+                                     arrival_time=arrival_time, lora_request=lora_request)
         self._owner[request_id] = i
 
     def abort_request(self, request_id: str) -> bool:

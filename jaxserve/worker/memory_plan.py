@@ -175,6 +175,11 @@ class MemoryReport:
     allocator: str = ""                  # allocator_note()
 
     @property
+    def on_device(self) -> bool:
+        """Whether the device's memory was measured (a GPU), not a CPU's byte budget."""
+        return self.device_total_bytes is not None
+
+    @property
     def tokens(self) -> int:
         return (self.num_blocks - 1) * self.block_size     # block 0: the null block
 

@@ -459,7 +459,7 @@ class ModelRunner:
         (a draft model samples greedily: its steps never run one)."""
         now, later = warmup.step_jobs(self, lean_only, self._lean_keys)
         self._pending = warmup.start(self, now, later, background)
-        planned = self.memory is not None and not background
+        planned = self.memory is not None and self.memory.on_device and not background
         if planned:
             # NOTE: on a device whose memory was planned, every program compiles before the
             # caches take their share: XLA's GEMM autotuner allocates while it compiles, and

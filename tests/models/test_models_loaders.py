@@ -124,9 +124,18 @@ def test_dummy_weights_run(tiny_checkpoint):
     assert np.isfinite(np.asarray(llama.compute_logits(cfg, params, hidden))).all()
 
 
-def test_dummy_needs_a_config():
-    with pytest.raises(ValueError, match="Qwen3-30B-A3B"):
-        load_model(None, load_format="dummy")
+def test_dummy_without_a_model_takes_the_default_models_shape():
+    """(and its tokenizer where its GGUF is at hand: nothing is fetched for dummy weights)"""
+    from jaxserve.models.loaders.default_model import default_model_path
+
+    cfg, _, tokenizer = load_model(None, load_format="dummy")
+    assert (cfg.hidden_size, cfg.num_layers, cfg.vocab_size) == (576, 30, 49152)
+    assert (tokenizer is not None) == os.path.isfile(default_model_path())
+
+
+def test_dummy_of_an_unknown_config_lists_the_known_ones():
+    with pytest.raises(FileNotFoundError, match="Qwen3-30B-A3B"):
+        load_model("no-such-config", load_format="dummy")
 
 
 def test_unsupported_rope_scaling_is_named(tiny_checkpoint, tmp_path):
