@@ -252,7 +252,7 @@ def test_latency_bench_runs_the_hf_baseline_after_each_timed_iteration(llm, tmp_
         "print(json.dumps({'ms_per_output_token': 10.0 * n, 'torch_threads': 2, 'prefill_s': 0.05}))\n")
     monkeypatch.setattr(hf_baseline, "SCRIPT", str(fake))
     monkeypatch.setattr(hf_baseline, "model_gguf", lambda model: "/m/model.gguf")
-    args = argparse.Namespace(input_len=8, output_len=4, num_iters=3, num_iters_warmup=0,
+    args = argparse.Namespace(input_len=8, output_len=4, num_iters=3, num_iters_warmup=1,
                               device_only_iters=0, hbm_bandwidth=None, profile_dir=None,
                               top_p=1.0, top_k=0, temperature=0.0, baseline="hf",
                               baseline_python=sys.executable, model=None)

@@ -99,18 +99,17 @@ def bench_batch(llm, batch: int, args, bar=None, loras=()) -> dict:
     vocab = cfg.vocab_size
     params = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, ignore_eos=True)
     reqs = lambda seed: random_requests(batch, args.input_len, args.output_len, vocab, seed=seed)  # noqa: E731
+    firsts = []     # NOTE: first tokens of the untimed iterations: the step timer waits on every step
     for i in range(args.num_iters_warmup):
-        generate_once(engine, reqs(1000 + i), params, loras)
+        firsts.append(generate_once(engine, reqs(1000 + i), params, loras)[1])
         if bar is not None:
             bar.update(1)
     timer = StepTimer(engine)
-    latencies, firsts, hf_rows = [], [], []
+    latencies, hf_rows = [], []
     baseline = getattr(args, "baseline", None) == "hf"   # (callers building args by hand may omit it)
     try:
         for i in range(args.num_iters):
-            seconds, first = generate_once(engine, reqs(i), params, loras)
-            latencies.append(seconds)
-            firsts.append(first)
+            latencies.append(generate_once(engine, reqs(i), params, loras)[0])
             if baseline:     # (in a subprocess: no engine step runs meanwhile)
                 hf_rows.append(run_hf_baseline(args.baseline_python, args.model,
                                                [r.prompt_token_ids for r in reqs(i)],
@@ -123,8 +122,9 @@ def bench_batch(llm, batch: int, args, bar=None, loras=()) -> dict:
     row = {"batch_size": batch, "input_len": args.input_len, "output_len": args.output_len,
            "latency_mean_s": statistics.mean(latencies), "latency_p50_s": report.percentile(latencies, 50),
            "latency_p99_s": report.percentile(latencies, 99),
-           "output_tok_per_s_e2e": batch * args.output_len / statistics.mean(latencies),
-           "ttft_ms": 1e3 * statistics.median(firsts)}
+           "output_tok_per_s_e2e": batch * args.output_len / statistics.mean(latencies)}
+    if firsts:
+        row["ttft_ms"] = 1e3 * statistics.median(firsts)    # of the warm-up iterations
     if steps["num_steps"]:
         step_s = steps["per_token"]     # a multi-step decode's step makes `steps` tokens a sequence
         row.update(ms_per_output_token=1e3 * step_s, decode_tok_per_s=batch / step_s,
