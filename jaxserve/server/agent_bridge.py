@@ -19,7 +19,7 @@ import pydantic
 
 from jaxserve.outputs import RequestOutput
 from jaxserve.server.context import ServerContext
-from jaxserve.server.errors import APIError, from_validation_error
+from jaxserve.server.errors import APIError, bad_request, from_validation_error
 from jaxserve.server.protocol import ChatCompletionRequest
 from jaxserve.server.serving import run_generation
 from jaxserve.server.serving_chat import ChatRun, ChatStream, chat_body, prepare_chat
@@ -123,6 +123,18 @@ def renamed(error: APIError, names: dict[str, str]) -> APIError:
 
     param = None if error.param is None else swap(error.param)
     return APIError(error.status, swap(error.message), param=param, code=error.code, headers=error.headers)
+
+
+def with_extras(fields: dict, extras: dict | None, allowed: tuple[str, ...], endpoint: str) -> dict:
+    """The chat request's fields: `fields`, plus the request's extra fields (a chat-only field
+    not in `allowed` is a 400 naming `endpoint`; anything else goes on as chat treats unknown
+    fields), without those left at None."""
+    fields = dict(fields)
+    for name, value in (extras or {}).items():
+        if name in ChatCompletionRequest.model_fields and name not in allowed:
+            raise bad_request(f"{name} is a chat completions field, not one of {endpoint}", param=name)
+        fields[name] = value
+    return {k: v for k, v in fields.items() if v is not None}
 
 
 def chat_request(fields: dict, names: dict[str, str]) -> ChatCompletionRequest:

@@ -24,13 +24,12 @@ import pydantic
 from fastapi.responses import JSONResponse, Response
 
 from jaxserve.server.agent_bridge import (Block, BlockEvent, ChatResult, TranslatedStream, chat_request,
-                                          prepare, run_translated, tool_input)
+                                          prepare, run_translated, tool_input, with_extras)
 from jaxserve.server.context import ServerContext
 from jaxserve.server.errors import APIError, bad_request, from_validation_error
 from jaxserve.server.inputs import chat_prompt
 from jaxserve.server.messages_protocol import (CountTokensRequest, MessagesRequest, TextBlock, ToolChoiceParam,
                                                ToolParam, ToolResultBlock, ToolUseBlock)
-from jaxserve.server.protocol import ChatCompletionRequest
 from jaxserve.server.serving_chat import ChatRun
 
 ROLES = ("user", "assistant")
@@ -161,11 +160,7 @@ def chat_fields(req: CountTokensRequest) -> dict:
                                code="unsupported_parameter")
         fields.update(max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p,
                       top_k=req.top_k, stop=req.stop_sequences, response_format=_response_format(req))
-    for name, value in (req.model_extra or {}).items():
-        if name in ChatCompletionRequest.model_fields and name not in SAMPLING_EXTRAS:
-            raise bad_request(f"{name} is a chat completions field, not one of /v1/messages", param=name)
-        fields[name] = value     # sampling extras; anything else as chat treats unknown fields
-    return {k: v for k, v in fields.items() if v is not None}
+    return with_extras(fields, req.model_extra, SAMPLING_EXTRAS, "/v1/messages")
 
 
 # ---- the answer ---------------------------------------------------------------------------

@@ -23,10 +23,9 @@ from typing import Any
 import pydantic
 
 from jaxserve.server.agent_bridge import (Block, BlockEvent, ChatResult, TranslatedStream, prepare,
-                                          run_translated)
+                                          run_translated, with_extras)
 from jaxserve.server.context import ServerContext
 from jaxserve.server.errors import APIError, bad_request, from_validation_error
-from jaxserve.server.protocol import ChatCompletionRequest
 from jaxserve.server.responses_protocol import (FunctionCallItem, FunctionCallOutputItem, FunctionTool,
                                                 MessageItem, NamedFunctionChoice, ResponsesRequest)
 from jaxserve.server.responses_store import ResponsesStore
@@ -162,11 +161,7 @@ def chat_fields(req: ResponsesRequest, conversation: list[dict]) -> dict:
         "temperature": req.temperature, "top_p": req.top_p, "tools": _chat_tools(req),
         "tool_choice": _chat_tool_choice(req), "parallel_tool_calls": req.parallel_tool_calls,
         "response_format": _response_format(req)}
-    for name, value in (req.model_extra or {}).items():
-        if name in ChatCompletionRequest.model_fields and name not in SAMPLING_EXTRAS:
-            raise bad_request(f"{name} is a chat completions field, not one of /v1/responses", param=name)
-        fields[name] = value     # sampling extras; anything else as chat treats unknown fields
-    return {k: v for k, v in fields.items() if v is not None}
+    return with_extras(fields, req.model_extra, SAMPLING_EXTRAS, "/v1/responses")
 
 
 # ---- the answer ---------------------------------------------------------------------------
