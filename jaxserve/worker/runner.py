@@ -44,6 +44,8 @@ from jaxserve.lora import weights as lora_weights
 from jaxserve.lora.store import AdapterStore
 from jaxserve.worker.compiling import StepCompiler, abstract, wait_all
 from jaxserve.worker.input_batch import InputBatch, StepPlan, and_grammar_masks
+from jaxserve.worker import late_sampling
+from jaxserve.worker.late_sampling import LateSampling
 from jaxserve.worker.state_copies import StateCopier
 from jaxserve.worker.step_program import StepVariant, make_step, matmul_precision, token_buckets
 from jaxserve.worker.target_view import TargetNeeds, TargetView
@@ -138,6 +140,9 @@ class ModelRunner:
             jnp.zeros((config.scheduler.max_num_seqs, self.batch.prev_stride), jnp.int32),
             self.input_sharding)
         self.grammar_masks = False    # steps may carry grammar masks (use_grammar_masks)
+        # masks join a step at sampling, filled while its forward runs (late_sampling.py);
+        # late_masks False: filled before one program (the A/B benchmark's old path)
+        self.late_masks, self.late_sampling = True, None if mesh is not None else LateSampling.of(self)
         # NOTE: the identity names what the jitted step closes over: a stored program is
         # loaded only for the same ones (compiling.ProgramStore)
         self._identity = repr((model.name, self.cfg, self.backend.impl, repr(mesh), kernel_plan))
@@ -366,13 +371,24 @@ class ModelRunner:
             self.copy_states(out.state_loads)
         for slot, int_id in out.lora_loads:    # the step's new adapters into their slots
             self.params = lora_weights.write_slot(self.params, slot, self.lora_store.get(int_id))
-        x, plan, variant = self.prepare(out, grammar_masks)
-        result, prompt, after = self.run(x, variant)
+        self.batch.apply(out)
+        x, plan, variant = self._build(out)
+        fill = grammar_masks and (lambda t: and_grammar_masks(t.allowed_mask, plan, grammar_masks()))
+        if fill and self.masks_late(variant):
+            result, prompt, after = self.late_sampling.run(self, x, variant, fill), None, None
+        else:
+            if fill:        # last: they may wait for the last step's tokens
+                fill(x.sampling)
+            result, prompt, after = self.run(x, variant)
         if out.state_saves:
             self.copy_states(out.state_saves)
         stride = self.batch.prev_stride
         self.batch.prev_rows = {rid: i * stride for i, (rid, s) in enumerate(zip(plan.req_ids, plan.samples)) if s}
         return InFlightStep(plan, variant, result, prompt, *(after or (None, None, None)), inputs=x)
+
+    def masks_late(self, variant: StepVariant) -> bool:
+        """Whether a masked step of this variant runs as forward, then sampling (late_sampling.py)."""
+        return self.late_masks and self.late_sampling is not None and late_sampling.applies(self, variant)
 
     def copy_states(self, pairs: list[tuple[int, int]]) -> None:
         """Copy state slots (src, dst) on the device (hybrid prefix caching)."""
@@ -459,6 +475,8 @@ class ModelRunner:
         (a draft model samples greedily: its steps never run one)."""
         now, later = warmup.step_jobs(self, lean_only, self._lean_keys)
         self._pending = warmup.start(self, now, later, background)
+        late = warmup.late_sampling_jobs(self)
+        self._pending.update(zip(late, self.late_sampling.start(late) if late else ()))
         planned = self.memory is not None and self.memory.on_device and not background
         if planned:
             # NOTE: on a device whose memory was planned, every program compiles before the

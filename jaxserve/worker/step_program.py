@@ -41,6 +41,8 @@ class StepVariant:
                                     # ones, or those after `aux_layers`, concatenated
     aux_layers: tuple[int, ...] = ()
     steps: int = 1                  # multi-step decode: decode steps in one program (_decode_steps)
+    logits_only: bool = False       # stop at the f32 logits: a masked step's forward, whose
+                                    # sampling runs as a second program (late_sampling.py)
 
 
 # A bucket of one token for batch-1 decode (one user, a notebook): padded to 16 tokens it ran
@@ -92,8 +94,8 @@ def _step_on_mesh(*args, mesh, precision, **kwargs):
         return _step(*args, **kwargs)
 
 
-def _step(params, caches, packed_W, prev_ids_MC, *, model, cfg, backend: AttentionBackend,
-          kernel_plan: KernelPlan, block_size: int, variant: StepVariant, layout: packing.Layout):
+def step_input(packed_W, prev_ids_MC, layout: packing.Layout) -> StepInput:
+    """Inside jit: the step's input unpacked, its tokens (and drafts) from the last ids."""
     x: StepInput = packing.unpack(packed_W, layout)
     # Tokens sampled by the previous step come straight from its device output: the host
     # need not have read them (DESIGN.md §2: step N+1 never waits for step N's tokens). So
@@ -106,6 +108,12 @@ def _step(params, caches, packed_W, prev_ids_MC, *, model, cfg, backend: Attenti
         last = token_ids_T.shape[0] - 1
         x = dataclasses.replace(x, draft_token_ids=jnp.where(
             x.draft_token_ids >= 0, token_ids_T[jnp.minimum(x.logits_indices + 1, last)], -1))
+    return x
+
+
+def _step(params, caches, packed_W, prev_ids_MC, *, model, cfg, backend: AttentionBackend,
+          kernel_plan: KernelPlan, block_size: int, variant: StepVariant, layout: packing.Layout):
+    x = step_input(packed_W, prev_ids_MC, layout)
     kernels = model.make_kernels(cfg, backend, variant.attention, kernel_plan)
     if variant.steps > 1:
         caches, out, last_ids_S = _decode_steps(params, caches, x, model=model, cfg=cfg,
@@ -119,6 +127,8 @@ def _step(params, caches, packed_W, prev_ids_MC, *, model, cfg, backend: Attenti
     else:
         caches, hidden_TD, aux = model.forward(cfg, params, caches, x, kernels)
     logits_SV = model.compute_logits(cfg, params, hidden_TD[x.logits_indices], kernels)
+    if variant.logits_only:     # the last ids stay the step before's until the sampling runs
+        return caches, logits_SV.astype(jnp.float32), None, None, None
     out, last_ids_S = _sample(logits_SV, x, variant, backend, kernel_plan)
     prompt = None
     if variant.prompt_logprobs:
@@ -182,6 +192,20 @@ def _decode_steps(params, caches, x: StepInput, *, model, cfg, kernels, kernel_p
         if n else (None,) * 4))
     caches, acc = jax.lax.fori_loop(0, k, body, (caches, acc))
     return caches, acc, acc.token_ids[-1]
+
+
+def make_sampling(*, backend: AttentionBackend, kernel_plan: KernelPlan):
+    """The sampling of a step whose forward ran as a `logits_only` program, jitted:
+    (f32 logits, packed input, last ids; variant, layout) -> (sampler output, last ids). The
+    last ids are the ones the forward read (its drafts' tokens come from them)."""
+    return jax.jit(functools.partial(_sample_logits, backend=backend, kernel_plan=kernel_plan),
+                   static_argnames=("variant", "layout"))
+
+
+def _sample_logits(logits_RV, packed_W, prev_ids_MC, *, backend, kernel_plan, variant, layout):
+    x = step_input(packed_W, prev_ids_MC, layout)
+    out, last_ids_S = _sample(logits_RV, x, variant, backend, kernel_plan)
+    return out, jnp.zeros_like(prev_ids_MC).at[:last_ids_S.shape[0], 0].set(last_ids_S)
 
 
 def _after_step(x: StepInput, out):

@@ -26,7 +26,7 @@ import jax
 from jaxserve.core.step_input import StepInput
 from jaxserve.core.step_messages import SchedulerOutput
 from jaxserve.sample.tensors import make_sampling_tensors
-from jaxserve.worker import packing, verify_rows
+from jaxserve.worker import late_sampling, packing, verify_rows
 from jaxserve.worker.compiling import wait_all
 
 logger = logging.getLogger(__name__)
@@ -67,20 +67,44 @@ def step_jobs(runner, lean_only: bool, lean_keys: dict) -> tuple[list[Job], list
                     if multi and not i:
                         jobs.append((layout, dataclasses.replace(variant, steps=steps), len(packed)))
             if masked is not None:   # steps whose only extra is a grammar's mask
-                packed, layout = packing.pack(masked)
                 variant = dataclasses.replace(runner.warmup_variants[0], attention=attention)
+                if late_masks(runner, variant):     # their forward (late_sampling.py)
+                    packed, layout = packing.pack(lean)
+                    variant = late_sampling.forward_variant(variant)
+                else:
+                    packed, layout = packing.pack(masked)
                 jobs.append((layout, variant, len(packed)))
-                masked_layouts.add(layout)
+                masked_layouts.add((layout, variant))
 
     # Verifying programs (speculative decoding) and masked ones (structured output) compile
     # in the background too: a plain step then starts exactly as soon as without them. The
     # lean ones first (a speculating engine's decode steps are lean verifying ones), the
     # skewed ones last (a skewed step does not wait for its program).
     later = [job for job in jobs if job[1].full or job[1].attention.skewed
-             or job[0] in masked_layouts] + verifying
+             or job[:2] in masked_layouts] + verifying
     later.sort(key=lambda job: (job[1].attention.skewed, job[1].full))
     jobs += verifying
     return [job for job in jobs if job not in later], later
+
+
+def late_masks(runner, variant) -> bool:
+    """Whether masked steps of `variant` run as two programs (late_sampling.py)."""
+    return runner.grammar_masks and runner.masks_late(variant)
+
+
+def late_sampling_jobs(runner) -> list[tuple]:
+    """The sampling programs of masked steps, a (layout, variant, rows, words) job per bucket
+    (late_sampling.py), when they run as two programs."""
+    if not late_masks(runner, runner.warmup_variants[0]):
+        return []
+    empty = SchedulerOutput([], [], [], 0, [], 0)
+    jobs = []
+    for t in runner.buckets:
+        masked = masked_input(runner, runner._build(dataclasses.replace(empty, num_tokens=t))[0])
+        packed, layout = packing.pack(masked)
+        variant = late_sampling.sampling_variant(runner.warmup_variants[0])
+        jobs.append((layout, variant, masked.sampling.num_seqs, len(packed)))
+    return jobs
 
 
 def profile_jobs(runner) -> list[Job]:
