@@ -16,6 +16,12 @@ first flip on. So the drafts replay a fixed point: the output of a run with the 
 recording before it, until a run reproduces its drafts (`recording_passes`); `identical` says
 whether that equals the output without speculation (always true in f32, --dtype float32).
 
+Issue 67's rows: "replay" paces pipelining by the requests' running acceptance (the engine's
+default: spec_decode/pacing.py), "replay-always" pipelines behind every step (before issue 67);
+"replay-wait" launches the next step as soon as a waited one is read (the default),
+"replay-wait-old" on the next engine step, after the outputs are processed (before). --modes
+picks rows.
+
 --eagle3 adds rows at the cost of chained EAGLE3 drafting: a random-weight head of a real
 head's shape (Llama-3.1-8B's: one layer of 32 x 128 heads, 8 KV heads, 14336 MLP, 32000
 draft tokens; --tiny: the tests' tiny head) runs on the device behind every step with k
@@ -50,6 +56,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 sys.path.insert(0, ROOT)
 from jaxserve.spec_decode.proposer import Proposer  # noqa: E402
+
+
+MODES = ("replay", "replay-always", "replay-wait", "replay-wait-old")
 
 
 class ReplayProposer(Proposer):
@@ -207,6 +216,8 @@ def main() -> None:
     p.add_argument("--dtype", default="bfloat16", help="the 8B shape's dtype (not --tiny)")
     p.add_argument("--max-passes", type=int, default=4, help="recording passes per k (fixed point)")
     p.add_argument("--output-json", default=None)
+    p.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES),
+                   help="the drafted rows to run (module doc)")
     p.add_argument("--eagle3", action="store_true",
                    help="also rows at the cost of a chained EAGLE3 head (module doc)")
     p.add_argument("--eagle3-dir", default="/tmp/jaxserve_bench_eagle3_head",
@@ -219,6 +230,7 @@ def main() -> None:
         args.rounds = min(args.rounds, 2)
 
     from jaxserve.spec_decode.metrics import mean_acceptance_length
+    from jaxserve.spec_decode.pacing import DraftPacing
 
     llm = build_engine(args)
     core, vocab = llm.engine.core, llm.engine.config.model.vocab_size
@@ -246,7 +258,9 @@ def main() -> None:
                 if again == fixed:
                     break
                 fixed = again
-            for proposer in ("replay", "replay-wait") + (("eagle3", "eagle3-wait") if args.eagle3 else ()):
+            for proposer in tuple(args.modes) + (("eagle3", "eagle3-wait") if args.eagle3 else ()):
+                core.pacing = None if proposer == "replay-always" else DraftPacing()
+                core.launch_after_wait = proposer != "replay-wait-old"
                 for acc in args.acceptance:
                     if proposer.startswith("eagle3"):
                         if k not in heads:
@@ -256,7 +270,7 @@ def main() -> None:
                         core.proposer = kind(heads[k], fixed, k, acc, vocab)
                     else:
                         runner.return_hidden_states(False)
-                        kind = ReplayProposer if proposer == "replay" else WaitingReplay
+                        kind = WaitingReplay if proposer.startswith("replay-wait") else ReplayProposer
                         core.proposer = kind(fixed, k, acc, vocab)
                     scheduler.num_lookahead_tokens = core.proposer.num_lookahead_tokens
                     runner.batch.max_spec_tokens = k     # one K per verifying program
@@ -268,11 +282,11 @@ def main() -> None:
                                identical=outs == recorded_outs, recording_passes=passes,
                                void_chunks=scheduler.num_void_chunks - void0)
                     rows.append(row)
-                    print(f"batch {b:3d}  k={k} p={acc:.1f} {proposer:11s} {rate:9.1f} tok/s  "
+                    print(f"batch {b:3d}  k={k} p={acc:.1f} {proposer:15s} {rate:9.1f} tok/s  "
                           f"x{rate / base:4.2f}  acceptance length {row['mean_acceptance_length']:.2f}  "
                           f"void chunks {row['void_chunks']}  identical={row['identical']} "
                           f"passes={passes}", flush=True)
-        core.proposer = None
+        core.proposer, core.pacing, core.launch_after_wait = None, DraftPacing(), True
         runner.return_hidden_states(False)
         scheduler.num_lookahead_tokens = 0
     ngram = {f"batch {b}, {n} tokens": ngram_cost_ms(b, n, 3, vocab)

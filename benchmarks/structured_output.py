@@ -18,6 +18,11 @@ distinct schema each), and the host milliseconds per step spent filling masks (l
 fills alone, and the whole of a step's masks: catching up, with drafts advancing the matchers
 over them and rolling back; without drafts this includes the wait for the in-flight step's ids).
 
+--ab adds a third run, the constrained requests with the masks filled before one program (the
+path before issue 67: `runner.late_masks = False`), rounds interleaved in the same process,
+and where the host waited: per step, its wait for the last step's ids (the masks), and for the
+device when reading a step back (collect).
+
 With speculation (issue 35: a mask per draft row), both runs draft, e.g.
     --speculative-config '{"method": "ngram", "num_speculative_tokens": 3}'
 and the line adds each run's mean acceptance length.
@@ -59,6 +64,8 @@ def main() -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--attention-impl", default="auto")
     p.add_argument("--speculative-config", default=None, help="vLLM's speculative_config as JSON")
+    p.add_argument("--ab", action="store_true",
+                   help="also the constrained run with the masks filled before one program (the old path)")
     args = p.parse_args()
 
     from jaxserve import LLM, SamplingParams
@@ -101,6 +108,20 @@ def main() -> None:
         fill["steps"] += 1
 
     masks.fill_step_masks = timed_step_masks
+    runner, structured = llm.engine.runner, llm.engine.core.structured
+    waits = {"ids": 0.0, "collect": 0.0}
+
+    def timer(name, real):
+        def timed(*a, **k):
+            t = time.perf_counter()
+            try:
+                return real(*a, **k)
+            finally:
+                waits[name] += time.perf_counter() - t
+        return timed
+
+    structured.last_sampled = timer("ids", structured.last_sampled)
+    runner.collect = timer("collect", runner.collect)
 
     vocab = llm.engine.config.model.vocab_size
     prompts = [{"prompt_token_ids": [(7 * i + 13 * j) % (vocab // 2) + 3 for j in range(args.input_len)]}
@@ -112,34 +133,46 @@ def main() -> None:
                                structured_outputs=StructuredOutputsParams(json=schema(i)) if constrained else None)
                 for i in range(args.num_requests)]
 
-    acceptance = {"unconstrained": [], "constrained": []}
+    kinds = ["unconstrained", "constrained"] + (["constrained_one_program"] if args.ab else [])
+    acceptance = {k: [] for k in kinds}
+    host = {k: {"ids_wait_ms": [], "collect_wait_ms": [], "steps": []} for k in kinds}
 
-    def run(constrained: bool) -> float:
-        before = llm.get_metrics()
+    def run(kind: str) -> float:
+        runner.late_masks = kind != "constrained_one_program"
+        before, steps0 = llm.get_metrics(), llm.engine.num_steps
+        waits.update(ids=0.0, collect=0.0)
         t = time.perf_counter()
-        outs = llm.generate(prompts, params(constrained), use_tqdm=False)
+        outs = llm.generate(prompts, params(kind != "unconstrained"), use_tqdm=False)
         seconds = time.perf_counter() - t
         tokens = sum(len(o.outputs[0].token_ids) for o in outs)
         assert tokens == args.num_requests * args.output_len, tokens
+        steps = max(llm.engine.num_steps - steps0, 1)
+        host[kind]["ids_wait_ms"].append(round(1e3 * waits["ids"] / steps, 3))
+        host[kind]["collect_wait_ms"].append(round(1e3 * waits["collect"] / steps, 3))
+        host[kind]["steps"].append(steps)
         if args.speculative_config:
-            acceptance["constrained" if constrained else "unconstrained"].append(
-                spec_metrics.mean_acceptance_length(before, llm.get_metrics()))
+            acceptance[kind].append(spec_metrics.mean_acceptance_length(before, llm.get_metrics()))
         return tokens / seconds
 
-    run(False), run(True)                      # warm: the schemas compile here, once
+    for kind in kinds:                         # warm: the schemas compile here, once
+        run(kind)
     fill.update(seconds=0.0, step_seconds=0.0, steps=0)
-    for v in acceptance.values():
+    for v in list(acceptance.values()) + [h for k in kinds for h in host[k].values()]:
         v.clear()
-    tps = {"unconstrained": [], "constrained": []}
+    tps = {k: [] for k in kinds}
     for _ in range(args.rounds):
-        tps["unconstrained"].append(run(False))
-        tps["constrained"].append(run(True))
+        for kind in kinds:
+            tps[kind].append(run(kind))
+    runner.late_masks = True
     med = {k: statistics.median(v) for k, v in tps.items()}
     print(json.dumps({
         "num_requests": args.num_requests, "input_len": args.input_len, "output_len": args.output_len,
         "tokens_per_s": {k: round(v, 1) for k, v in med.items()},
         "rounds_tokens_per_s": {k: [round(x, 1) for x in v] for k, v in tps.items()},
         "constrained_over_unconstrained": round(med["constrained"] / med["unconstrained"], 3),
+        **({"one_program_over_unconstrained": round(med["constrained_one_program"] / med["unconstrained"], 3)}
+           if args.ab else {}),
+        "host_waits_ms_per_step": host,
         "compile_ms": {"p50": round(1e3 * percentile(compile_s, 50), 2),
                        "p99": round(1e3 * percentile(compile_s, 99), 2),
                        "max": round(1e3 * max(compile_s), 2), "schemas": len(compile_s)},

@@ -11,8 +11,11 @@ scheduling past drafts), its own drafts proposed ahead (spec_decode/drafting.py
 propose_ahead): from N's tokens as scheduled (n-gram, the draft model), or left on the device
 by the proposer's pass queued right behind N (MTP, EAGLE3: spec_decode/hidden_steps.py). So
 the core pipelines as without speculation; a request whose drafts N rejects loses its chunk
-of N+1. The core waits for each step for a model with recurrent state (its rollback) and for
-structured output (the grammar would have to follow the assumed drafts).
+of N+1. The core waits for each step for a model with recurrent state (its rollback), for
+structured output (the grammar would have to follow the assumed drafts) and while the
+requests' acceptance is so low that void chunks would cost more than the waits
+(spec_decode/pacing.py). A step it waited for launches the next one as soon as it is read and
+applied, before its outputs are processed (detokenized, stop strings) by the caller.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from jaxserve.core.scheduler import RequestUpdate, Scheduler
 from jaxserve.core.step_messages import RunnerOutput, SchedulerOutput
 from jaxserve.engine.input_processor import EngineRequest
 from jaxserve.spec_decode import drafting
+from jaxserve.spec_decode.pacing import DraftPacing
 from jaxserve.spec_decode.proposer import Proposer
 from jaxserve.worker.runner import ModelRunner
 from jaxserve.structured.manager import StructuredOutputManager
@@ -52,6 +56,12 @@ class EngineCore:
         self.proposer = proposer       # drafts for the next step (spec_decode/), or None
         self.structured = structured   # the matchers and grammar masks (None: no tokenizer)
         self._inflight = None          # the dispatched step whose tokens are not read yet
+        # Whether to pipeline behind speculative steps, from the requests' running acceptance
+        # (spec_decode/pacing.py; None: always, where nothing else makes the core wait)
+        self.pacing: DraftPacing | None = DraftPacing()
+        # A step the core waited for: the next one launches as soon as its inputs are known,
+        # before this step's outputs are processed (False: on the next call, as before)
+        self.launch_after_wait = True
         self.failed: list[tuple[str, str]] = []   # (request id, error) failed building a step
 
     def add(self, req: EngineRequest) -> None:
@@ -68,6 +78,9 @@ class EngineCore:
         spec = self.proposer is not None
         if spec and not (self.proposer.pipelines and self.scheduler.schedules_past_drafts):
             return True
+        if spec and self.pacing is not None and not self.pacing.pipelines(
+                r.request_id for r in self.scheduler.running):
+            return True
         return any(r.sampling_params.uses_penalties
                    or (spec and r.sampling_params.structured_outputs is not None)
                    for r in self.scheduler.running)
@@ -82,13 +95,12 @@ class EngineCore:
                 return None
         current, self._inflight = self._inflight, None
         t0 = time.perf_counter()
-        if not self._must_wait():
+        waits = self._must_wait()
+        if not waits:
             if self.proposer is not None:
                 drafting.propose_ahead(self.proposer, self.scheduler.running, self.proposer.k,
                                        self.scheduler.config.max_model_len)
-            upcoming = self.scheduler.schedule()
-            if upcoming.scheduled:
-                self._inflight = self._dispatch(upcoming)
+            self._dispatch_next()
         out, step = current
         result = self.runner.collect(step)
         updates = self.scheduler.update(out, result)
@@ -96,10 +108,23 @@ class EngineCore:
             self.structured.accept(updates)
         if self.proposer is not None:
             self.proposer.observe(out, step, result)
+            if self.pacing is not None:
+                self.pacing.observe(out, result)
+                self.pacing.retain(r.request_id for r in self.scheduler.running)
             drafting.propose_drafts(self.proposer, self.scheduler.running, self.proposer.k,
                                     self.scheduler.config.max_model_len,
                                     valid=self.structured.valid_drafts if self.structured else None)
+        if waits and self.launch_after_wait:
+            # Everything the next step needs of this one is in (its tokens, the matchers',
+            # the drafts): the device starts it while the caller processes this step's
+            # outputs; one that ends a request on a stop string wastes its chunk, as pipelined
+            self._dispatch_next()
         return StepOutcome(out, result, updates, time.perf_counter() - t0)
+
+    def _dispatch_next(self) -> None:
+        upcoming = self.scheduler.schedule()
+        if upcoming.scheduled:
+            self._inflight = self._dispatch(upcoming)
 
     def drain(self) -> None:
         """Read the dispatched step, if any, and drop it (the engine is stopping): the device

@@ -7,8 +7,9 @@ dispatch (a finished or preempted request's matcher is dropped; a new or resumed
 matcher that has consumed the tokens it generated before), `accept(updates)` after each step
 (the matchers consume the kept tokens) and `valid_drafts` when drafts are proposed (cut at
 the first token a grammar rejects). The masks (masks.py) go to the runner as data
-(`GrammarMasks`), asked for only once the runner has built the step: they wait for the
-in-flight step's sampled ids (`last_sampled`, the runner's), so the build overlaps that step.
+(`GrammarMasks`), asked for only once the runner has built the step and launched its forward:
+they wait for the in-flight step's sampled ids (`last_sampled`, the runner's), so the build
+overlaps that step and the fill the step's own forward.
 """
 
 from __future__ import annotations

@@ -3,11 +3,11 @@ engine's structured-output manager (manager.py), then ANDed by the runner into t
 tensors' packed allowed-token mask (applied on the device).
 
 Pipelining: the engine dispatches step N+1 before it has read step N's tokens, and a
-matcher must consume N's token before it can give N+1's mask. So the runner builds all of
-N+1 first (while the device still runs N), and only then asks for the masks:
-`fill_step_masks` waits for N's sampled ids (that small array alone), feeds each matcher its
-token and fills the masks: the device idles for the fill and the launch, not for the host's
-whole step.
+matcher must consume N's token before it can give N+1's mask. So the runner builds N+1 and
+launches its forward first (worker/late_sampling.py), and only then asks for the masks:
+`fill_step_masks` waits for N's sampled ids (that small array alone), the matchers consume
+them (one parallel call) and the masks are filled while N+1's forward runs; its sampling
+takes them after.
 
 Layout: llguidance writes int32 words, token t at bit t % 32 of word t // 32; read as bytes
 on a little-endian host that is bit t % 8 of byte t // 8, the layout of `allowed_mask`
@@ -58,25 +58,35 @@ class RequestGrammar:
         grammar.catch_up(list(new.output_token_ids))    # as the live path consumed them
         return grammar
 
-    def catch_up(self, output_token_ids, pending: int | None = None) -> None:
+    def catch_up(self, output_token_ids, pending: int | None = None, feed: list | None = None) -> None:
         """Consume the output tokens not consumed yet, then `pending` (the token still on its
-        way from the last step), unless it was consumed already."""
+        way from the last step), unless it was consumed already. `feed`: the matcher's
+        consuming of `pending` is appended there as (matcher, token) instead, for the caller
+        to run many requests' at once (fill_step_masks)."""
         n = len(output_token_ids)
         if self.consumed < n:
             self._consume(list(output_token_ids[self.consumed:]))
             self.consumed = n
         if pending is not None and self.consumed == n:
-            self._consume([pending])
             self.consumed += 1
+            if self._follows(pending):
+                if feed is None:
+                    self.matcher.consume_token(pending)
+                else:
+                    feed.append((self.matcher, pending))
 
     def _consume(self, tokens: list[int]) -> None:
         for token in tokens:        # one by one: several come back at once from a verifying step
-            if self.thinking:
-                self.thinking = token != self.thinking_end
-                continue
-            if self.matcher.is_stopped():      # past the end (ignore_eos): nothing to follow
-                return
-            self.matcher.consume_token(token)
+            if self._follows(token):
+                self.matcher.consume_token(token)
+
+    def _follows(self, token: int) -> bool:
+        """Whether the matcher consumes `token`: not before the end of the thinking (whose
+        token ends it here), nor past the grammar's end (ignore_eos: nothing to follow)."""
+        if self.thinking:
+            self.thinking = token != self.thinking_end
+            return False
+        return not self.matcher.is_stopped()
 
     def valid_drafts(self, output_token_ids, drafts: list[int]) -> int:
         """How many leading `drafts` the grammar accepts after the request's output tokens
@@ -133,9 +143,14 @@ def fill_step_masks(grammars, allowed_SW: np.ndarray, constrained: list[Constrai
         if last_sampled is None:
             raise RuntimeError("a grammar needs the last step's token, but no runner gives it")
         ids = last_sampled()
+    feed = []       # the pending tokens, consumed by all their matchers in one parallel call
     for c in constrained:
         c.request.grammar.catch_up(c.request.output_token_ids,
-                                   int(ids[c.request.req_id]) if c.pending else None)
+                                   int(ids[c.request.req_id]) if c.pending else None, feed)
+    if feed:
+        import llguidance.numpy as lln
+
+        lln.consume_token_par(grammars.executor, feed)
     advanced = [0] * len(constrained)       # draft tokens each matcher consumed (to roll back)
     alive = [True] * len(constrained)       # its drafts so far were valid
     thinking = [c.request.grammar.thinking for c in constrained]    # committed state (to restore)

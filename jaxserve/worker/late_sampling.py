@@ -120,6 +120,3 @@ class LateSampling:
         result, last_ids = exe(logits, jax.device_put(packed, self._sharding), last_ids)
         runner.set_prev_ids(last_ids)
         return result
-
-    def stop(self) -> None:
-        self._background.stop()
