@@ -152,6 +152,8 @@ def main() -> None:
         host[kind]["steps"].append(steps)
         if args.speculative_config:
             acceptance[kind].append(spec_metrics.mean_acceptance_length(before, llm.get_metrics()))
+        print(f"# {kind}: {tokens / seconds:.1f} tok/s, {steps} steps, host waits per step: ids "
+              f"{host[kind]['ids_wait_ms'][-1]} ms, collect {host[kind]['collect_wait_ms'][-1]} ms", flush=True)
         return tokens / seconds
 
     for kind in kinds:                         # warm: the schemas compile here, once

@@ -6,6 +6,7 @@ the core goes."""
 import pytest
 
 from jaxserve import SamplingParams
+from jaxserve.core.request import Request
 from jaxserve.core.step_messages import RunnerOutput, ScheduledRequest, SchedulerOutput
 from jaxserve.spec_decode.pacing import DraftPacing
 from tests.spec_helpers import make_llm, token_ids
@@ -19,31 +20,41 @@ def _step(drafts: dict[str, int], kept: dict[str, int]):
     return out, RunnerOutput(list(drafts), [[7] * kept[rid] for rid in drafts], [None] * len(drafts))
 
 
+def _running(*ids: str, drafting: str = "abcd") -> list[Request]:
+    """Running requests; those in `drafting` have drafts in the step in flight."""
+    return [Request(rid, [1, 2], SamplingParams(), inflight_drafts=[5, 5, 5] if rid in drafting else [])
+            for rid in ids]
+
+
 def test_low_acceptance_turns_pipelining_off_and_high_acceptance_back_on():
-    pacing = DraftPacing(max_void_rate=0.25, weight=0.25)
-    assert pacing.pipelines(["a"])                 # nothing seen: pipelined
+    pacing, a = DraftPacing(max_void_rate=0.25, weight=0.25), _running("a")
+    assert pacing.pipelines(a)                     # nothing seen: pipelined
     for _ in range(3):                             # all drafts kept: stays on
         pacing.observe(*_step({"a": 3}, {"a": 4}))
-    assert pacing.void_rate(["a"]) == 0.0 and pacing.pipelines(["a"])
+    assert pacing.void_rate(a) == 0.0 and pacing.pipelines(a)
     pacing.observe(*_step({"a": 3}, {"a": 2}))     # one rejection: 1 - 0.75
-    assert pacing.void_rate(["a"]) == pytest.approx(0.25) and pacing.pipelines(["a"])
+    assert pacing.void_rate(a) == pytest.approx(0.25) and pacing.pipelines(a)
     pacing.observe(*_step({"a": 3}, {"a": 1}))
-    assert pacing.void_rate(["a"]) == pytest.approx(1 - 0.75 ** 2) and not pacing.pipelines(["a"])
+    assert pacing.void_rate(a) == pytest.approx(1 - 0.75 ** 2) and not pacing.pipelines(a)
+    assert pacing.pipelines(_running("a", drafting=""))     # no drafts in flight: nothing to void
     for _ in range(4):                             # acceptance back: on again
         pacing.observe(*_step({"a": 3}, {"a": 4}))
-    assert pacing.pipelines(["a"])
+    assert pacing.pipelines(a)
 
 
-def test_void_chunks_and_undrafted_requests():
+def test_void_chunks_undrafted_and_new_requests():
     pacing = DraftPacing(max_void_rate=0.25, weight=0.5)
     pacing.observe(*_step({"a": 3, "b": 2}, {"a": 1, "b": 0}))   # b's chunk was void: no news
-    assert pacing.kept_all == {"a": 0.5}
-    pacing.observe(*_step({"a": 3, "c": 0}, {"a": 2, "c": 1}))   # c drafts nothing: never void
-    assert pacing.void_rate(["a"]) == pytest.approx(0.75) and not pacing.pipelines(["a"])
-    # one request of four likely void: the other three would pay the wait
-    assert pacing.void_rate(["a", "b", "c", "d"]) == pytest.approx(0.75 / 4) and pacing.pipelines("abcd")
+    assert pacing.kept_all == {"a": 0.5} and pacing.prior == 0.5
+    pacing.observe(*_step({"a": 3, "c": 0}, {"a": 2, "c": 1}))   # c drafts nothing
+    assert pacing.void_rate(_running("a")) == pytest.approx(0.75) and not pacing.pipelines(_running("a"))
+    # one request of four likely void (the others without drafts in flight): the three would pay the wait
+    four = _running("a", "b", "c", "d", drafting="a")
+    assert pacing.void_rate(four) == pytest.approx(0.75 / 4) and pacing.pipelines(four)
+    # a new request starts from every request's running rate, not from 1
+    assert pacing.void_rate(_running("e", drafting="e")) == pytest.approx(1 - pacing.prior) and pacing.prior == 0.25
     pacing.retain(["b"])
-    assert pacing.kept_all == {} and pacing.pipelines(["a"])
+    assert pacing.kept_all == {}
     assert DraftPacing().void_rate([]) == 0.0
 
 
@@ -83,7 +94,7 @@ def test_the_core_waits_while_drafts_are_mostly_rejected_and_greedy_is_unchanged
     got, void, _ = _replay_run(model, ps, want, MostlyWrong, pacing=True)
     always, void_always, _ = _replay_run(model, ps, want, MostlyWrong, pacing=False)
     assert got == want and always == want
-    assert void_always >= 8 and void <= 3      # paced: a few voids before it waits
+    assert void_always >= 8 and void <= 2      # paced: a void or two before it waits
     # all drafts right: the paced core pipelines throughout, as before
     right, void_right, past = _replay_run(model, ps, want, ReplayProposer, pacing=True)
     assert right == want and void_right == 0 and past > 0

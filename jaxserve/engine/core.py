@@ -78,8 +78,7 @@ class EngineCore:
         spec = self.proposer is not None
         if spec and not (self.proposer.pipelines and self.scheduler.schedules_past_drafts):
             return True
-        if spec and self.pacing is not None and not self.pacing.pipelines(
-                r.request_id for r in self.scheduler.running):
+        if spec and self.pacing is not None and not self.pacing.pipelines(self.scheduler.running):
             return True
         return any(r.sampling_params.uses_penalties
                    or (spec and r.sampling_params.structured_outputs is not None)

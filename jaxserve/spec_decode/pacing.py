@@ -13,16 +13,18 @@ right, all three are kept in 34 % of steps and pipelining ran at 1.54x no specul
 chunks is above it and pipelines again when acceptance comes back.
 
 Each request's chance of keeping all its drafts is a running mean (weight `WEIGHT` on the
-newest step) of its verifying steps' outcomes, starting at 1 (a new request pipelines); a
-request that does not draft counts as never void. Steps are observed whether the core waited
-for them or not (a void chunk says nothing and is skipped), so a request's rate follows its
-acceptance both ways.
+newest step) of its verifying steps' outcomes, starting from the same mean over every
+request's steps (1 before any: a new engine pipelines). Only a request whose step in flight
+verifies drafts (`Request.inflight_drafts`) can have its next chunk voided; the others count
+as never void. Steps are observed whether the core waited for them or not (a void chunk says
+nothing and is skipped), so the rates follow acceptance both ways.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
+from jaxserve.core.request import Request
 from jaxserve.core.step_messages import RunnerOutput, SchedulerOutput
 
 MAX_VOID_RATE = 0.25
@@ -39,14 +41,17 @@ class DraftPacing:
             raise ValueError(f"weight must be in (0, 1]; got {weight!r}")
         self.max_void_rate, self.weight = max_void_rate, weight
         self.kept_all: dict[str, float] = {}    # request id -> running rate of all drafts kept
+        self.prior = 1.0                        # the same over every request: a new one's start
 
     def observe(self, out: SchedulerOutput, result: RunnerOutput) -> None:
         """A step was read: each request that verified drafts kept all of them or not."""
         for sched, tokens in zip(out.scheduled, result.sampled_token_ids):
             k = len(sched.spec_token_ids)
             if k and tokens:                    # (no tokens: its chunk was void, or no sample)
-                rate = self.kept_all.get(sched.req_id, 1.0)
-                self.kept_all[sched.req_id] = rate + self.weight * (float(len(tokens) == k + 1) - rate)
+                hit = float(len(tokens) == k + 1)
+                rate = self.kept_all.get(sched.req_id, self.prior)
+                self.kept_all[sched.req_id] = rate + self.weight * (hit - rate)
+                self.prior += self.weight * (hit - self.prior)
 
     def retain(self, running_ids: Iterable[str]) -> None:
         """Forget every request but these."""
@@ -54,11 +59,12 @@ class DraftPacing:
         for rid in [r for r in self.kept_all if r not in keep]:
             del self.kept_all[rid]
 
-    def void_rate(self, running_ids: Iterable[str]) -> float:
-        """The expected share of these requests whose chunk behind a step would be void."""
-        ids = list(running_ids)
-        return sum(1.0 - self.kept_all.get(r, 1.0) for r in ids) / len(ids) if ids else 0.0
+    def void_rate(self, running: list[Request]) -> float:
+        """The expected share of these requests whose chunk scheduled behind the step in
+        flight would be void."""
+        void = sum(1.0 - self.kept_all.get(r.request_id, self.prior) for r in running if r.inflight_drafts)
+        return void / len(running) if running else 0.0
 
-    def pipelines(self, running_ids: Iterable[str]) -> bool:
+    def pipelines(self, running: list[Request]) -> bool:
         """Whether to launch the next step before reading the one in flight."""
-        return self.void_rate(running_ids) <= self.max_void_rate
+        return self.void_rate(running) <= self.max_void_rate
