@@ -33,7 +33,7 @@ from jaxserve.worker import packing
 from jaxserve.worker.compiling import BackgroundCompiler, abstract
 from jaxserve.worker.step_program import StepVariant, make_sampling
 
-Key = tuple   # (input layout, StepVariant (num_top, full only), logits rows)
+Key = tuple   # (input layout, StepVariant (num_top, full only), logits rows, logits width)
 
 
 def forward_variant(variant: StepVariant) -> StepVariant:
@@ -52,7 +52,7 @@ def applies(runner, variant: StepVariant) -> bool:
 
 
 class LateSampling:
-    """The compiled sampling programs of masked steps, by (input layout, variant, rows)."""
+    """The compiled sampling programs of masked steps, by (input layout, variant, logits shape)."""
 
     @classmethod
     def of(cls, runner) -> "LateSampling":
@@ -72,33 +72,33 @@ class LateSampling:
         self._lock = threading.Lock()
         self._background = BackgroundCompiler()
 
-    def compile(self, layout: packing.Layout, variant: StepVariant, rows: int, num_words: int):
-        logits = jax.ShapeDtypeStruct((rows, self.vocab_size), jnp.float32, sharding=self._sharding)
+    def compile(self, layout: packing.Layout, variant: StepVariant, rows: int, width: int, num_words: int):
+        logits = jax.ShapeDtypeStruct((rows, width), jnp.float32, sharding=self._sharding)
         packed = jax.ShapeDtypeStruct((num_words,), jnp.uint32, sharding=self._sharding)
         exe = self._jit.lower(logits, packed, self._prev_ids, variant=variant, layout=layout).compile()
         with self._lock:
-            self.programs[(layout, variant, rows)] = exe
+            self.programs[(layout, variant, rows, width)] = exe
         return exe
 
     def start(self, jobs: list[tuple]) -> list[concurrent.futures.Future]:
-        """Compile (layout, variant, rows, words) jobs on a background thread (warm-up)."""
-        futures = self._background.start(
-            [((layout, variant, rows), functools.partial(self.compile, layout, variant, rows, words))
-             for layout, variant, rows, words in jobs], 1)
+        """Compile (layout, variant, rows, words) jobs, logits as wide as the vocabulary, on a
+        background thread (warm-up)."""
+        keys = [(layout, variant, rows, self.vocab_size, words) for layout, variant, rows, words in jobs]
+        futures = self._background.start([(key[:4], functools.partial(self.compile, *key)) for key in keys], 1)
         self._pending.update(futures)
         return list(futures.values())
 
-    def program(self, layout: packing.Layout, variant: StepVariant, rows: int, num_words: int):
-        """The compiled program of this key: compiled, compiling in warm-up (waited for), or
-        compiled now."""
-        key = (layout, variant, rows)
+    def program(self, layout: packing.Layout, variant: StepVariant, logits, num_words: int):
+        """The compiled program for these `logits`: compiled, compiling in warm-up (waited
+        for), or compiled now."""
+        key = (layout, variant, *logits.shape)
         exe = self.programs.get(key)
         if exe is None and key in self._pending:
             try:
                 exe = self._pending[key].result()
             except Exception:     # compiled again below, raising where it really fails
                 exe = None
-        return exe if exe is not None else self.compile(layout, variant, rows, num_words)
+        return exe if exe is not None else self.compile(*key, num_words)
 
     def lean_input(self, x):
         """`x` with lean sampling tensors of its rows: the forward's input (its layout is the
@@ -116,7 +116,7 @@ class LateSampling:
         runner.set_prev_ids(last_ids)     # the forward returns none: the sampling writes them
         fill_masks(x.sampling)
         packed, layout = packing.pack(x)
-        exe = self.program(layout, sampling_variant(variant), x.sampling.num_seqs, len(packed))
+        exe = self.program(layout, sampling_variant(variant), logits, len(packed))
         result, last_ids = exe(logits, jax.device_put(packed, self._sharding), last_ids)
         runner.set_prev_ids(last_ids)
         return result
