@@ -45,7 +45,7 @@ class StepOutcome:
     scheduled: SchedulerOutput
     result: RunnerOutput
     updates: list[RequestUpdate]
-    seconds: float                  # host time from dispatching the next step to the updates
+    seconds: float                  # host time of step(): reading this step, the updates, the next dispatch
 
 
 class EngineCore:
