@@ -261,3 +261,23 @@ def test_fused_mla_kernels_in_the_model(name, monkeypatch):
         assert tokens[i] == golden[f"greedy_{i}"].tolist()[:5], f"{name} greedy tokens, seq {i}"
     # every step has STEP_T tokens, so each trace (one or two) ran every layer fused
     assert calls and len(calls) % cfg.num_layers == 0
+
+
+def test_engine_runs_the_fused_mla_path(monkeypatch):
+    """Through the engine (--fused-kernels mla,moe, Pallas attention; interpreted): the
+    runner's fused weights reach the fused block, and V3.2's greedy tokens are the goldens'."""
+    from jaxserve import LLM, SamplingParams
+    from jaxserve.models import deepseek_mla
+
+    calls = []
+    block = deepseek_mla.attention_block
+    monkeypatch.setattr(deepseek_mla, "attention_block", lambda *a: calls.append(1) or block(*a))
+    golden, _, _, prompts = _load("deepseek_v32")
+    llm = LLM(os.path.join(GOLDEN_DIR, "ckpt", "deepseek_v32"), dtype="float32", max_num_seqs=4,
+              max_num_batched_tokens=32, max_model_len=128, block_size=16, num_kv_blocks=64,
+              warmup=False, fused_kernels="mla,moe", attention_impl="pallas")
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outs] == [golden[f"greedy_{i}"].tolist()[:6]
+                                                           for i in range(3)]
+    assert calls
