@@ -316,9 +316,11 @@ def select_positions(cfg: DeepseekConfig, q_TIJ, w_TI, index_k, x: StepInput, im
     else:   # the indexer is replicated (its weights and keys): every rank scores and selects alike
         score = functools.partial(indexer_scores, scale=j ** -0.5, impl=impl)
         scores_TL = sharded.replicated(score, len(args))(*args)
-    topk_fn = None if impl == "xla" else (
-        lambda s, k: sharded.replicated(functools.partial(topk, k=k, impl=impl), 1, 2)(s))
-    return mla.select_topk(scores_TL, cfg.index_topk, topk_fn)
+    if impl == "xla":
+        return mla.select_topk(scores_TL, cfg.index_topk)
+    # the kernel's indices are -1 past a row's finite scores already: no masking fusion after it
+    k = min(cfg.index_topk, scores_TL.shape[1])
+    return sharded.replicated(functools.partial(topk, k=k, impl=impl), 1, 2)(scores_TL)[1]
 
 
 def write_caches(cfg: DeepseekConfig, lp: dict, cache: dict, kv_TW: jax.Array, index_TJ, x: StepInput,
