@@ -95,11 +95,13 @@ def _kernel(lse_ref, o_ref, wuv_ref, out_ref, *, splits, t, np_, c, o, block_t, 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "impl", "block_t", "block_c", "block_o",
                                              "num_warps", "interpret"))
 def mla_merge_uv(o_XTNC, lse_XTN, w_uv_NCO, *, out_dtype=jnp.bfloat16, impl: str = "auto",
-                 block_t: int = 16, block_c: int = 64, block_o: int = 64, num_warps: int = 4,
+                 block_t: int = 16, block_c: int = 128, block_o: int = 128, num_warps: int = 4,
                  interpret: bool | None = None):
     """f[T, N * O] (out_dtype): see the module docstring. impl: "pallas" (this kernel;
     interpreted on a CPU), "xla" (the reference) or "auto". block_t / block_c / block_o: a
-    program's tokens, latent columns a step, output columns (powers of two >= 16)."""
+    program's tokens, latent columns a step, output columns (powers of two >= 16). The
+    defaults give a decode token one program a head at DeepSeek's O = 128, so no two programs
+    merge the same partials (untuned)."""
     _validate(o_XTNC, lse_XTN, w_uv_NCO)
     impl, on_gpu = resolve_impl(impl)
     if impl == "xla":

@@ -17,12 +17,14 @@ from test_mla_attention import BATCHES, C, mla_batch
 from test_split_merge import partials
 
 
-@pytest.mark.parametrize("x,t,np_,n,c,o", [(1, 1, 4, 4, 32, 16), (4, 3, 16, 4, 32, 16),
-                                           (3, 37, 8, 5, 48, 24), (16, 2, 16, 16, 64, 32)])
-def test_matches_reference(x, t, np_, n, c, o):
+@pytest.mark.parametrize("x,t,np_,n,c,o,blocks", [
+    (1, 1, 4, 4, 32, 16, {}), (4, 3, 16, 4, 32, 16, {}),
+    (3, 37, 8, 5, 48, 24, dict(block_c=16, block_o=16)),    # 3 latent steps, a masked O tail
+    (16, 2, 16, 16, 72, 32, dict(block_c=32))])             # a masked latent tail
+def test_matches_reference(x, t, np_, n, c, o, blocks):
     o_part, lse = partials(x, t, np_, c, seed=x + t)
     w_uv = jnp.asarray(np.random.default_rng(t).standard_normal((n, c, o)), jnp.float32) * 0.2
-    got = mo.mla_merge_uv(o_part, lse, w_uv, out_dtype=jnp.float32, impl="pallas")
+    got = mo.mla_merge_uv(o_part, lse, w_uv, out_dtype=jnp.float32, impl="pallas", **blocks)
     want = mo.ref_mla_merge_uv(o_part, lse, w_uv, out_dtype=jnp.float32)
     assert got.shape == (t, n * o)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
