@@ -32,7 +32,10 @@ from jaxserve.pallas_kernels import fused_linear
 # kernel, and the LM head: five kernels a dense layer plus attention, for small models whose
 # decode step is bound by kernel launches (issue 33; models/llama.py fused_stack). "moe": the
 # routed experts of steps of a few tokens in two kernels (moe_decode.py, every MoE family).
-FUSABLE = ("norm", "rope", "linear", "moe")
+# "mla": DeepSeek V3 / V3.2's attention around its projections in three kernels (mla_input_prep,
+# mla_q_absorb, mla_merge_uv; models/deepseek_mla.py), one device; off until the whole step
+# measures faster (issue 71: .scratch/fuse32_gpu.sh).
+FUSABLE = ("norm", "rope", "linear", "moe", "mla")
 
 # auto_fused_kernels turns "linear" on up to this model width (measured on the H200:
 # BENCHMARKS.md, "The default model's step"); wider models' steps are bound by their weights'
@@ -49,6 +52,11 @@ FUSED_STACK_MAX_TOKENS = 32
 # kernels, no sort or gathers); each (token, expert) row reads its expert's weights, so past a
 # few tokens the grouped path, which reads each distinct expert once, reads fewer bytes.
 MOE_DECODE_MAX_TOKENS = 4
+
+# "mla": steps of at most this many tokens take the fused MLA kernels; past it their 16-row
+# token tiles re-read W_UK / W_UV per tile where XLA's batched matmuls tile for the tensor
+# cores, and the attention's partials (f32) would double its output's bytes.
+MLA_FUSED_MAX_TOKENS = 32
 
 # Multi-step decode where it was measured to pay: a model the fused stack covers (small dense
 # ones and the llama family's MoE, one GPU) is bound by the host's launch of each step at
@@ -102,6 +110,11 @@ def auto_fused_kernels(cfg, family: str) -> tuple[str, ...]:
     return ("linear",) if stack and cfg.hidden_size <= AUTO_LINEAR_MAX_HIDDEN else ()
 
 
+def mla_fused_takes(num_tokens: int) -> bool:
+    """Whether a step of this many tokens runs DeepSeek's fused MLA kernels (when "mla" is on)."""
+    return num_tokens <= MLA_FUSED_MAX_TOKENS
+
+
 def moe_decode_takes(num_tokens: int) -> bool:
     """Whether a step of this many tokens may run its routed experts through moe_decode (when
     "moe" is on and the weights suit the kernel)."""
@@ -145,9 +158,11 @@ class KernelPlan:
         names = fused_kernel_names(option)
         if names is None:
             names = () if device == "cpu" or num_devices != 1 else auto_fused_kernels(cfg, family)
-        elif "linear" in names and num_devices != 1:
-            raise ValueError(f"fused_kernels 'linear' runs on one device; got {num_devices} "
-                             f"(tensor x expert parallel): leave it out or use 'auto'")
+        else:
+            for name in ("linear", "mla"):    # unsharded kernels and fused weights
+                if name in names and num_devices != 1:
+                    raise ValueError(f"fused_kernels '{name}' runs on one device; got {num_devices} "
+                                     f"(tensor x expert parallel): leave it out or use 'auto'")
         return cls.for_model(cfg, family, names, device)
 
     def without(self, *names: str) -> KernelPlan:
