@@ -1,6 +1,6 @@
 """Multi-step decode (`num_scheduler_steps` K = 8) on every family's tiny checkpoint (f32):
-the engine's greedy tokens are transformers' (the golden .npz, which one step at a time gives
-too: tests/models/test_*golden.py), alone and batched, with a request ending on an EOS and one
+the engine's greedy tokens are transformers' (the golden .npz, which the engine gives one step
+at a time too, batched, on every family here), alone and batched, with a request ending on an EOS and one
 on max_tokens inside a K-step loop (the tokens after the stop computed and dropped), and a
 prefix-cache hit afterwards (the paged caches the loop wrote, MLA's latent and the indexer's
 keys; a hybrid model's saved state) continuing them exactly.
