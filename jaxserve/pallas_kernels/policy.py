@@ -60,9 +60,11 @@ AUTO_SCHEDULER_STEPS = 8
 # Families whose own decode stacks (not the fused stack) take AUTO_SCHEDULER_STEPS by default
 # on one GPU: DeepSeek V3 / V3.2 (MLA; the indexer's keys), MiniMax-M2 and Qwen3-Next / Qwen3.5
 # (the recurrent state advances once a step inside the loop). Their multi-step programs give
-# one step at a time's tokens (tests/test_multi_step_families.py). Chosen from the code, as
-# the llama MoE's case (8 layers of Qwen3-30B-A3B at batch 1: 1.9 ms/token one step a launch,
-# 0.73 at 8; BENCHMARKS.md); each family's own A/B is issue 71's to measure.
+# one step at a time's tokens (tests/test_multi_step_families.py). On one GPU their models
+# are small ones or reduced-depth ones (the frontier checkpoints take a mesh, where the
+# default stays 1), whose small-batch steps the host's launch bounds, as the llama MoE's
+# (8 layers of Qwen3-30B-A3B at batch 1: 1.9 ms/token one step a launch, 0.73 at 8;
+# BENCHMARKS.md); each family's own A/B is issue 71's to measure.
 AUTO_MULTI_STEP_FAMILIES = ("deepseek", "minimax_m2", "qwen3_next")
 
 
