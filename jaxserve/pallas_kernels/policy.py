@@ -65,6 +65,16 @@ MLA_FUSED_MAX_TOKENS = 32
 # elsewhere the device bounds a step, and more steps a launch would only delay new requests.
 AUTO_SCHEDULER_STEPS = 8
 
+# Families whose own decode stacks (not the fused stack) take AUTO_SCHEDULER_STEPS by default
+# on one GPU: DeepSeek V3 / V3.2 (MLA; the indexer's keys), MiniMax-M2 and Qwen3-Next / Qwen3.5
+# (the recurrent state advances once a step inside the loop). Their multi-step programs give
+# one step at a time's tokens (tests/test_multi_step_families.py). On one GPU their models
+# are small ones or reduced-depth ones (the frontier checkpoints take a mesh, where the
+# default stays 1), whose small-batch steps the host's launch bounds, as the llama MoE's
+# (8 layers of Qwen3-30B-A3B at batch 1: 1.9 ms/token one step a launch, 0.73 at 8;
+# BENCHMARKS.md); each family's own A/B is issue 71's to measure.
+AUTO_MULTI_STEP_FAMILIES = ("deepseek", "minimax_m2", "qwen3_next")
+
 
 def fused_kernel_names(option: str | tuple | list) -> tuple[str, ...] | None:
     """The names an option gives ("linear,rope" or a sequence; "none": no names), None for
@@ -129,6 +139,8 @@ class KernelPlan:
     fused_stack: bool = False     # "linear" is on and fused_stack_fits the model
     device: str = "cpu"           # the device kind the plan was made for (dispatch.device_kind)
     lora: bool = False            # the layers carry LoRA slots (lora_sgmv.py on each projection)
+    multi_step: bool = False      # AUTO_SCHEDULER_STEPS by default without the fused stack
+                                  # (AUTO_MULTI_STEP_FAMILIES on one GPU)
 
     @property
     def cheap_branches(self) -> bool:
@@ -153,7 +165,8 @@ class KernelPlan:
                 device: str | None = None) -> KernelPlan:
         """The plan of an engine's --fused-kernels option: "auto" is auto_fused_kernels on one
         GPU (nothing on a CPU or a mesh), else the names given ("linear" only on one device:
-        its kernels and [out, in] weights are unsharded; a mesh keeps the unfused weights)."""
+        its kernels and [out, in] weights are unsharded; a mesh keeps the unfused weights).
+        One GPU also decodes an AUTO_MULTI_STEP_FAMILIES model in steps by default."""
         device = device or device_kind()
         names = fused_kernel_names(option)
         if names is None:
@@ -163,7 +176,9 @@ class KernelPlan:
                 if name in names and num_devices != 1:
                     raise ValueError(f"fused_kernels '{name}' runs on one device; got {num_devices} "
                                      f"(tensor x expert parallel): leave it out or use 'auto'")
-        return cls.for_model(cfg, family, names, device)
+        plan = cls.for_model(cfg, family, names, device)
+        return dataclasses.replace(plan, multi_step=device != "cpu" and num_devices == 1
+                                   and family in AUTO_MULTI_STEP_FAMILIES)
 
     def without(self, *names: str) -> KernelPlan:
         """This plan less some fused kernels (a family whose own blocks replace them)."""
@@ -195,7 +210,9 @@ class KernelPlan:
 
     def scheduler_steps(self, value: int | None, speculative) -> int:
         """SchedulerConfig.num_scheduler_steps from the option: None is AUTO_SCHEDULER_STEPS
-        with the fused stack ("linear") and no speculation, else 1."""
+        with the fused stack ("linear") or a multi-step family's plan, and no speculation (a
+        verifying step is one step), else 1."""
         if value is not None:
             return value
-        return AUTO_SCHEDULER_STEPS if "linear" in self.fused and speculative is None else 1
+        auto = "linear" in self.fused or self.multi_step
+        return AUTO_SCHEDULER_STEPS if auto and speculative is None else 1
