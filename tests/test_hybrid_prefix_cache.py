@@ -136,8 +136,9 @@ def test_default_number_of_saved_states():
 
 
 # -- the scheduler ---------------------------------------------------------------------------
-def scheduler(budget=10, caching=True, cached=CACHED, specs=HYBRID, blocks=32):
-    return Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=budget, max_model_len=64),
+def scheduler(budget=10, caching=True, cached=CACHED, specs=HYBRID, blocks=32, steps=1):
+    return Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=budget, max_model_len=64,
+                                     num_scheduler_steps=steps),
                      CacheConfig(block_size=P, enable_prefix_caching=caching), blocks,
                      cache_specs=specs, num_slots=LIVE + cached if STATE in specs else 0,
                      num_cached_states=cached)
@@ -183,6 +184,26 @@ def test_chunks_end_on_block_boundaries_and_save_there():
     for plain in (scheduler(specs=[KV], cached=0), scheduler(caching=False)):
         plain.add_request(request("a", 22))
         assert [o.scheduled[0].num_tokens for o in drain(plain)] == [10, 10, 2]
+
+
+def test_a_multi_step_loop_saves_at_its_last_boundary_within_the_longest_length():
+    """3 decode steps a launch over blocks of 4: the loop computing positions 6..8 saves at
+    8, inside it (the loop copies the state: no state_saves pair for the runner to copy
+    after the step), committed there; the next loop's boundary, 12, lies past the request's
+    longest length (6 + 5 tokens), so it plans none."""
+    s = scheduler(steps=3)
+    s.add_request(request("a", 6, max_tokens=5))
+    outs = []
+    while s.requests:
+        out = s.schedule()
+        sampled = [[7] * r.num_steps if r.sample else [] for r in out.scheduled]
+        s.update(out, RunnerOutput(out.req_ids, sampled, [None] * len(sampled)))
+        outs.append(out)
+    got = [(o.num_steps, o.scheduled[0].start_position, bool(o.scheduled[0].save_state_slot),
+            len(o.state_saves)) for o in outs]
+    assert got == [(1, 0, True, 1), (1, 4, False, 0), (3, 6, True, 0), (3, 9, False, 0)]
+    assert len(s.kv.states.saved) == 2               # at 4 (the prompt's chunk) and at 8
+    assert_nothing_held(s)
 
 
 def test_a_hit_loads_the_saved_state_into_the_new_requests_slot():

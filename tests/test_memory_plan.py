@@ -211,11 +211,13 @@ def fresh_allocator(monkeypatch):
 
 
 def test_allocator_gets_the_utilization_before_the_backend_starts(fresh_allocator):
+    # the budget plus POOL_SLACK: the pool fragments (memory_plan's doc)
     line = memory_plan.configure_allocator(0.85)
-    assert os.environ[memory_plan.MEM_FRACTION_ENV] == "0.85"
-    assert "XLA_PYTHON_CLIENT_MEM_FRACTION=0.85" in line and memory_plan.allocator_note() == line
-    assert memory_plan.allocator_fraction() == 0.85
+    assert os.environ[memory_plan.MEM_FRACTION_ENV] == "0.89"
+    assert "XLA_PYTHON_CLIENT_MEM_FRACTION=0.89" in line and memory_plan.allocator_note() == line
+    assert memory_plan.allocator_fraction() == 0.89
     assert memory_plan.configure_allocator(0.85) == line         # again (CLI, then engine): same
+    assert memory_plan.pool_fraction(0.95) == 0.97 and memory_plan.pool_fraction(0.99) == 0.99
 
 
 def test_allocator_keeps_a_users_variables(fresh_allocator, monkeypatch):

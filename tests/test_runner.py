@@ -151,6 +151,28 @@ def test_warmup_all_waits_for_the_full_programs_too(monkeypatch):
     assert len(runner._executables) == len(runner.buckets) * 2
 
 
+def test_warmup_all_runs_each_lean_program_once_and_outputs_stay_the_same(monkeypatch):
+    """serve's --warmup-all also runs each bucket's lean program once on an empty step
+    (worker/rehearsal.py: a program's first run costs more); the empty steps write only the
+    null block, so greedy outputs equal an engine's that never ran them."""
+    from jaxserve.worker import rehearsal
+
+    runs = []
+    real = rehearsal.rehearse
+    monkeypatch.setattr("jaxserve.engine.llm_engine.rehearse",
+                        lambda runner: runs.append(real(runner)) or runs[-1])
+    kw = dict(dtype="float32", max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64)
+    prompts = [{"prompt_token_ids": [5, 6, 7]}, {"prompt_token_ids": list(range(10, 40))}]
+    params = SamplingParams(temperature=0, max_tokens=6)
+    rehearsed = LLM(TINY, warmup_all=True, **kw)
+    assert runs and runs[0][0] == len(rehearsed.engine.runner.buckets)
+    plain = LLM(TINY, **kw)
+    assert len(runs) == 1                     # only with warmup_all
+    want = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
+    got = [o.outputs[0].token_ids for o in rehearsed.generate(prompts, params, use_tqdm=False)]
+    assert got == want
+
+
 def attention_backend(kv_heads=8, head_dim=128, itemsize=2, gpu=True):
     """An AttentionBackend of the Pallas kernel as on a GPU (its tiling rules need none)."""
     from types import SimpleNamespace

@@ -8,7 +8,8 @@ request is preempted: its blocks are freed and it recomputes later.
 
 A hybrid model's prefix hit needs a state saved at a block boundary (kv_cache/manager.py), so
 with prefix caching its chunks are cut to end on one where they can (vLLM's "align" mode):
-a 100-token prompt with 16-token blocks runs as 96 tokens, whose state is saved, then 4.
+a 100-token prompt with 16-token blocks runs as 96 tokens, whose state is saved, then 4. A
+multi-step decode step saves at the last boundary its loop crosses.
 
 The scheduler alone advances and rolls back `num_computed_tokens`: a request that verified
 k draft tokens and kept a of the k + 1 sampled ones goes back by k + 1 - a. It speaks to the
@@ -73,9 +74,7 @@ class _ScheduledStep:
         if self._rows is None:
             self._rows = {id(r): i for i, r in enumerate(self.requests)}
         i = self._rows.get(id(req))     # (the list keeps its requests alive: ids stay theirs)
-        if i is None or id(req) in self.void:
-            return None
-        return self.scheduled[i]
+        return None if i is None or id(req) in self.void else self.scheduled[i]
 
 
 @dataclass(slots=True)     # one per running request per step: slots, not frozen (step_messages.py)
@@ -291,10 +290,12 @@ class Scheduler:
             elif self._snapshot_base and sched.spec_token_ids:
                 live = self.kv.slots[rid]
                 state_loads.append((live, self._snapshot_base + live))
-            if self._align and not sched.spec_token_ids and steps == 1:
-                slot = self.kv.plan_state_save(rid, sched.start_position + n)
-                if slot:
-                    sched.save_state_slot = slot
+            if self._align and not sched.spec_token_ids:
+                end = sched.start_position + sched.num_positions
+                slot = (self.kv.plan_state_save(rid, end) if steps == 1 else
+                        self.kv.plan_loop_save(rid, sched.start_position, end, self._longest(req)))
+                sched.save_state_slot = slot
+                if slot and steps == 1:     # (a multi-step's is copied inside its loop)
                     state_saves.append((self.kv.slots[rid], slot))
         finished = []
         if chunks:          # an empty step is never run: it carries nothing, not even these
@@ -393,6 +394,7 @@ class Scheduler:
                                           min(end, req.num_tokens))
             if sched.save_state_slot:     # never with drafts: `end` is the chunk's end
                 if req.status == RequestStatus.RUNNING:
+                    end = end // self.kv.block_size * self.kv.block_size   # (a loop's last)
                     self.kv.commit_state_save(req.request_id, end, sched.save_state_slot,
                                               in_output=end > req.num_prompt_tokens)
                 else:                     # preempted meanwhile: its blocks were not registered
@@ -455,22 +457,20 @@ class Scheduler:
         (and `more`: a multi-step's later positions) more, but no more than its longest
         possible sequence (the input processor checked that this fits the cache)."""
         ahead = self.num_lookahead_tokens + more
-        if not ahead:
-            return end
-        cap = self.config.max_model_len
-        if req.sampling_params.max_tokens is not None:
-            cap = min(cap, req.num_prompt_tokens + req.sampling_params.max_tokens)
-        return max(end, min(end + ahead, cap))
+        return max(end, min(end + ahead, self._longest(req))) if ahead else end
+
+    def _longest(self, req: Request) -> int:
+        """Its longest possible sequence: max_model_len, or its prompt and max_tokens."""
+        cap, max_tokens = self.config.max_model_len, req.sampling_params.max_tokens
+        return cap if max_tokens is None else min(cap, req.num_prompt_tokens + max_tokens)
 
     def _ends_with_placeholder(self, req: Request) -> bool:
         """The token on its way back will end the request (max_tokens / max_model_len): don't
         compute past it."""
         if not req.num_output_placeholders:
             return False
-        p = req.sampling_params
         ahead = req.num_output_placeholders + len(req.inflight_drafts)
-        return ((p.max_tokens is not None and len(req.output_token_ids) + ahead >= p.max_tokens)
-                or req.num_tokens + ahead >= self.config.max_model_len)
+        return req.num_tokens + ahead >= self._longest(req)
 
     def _preempt(self, req: Request) -> Request:
         self._drop_from_runner(req)

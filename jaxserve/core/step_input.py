@@ -35,6 +35,9 @@ class StepInput:
     prev_token_rows: jax.Array | None = None  # i32[T] row of the previous step's output holding this
                                               # token (it was sampled there); -1: token_ids has it
     state_slots: jax.Array | None = None  # i32[S] state slot of each sequence (0: null slot)
+    # Only in a multi-step decode step where some sequence saves its state (hybrid prefix
+    # caching): the loop copies it there after its step ending on its last block boundary.
+    state_save_slots: jax.Array | None = None  # i32[S] saved-state slot (0: no save)
     lora_slots: jax.Array | None = None   # i32[T] LoRA slot of each token (0: no adapter;
                                           # only when the engine serves adapters: lora/)
     # Only in a step that verifies drafts (spec_decode/): then logits_indices and sampling

@@ -86,8 +86,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--num-scheduler-steps", type=int_at_least(1), default=None,
                    help="decode steps run on the device per host step while every running "
                         "request decodes (vLLM's multi-step scheduling; 1: off); outputs then "
-                        "stream this many tokens at a time (default: 8 on one GPU for a small "
-                        "dense model, whose steps the host's launch bounds; else 1)")
+                        "stream this many tokens at a time (default without speculation: 8 on "
+                        "one GPU for a model the fused stack covers and for DeepSeek V3 / V3.2, "
+                        "MiniMax-M2 and Qwen3-Next / Qwen3.5, whose small-batch steps the "
+                        "host's launch bounds; else 1)")
     g.add_argument("--attention-impl", choices=["auto", "xla", "pallas"], default="auto")
     g.add_argument("--fused-kernels", type=fused_kernels, default="auto", metavar="auto|none|NAME[,NAME]",
                    help="fused Pallas kernels of the step (with the Pallas attention): 'linear' "

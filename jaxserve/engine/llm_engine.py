@@ -27,6 +27,7 @@ from jaxserve.spec_decode.proposer import Proposer
 from jaxserve.structured.compiler import GrammarCompiler
 from jaxserve.structured.manager import StructuredOutputManager
 from jaxserve.tokenizer import Tokenizer
+from jaxserve.worker.rehearsal import rehearse
 from jaxserve.worker.runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -92,6 +93,10 @@ class LLMEngine:
                             "the first request needing one waits for it)")
                 self.runner.wait_for_warmup(raise_errors=False, log_every=PROGRESS_EVERY_S)
                 self.wait_for_warmup(raise_errors=False)
+                # and each bucket's plain program run once, so the first request is as fast
+                # as later ones (worker/rehearsal.py)
+                ran, seconds = rehearse(self.runner)
+                logger.info("ran %d step programs once in %.2f s (the first request's costs)", ran, seconds)
             self.startup_seconds["warmup"] = time.perf_counter() - t0
             logger.info("warm-up took %.1f s", self.startup_seconds["warmup"])
         logger.info("%s", "\n  ".join(["engine built:"] + startup_lines(

@@ -40,7 +40,7 @@ import jax.numpy as jnp
 
 from jaxserve.config import ModelConfig
 from jaxserve.core.kv_cache.specs import PagedSpec
-from jaxserve.models import layers, llama, moe
+from jaxserve.models import deepseek_mla, layers, llama, moe
 from jaxserve.models.layers import mla
 from jaxserve.pallas_kernels.dispatch import resolve_impl
 from jaxserve.pallas_kernels.indexer_scores import indexer_scores
@@ -211,6 +211,7 @@ def q_latent_projections(cfg: DeepseekConfig) -> list[tuple[str, int]]:
 
 
 FUSED_INPUT, FUSED_Q_LATENT = "w_in", "w_q_lat"
+assert FUSED_INPUT == deepseek_mla.FUSED_INPUT
 
 
 def fuse_projections(cfg: DeepseekConfig, params: dict) -> dict:
@@ -302,16 +303,24 @@ def indexer(cfg: DeepseekConfig, q_TIJ, w_TI, index_k, x: StepInput, rope: Rope,
     (-1: none)."""
     i, j, r = cfg.index_n_heads, cfg.index_head_dim, cfg.qk_rope_head_dim
     q_TIJ = _rope_first(q_TIJ.reshape(-1, i, j), r, x.positions, rope)
-    w_TI = w_TI.astype(jnp.float32) * i ** -0.5
+    return select_positions(cfg, q_TIJ, w_TI.astype(jnp.float32) * i ** -0.5, index_k, x, impl)
+
+
+def select_positions(cfg: DeepseekConfig, q_TIJ, w_TI, index_k, x: StepInput, impl: str):
+    """The indexer's scores and TopK from its roped queries f[T, I, J] and scaled head weights
+    f32[T, I] (the fused path's mla_q_absorb / mla_input_prep give them so): i32[T, k]."""
+    j = cfg.index_head_dim
     args = (q_TIJ, w_TI, index_k, x.block_tables, x.token_seq_ids, x.positions)
     if impl == "xla":
         scores_TL = mla.index_scores_xla(*args, scale=j ** -0.5)
     else:   # the indexer is replicated (its weights and keys): every rank scores and selects alike
         score = functools.partial(indexer_scores, scale=j ** -0.5, impl=impl)
         scores_TL = sharded.replicated(score, len(args))(*args)
-    topk_fn = None if impl == "xla" else (
-        lambda s, k: sharded.replicated(functools.partial(topk, k=k, impl=impl), 1, 2)(s))
-    return mla.select_topk(scores_TL, cfg.index_topk, topk_fn)
+    if impl == "xla":
+        return mla.select_topk(scores_TL, cfg.index_topk)
+    # the kernel's indices are -1 past a row's finite scores already: no masking fusion after it
+    k = min(cfg.index_topk, scores_TL.shape[1])
+    return sharded.replicated(functools.partial(topk, k=k, impl=impl), 1, 2)(scores_TL)[1]
 
 
 def write_caches(cfg: DeepseekConfig, lp: dict, cache: dict, kv_TW: jax.Array, index_TJ, x: StepInput,
@@ -342,9 +351,13 @@ def write_caches(cfg: DeepseekConfig, lp: dict, cache: dict, kv_TW: jax.Array, i
 
 
 def attention_block(cfg: DeepseekConfig, lp: dict, cache: dict, h_TD: jax.Array, x: StepInput,
-                    rope: Rope, impl: str = "xla"):
-    """MLA sub-block on normed input: (new cache dict, output f[T, D])."""
+                    rope: Rope, impl: str = "xla", fused_mla: bool = False):
+    """MLA sub-block on normed input: (new cache dict, output f[T, D]). fused_mla: the fused
+    kernels (models/deepseek_mla.py) for the steps they take."""
     t = h_TD.shape[0]
+    if fused_mla and impl == "pallas" and deepseek_mla.takes(lp, t):
+        select = lambda q, w, keys: select_positions(cfg, q, w, keys, x, impl)  # noqa: E731
+        return deepseek_mla.attention_block(cfg, lp, cache, h_TD, x, rope, select, LORA_NORM_EPS)
     n, e = cfg.num_heads, cfg.qk_nope_head_dim
     a = project(lp, h_TD, FUSED_INPUT, input_projections(cfg))
     if cfg.q_lora_rank:
@@ -372,12 +385,13 @@ def attention_block(cfg: DeepseekConfig, lp: dict, cache: dict, h_TD: jax.Array,
 
 
 def decoder_layer(cfg: DeepseekConfig, i: int, lp: dict, cache: dict, residual_TD, x: StepInput,
-                  rope: Rope, impl: str, moe_impl: str | None = None):
+                  rope: Rope, impl: str, moe_impl: str | None = None, fused_mla: bool = False):
     """One pre-norm decoder layer on the residual stream: (cache, new residual). moe_impl: the
-    MoE layer's (models/moe.py; "fused" takes its decode kernels), default `impl`."""
+    MoE layer's (models/moe.py; "fused" takes its decode kernels), default `impl`; fused_mla:
+    attention_block's."""
     eps = cfg.rms_norm_eps
     cache, attn_TD = attention_block(cfg, lp, cache, layers.rms_norm(residual_TD, lp["attn_norm"], eps),
-                                     x, rope, impl)
+                                     x, rope, impl, fused_mla)
     residual_TD = residual_TD + attn_TD
     normed_TD = layers.rms_norm(residual_TD, lp["mlp_norm"], eps)
     mlp_TD = (moe_mlp(cfg, lp, normed_TD, moe_impl or impl) if "router" in lp
@@ -385,31 +399,52 @@ def decoder_layer(cfg: DeepseekConfig, i: int, lp: dict, cache: dict, residual_T
     return cache, residual_TD + mlp_TD
 
 
-def make_kernels(cfg: DeepseekConfig, backend, plan=None, kernel_plan: KernelPlan = KernelPlan()) -> str:
-    """The family interface's kernel choice (models/llama.py): this family's kernels are picked
-    by one impl name, the runner's requested attention impl ("auto" is Pallas on a GPU), or
-    "fused" (Pallas, and the MoE's fused decode kernels) with "moe" in the kernel plan; the attention
-    plan and llama's other fused-kernel switches are unused here."""
+@dataclass(frozen=True)
+class Kernels:
+    """make_kernels' choice for one compiled step: impl "xla" | "pallas" (the MLA, indexer, TopK
+    and router kernels), moe (models/moe.py's impl: "fused" also takes moe_decode), fused_mla
+    (models/deepseek_mla.py's kernels, "mla" in the kernel plan)."""
+    impl: str = "xla"
+    moe: str = "xla"
+    fused_mla: bool = False
+
+    @classmethod
+    def named(cls, kernels: "str | Kernels") -> "Kernels":
+        """A Kernels as given, or of an impl name: "xla", "pallas", "auto", or "fused" (pallas
+        with moe_decode)."""
+        if isinstance(kernels, Kernels):
+            return kernels
+        moe_impl = "fused" if kernels == "fused" else resolve_impl(kernels)[0]
+        return cls(moe.kernel_impl(moe_impl), moe_impl)
+
+
+def make_kernels(cfg: DeepseekConfig, backend, plan=None, kernel_plan: KernelPlan = KernelPlan()) -> Kernels:
+    """The family interface's kernel choice (models/llama.py): the runner's requested attention
+    impl ("auto" is Pallas on a GPU), with Pallas the MoE's fused decode kernels ("moe" in the
+    kernel plan) and the fused MLA kernels ("mla"); the attention plan and llama's other
+    fused-kernel switches are unused here."""
     impl = resolve_impl(backend if isinstance(backend, str) else backend.requested)[0]
-    return "fused" if "moe" in kernel_plan.fused and impl == "pallas" else impl
+    pallas = impl == "pallas"
+    return Kernels(impl, "fused" if "moe" in kernel_plan.fused and pallas else impl,
+                   "mla" in kernel_plan.fused and pallas)
 
 
 def forward(cfg: DeepseekConfig, params: dict, caches: list[dict[str, jax.Array]], x: StepInput,
-            kernels: str = "xla", aux_layers: tuple[int, ...] = ()):
+            kernels: "str | Kernels" = "xla", aux_layers: tuple[int, ...] = ()):
     """Run every layer on the step's tokens: (updated caches, final-normed hidden f[T, D], the
     residual stream after each layer in `aux_layers`).
 
     kernels: "xla" (plain jnp MLA, lax.top_k, lax.ragged_dot), "pallas" (the MLA and TopK
     kernels, interpreted on a CPU; the MoE grouped matmul picks its own kernel), "fused"
     (pallas, and small steps' routed experts through moe_decode) or "auto" (pallas on a GPU,
-    else xla)."""
-    moe_impl = "fused" if kernels == "fused" else resolve_impl(kernels)[0]
-    impl = moe.kernel_impl(moe_impl)
+    else xla); or make_kernels' Kernels."""
+    k = Kernels.named(kernels)
     rope = make_rope(cfg)
     residual_TD = params["embed"][x.token_ids]
     new_caches, aux = [], []
     for i, (lp, cache) in enumerate(zip(params["layers"], caches)):
-        cache, residual_TD = decoder_layer(cfg, i, lp, cache, residual_TD, x, rope, impl, moe_impl)
+        cache, residual_TD = decoder_layer(cfg, i, lp, cache, residual_TD, x, rope, k.impl, k.moe,
+                                           k.fused_mla)
         new_caches.append(cache)
         if i in aux_layers:
             aux.append(residual_TD)

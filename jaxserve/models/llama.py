@@ -169,7 +169,8 @@ def make_kernels(cfg: ModelConfig, backend: "AttentionBackend | str" = "xla",
         backend = AttentionBackend(cfg, backend, context=cfg.max_position_embeddings, itemsize=2)
     kernels = _make_kernels(cfg, backend, plan, kernel_plan)
     if kernel_plan.lora:
-        return dataclasses.replace(kernels, lora_impl=backend.impl)
+        # "pallas" engines let lora_sgmv choose between its kernels by the slot count ("auto")
+        return dataclasses.replace(kernels, lora_impl="auto" if backend.impl == "pallas" else "xla")
     return kernels
 
 

@@ -21,9 +21,17 @@ tokens carry adapters pays only for those. The grouped kernel is grouped_matmul.
 shapes, so adapters coming and going never recompile); the sort, counts and unsort are a few
 small XLA ops on [T] ids and the [T, N] result.
 
-Implementations: "pallas" (the above; interpret mode on CPU), "xla" (the reference: a masked
-dense pass per slot, in f32), "auto" = "pallas" on a GPU, else "xla". The grouped kernel
-tiles K and N by 16: a projection whose width is not a multiple of 16 takes "xla".
+Implementations: "pallas" (the above; interpret mode on CPU), "dense" (two XLA dot products
+over every slot at once: x @ [all slots' a] -> [T, L, R], each token's own slot kept, then
+[T, L*R] @ [all slots' b]), "xla" (the reference: a masked dense pass per slot, in f32),
+"auto" = on a GPU "dense" up to DENSE_MAX_SLOTS slots, else "pallas"; on CPU "xla". Why
+"dense" for few slots: a decode step applies the update to every projection of every layer
+(4 x 32 on the 8B shape), and the grouped path's sort, gathers and two grouped kernels are
+about eight launches each time, which bound the step (H200, BENCHMARKS.md: 1.59x the base
+step at batch 16 with 4 adapters); the dense path is two dot products, reading every slot's
+matrices (a few hundred KB a projection) whether a token uses them or not, which costs more
+than the grouped kernel's reads only when many slots are resident. The grouped kernel tiles
+K and N by 16: a projection whose width is not a multiple of 16 takes "xla".
 """
 
 from __future__ import annotations
@@ -35,6 +43,9 @@ import jax.numpy as jnp
 
 from jaxserve.pallas_kernels.dispatch import resolve_impl
 from jaxserve.pallas_kernels.grouped_matmul import grouped_matmul
+
+
+DENSE_MAX_SLOTS = 9      # slots (max_loras + 1) up to which "auto" takes "dense" on a GPU
 
 
 def ref_lora_delta(x_TK, a_LKR, b_LRN, slots_T):
@@ -57,6 +68,15 @@ def _validate(x_TK, a_LKR, b_LRN, slots_T):
         raise ValueError(f"slots_T must be i32[T = {t}]; got {slots_T.shape}")
 
 
+def _dense(x_TK, a_LKR, b_LRN, slots_T):
+    num_slots = a_LKR.shape[0]
+    h_TLR = jnp.einsum("tk,lkr->tlr", x_TK, a_LKR.astype(x_TK.dtype), preferred_element_type=jnp.float32)
+    # each token keeps its own slot's R columns; slot 0 ("no adapter") keeps none
+    own_TL = (slots_T[:, None] == jnp.arange(num_slots, dtype=slots_T.dtype)[None, :]) & (slots_T > 0)[:, None]
+    h_TLR = jnp.where(own_TL[:, :, None], h_TLR, 0.0).astype(x_TK.dtype)
+    return jnp.einsum("tlr,lrn->tn", h_TLR, b_LRN.astype(x_TK.dtype), preferred_element_type=jnp.float32)
+
+
 def _sgmv(x_TK, a_LKR, b_LRN, slots_T, interpret):
     num_slots = a_LKR.shape[0]
     # slot 0 (no adapter) sorts last: past the groups, where the grouped kernel writes zeros
@@ -74,8 +94,11 @@ def _sgmv(x_TK, a_LKR, b_LRN, slots_T, interpret):
 
 @functools.partial(jax.jit, static_argnames=("impl", "interpret"))
 def lora_delta(x_TK, a_LKR, b_LRN, slots_T, *, impl: str = "auto", interpret: bool | None = None):
-    """Each token's adapter update f[T, N] (module doc); impl "auto" | "pallas" | "xla"."""
+    """Each token's adapter update f[T, N] (module doc); impl "auto" | "pallas" | "dense" | "xla"."""
     _validate(x_TK, a_LKR, b_LRN, slots_T)
+    if impl == "dense" or (impl == "auto" and jax.default_backend() == "gpu"
+                           and a_LKR.shape[0] <= DENSE_MAX_SLOTS):
+        return _dense(x_TK, a_LKR, b_LRN, slots_T).astype(x_TK.dtype)
     impl, on_gpu = resolve_impl(impl)
     if impl == "xla" or x_TK.shape[1] % 16 or b_LRN.shape[2] % 16 or a_LKR.shape[2] % 16:
         return ref_lora_delta(x_TK, a_LKR, b_LRN, slots_T)

@@ -160,7 +160,10 @@ LOG2E = 1.4426950408889634
 
 
 def _pallas(q_TNW, latent_NPW, block_tables_SB, token_seq_ids_T, positions_T, selected_Tk, *,
-            sm_scale, value_dim, block_h, block_k, num_warps, num_stages, interpret, splits):
+            sm_scale, value_dim, block_h, block_k, num_warps, num_stages, interpret, splits,
+            partials: bool = False):
+    """The kernel's call: o f[T, N, C], or with `partials` the splits unmerged (one split
+    too): (o f32[X, T, Np, C], lse f32[X, T, Np]), Np the heads padded to whole tiles."""
     t, n, w = q_TNW.shape
     nb, p, _ = latent_NPW.shape
     s, b = block_tables_SB.shape
@@ -174,7 +177,7 @@ def _pallas(q_TNW, latent_NPW, block_tables_SB, token_seq_ids_T, positions_T, se
     splits = key_splits(t, n, block_h) if splits is None else splits
     kernel = functools.partial(_mla_kernel, n=n, c=c, r=r, p=p, blocks_per_seq=b, block_h=block_h,
                                block_k=block_k, sm_scale=sm_scale, num_sel=num_sel, splits=splits)
-    if splits == 1:
+    if splits == 1 and not partials:
         out_specs = whole(t, n_pad, c)
         out_shape = jax.ShapeDtypeStruct((t, n_pad, c), q_TNW.dtype)
     else:
@@ -192,6 +195,8 @@ def _pallas(q_TNW, latent_NPW, block_tables_SB, token_seq_ids_T, positions_T, se
     )(q_TNW, latent_NPW.reshape(nb * p, w), block_tables_SB.reshape(-1),
       token_seq_ids_T.astype(jnp.int32), positions_T.astype(jnp.int32),
       selected_Tk.astype(jnp.int32))
+    if partials:
+        return tuple(out)
     if splits > 1:
         o_part, lse = out
         kernel_merge = not interpret and c >= 16 and c & (c - 1) == 0   # (its tiles: 2^n >= 16)
@@ -223,3 +228,23 @@ def mla_attention(q_TNW, latent_NPW, block_tables_SB, token_seq_ids_T, positions
                    sm_scale=sm_scale, value_dim=value_dim, block_h=block_h, block_k=block_k,
                    num_warps=num_warps, num_stages=num_stages,
                    interpret=(not on_gpu) if interpret is None else interpret, splits=splits)
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "value_dim", "block_h", "block_k",
+                                             "num_warps", "num_stages", "interpret", "splits"))
+def mla_attention_partials(q_TNW, latent_NPW, block_tables_SB, token_seq_ids_T, positions_T,
+                           selected_Tk=None, *, sm_scale: float, value_dim: int,
+                           block_h: int | None = None, block_k: int = 32, num_warps: int = 4,
+                           num_stages: int = 2, interpret: bool | None = None,
+                           splits: int | None = None):
+    """The Pallas kernel's key-range splits unmerged, for a caller that merges them itself
+    (mla_output.mla_merge_uv: the merge folded into W_UV): (o f32[X, T, Np, C] normalised
+    partials, lse f32[X, T, Np] their log2-sum-exp2, -inf where a split saw no key); X is
+    key_splits' (or `splits`), one included; Np the heads padded to whole tiles of block_h."""
+    _validate(q_TNW, latent_NPW, block_tables_SB, token_seq_ids_T, positions_T, value_dim, selected_Tk)
+    on_gpu = resolve_impl("pallas")[1]
+    return _pallas(q_TNW, latent_NPW, block_tables_SB, token_seq_ids_T, positions_T, selected_Tk,
+                   sm_scale=sm_scale, value_dim=value_dim, block_h=block_h, block_k=block_k,
+                   num_warps=num_warps, num_stages=num_stages,
+                   interpret=(not on_gpu) if interpret is None else interpret, splits=splits,
+                   partials=True)

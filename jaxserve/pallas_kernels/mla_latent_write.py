@@ -100,7 +100,7 @@ def _validate(kv_TW, kv_norm_C, positions_T, slot_mapping_T, latent_NPW, inv_fre
 # ---------------------------------------------------------------------------------------------
 
 
-def _rope_pair(x1, x2, cos, sin, factor, dtype):
+def rope_pair(x1, x2, cos, sin, factor, dtype):
     """The two rotated halves, rounded as mla.rope rounds them."""
     x1, x2 = x1.astype(jnp.float32), x2.astype(jnp.float32)
     out = [(x1 * cos - x2 * sin).astype(dtype), (x2 * cos + x1 * sin).astype(dtype)]
@@ -109,43 +109,51 @@ def _rope_pair(x1, x2, cos, sin, factor, dtype):
     return out
 
 
-def _kernel(kv_ref, kvn_ref, pos_ref, slot_ref, inv_ref, idx_ref, idxn_ref, idxb_ref,
-            latent_in, index_in, latent_ref, index_ref,
-            *, c, c_p, half, half_p, j, j_p, factor, eps, index_eps):
-    del latent_in, index_in   # aliased to latent_ref / index_ref
-    # loads clamp their indices into range; stores keep them and mask (a clamped masked store
-    # would aim several lanes at one element, and interpret mode writes their old values back)
-    t = pl.program_id(0)
-    slot = slot_ref[t]
-    dtype = kv_ref.dtype
-    # the latent: RMSNorm over C, rounded to the input dtype
-    i_c = jnp.arange(c_p, dtype=jnp.int32)
-    in_c = i_c < c
-    i_c_safe = jnp.minimum(i_c, c - 1)
-    x = plgpu.load(kv_ref.at[t, i_c_safe]).astype(jnp.float32)
-    x = jnp.where(in_c, x, 0.0)
-    inv_rms = jax.lax.rsqrt(jnp.sum(x * x) / c + eps)
-    normed = (x * inv_rms * plgpu.load(kvn_ref.at[i_c_safe]).astype(jnp.float32)).astype(dtype)
-    plgpu.store(latent_ref.at[slot, i_c], normed.astype(latent_ref.dtype), mask=in_c)
-    # the rotary angles of this token
+def rotary(pos_ref, inv_ref, t, half, half_p):
+    """(cos, sin, columns, their mask, clamped columns) of token t's rotary angles."""
     i_h = jnp.arange(half_p, dtype=jnp.int32)
     in_h = i_h < half
     i_h_safe = jnp.minimum(i_h, half - 1)
     angle = pos_ref[t].astype(jnp.float32) * plgpu.load(inv_ref.at[i_h_safe])
-    cos, sin = jnp.cos(angle), jnp.sin(angle)
-    # the shared key: kv[t, C:] roped
-    k1, k2 = _rope_pair(plgpu.load(kv_ref.at[t, c + i_h_safe]), plgpu.load(kv_ref.at[t, c + half + i_h_safe]),
-                        cos, sin, factor, dtype)
+    return jnp.cos(angle), jnp.sin(angle), i_h, in_h, i_h_safe
+
+
+def rms_normed(x_ref, t, off, width, width_p, w_ref, eps, dtype):
+    """(RMSNorm(x[t, off:off + width]) * w rounded to dtype, its columns, their mask)."""
+    i = jnp.arange(width_p, dtype=jnp.int32)
+    ok = i < width
+    safe = jnp.minimum(i, width - 1)
+    x = jnp.where(ok, plgpu.load(x_ref.at[t, off + safe]).astype(jnp.float32), 0.0)
+    inv_rms = jax.lax.rsqrt(jnp.sum(x * x) / width + eps)
+    return (x * inv_rms * plgpu.load(w_ref.at[safe]).astype(jnp.float32)).astype(dtype), i, ok
+
+
+def write_latent(kv_ref, kv_off, kvn_ref, t, slot, rot, latent_ref, *, c, c_p, half, factor, eps):
+    """latent[slot] = [RMSNorm(kv[t, :C]) * kv_norm | rope(kv[t, C:])], kv read from column
+    kv_off of kv_ref."""
+    # loads clamp their indices into range; stores keep them and mask (a clamped masked store
+    # would aim several lanes at one element, and interpret mode writes their old values back)
+    dtype = kv_ref.dtype
+    normed, i_c, in_c = rms_normed(kv_ref, t, kv_off, c, c_p, kvn_ref, eps, dtype)
+    plgpu.store(latent_ref.at[slot, i_c], normed.astype(latent_ref.dtype), mask=in_c)
+    cos, sin, i_h, in_h, i_h_safe = rot
+    k1, k2 = rope_pair(plgpu.load(kv_ref.at[t, kv_off + c + i_h_safe]),
+                        plgpu.load(kv_ref.at[t, kv_off + c + half + i_h_safe]), cos, sin, factor, dtype)
     plgpu.store(latent_ref.at[slot, c + i_h], k1.astype(latent_ref.dtype), mask=in_h)
     plgpu.store(latent_ref.at[slot, c + half + i_h], k2.astype(latent_ref.dtype), mask=in_h)
-    if idx_ref is None:
-        return
-    # the indexer key: LayerNorm over J (f32, rounded to the input dtype), then rotary on its
-    # first R dims, which are re-read and normalised again by the same statistics
+
+
+def write_index_key(idx_ref, idx_off, idxn_ref, idxb_ref, t, slot, rot, index_ref, *, j, j_p,
+                     half, factor, index_eps):
+    """index_k[slot] = rope_first_R(LayerNorm(idx[t]) * norm + bias), idx read from column
+    idx_off: LayerNorm over J (f32, rounded to the input dtype), then rotary on its first R
+    dims, which are re-read and normalised again by the same statistics."""
+    dtype = idx_ref.dtype
+    cos, sin, i_h, in_h, i_h_safe = rot
     i_j = jnp.arange(j_p, dtype=jnp.int32)
     in_j = i_j < j
     i_j_safe = jnp.minimum(i_j, j - 1)
-    y = jnp.where(in_j, plgpu.load(idx_ref.at[t, i_j_safe]).astype(jnp.float32), 0.0)
+    y = jnp.where(in_j, plgpu.load(idx_ref.at[t, idx_off + i_j_safe]).astype(jnp.float32), 0.0)
     mean = jnp.sum(y) / j
     centred = jnp.where(in_j, y - mean, 0.0)
     inv_std = jax.lax.rsqrt(jnp.sum(centred * centred) / j + index_eps)
@@ -157,11 +165,25 @@ def _kernel(kv_ref, kvn_ref, pos_ref, slot_ref, inv_ref, idx_ref, idxn_ref, idxb
 
     rest = layer_norm(i_j_safe, y)
     plgpu.store(index_ref.at[slot, i_j], rest.astype(index_ref.dtype), mask=in_j & (i_j >= 2 * half))
-    q1 = layer_norm(i_h_safe, plgpu.load(idx_ref.at[t, i_h_safe]))
-    q2 = layer_norm(half + i_h_safe, plgpu.load(idx_ref.at[t, half + i_h_safe]))
-    r1, r2 = _rope_pair(q1, q2, cos, sin, factor, dtype)
+    q1 = layer_norm(i_h_safe, plgpu.load(idx_ref.at[t, idx_off + i_h_safe]))
+    q2 = layer_norm(half + i_h_safe, plgpu.load(idx_ref.at[t, idx_off + half + i_h_safe]))
+    r1, r2 = rope_pair(q1, q2, cos, sin, factor, dtype)
     plgpu.store(index_ref.at[slot, i_h], r1.astype(index_ref.dtype), mask=in_h)
     plgpu.store(index_ref.at[slot, half + i_h], r2.astype(index_ref.dtype), mask=in_h)
+
+
+def _kernel(kv_ref, kvn_ref, pos_ref, slot_ref, inv_ref, idx_ref, idxn_ref, idxb_ref,
+            latent_in, index_in, latent_ref, index_ref,
+            *, c, c_p, half, half_p, j, j_p, factor, eps, index_eps):
+    del latent_in, index_in   # aliased to latent_ref / index_ref
+    t = pl.program_id(0)
+    slot = slot_ref[t]
+    rot = rotary(pos_ref, inv_ref, t, half, half_p)
+    write_latent(kv_ref, 0, kvn_ref, t, slot, rot, latent_ref, c=c, c_p=c_p, half=half,
+                  factor=factor, eps=eps)
+    if idx_ref is not None:
+        write_index_key(idx_ref, 0, idxn_ref, idxb_ref, t, slot, rot, index_ref, j=j, j_p=j_p,
+                         half=half, factor=factor, index_eps=index_eps)
 
 
 # ---------------------------------------------------------------------------------------------

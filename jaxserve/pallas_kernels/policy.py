@@ -32,7 +32,10 @@ from jaxserve.pallas_kernels import fused_linear
 # kernel, and the LM head: five kernels a dense layer plus attention, for small models whose
 # decode step is bound by kernel launches (issue 33; models/llama.py fused_stack). "moe": the
 # routed experts of steps of a few tokens in two kernels (moe_decode.py, every MoE family).
-FUSABLE = ("norm", "rope", "linear", "moe")
+# "mla": DeepSeek V3 / V3.2's attention around its projections in three kernels (mla_input_prep,
+# mla_q_absorb, mla_merge_uv; models/deepseek_mla.py), one device; off until the whole step
+# measures faster (issue 71: .scratch/fuse32_gpu.sh).
+FUSABLE = ("norm", "rope", "linear", "moe", "mla")
 
 # auto_fused_kernels turns "linear" on up to this model width (measured on the H200:
 # BENCHMARKS.md, "The default model's step"); wider models' steps are bound by their weights'
@@ -50,12 +53,27 @@ FUSED_STACK_MAX_TOKENS = 32
 # few tokens the grouped path, which reads each distinct expert once, reads fewer bytes.
 MOE_DECODE_MAX_TOKENS = 4
 
+# "mla": steps of at most this many tokens take the fused MLA kernels; past it their 16-row
+# token tiles re-read W_UK / W_UV per tile where XLA's batched matmuls tile for the tensor
+# cores, and the attention's partials (f32) would double its output's bytes.
+MLA_FUSED_MAX_TOKENS = 32
+
 # Multi-step decode where it was measured to pay: a model the fused stack covers (small dense
 # ones and the llama family's MoE, one GPU) is bound by the host's launch of each step at
 # small batch (BENCHMARKS.md, issue 33, H100: the default model 2.3 -> 0.58 ms/token at 8
 # steps; an 8-layer Qwen3-30B-A3B cut 1.4-1.8 -> 0.73, batch 16 the same either way);
 # elsewhere the device bounds a step, and more steps a launch would only delay new requests.
 AUTO_SCHEDULER_STEPS = 8
+
+# Families whose own decode stacks (not the fused stack) take AUTO_SCHEDULER_STEPS by default
+# on one GPU: DeepSeek V3 / V3.2 (MLA; the indexer's keys), MiniMax-M2 and Qwen3-Next / Qwen3.5
+# (the recurrent state advances once a step inside the loop). Their multi-step programs give
+# one step at a time's tokens (tests/test_multi_step_families.py). On one GPU their models
+# are small ones or reduced-depth ones (the frontier checkpoints take a mesh, where the
+# default stays 1), whose small-batch steps the host's launch bounds, as the llama MoE's
+# (8 layers of Qwen3-30B-A3B at batch 1: 1.9 ms/token one step a launch, 0.73 at 8;
+# BENCHMARKS.md); each family's own A/B is issue 71's to measure.
+AUTO_MULTI_STEP_FAMILIES = ("deepseek", "minimax_m2", "qwen3_next")
 
 
 def fused_kernel_names(option: str | tuple | list) -> tuple[str, ...] | None:
@@ -102,6 +120,11 @@ def auto_fused_kernels(cfg, family: str) -> tuple[str, ...]:
     return ("linear",) if stack and cfg.hidden_size <= AUTO_LINEAR_MAX_HIDDEN else ()
 
 
+def mla_fused_takes(num_tokens: int) -> bool:
+    """Whether a step of this many tokens runs DeepSeek's fused MLA kernels (when "mla" is on)."""
+    return num_tokens <= MLA_FUSED_MAX_TOKENS
+
+
 def moe_decode_takes(num_tokens: int) -> bool:
     """Whether a step of this many tokens may run its routed experts through moe_decode (when
     "moe" is on and the weights suit the kernel)."""
@@ -116,6 +139,8 @@ class KernelPlan:
     fused_stack: bool = False     # "linear" is on and fused_stack_fits the model
     device: str = "cpu"           # the device kind the plan was made for (dispatch.device_kind)
     lora: bool = False            # the layers carry LoRA slots (lora_sgmv.py on each projection)
+    multi_step: bool = False      # AUTO_SCHEDULER_STEPS by default without the fused stack
+                                  # (AUTO_MULTI_STEP_FAMILIES on one GPU)
 
     @property
     def cheap_branches(self) -> bool:
@@ -140,15 +165,20 @@ class KernelPlan:
                 device: str | None = None) -> KernelPlan:
         """The plan of an engine's --fused-kernels option: "auto" is auto_fused_kernels on one
         GPU (nothing on a CPU or a mesh), else the names given ("linear" only on one device:
-        its kernels and [out, in] weights are unsharded; a mesh keeps the unfused weights)."""
+        its kernels and [out, in] weights are unsharded; a mesh keeps the unfused weights).
+        One GPU also decodes an AUTO_MULTI_STEP_FAMILIES model in steps by default."""
         device = device or device_kind()
         names = fused_kernel_names(option)
         if names is None:
             names = () if device == "cpu" or num_devices != 1 else auto_fused_kernels(cfg, family)
-        elif "linear" in names and num_devices != 1:
-            raise ValueError(f"fused_kernels 'linear' runs on one device; got {num_devices} "
-                             f"(tensor x expert parallel): leave it out or use 'auto'")
-        return cls.for_model(cfg, family, names, device)
+        else:
+            for name in ("linear", "mla"):    # unsharded kernels and fused weights
+                if name in names and num_devices != 1:
+                    raise ValueError(f"fused_kernels '{name}' runs on one device; got {num_devices} "
+                                     f"(tensor x expert parallel): leave it out or use 'auto'")
+        plan = cls.for_model(cfg, family, names, device)
+        return dataclasses.replace(plan, multi_step=device != "cpu" and num_devices == 1
+                                   and family in AUTO_MULTI_STEP_FAMILIES)
 
     def without(self, *names: str) -> KernelPlan:
         """This plan less some fused kernels (a family whose own blocks replace them)."""
@@ -180,7 +210,9 @@ class KernelPlan:
 
     def scheduler_steps(self, value: int | None, speculative) -> int:
         """SchedulerConfig.num_scheduler_steps from the option: None is AUTO_SCHEDULER_STEPS
-        with the fused stack ("linear") and no speculation, else 1."""
+        with the fused stack ("linear") or a multi-step family's plan, and no speculation (a
+        verifying step is one step), else 1."""
         if value is not None:
             return value
-        return AUTO_SCHEDULER_STEPS if "linear" in self.fused and speculative is None else 1
+        auto = "linear" in self.fused or self.multi_step
+        return AUTO_SCHEDULER_STEPS if auto and speculative is None else 1

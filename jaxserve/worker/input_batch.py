@@ -227,6 +227,7 @@ class InputBatch:
                       logits_indices=logits_idx, next_token_ids=next_ids,
                       prev_token_rows=prev_rows, sampling=sampling,
                       state_slots=slots_S if STATE in self.group_kinds else None,
+                      state_save_slots=loop_saves(out, num_seqs),
                       lora_slots=np.array(lora_T + [0] * pad, np.int32) if self.lora else None,
                       draft_token_ids=spec.draft_token_ids if spec else None,
                       draft_rows=spec.draft_rows if spec else None,
@@ -234,6 +235,16 @@ class InputBatch:
         plan = StepPlan(out.req_ids, reqs, samples, prompt_lp, qsl, full, bool(prompt_lp),
                         spec.starts if spec else {}, ends)
         return x, plan
+
+
+def loop_saves(out: SchedulerOutput, num_seqs: int) -> np.ndarray | None:
+    """i32[S] each sequence's saved-state slot in a multi-step decode step that saves some
+    (StepInput.state_save_slots), else None (a step without saves keeps its own program)."""
+    if out.num_steps == 1 or not any(s.save_state_slot for s in out.scheduled):
+        return None
+    saves = np.zeros(num_seqs, np.int32)
+    saves[:len(out.scheduled)] = [s.save_state_slot for s in out.scheduled]
+    return saves
 
 
 def and_grammar_masks(allowed_SW: np.ndarray, plan: StepPlan, masks: GrammarMasks) -> None:

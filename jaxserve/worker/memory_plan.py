@@ -14,8 +14,11 @@ with one line naming the numbers and what to change (`CacheDoesNotFit`), before 
 before even the profiling compile when the weights alone leave too little.
 
 JAX's allocator (`configure_allocator`): by default it reserves 75 % of the device, less than
-the default budget, so the engine gives it the utilization (XLA_PYTHON_CLIENT_MEM_FRACTION)
-before JAX initialises its backend, unless the user set the allocator's variables.
+the default budget, so the engine gives it the utilization plus POOL_SLACK
+(XLA_PYTHON_CLIENT_MEM_FRACTION) before JAX initialises its backend, unless the user set the
+allocator's variables. The plan keeps to the budget; the slack is room the allocator cannot
+hand out anyway: its pool fragments (H100, 8B, issue 62: the caches and the first step needed
+69.1 of a 71.26 GiB pool, and an 853 MiB array found no place).
 
 The CPU reports no memory to take a share of: it keeps its fixed byte budget
 (CacheConfig.kv_cache_cpu_bytes); `--kv-cache-memory-bytes` fixes the cache's size anywhere.
@@ -46,6 +49,17 @@ HEADROOM_BYTES = 1 << 30
 MEM_FRACTION_ENV = "XLA_PYTHON_CLIENT_MEM_FRACTION"
 ALLOCATOR_ENVS = (MEM_FRACTION_ENV, "XLA_PYTHON_CLIENT_PREALLOCATE", "XLA_PYTHON_CLIENT_ALLOCATOR")
 JAX_DEFAULT_MEM_FRACTION = 0.75     # what JAX's GPU allocator reserves when not told
+
+
+# The allocator's pool beyond the budget (module doc), capped at MAX_POOL_FRACTION of the device
+# (the CUDA context, cuBLAS's workspaces and the kernels' code live outside the pool).
+POOL_SLACK = 0.04
+MAX_POOL_FRACTION = 0.97
+
+
+def pool_fraction(utilization: float) -> float:
+    """The share of the device JAX's allocator gets for a --gpu-memory-utilization budget."""
+    return round(max(utilization, min(utilization + POOL_SLACK, MAX_POOL_FRACTION)), 4)
 
 
 class CacheDoesNotFit(ValueError):
@@ -80,10 +94,12 @@ def configure_allocator(utilization: float) -> str:
                 f"{MEM_FRACTION_ENV}={allocator_fraction()} stands (set it before anything uses "
                 f"jax for the --gpu-memory-utilization {utilization:g} budget to be usable)")
     else:
-        os.environ[MEM_FRACTION_ENV] = f"{utilization:g}"
-        line = (f"JAX allocator: {MEM_FRACTION_ENV}={utilization:g} "
-                f"(--gpu-memory-utilization; set the variable yourself to override)")
-        _configured = f"{utilization:g}"
+        pool = pool_fraction(utilization)
+        os.environ[MEM_FRACTION_ENV] = f"{pool:g}"
+        line = (f"JAX allocator: {MEM_FRACTION_ENV}={pool:g} (--gpu-memory-utilization "
+                f"{utilization:g} plus {POOL_SLACK:g} for the pool's fragmentation; set the "
+                f"variable yourself to override)")
+        _configured = f"{pool:g}"
     # NOTE: not logged here (the CPU has no such allocator): the GPU's memory report says it
     logger.debug("%s", line)
     _note = line

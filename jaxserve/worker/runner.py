@@ -95,6 +95,7 @@ class ModelRunner:
                                                      backend=self.backend)
         self.cache_specs = model.cache_specs(self.cfg)
         self.group_kinds = cache_manager.group_kinds(self.cache_specs)
+        state_layers = tuple(i for i, spec in enumerate(self.cache_specs) if not isinstance(spec, PagedSpec))
         # LoRA (jaxserve/lora/): the adapters' device slots, zeroed, in each layer's parameters,
         # and the adapters known to the engine. Allocated before the cache plan measures the
         # device's memory in use, so the KV budget already leaves them out.
@@ -122,7 +123,7 @@ class ModelRunner:
                 sharding_of = lambda name, shape: where   # noqa: E731
         self._step = make_step(mesh=mesh, model=model, cfg=self.cfg, backend=self.backend,
                                kernel_plan=kernel_plan, block_size=self.block_size,
-                               precision=matmul_precision(self.dtype))
+                               precision=matmul_precision(self.dtype), state_layers=state_layers)
         self.return_hidden_states(proposer.hidden_states, proposer.aux_layers)
         self.batch = InputBatch(max_num_seqs=config.scheduler.max_num_seqs,
                                 max_blocks_per_seq=self.max_blocks_per_seq,
@@ -140,8 +141,7 @@ class ModelRunner:
             jnp.zeros((config.scheduler.max_num_seqs, self.batch.prev_stride), jnp.int32),
             self.input_sharding)
         self.grammar_masks = False    # steps may carry grammar masks (use_grammar_masks)
-        # masks join a step at sampling, filled while its forward runs (late_sampling.py);
-        # late_masks False: filled before one program (the A/B benchmark's old path)
+        # late_masks: masks filled while a step's forward runs (late_sampling.py); False: before (A/B)
         self.late_masks, self.late_sampling = True, None if mesh is not None else LateSampling.of(self)
         # NOTE: the identity names what the jitted step closes over: a stored program is
         # loaded only for the same ones (compiling.ProgramStore)
@@ -165,7 +165,7 @@ class ModelRunner:
         self.state_copier = None
         if self.num_cached_states or self.num_state_snapshots:
             self.state_copier = StateCopier(
-                [i for i, spec in enumerate(self.cache_specs) if not isinstance(spec, PagedSpec)],
+                list(state_layers),
                 config.scheduler.max_num_seqs)
         # Compiled step programs by (input layout, variant): warm-up fills it, run() uses it.
         self._compiler = StepCompiler(self._step, self.params, abstract_caches(*self._cache_layout), self.prev_ids,

@@ -21,6 +21,7 @@ from jaxserve.models.attention import AttentionBackend, AttentionPlan
 from jaxserve.pallas_kernels.policy import KernelPlan
 from jaxserve.sample import rejection_sampler, sampler
 from jaxserve.worker import packing
+from jaxserve.worker.state_copies import copy_slots
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,13 +71,14 @@ def matmul_precision(dtype) -> str | None:
 
 
 def make_step(*, mesh, model, cfg, backend: AttentionBackend, kernel_plan: KernelPlan,
-              block_size: int, precision: str | None = None):
+              block_size: int, precision: str | None = None, state_layers: tuple[int, ...] = ()):
     """The step, jitted: (params, caches, packed input, last ids; variant, layout) ->
     (caches, sampler output, prompt logprobs or None, last ids, hidden or None); the caches
     are donated. `variant` and `layout` are static: one program per pair. `precision`: XLA's
-    matmul precision inside the step (matmul_precision; None: JAX's configured one)."""
+    matmul precision inside the step (matmul_precision; None: JAX's configured one).
+    `state_layers`: the layers whose caches are states (a multi-step loop saves them)."""
     return jax.jit(functools.partial(_step_on_mesh, mesh=mesh, precision=precision, model=model, cfg=cfg,
-                                     backend=backend,
+                                     backend=backend, state_layers=state_layers,
                                      kernel_plan=kernel_plan, block_size=block_size),
                    donate_argnums=(1,), static_argnames=("variant", "layout"))
 
@@ -112,13 +114,14 @@ def step_input(packed_W, prev_ids_MC, layout: packing.Layout) -> StepInput:
 
 
 def _step(params, caches, packed_W, prev_ids_MC, *, model, cfg, backend: AttentionBackend,
-          kernel_plan: KernelPlan, block_size: int, variant: StepVariant, layout: packing.Layout):
+          kernel_plan: KernelPlan, block_size: int, variant: StepVariant, layout: packing.Layout,
+          state_layers: tuple[int, ...] = ()):
     x = step_input(packed_W, prev_ids_MC, layout)
     kernels = model.make_kernels(cfg, backend, variant.attention, kernel_plan)
     if variant.steps > 1:
         caches, out, last_ids_S = _decode_steps(params, caches, x, model=model, cfg=cfg,
                                                 kernels=kernels, kernel_plan=kernel_plan,
-                                                backend=backend,
+                                                backend=backend, state_layers=state_layers,
                                                 variant=variant, block_size=block_size)
         ids_MC = jnp.zeros_like(prev_ids_MC).at[:last_ids_S.shape[0], 0].set(last_ids_S)
         return caches, out, None, ids_MC, None
@@ -145,7 +148,7 @@ def _step(params, caches, packed_W, prev_ids_MC, *, model, cfg, backend: Attenti
 
 
 def _decode_steps(params, caches, x: StepInput, *, model, cfg, kernels, kernel_plan, backend,
-                  variant, block_size: int):
+                  variant, block_size: int, state_layers: tuple[int, ...] = ()):
     """Multi-step decode (scheduler.py): `variant.steps` one-token-per-sequence decode steps
     in one program, each feeding its sampled ids to the next. Returns (caches, the sampler's
     output of every step, stacked: token_ids i32[steps, S], the logprobs fields too when the
@@ -153,7 +156,9 @@ def _decode_steps(params, caches, x: StepInput, *, model, cfg, kernels, kernel_p
 
     Step i's input is the first step's shifted by i positions: its K/V slot is read off the
     block table, and nothing is written past the table's blocks (a request nearing its
-    longest length was given blocks up to it only; its tokens past that are never read)."""
+    longest length was given blocks up to it only; its tokens past that are never read).
+    A sequence with a state_save_slots entry has its state copied there after its step
+    ending on the last block boundary the loop crosses (the scheduler's plan_loop_save)."""
     num_tokens, p = x.num_tokens, block_size
     width = x.block_tables.shape[1]
     real_T = jnp.arange(num_tokens) < x.query_start_loc[-1]
@@ -169,6 +174,11 @@ def _decode_steps(params, caches, x: StepInput, *, model, cfg, kernels, kernel_p
             seq_lens=jnp.where(live_S, jnp.minimum(x.seq_lens + i, width * p), 0),
             sampling=dataclasses.replace(x.sampling, offsets=x.sampling.offsets + i))
         caches, hidden_TD, _ = model.forward(cfg, params, caches, xi, kernels)
+        if x.state_save_slots is not None:
+            last_S = (x.seq_lens + variant.steps - 1) // p * p
+            now_S = (x.state_save_slots > 0) & (x.seq_lens + i == last_S)
+            caches = _copy_states(caches, state_layers, x.state_slots,
+                                  jnp.where(now_S, x.state_save_slots, x.state_slots))
         logits_SV = model.compute_logits(cfg, params, hidden_TD[xi.logits_indices], kernels)
         out = _sample(logits_SV, xi, variant, backend, kernel_plan)[0]
         ids_S = out.token_ids.astype(jnp.int32)
@@ -206,6 +216,16 @@ def _sample_logits(logits_RV, packed_W, prev_ids_MC, *, backend, kernel_plan, va
     x = step_input(packed_W, prev_ids_MC, layout)
     out, last_ids_S = _sample(logits_RV, x, variant, backend, kernel_plan)
     return out, jnp.zeros_like(prev_ids_MC).at[:last_ids_S.shape[0], 0].set(last_ids_S)
+
+
+def _copy_states(caches, state_layers: tuple[int, ...], src_S, dst_S):
+    """`caches` with the state layers' rows dst_S[s] set to rows src_S[s] (a sequence that
+    saves nothing now copies its slot onto itself: no branch, which a GPU would read back)."""
+    states = copy_slots([caches[i] for i in state_layers], src_S, dst_S)
+    out = list(caches)
+    for i, layer in zip(state_layers, states):
+        out[i] = layer
+    return type(caches)(out)
 
 
 def _after_step(x: StepInput, out):

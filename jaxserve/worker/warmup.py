@@ -3,7 +3,8 @@
 Every bucket gets its lean and full program (worker/step_program.py StepVariant); with
 speculation, every draft-row count a verifying step of the bucket can have
 (verify_rows.warmup_draft_rows); with grammars, the lean program with an allowed-token mask;
-with multi-step decode, a decode bucket's plain programs again, running `steps` steps; and
+with multi-step decode, a decode bucket's plain programs again, running `steps` steps (and,
+for a hybrid model saving states, those of a loop that saves some: their layout differs); and
 each of them for every attention plan the backend may choose (models/attention.py). After
 warm-up nothing compiles.
 
@@ -22,6 +23,7 @@ import logging
 import os
 
 import jax
+import numpy as np
 
 from jaxserve.core.step_input import StepInput
 from jaxserve.core.step_messages import SchedulerOutput
@@ -65,7 +67,9 @@ def step_jobs(runner, lean_only: bool, lean_keys: dict) -> tuple[list[Job], list
                     (verifying if i else jobs).append((layout, variant, len(packed)))
                     lean_keys.setdefault(t, (layout, variant))
                     if multi and not i:
-                        jobs.append((layout, dataclasses.replace(variant, steps=steps), len(packed)))
+                        for x in loop_inputs(runner, full_x if variant.full else lean_x):
+                            packed, layout = packing.pack(x)
+                            jobs.append((layout, dataclasses.replace(variant, steps=steps), len(packed)))
             if masked is not None:   # steps whose only extra is a grammar's mask
                 variant = dataclasses.replace(runner.warmup_variants[0], attention=attention)
                 if late_masks(runner, variant):     # their forward (late_sampling.py)
@@ -105,6 +109,14 @@ def late_sampling_jobs(runner) -> list[tuple]:
         variant = late_sampling.sampling_variant(runner.warmup_variants[0])
         jobs.append((layout, variant, masked.sampling.num_seqs, len(packed)))
     return jobs
+
+
+def loop_inputs(runner, x: StepInput) -> list[StepInput]:
+    """A multi-step program's inputs: `x`, and for a hybrid model saving states `x` with save
+    slots (StepInput.state_save_slots: a loop that saves some sequence's state)."""
+    if not runner.num_cached_states:
+        return [x]
+    return [x, dataclasses.replace(x, state_save_slots=np.zeros(x.num_seqs, np.int32))]
 
 
 def profile_jobs(runner) -> list[Job]:

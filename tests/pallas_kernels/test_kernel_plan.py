@@ -227,3 +227,22 @@ def test_plan_without_a_kernel_keeps_the_rest():
     assert plan.without("linear") == KernelPlan(("rope",), False, "H100")
     with pytest.raises(ValueError, match="fused_kernels"):
         KernelPlan.for_model(next(model_configs())[1], "llama", ("linear", "lineer"))
+
+
+def test_fused_mla_is_asked_for_on_one_device_and_small_steps():
+    """"mla" (DeepSeek's fused MLA kernels): never on by "auto", refused under a mesh, taken by
+    steps of up to MLA_FUSED_MAX_TOKENS tokens, and only with Pallas kernels."""
+    from jaxserve.models import deepseek, deepseek_mla
+
+    cfg = next(model_configs())[1]
+    assert "mla" not in KernelPlan.resolve("auto", cfg, "deepseek", 1, device="H100").fused
+    assert KernelPlan.resolve("mla,moe", cfg, "deepseek", 1, device="H100").fused == ("mla", "moe")
+    with pytest.raises(ValueError, match="'mla' runs on one device"):
+        KernelPlan.resolve("mla", cfg, "deepseek", 2, device="H100")
+    for t in (1, 16, 32, 33, 2048):
+        assert policy.mla_fused_takes(t) == (t <= 32)
+        assert deepseek_mla.takes({"w_in": None}, t) == (t <= 32) and not deepseek_mla.takes({}, t)
+    plan = KernelPlan(fused=("mla", "moe"))
+    assert deepseek.make_kernels(cfg, "pallas", kernel_plan=plan) == deepseek.Kernels("pallas", "fused", True)
+    assert deepseek.make_kernels(cfg, "xla", kernel_plan=plan) == deepseek.Kernels("xla", "xla", False)
+    assert deepseek.Kernels.named("fused") == deepseek.Kernels("pallas", "fused", False)

@@ -71,3 +71,14 @@ def test_widths_the_kernel_cannot_tile_take_the_reference():
     got = np.asarray(lora_delta(jnp.asarray(x), a, b, slots, impl="pallas", interpret=True))
     np.testing.assert_allclose(got, _per_token(x, a * (np.arange(3) > 0)[:, None, None], b, slots),
                                rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("name", sorted(BATCHES))
+def test_dense_path_matches_per_token_products(name):
+    """The "dense" path (every slot's a and b in two dot products, each token keeping its own
+    slot's columns) equals the per-token products; slot 0 gets nothing."""
+    x, a, b, slots = _operands(BATCHES[name], seed=3)
+    a[0], b[0] = 1.0, 1.0                      # a slot 0 with weights must still add nothing
+    got = np.asarray(lora_delta(jnp.asarray(x), a, b, slots, impl="dense"))
+    want = _per_token(x, a, b, slots) * (np.asarray(slots) > 0)[:, None]
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)

@@ -199,6 +199,13 @@ class KVCacheManager:
             return NO_SLOT
         return self.states.reserve()
 
+    def plan_loop_save(self, request_id: str, start: int, end: int, longest: int) -> int:
+        """plan_state_save for a multi-step decode step computing positions start .. end - 1:
+        at its last block boundary (its loop copies the state there: worker/step_program.py),
+        if the request, `longest` tokens at most, can reach it."""
+        end = end // self.block_size * self.block_size
+        return self.plan_state_save(request_id, end) if start < end <= longest else NO_SLOT
+
     def commit_state_save(self, request_id: str, end: int, slot: int, in_output: bool) -> None:
         """The step saving the state after `end` tokens into `slot` ran: findable once the block
         ending there is registered (call after cache_full_blocks), else the slot goes back.
