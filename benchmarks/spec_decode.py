@@ -259,9 +259,9 @@ def main() -> None:
                     break
                 fixed = again
             for proposer in tuple(args.modes) + (("eagle3", "eagle3-wait") if args.eagle3 else ()):
-                core.pacing = None if proposer == "replay-always" else DraftPacing()
                 core.launch_after_wait = proposer != "replay-wait-old"
                 for acc in args.acceptance:
+                    core.pacing = None if proposer == "replay-always" else DraftPacing()
                     if proposer.startswith("eagle3"):
                         if k not in heads:
                             heads[k] = eagle3_head(llm, k, args.tiny, args.eagle3_dir)
