@@ -24,11 +24,13 @@ import concurrent.futures
 import dataclasses
 import functools
 import threading
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 
-from jaxserve.sample.tensors import make_sampling_tensors
+from jaxserve.core.step_input import StepInput
+from jaxserve.sample.tensors import SamplingTensors, make_sampling_tensors
 from jaxserve.worker import packing
 from jaxserve.worker.compiling import BackgroundCompiler, abstract
 from jaxserve.worker.step_program import StepVariant, make_sampling
@@ -100,14 +102,15 @@ class LateSampling:
                 exe = None
         return exe if exe is not None else self.compile(*key, num_words)
 
-    def lean_input(self, x):
+    def lean_input(self, x: StepInput) -> StepInput:
         """`x` with lean sampling tensors of its rows: the forward's input (its layout is the
         lean program's)."""
         return dataclasses.replace(x, sampling=make_sampling_tensors(
             [], x.sampling.num_seqs, self.vocab_size, self.max_model_len, with_extras=False))
 
-    def run(self, runner, x, variant: StepVariant, fill_masks):
-        """Launch the step's forward, then `fill_masks(x.sampling)` (the masks ANDed into the
+    def run(self, runner, x: StepInput, variant: StepVariant,
+            fill_masks: Callable[[SamplingTensors], None]):
+        """On `runner` (the ModelRunner): launch the step's forward, then `fill_masks(x.sampling)` (the masks ANDed into the
         step's sampling tensors; it may wait for the last step's ids), then the sampling.
         Returns the sampler's output (on the device); the runner's last ids become the
         sampling's."""
