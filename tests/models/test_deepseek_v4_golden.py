@@ -1,0 +1,140 @@
+"""DeepSeek V4 against transformers on a tiny random checkpoint (goldens from
+tests/golden/make_golden_deepseek_v4.py: sliding, CSA, HCA, CSA layers; compression every 4
+and 8 tokens, a window of 8, index_topk 3; hash-routed then sqrtsoftplus MoE; hc_mult 4).
+
+On the model step with scattered paged caches: the three prompts batched (the long one in two
+chunks), then 16 batched greedy decode steps; the long prompt chunked in small steps whose
+ends fall inside compression windows; a prefix-cache hit resuming at a block boundary inside
+an HCA window. Logits close, first-token log-probabilities within 2e-3, greedy tokens equal.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxserve.models import deepseek_v4 as v4
+from jaxserve.models.loader import load_model
+from model_step_builder import Chunk, build_step, scattered_block_tables
+
+GOLDEN_DIR = os.path.join(os.path.dirname(__file__), os.pardir, "golden")
+BLOCK_SIZE, NUM_BLOCKS, BLOCKS_PER_SEQ = 4, 64, 16
+STEP_T, S = 48, 4
+ATOL = 2e-4
+LOGPROB_TOL = 2e-3
+
+
+def empty_caches(cfg, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, dtype=jnp.float32) -> list[dict]:
+    return [{name: jnp.zeros((num_blocks, block_size, *shape), dtype) for name, shape in spec.arrays}
+            for spec in v4.cache_specs(cfg)]
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _step(cfg, params, caches, x):
+    caches, hidden_TD, _ = v4.forward(cfg, params, caches, x)
+    return caches, v4.compute_logits(cfg, params, hidden_TD)
+
+
+@functools.lru_cache(maxsize=1)
+def _load():
+    golden = np.load(os.path.join(GOLDEN_DIR, "deepseek_v4.npz"))
+    cfg, params, _ = load_model(os.path.join(GOLDEN_DIR, "ckpt", "deepseek_v4"), dtype="float32")
+    return golden, cfg, params, [golden[f"prompt_{i}"].tolist() for i in range(3)]
+
+
+def _logprobs(x):
+    return np.asarray(jax.nn.log_softmax(jnp.asarray(x, jnp.float32), axis=-1))
+
+
+def _run(cfg, params, caches, tables, steps):
+    """Run the steps (lists of Chunks); each sequence's logits rows in order."""
+    got = {}
+    for chunks in steps:
+        x = build_step(chunks, tables, BLOCK_SIZE, STEP_T, S)
+        caches, logits_TV = _step(cfg, params, caches, x)
+        ends = np.cumsum([len(c.token_ids) for c in chunks])
+        for c, rows in zip(chunks, np.split(np.asarray(logits_TV)[:ends[-1]], ends[:-1])):
+            got.setdefault(c.seq, []).append(rows)
+    return caches, {s: np.concatenate(r) for s, r in got.items()}
+
+
+def test_config_fields():
+    _, cfg, params, _ = _load()
+    assert cfg.layer_types == (v4.SLIDING, v4.CSA, v4.HCA, v4.CSA)
+    assert (cfg.csa_rate, cfg.hca_rate, cfg.window, cfg.index_topk, cfg.qk_rope_head_dim) == (4, 8, 8, 3, 8)
+    assert cfg.mlp_layer_types == ("hash_moe", "hash_moe", "moe", "moe")
+    assert dict(cfg.compress_rope_scaling)["rope_type"] == "yarn"
+    assert params["layers"][0]["tid2eid"].dtype == jnp.int32
+    assert [len(s.arrays) for s in v4.cache_specs(cfg)] == [1, 7, 4, 7]
+
+
+def test_matches_transformers_batched_then_decode():
+    golden, cfg, params, prompts = _load()
+    tables = scattered_block_tables(3, BLOCKS_PER_SEQ, NUM_BLOCKS, seed=5)
+    split = 21      # inside a CSA window and an HCA window
+    steps = [[Chunk(0, prompts[0], 0), Chunk(1, prompts[1], 0), Chunk(2, prompts[2][:split], 0)],
+             [Chunk(2, prompts[2][split:], split)]]
+    caches, got = _run(cfg, params, empty_caches(cfg), tables, steps)
+    for i in range(3):
+        want = golden[f"prefill_logits_{i}"]
+        np.testing.assert_allclose(got[i], want, atol=ATOL, rtol=0, err_msg=f"prefill {i}")
+        np.testing.assert_allclose(_logprobs(got[i][-1]), _logprobs(want[-1]), atol=LOGPROB_TOL, rtol=0)
+    tokens = [[int(np.argmax(got[i][-1]))] for i in range(3)]
+    for step in range(16):
+        chunks = [Chunk(i, [tokens[i][-1]], len(prompts[i]) + step) for i in range(3)]
+        x = build_step(chunks, tables, BLOCK_SIZE, STEP_T, S)
+        caches, logits_TV = _step(cfg, params, caches, x)
+        logits_SV = np.asarray(logits_TV)[np.asarray(x.logits_indices)[:3]]
+        for i in range(3):
+            np.testing.assert_allclose(logits_SV[i], golden[f"decode_logits_{i}"][step], atol=ATOL,
+                                       rtol=0, err_msg=f"decode step {step}, seq {i}")
+            tokens[i].append(int(np.argmax(logits_SV[i])))
+    for i in range(3):
+        assert tokens[i] == golden[f"greedy_{i}"].tolist(), f"greedy tokens, seq {i}"
+
+
+def test_chunked_in_small_steps():
+    """The 45-token prompt in chunks of 3 and 5 tokens (ends inside windows of both rates)."""
+    golden, cfg, params, prompts = _load()
+    tables = scattered_block_tables(1, BLOCKS_PER_SEQ, NUM_BLOCKS, seed=9)
+    prompt, steps, start = prompts[2], [], 0
+    for n in [3, 5] * 6 + [100]:
+        steps.append([Chunk(0, prompt[start:start + n], start)])
+        start += n
+        if start >= len(prompt):
+            break
+    _, got = _run(cfg, params, empty_caches(cfg), tables, steps)
+    np.testing.assert_allclose(got[0], golden["prefill_logits_2"], atol=ATOL, rtol=0)
+
+
+def test_prefix_hit_mid_window():
+    """A second sequence sharing the long prompt's first 5 blocks (20 tokens: 5 CSA entries
+    whole, the third HCA window half done) computes only the tail, reading the shared blocks'
+    rows, compressor carry and entries."""
+    golden, cfg, params, prompts = _load()
+    tables = scattered_block_tables(2, BLOCKS_PER_SEQ, NUM_BLOCKS, seed=3)
+    shared = 5
+    tables[1, :shared] = tables[0, :shared]
+    caches, _ = _run(cfg, params, empty_caches(cfg), tables, [[Chunk(0, prompts[2][:24], 0)]])
+    start = shared * BLOCK_SIZE
+    _, got = _run(cfg, params, caches, tables, [[Chunk(1, prompts[2][start:], start)]])
+    np.testing.assert_allclose(got[1], golden["prefill_logits_2"][start:], atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("broken", ["sinks", "hash"])
+def test_the_goldens_see_each_part(broken):
+    """Dropping the attention sinks or changing the hash table moves the logits off the goldens
+    (so the tests above can fail on each)."""
+    golden, cfg, params, prompts = _load()
+    name = "tid2eid" if broken == "hash" else "sinks"
+    change = (lambda a: jnp.flip(a, 0)) if broken == "hash" else jnp.zeros_like
+    params = {**params, "layers": [{**lp, name: change(lp[name])} if name in lp else lp
+                                   for lp in params["layers"]]}
+    tables = scattered_block_tables(1, BLOCKS_PER_SEQ, NUM_BLOCKS, seed=1)
+    _, got = _run(cfg, params, empty_caches(cfg), tables, [[Chunk(0, prompts[1], 0)]])
+    assert np.abs(got[0] - golden["prefill_logits_1"]).max() > 1e-2
