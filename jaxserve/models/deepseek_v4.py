@@ -258,7 +258,8 @@ def hc_head(cfg, params, streams_TND):
 
 
 # -- attention block ---------------------------------------------------------------------------
-def attention(cfg: DeepseekV4Config, i: int, lp: dict, cache: dict, h_TD, x: StepInput, ropes: Ropes):
+def attention(cfg: DeepseekV4Config, i: int, lp: dict, cache: dict, h_TD, x: StepInput, ropes: Ropes,
+              impl: str = "xla"):
     t_kind, eps = cfg.layer_types[i], cfg.rms_norm_eps
     h, e = cfg.num_heads, cfg.head_dim
     inv = ropes.main if t_kind == SLIDING else ropes.compress
@@ -287,7 +288,7 @@ def attention(cfg: DeepseekV4Config, i: int, lp: dict, cache: dict, h_TD, x: Ste
         slots, visible = attn.entry_slots(x, rate=rate, block_size=cache["kv"].shape[1], num_entries=entries)
         selected = attn.index_topk(qi, w_TI, cache["icomp"], slots, visible, cfg.index_topk)
     o_THE = attn.attend(q_THE, cache["kv"], comp, x, lp["sinks"], window=cfg.window, rate=rate,
-                        num_entries=entries, selected=selected)
+                        num_entries=entries, selected=selected, impl=impl)
     o_THE = attn.rope_interleaved(o_THE, x.positions, -inv).astype(h_TD.dtype)
     g = cfg.o_groups
     o_TGO = jnp.einsum("tgc,gco->tgo", o_THE.reshape(-1, g, h * e // g), lp["wo_a"],
@@ -343,7 +344,8 @@ def decoder_layer(cfg, i, lp, cache, streams_TND, x: StepInput, ropes: Ropes, im
     box = {}
 
     def attn_block(c_TD):
-        box["cache"], out = attention(cfg, i, lp, cache, layers.rms_norm(c_TD, lp["attn_norm"], eps), x, ropes)
+        box["cache"], out = attention(cfg, i, lp, cache, layers.rms_norm(c_TD, lp["attn_norm"], eps), x,
+                                      ropes, impl)
         return out
 
     streams_TND = hc_block(cfg, lp, "attn", streams_TND, attn_block)
@@ -353,8 +355,10 @@ def decoder_layer(cfg, i, lp, cache, streams_TND, x: StepInput, ropes: Ropes, im
 
 
 def make_kernels(cfg: DeepseekV4Config, backend, plan=None, kernel_plan: KernelPlan = KernelPlan()) -> str:
-    """One impl name: the attention path is plain jnp under every impl for now (the Pallas
-    kernels are not written); "pallas" reaches the grouped matmul's kernels only."""
+    """One impl name, the runner's requested attention impl ("auto" is Pallas on a GPU): under
+    "pallas" the attention's gathers and sink softmax are sparse_sink_attention's kernel and
+    the routed experts the grouped matmul's; the compressors and the indexer are plain jnp
+    under every impl."""
     del cfg, plan, kernel_plan
     return resolve_impl(backend if isinstance(backend, str) else backend.requested)[0]
 

@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.core.step_input import StepInput
+from jaxserve.pallas_kernels.sparse_sink_attention import sparse_sink_attention
 
 NEG_INF = float("-inf")
 
@@ -143,29 +144,20 @@ def index_topk(q_TIJ: jax.Array, w_TI: jax.Array, icomp, slots_TN, visible_TN, t
 
 
 def attend(q_THE: jax.Array, kv_cache, comp_cache, x: StepInput, sinks_H: jax.Array, *,
-           window: int, rate: int, num_entries: int, selected=None):
+           window: int, rate: int, num_entries: int, selected=None, impl: str = "xla"):
     """Attention of each token over its window's K=V rows and (compressed layers) the visible
     compressed entries, or only the `selected` (entry indices, valid) ones under CSA; the per-
-    head sink joins the softmax's denominator. f32[T, H, E]."""
+    head sink joins the softmax's denominator. f32[T, H, E]. The slots are built here (integer
+    ops); the gathers and the softmax are pallas_kernels/sparse_sink_attention.py (impl
+    "pallas") or its jnp reference ("xla")."""
     p = kv_cache.shape[1]
-    e = q_THE.shape[-1]
     win_TW = x.positions[:, None] - jnp.arange(window)[None, :]
-    keys = [read_rows(kv_cache, slots_of(x, x.token_seq_ids, win_TW, p))]
-    masks = [win_TW >= 0]
+    win_slots = slots_of(x, x.token_seq_ids, win_TW, p)
+    comp_slots = comp_ok = None
     if comp_cache is not None:
-        slots_TN, visible_TN = entry_slots(x, rate=rate, block_size=p, num_entries=num_entries)
+        comp_slots, comp_ok = entry_slots(x, rate=rate, block_size=p, num_entries=num_entries)
         if selected is not None:
-            idx_Tk, ok_Tk = selected
-            slots_TN = jnp.take_along_axis(slots_TN, idx_Tk, axis=1)
-            visible_TN = ok_Tk
-        keys.append(read_rows(comp_cache, slots_TN))
-        masks.append(visible_TN)
-    k_TLE = jnp.concatenate(keys, axis=1).astype(jnp.float32)
-    mask_TL = jnp.concatenate(masks, axis=1)
-    s_THL = jnp.einsum("the,tle->thl", q_THE.astype(jnp.float32), k_TLE) * e ** -0.5
-    s_THL = jnp.where(mask_TL[:, None, :], s_THL, NEG_INF)
-    sink = sinks_H.astype(jnp.float32)[None, :, None]
-    top = jnp.maximum(jnp.max(s_THL, axis=-1, keepdims=True), sink)
-    p_THL = jnp.exp(s_THL - top)
-    denom = jnp.sum(p_THL, axis=-1, keepdims=True) + jnp.exp(sink - top)
-    return jnp.einsum("thl,tle->the", p_THL / denom, k_TLE)
+            idx_Tk, comp_ok = selected
+            comp_slots = jnp.take_along_axis(comp_slots, idx_Tk, axis=1)
+    return sparse_sink_attention(q_THE, kv_cache, comp_cache, win_slots, win_TW >= 0, comp_slots,
+                                 comp_ok, sinks_H, sm_scale=q_THE.shape[-1] ** -0.5, impl=impl)

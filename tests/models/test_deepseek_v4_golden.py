@@ -34,10 +34,11 @@ def empty_caches(cfg, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, dtype=jnp.fl
             for spec in v4.cache_specs(cfg)]
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def _step(cfg, params, caches, x):
-    caches, hidden_TD, _ = v4.forward(cfg, params, caches, x)
-    return caches, v4.compute_logits(cfg, params, hidden_TD)
+@functools.partial(jax.jit, static_argnums=(0, 4))
+def _step(cfg, params, caches, x, impl="xla"):
+    with jax.default_matmul_precision("highest"):    # f32 on a GPU too (no TF32)
+        caches, hidden_TD, _ = v4.forward(cfg, params, caches, x, impl)
+        return caches, v4.compute_logits(cfg, params, hidden_TD)
 
 
 @functools.lru_cache(maxsize=1)
@@ -138,3 +139,23 @@ def test_the_goldens_see_each_part(broken):
     tables = scattered_block_tables(1, BLOCKS_PER_SEQ, NUM_BLOCKS, seed=1)
     _, got = _run(cfg, params, empty_caches(cfg), tables, [[Chunk(0, prompts[1], 0)]])
     assert np.abs(got[0] - golden["prefill_logits_1"]).max() > 1e-2
+
+
+def test_pallas_attention_in_the_model():
+    """The sparse sink attention kernel (interpreted) in the model: the long prompt in two
+    chunks, then two decode steps, on the goldens."""
+    golden, cfg, params, prompts = _load()
+    tables = scattered_block_tables(1, BLOCKS_PER_SEQ, NUM_BLOCKS, seed=2)
+    caches = empty_caches(cfg)
+    prompt, split = prompts[2], 27
+    x = build_step([Chunk(0, prompt[:split], 0)], tables, BLOCK_SIZE, STEP_T, S)
+    caches, _ = _step(cfg, params, caches, x, "pallas")
+    x = build_step([Chunk(0, prompt[split:], split)], tables, BLOCK_SIZE, STEP_T, S)
+    caches, logits_TV = _step(cfg, params, caches, x, "pallas")
+    np.testing.assert_allclose(np.asarray(logits_TV[:len(prompt) - split]),
+                               golden["prefill_logits_2"][split:], atol=ATOL, rtol=0)
+    tokens = golden["greedy_2"].tolist()
+    for step in range(2):
+        x = build_step([Chunk(0, [tokens[step]], len(prompt) + step)], tables, BLOCK_SIZE, STEP_T, S)
+        caches, logits_TV = _step(cfg, params, caches, x, "pallas")
+        np.testing.assert_allclose(np.asarray(logits_TV[0]), golden["decode_logits_2"][step], atol=ATOL, rtol=0)
