@@ -291,8 +291,8 @@ def attention(cfg: DeepseekV4Config, i: int, lp: dict, cache: dict, h_TD, x: Ste
                         num_entries=entries, selected=selected, impl=impl)
     o_THE = attn.rope_interleaved(o_THE, x.positions, -inv).astype(h_TD.dtype)
     g = cfg.o_groups
-    o_TGO = jnp.einsum("tgc,gco->tgo", o_THE.reshape(-1, g, h * e // g), lp["wo_a"],
-                       preferred_element_type=jnp.float32).astype(h_TD.dtype)
+    # (no f32 result type: XLA:CPU's batched dot has no bf16 x bf16 -> f32)
+    o_TGO = jnp.einsum("tgc,gco->tgo", o_THE.reshape(-1, g, h * e // g), lp["wo_a"])
     return cache, layers.linear(o_TGO.reshape(o_TGO.shape[0], -1), lp["wo_b"])
 
 
