@@ -164,8 +164,9 @@ def test_pallas_attention_in_the_model():
 def test_bfloat16_prefill_is_close():
     """bf16 weights, activations and caches (the mHC projections, sinks, position biases and
     router bias stay f32, as loaded): logits near the f32 goldens on average (measured: mean
-    error 0.027, 81 % of rows within 0.15, top-1 equal on 91 %) (the goldens' index top-k gaps, ~6e-4, are below bf16's resolution, so some rows
-    attend to other entries); XLA:CPU runs it too (no bf16 x bf16 -> f32 batched dot)."""
+    error 0.027, 81 % of rows within 0.15, top-1 equal on 91 %; the goldens' index top-k gaps,
+    ~6e-4, are below bf16's resolution, so some rows attend to other entries); XLA:CPU runs it
+    too (no bf16 x bf16 -> f32 batched dot)."""
     golden, _, _, prompts = _load()
     cfg, params, _ = load_model(os.path.join(GOLDEN_DIR, "ckpt", "deepseek_v4"), dtype="bfloat16")
     assert params["layers"][0]["hc_attn_fn"].dtype == jnp.float32
