@@ -152,13 +152,15 @@ def cache_specs(cfg: DeepseekV4Config) -> list[PagedSpec]:
     e, j = cfg.head_dim, cfg.index_head_dim
     specs = []
     for t in cfg.layer_types:
-        arrays = (("kv", (e,)),)
+        arrays, per_row = (("kv", (e,)),), ()
         if t != SLIDING:
             c = 2 if t == CSA else 1
             arrays += (("ckv", (c * e,)), ("cgate", (c * e,)), ("comp", (e,)))
+            per_row += (("comp", cfg.csa_rate if t == CSA else cfg.hca_rate),)
         if t == CSA:
             arrays += (("ikv", (2 * j,)), ("igate", (2 * j,)), ("icomp", (j,)))
-        specs.append(PagedSpec(arrays))
+            per_row += (("icomp", cfg.csa_rate),)
+        specs.append(PagedSpec(arrays, tokens_per_row=per_row))
     return specs
 
 
@@ -285,7 +287,8 @@ def attention(cfg: DeepseekV4Config, i: int, lp: dict, cache: dict, h_TD, x: Ste
         qi = layers.linear(q_res, lp["wi_q"]).reshape(-1, cfg.index_n_heads, cfg.index_head_dim)
         qi = attn.rope_interleaved(qi, x.positions, inv)
         w_TI = layers.linear(h_TD, lp["wi_w"]).astype(jnp.float32) * cfg.index_n_heads ** -0.5
-        slots, visible = attn.entry_slots(x, rate=rate, block_size=cache["kv"].shape[1], num_entries=entries)
+        slots, visible = attn.entry_slots(x, rate=rate, block_size=cache["kv"].shape[1],
+                                          rows=cache["icomp"].shape[1], num_entries=entries)
         selected = attn.index_topk(qi, w_TI, cache["icomp"], slots, visible, cfg.index_topk)
     o_THE = attn.attend(q_THE, cache["kv"], comp, x, lp["sinks"], window=cfg.window, rate=rate,
                         num_entries=entries, selected=selected, impl=impl)

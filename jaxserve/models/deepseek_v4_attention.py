@@ -10,8 +10,10 @@ ARCHITECTURE.md "DeepSeek V4's caches"):
 - "ckv" / "cgate" f[c*E]: each token's compressor projections (the gate with its in-window
   position bias added), c = 2 for CSA (the Ca | Cb series), 1 for HCA: the carry of a window
   not yet compressed is these rows, so no per-request state exists;
-- "comp" f[E]: entry e (tokens e*m .. e*m + m - 1) at the slot of the token that completes it,
-  (e + 1) * m - 1; other slots unused;
+- "comp" f[E], one row per m tokens (PagedSpec.tokens_per_row: [num_blocks, max(1, P / m), E]):
+  entry e (tokens e*m .. e*m + m - 1) in the block of the token that completes it,
+  (e + 1) * m - 1, at row e mod (P / m) (row 0 when m >= P: an HCA entry in every (m / P)-th
+  block); `entry_slots` is the one place that layout shows;
 - CSA also "ikv" / "igate" f[2J] and "icomp" f[J]: the indexer's own compressor, alike.
 
 Legend: T tokens, H heads, E head dim, R rope dims (the trailing R of a head, pairs
@@ -72,6 +74,16 @@ def read_rows(cache_NPX: jax.Array, slots: jax.Array) -> jax.Array:
     return cache_NPX.reshape(n * p, *cache_NPX.shape[2:])[slots]
 
 
+def entry_rows(x: StepInput, seq, e, *, rate: int, block_size: int, rows: int):
+    """Row of entry(ies) e of sequence(s) seq in an entry array flattened to [num_blocks * rows]
+    (module doc), and whether the entry fits the block table (else the null block's row 0)."""
+    b = x.block_tables.shape[1]
+    last = (e + 1) * rate - 1
+    inside = (e >= 0) & (last < b * block_size)
+    blk = x.block_tables[seq, jnp.clip(last, 0, b * block_size - 1) // block_size]
+    return jnp.where(inside, blk * rows + e % rows, 0), inside
+
+
 def max_new_entries(num_tokens: int, num_seqs: int, rate: int) -> int:
     """A bound on the windows a step of T tokens over S sequences completes: a sequence's L
     tokens complete at most L // m + 1, and the floors' sum is at most T // m."""
@@ -115,18 +127,19 @@ def compress(cache: dict, names: tuple[str, str, str], kv_TC: jax.Array, gate_TC
     w_KMC = jax.nn.softmax(g_KMC, axis=1)
     entry_KC = rms_norm(jnp.sum(kv_KMC * w_KMC, axis=1), norm_w, eps)
     entry_KC = rope_interleaved(entry_KC, first_K, inv_freq)
-    dest_K = jnp.where(valid_K, x.slot_mapping[rows_K], 0)
+    dest_K, _ = entry_rows(x, seq_K, (end_K + 1) // rate - 1, rate=rate, block_size=p,
+                           rows=cache[comp_name].shape[1])
+    dest_K = jnp.where(valid_K, dest_K, 0)
     return {kv_name: ckv, gate_name: cgate, comp_name: write_rows(cache[comp_name], entry_KC, dest_K)}
 
 
-def entry_slots(x: StepInput, *, rate: int, block_size: int, num_entries: int):
-    """(slot of each of the first num_entries entries of each token's sequence i32[T, N],
-    which of them the token sees bool[T, N]: e < (position + 1) // m, the windows complete
-    at or before it)."""
-    e_N = jnp.arange(num_entries)
-    slots = slots_of(x, x.token_seq_ids, jnp.broadcast_to((e_N + 1) * rate - 1,
-                                                          (x.num_tokens, num_entries)), block_size)
-    return slots, e_N[None, :] < ((x.positions + 1) // rate)[:, None]
+def entry_slots(x: StepInput, *, rate: int, block_size: int, rows: int, num_entries: int):
+    """(row of each of the first num_entries entries of each token's sequence i32[T, N] in the
+    flattened entry array, which of them the token sees bool[T, N]: e < (position + 1) // m,
+    the windows complete at or before it)."""
+    e_TN = jnp.broadcast_to(jnp.arange(num_entries)[None, :], (x.num_tokens, num_entries))
+    slots, _ = entry_rows(x, x.token_seq_ids[:, None], e_TN, rate=rate, block_size=block_size, rows=rows)
+    return slots, e_TN < ((x.positions + 1) // rate)[:, None]
 
 
 def index_topk(q_TIJ: jax.Array, w_TI: jax.Array, icomp, slots_TN, visible_TN, top_k: int):
@@ -155,7 +168,8 @@ def attend(q_THE: jax.Array, kv_cache, comp_cache, x: StepInput, sinks_H: jax.Ar
     win_slots = slots_of(x, x.token_seq_ids, win_TW, p)
     comp_slots = comp_ok = None
     if comp_cache is not None:
-        comp_slots, comp_ok = entry_slots(x, rate=rate, block_size=p, num_entries=num_entries)
+        comp_slots, comp_ok = entry_slots(x, rate=rate, block_size=p, rows=comp_cache.shape[1],
+                                          num_entries=num_entries)
         if selected is not None:
             idx_Tk, comp_ok = selected
             comp_slots = jnp.take_along_axis(comp_slots, idx_Tk, axis=1)

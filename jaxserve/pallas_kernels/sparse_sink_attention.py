@@ -17,8 +17,8 @@ window's chunks then the entries', with an online softmax (running max, denomina
 accumulator in f32); the sink joins at the end. Why: in XLA the step gathers a [T, W + k, E]
 copy of the rows, then two products and a mask, each a kernel of its own, a layer.
 
-Layouts: q_THE f[T, H, E]; kv_NPE / comp_NPE f[NB, P, E] (comp may be None: sliding layers);
-slots i32, ok bool; sinks_H f32[H] -> f32[T, H, E]. Legend: T tokens, H heads, E head dim,
+Layouts: q_THE f[T, H, E]; kv_NPE f[NB, P, E], comp_NPE f[NB, R, E] (R entry rows a block;
+None: sliding layers); slots i32 (rows of the flattened arrays), ok bool; sinks_H f32[H] -> f32[T, H, E]. Legend: T tokens, H heads, E head dim,
 NB blocks, P block size, W window rows, K entries per token; BH heads and BL rows per program
 step, Ep = E rounded up to a power of two >= 16 (masked).
 """
@@ -41,8 +41,8 @@ def ref_sparse_sink_attention(q_THE, kv_NPE, comp_NPE, win_slots_TW, win_ok_TW, 
                               comp_ok_TK, sinks_H, *, sm_scale: float):
     """Plain jnp: gather the rows, mask, softmax with the sink, weighted sum. f32[T, H, E]."""
     def rows(cache, slots):
-        n, p, e = cache.shape
-        return cache.reshape(n * p, e)[slots]
+        n, r, e = cache.shape
+        return cache.reshape(n * r, e)[slots]
     keys, oks = [rows(kv_NPE, win_slots_TW)], [win_ok_TW]
     if comp_NPE is not None:
         keys.append(rows(comp_NPE, comp_slots_TK))
@@ -61,8 +61,8 @@ def _validate(q_THE, kv_NPE, comp_NPE, win_slots_TW, win_ok_TW, comp_slots_TK, c
     t, h, e = q_THE.shape
     if kv_NPE.ndim != 3 or kv_NPE.shape[2] != e:
         raise ValueError(f"kv_NPE must be [NB, P, E={e}]; got {kv_NPE.shape}")
-    if comp_NPE is not None and comp_NPE.shape != kv_NPE.shape:
-        raise ValueError(f"comp_NPE must be shaped as kv_NPE {kv_NPE.shape}; got {comp_NPE.shape}")
+    if comp_NPE is not None and (comp_NPE.ndim != 3 or comp_NPE.shape[2] != e):
+        raise ValueError(f"comp_NPE must be [NB, R, E={e}]; got {comp_NPE.shape}")
     if win_slots_TW.shape[0] != t or win_ok_TW.shape != win_slots_TW.shape:
         raise ValueError(f"win_slots_TW / win_ok_TW must be [T={t}, W] alike; got "
                          f"{win_slots_TW.shape} and {win_ok_TW.shape}")
@@ -144,8 +144,9 @@ def sparse_sink_attention(q_THE, kv_NPE, comp_NPE, win_slots_TW, win_ok_TW, comp
     args = [q_THE, kv_NPE.reshape(nb * p, e)]
     specs = [whole(t, h, e), whole(nb * p, e)]
     if has_comp:
-        args.append(comp_NPE.reshape(nb * p, e))
-        specs.append(whole(nb * p, e))
+        rows = comp_NPE.shape[0] * comp_NPE.shape[1]
+        args.append(comp_NPE.reshape(rows, e))
+        specs.append(whole(rows, e))
     args += [win_slots_TW.astype(jnp.int32), win_ok_TW.astype(jnp.int32)]
     specs += [whole(t, w), whole(t, w)]
     if has_comp:

@@ -30,8 +30,8 @@ LOGPROB_TOL = 2e-3
 
 
 def empty_caches(cfg, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, dtype=jnp.float32) -> list[dict]:
-    return [{name: jnp.zeros((num_blocks, block_size, *shape), dtype) for name, shape in spec.arrays}
-            for spec in v4.cache_specs(cfg)]
+    return [{name: jnp.zeros((num_blocks, spec.rows(name, block_size), *shape), dtype)
+             for name, shape in spec.arrays} for spec in v4.cache_specs(cfg)]
 
 
 @functools.partial(jax.jit, static_argnums=(0, 4))
@@ -52,11 +52,11 @@ def _logprobs(x):
     return np.asarray(jax.nn.log_softmax(jnp.asarray(x, jnp.float32), axis=-1))
 
 
-def _run(cfg, params, caches, tables, steps):
+def _run(cfg, params, caches, tables, steps, block_size=BLOCK_SIZE):
     """Run the steps (lists of Chunks); each sequence's logits rows in order."""
     got = {}
     for chunks in steps:
-        x = build_step(chunks, tables, BLOCK_SIZE, STEP_T, S)
+        x = build_step(chunks, tables, block_size, STEP_T, S)
         caches, logits_TV = _step(cfg, params, caches, x)
         ends = np.cumsum([len(c.token_ids) for c in chunks])
         for c, rows in zip(chunks, np.split(np.asarray(logits_TV)[:ends[-1]], ends[:-1])):
@@ -71,7 +71,11 @@ def test_config_fields():
     assert cfg.mlp_layer_types == ("hash_moe", "hash_moe", "moe", "moe")
     assert dict(cfg.compress_rope_scaling)["rope_type"] == "yarn"
     assert params["layers"][0]["tid2eid"].dtype == jnp.int32
-    assert [len(s.arrays) for s in v4.cache_specs(cfg)] == [1, 7, 4, 7]
+    specs = v4.cache_specs(cfg)
+    assert [len(s.arrays) for s in specs] == [1, 7, 4, 7]
+    # one entry row per m tokens: 16-token blocks hold 4 CSA entries, 2 HCA entries
+    assert [specs[i].rows(n, 16) for i, n in ((1, "comp"), (1, "icomp"), (2, "comp"), (1, "ckv"))] == [4, 4, 2, 16]
+    assert specs[2].rows("comp", 4) == 1
 
 
 def test_matches_transformers_batched_then_decode():
@@ -99,8 +103,11 @@ def test_matches_transformers_batched_then_decode():
         assert tokens[i] == golden[f"greedy_{i}"].tolist(), f"greedy tokens, seq {i}"
 
 
-def test_chunked_in_small_steps():
-    """The 45-token prompt in chunks of 3 and 5 tokens (ends inside windows of both rates)."""
+@pytest.mark.parametrize("block_size", [BLOCK_SIZE, 16])
+def test_chunked_in_small_steps(block_size):
+    """The 45-token prompt in chunks of 3 and 5 tokens (ends inside windows of both rates); with
+    4-token blocks an HCA entry (8 tokens) every other block, with 16-token blocks 4 CSA and 2
+    HCA entry rows a block."""
     golden, cfg, params, prompts = _load()
     tables = scattered_block_tables(1, BLOCKS_PER_SEQ, NUM_BLOCKS, seed=9)
     prompt, steps, start = prompts[2], [], 0
@@ -109,7 +116,7 @@ def test_chunked_in_small_steps():
         start += n
         if start >= len(prompt):
             break
-    _, got = _run(cfg, params, empty_caches(cfg), tables, steps)
+    _, got = _run(cfg, params, empty_caches(cfg, block_size=block_size), tables, steps, block_size)
     np.testing.assert_allclose(got[0], golden["prefill_logits_2"], atol=ATOL, rtol=0)
 
 

@@ -19,7 +19,8 @@ def operands(rng, *, t=5, h=4, e=32, nb=12, p=4, w=8, k=6, dtype=jnp.float32, co
     slots = lambda n: jnp.asarray(rng.integers(0, nb * p, (t, n)), jnp.int32)  # noqa: E731
     ok = lambda n: jnp.asarray(rng.random((t, n)) < 0.7)  # noqa: E731
     win_ok = ok(w).at[0].set(False).at[1, 0].set(True)      # token 0: nothing in its window
-    return (f(t, h, e), f(nb, p, e), f(nb, p, e) if comp else None, slots(w), win_ok, slots(k),
+    comp_slots = jnp.asarray(rng.integers(0, nb, (t, k)), jnp.int32)     # one entry row a block
+    return (f(t, h, e), f(nb, p, e), f(nb, 1, e) if comp else None, slots(w), win_ok, comp_slots,
             ok(k).at[2].set(False), jnp.asarray(rng.standard_normal(h), jnp.float32))
 
 
@@ -56,10 +57,11 @@ def test_bad_arguments_name_the_field():
 
 
 def test_lowers_for_cuda_at_v4_flash_shapes():
-    """64 heads of 512, a 128-row window and 512 chosen entries, 64-token blocks, bf16."""
+    """64 heads of 512, a 128-row window and 512 chosen entries, 64-token blocks (16 CSA entry
+    rows each), bf16."""
     sds, bf, i32 = jax.ShapeDtypeStruct, jnp.bfloat16, jnp.int32
     exported = export_for_cuda(
         lambda *a: ssa.sparse_sink_attention(*a, sm_scale=512 ** -0.5, impl="pallas", interpret=False),
-        sds((4, 64, 512), bf), sds((300, 64, 512), bf), sds((300, 64, 512), bf), sds((4, 128), i32),
+        sds((4, 64, 512), bf), sds((300, 64, 512), bf), sds((300, 16, 512), bf), sds((4, 128), i32),
         sds((4, 128), jnp.bool_), sds((4, 512), i32), sds((4, 512), jnp.bool_), sds((64,), jnp.float32))
     assert triton_kernel_names(exported) == ["sparse_sink_attention"]
