@@ -287,9 +287,8 @@ def attention(cfg: DeepseekV4Config, i: int, lp: dict, cache: dict, h_TD, x: Ste
         qi = layers.linear(q_res, lp["wi_q"]).reshape(-1, cfg.index_n_heads, cfg.index_head_dim)
         qi = attn.rope_interleaved(qi, x.positions, inv)
         w_TI = layers.linear(h_TD, lp["wi_w"]).astype(jnp.float32) * cfg.index_n_heads ** -0.5
-        slots, visible = attn.entry_slots(x, rate=rate, block_size=cache["kv"].shape[1],
-                                          rows=cache["icomp"].shape[1], num_entries=entries)
-        selected = attn.index_topk(qi, w_TI, cache["icomp"], slots, visible, cfg.index_topk)
+        selected = attn.index_select(qi, w_TI, cache["icomp"], x, rate=rate, block_size=cache["kv"].shape[1],
+                                     num_entries=entries, top_k=cfg.index_topk, impl=impl)
     o_THE = attn.attend(q_THE, cache["kv"], comp, x, lp["sinks"], window=cfg.window, rate=rate,
                         num_entries=entries, selected=selected, impl=impl)
     o_THE = attn.rope_interleaved(o_THE, x.positions, -inv).astype(h_TD.dtype)
@@ -359,9 +358,9 @@ def decoder_layer(cfg, i, lp, cache, streams_TND, x: StepInput, ropes: Ropes, im
 
 def make_kernels(cfg: DeepseekV4Config, backend, plan=None, kernel_plan: KernelPlan = KernelPlan()) -> str:
     """One impl name, the runner's requested attention impl ("auto" is Pallas on a GPU): under
-    "pallas" the attention's gathers and sink softmax are sparse_sink_attention's kernel and
-    the routed experts the grouped matmul's; the compressors and the indexer are plain jnp
-    under every impl."""
+    "pallas" the attention's gathers and sink softmax are sparse_sink_attention's kernel, CSA's
+    indexer V3.2's indexer_scores and TopK kernels, the routed experts the grouped matmul's;
+    the compressors are plain jnp under every impl."""
     del cfg, plan, kernel_plan
     return resolve_impl(backend if isinstance(backend, str) else backend.requested)[0]
 

@@ -16,6 +16,9 @@ ARCHITECTURE.md "DeepSeek V4's caches"):
   block); `entry_slots` is the one place that layout shows;
 - CSA also "ikv" / "igate" f[2J] and "icomp" f[J]: the indexer's own compressor, alike.
 
+Under impl "pallas" the attention's gathers and softmax are pallas_kernels/sparse_sink_attention
+and CSA's indexer V3.2's indexer_scores and TopK kernels; the compressors stay jnp.
+
 Legend: T tokens, H heads, E head dim, R rope dims (the trailing R of a head, pairs
 interleaved), W sliding window, m compression rate, N entries a sequence can hold, I / J the
 indexer's heads and head dim, k index_topk.
@@ -27,7 +30,9 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.core.step_input import StepInput
+from jaxserve.pallas_kernels.indexer_scores import indexer_scores
 from jaxserve.pallas_kernels.sparse_sink_attention import sparse_sink_attention
+from jaxserve.pallas_kernels.topk import topk
 
 NEG_INF = float("-inf")
 
@@ -140,6 +145,24 @@ def entry_slots(x: StepInput, *, rate: int, block_size: int, rows: int, num_entr
     e_TN = jnp.broadcast_to(jnp.arange(num_entries)[None, :], (x.num_tokens, num_entries))
     slots, _ = entry_rows(x, x.token_seq_ids[:, None], e_TN, rate=rate, block_size=block_size, rows=rows)
     return slots, e_TN < ((x.positions + 1) // rate)[:, None]
+
+
+def index_select(q_TIJ: jax.Array, w_TI: jax.Array, icomp, x: StepInput, *, rate: int,
+                 block_size: int, num_entries: int, top_k: int, impl: str):
+    """The lightning indexer's choice of entries per token: (entry i32[T, k], chosen and visible
+    bool[T, k]). Under "pallas", where an entry block holds P / m >= 1 whole entries (m <= P:
+    entry e at row e mod (P / m) of logical block e // (P / m), V3.2's paged key layout), V3.2's
+    indexer_scores kernel scores them (a token's last visible entry as its "position") and the
+    TopK kernel selects; otherwise the jnp path below (index_topk)."""
+    if impl == "pallas" and rate <= block_size:
+        last_T = (x.positions + 1) // rate - 1
+        scores = indexer_scores(q_TIJ, w_TI, icomp, x.block_tables, x.token_seq_ids, last_T,
+                                scale=q_TIJ.shape[-1] ** -0.5, impl=impl)
+        vals, idx = topk(scores, min(top_k, scores.shape[1]), impl=impl)
+        return idx, vals > NEG_INF
+    slots, visible = entry_slots(x, rate=rate, block_size=block_size, rows=icomp.shape[1],
+                                 num_entries=num_entries)
+    return index_topk(q_TIJ, w_TI, icomp, slots, visible, top_k)
 
 
 def index_topk(q_TIJ: jax.Array, w_TI: jax.Array, icomp, slots_TN, visible_TN, top_k: int):

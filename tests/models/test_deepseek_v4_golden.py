@@ -149,8 +149,10 @@ def test_the_goldens_see_each_part(broken):
 
 
 def test_pallas_attention_in_the_model():
-    """The sparse sink attention kernel (interpreted) in the model: the long prompt in two
-    chunks, then two decode steps, on the goldens."""
+    """The Pallas path (interpreted) in the model: the sparse sink attention kernel, and CSA's
+    indexer through V3.2's indexer_scores and TopK kernels over the entry rows (4-token blocks:
+    one CSA entry a block); the long prompt in two chunks, then two decode steps, on the
+    goldens."""
     golden, cfg, params, prompts = _load()
     tables = scattered_block_tables(1, BLOCKS_PER_SEQ, NUM_BLOCKS, seed=2)
     caches = empty_caches(cfg)
