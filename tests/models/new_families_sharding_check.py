@@ -9,7 +9,7 @@ state by head), the compiled step's collectives (no weight or cache gathered), t
 an uneven split, MTP layers and dummy weights on a mesh, and the engine on a TP 2 x EP 2 mesh
 against transformers' greedy tokens. Exits non-zero with a message on the first failure.
 
-Usage: new_families_sharding_check.py deepseek | qwen3_next   (one family per process)
+Usage: new_families_sharding_check.py deepseek | qwen3_next | deepseek_v4   (one family per process)
 """
 
 from __future__ import annotations
@@ -61,9 +61,10 @@ def empty_caches(cfg, mesh):
     model = registry.get_family(cfg.architecture)
     out = []
     for spec in model.cache_specs(cfg):
-        lead = (NUM_BLOCKS, BLOCK) if isinstance(spec, PagedSpec) else (NUM_SLOTS,)
+        paged = isinstance(spec, PagedSpec)
         layer = {}
         for name, shape in spec.arrays:
+            lead = (NUM_BLOCKS, spec.rows(name, BLOCK)) if paged else (NUM_SLOTS,)
             a = jnp.zeros(lead + tuple(shape), jnp.float32)
             layer[name] = a if mesh is None else jax.device_put(
                 a, rules.cache_array_sharding(registry.get_family(cfg.architecture), cfg, mesh, name, a.shape))
@@ -112,7 +113,7 @@ def run(cfg, params, mesh, impl="xla"):
     return out
 
 
-def check_matches(source, meshes, load_format="auto", pallas_meshes=()):
+def check_matches(source, meshes, load_format="auto", pallas_meshes=(), atol=ATOL):
     """Each (tp, ep) mesh's logits equal one device's (XLA) within ATOL, with the XLA path on
     `meshes` and the Pallas kernels per shard on `pallas_meshes`: (cfg, {(tp, ep): params})."""
     cfg, ref, _ = load_model(source, load_format)
@@ -129,8 +130,8 @@ def check_matches(source, meshes, load_format="auto", pallas_meshes=()):
             sys.exit(f"{label} TP={tp} EP={ep}: {SHARD_MAPS[0]} kernels per shard, not {want_maps}")
         for i, (g, w) in enumerate(zip(got, want)):
             err = float(np.max(np.abs(g - w)))
-            if err > ATOL:
-                sys.exit(f"{label} TP={tp} EP={ep} {impl}: step {i} logits differ by {err} (> {ATOL})")
+            if err > atol:
+                sys.exit(f"{label} TP={tp} EP={ep} {impl}: step {i} logits differ by {err} (> {atol})")
         print(f"ok {label} TP={tp} EP={ep} {impl} ({time.perf_counter() - t0:.1f} s)")
         placed[tp, ep] = params
     return cfg, placed
@@ -468,8 +469,12 @@ def main(family):
         check_random(cfg, [(4, 1)], impls=("xla", "pallas"))
         check_qwen35_mtp_loads_sharded()
         check_engine("qwen3_next", tp=2, ep=2)
+    elif family == "deepseek_v4":
+        # 4e-5: the all-reduces' order over four mHC streams and 20 Sinkhorn steps a block
+        check_matches(ckpt("deepseek_v4"), [(2, 1), (1, 2), (2, 2)], atol=4e-5)
+        check_dummy(ckpt("deepseek_v4"), tp=2, ep=2)
     else:
-        sys.exit(f"unknown family {family!r}: deepseek | qwen3_next")
+        sys.exit(f"unknown family {family!r}: deepseek | qwen3_next | deepseek_v4")
 
 
 if __name__ == "__main__":
