@@ -189,12 +189,14 @@ def attend(q_THE: jax.Array, kv_cache, comp_cache, x: StepInput, sinks_H: jax.Ar
     p = kv_cache.shape[1]
     win_TW = x.positions[:, None] - jnp.arange(window)[None, :]
     win_slots = slots_of(x, x.token_seq_ids, win_TW, p)
-    comp_slots = comp_ok = None
+    comp_slots = comp_ok = comp_len = None
     if comp_cache is not None:
         comp_slots, comp_ok = entry_slots(x, rate=rate, block_size=p, rows=comp_cache.shape[1],
                                           num_entries=num_entries)
+        comp_len = (x.positions + 1) // rate         # HCA: the visible entries are a prefix
         if selected is not None:
             idx_Tk, comp_ok = selected
             comp_slots = jnp.take_along_axis(comp_slots, idx_Tk, axis=1)
+            comp_len = None
     return sparse_sink_attention(q_THE, kv_cache, comp_cache, win_slots, win_TW >= 0, comp_slots,
-                                 comp_ok, sinks_H, sm_scale=q_THE.shape[-1] ** -0.5, impl=impl)
+                                 comp_ok, sinks_H, comp_len, sm_scale=q_THE.shape[-1] ** -0.5, impl=impl)

@@ -73,7 +73,7 @@ def _validate(q_THE, kv_NPE, comp_NPE, win_slots_TW, win_ok_TW, comp_slots_TK, c
         raise ValueError(f"sinks_H must be f32[H={h}]; got {sinks_H.shape}")
 
 
-def _kernel(q_ref, kv_ref, comp_ref, ws_ref, wok_ref, cs_ref, cok_ref, sink_ref, o_ref, *, heads,
+def _kernel(q_ref, kv_ref, comp_ref, ws_ref, wok_ref, cs_ref, cok_ref, clen_ref, sink_ref, o_ref, *, heads,
             bh, e, e_p, bl, lengths, sm_scale):
     t, hb = pl.program_id(0), pl.program_id(1)
     h = hb * bh + jnp.arange(bh, dtype=jnp.int32)
@@ -85,7 +85,7 @@ def _kernel(q_ref, kv_ref, comp_ref, ws_ref, wok_ref, cs_ref, cok_ref, sink_ref,
     q = plgpu.load(q_ref.at[t, h_safe[:, None], d_safe[None, :]])
     q = jnp.where(h_ok[:, None] & d_ok[None, :], q, jnp.zeros_like(q)).astype(jnp.float32)
 
-    def source(rows_ref, slots_ref, ok_ref, n, carry):
+    def source(rows_ref, slots_ref, ok_ref, n, steps, carry):
         def chunk(c, carry):
             m, l, acc = carry
             idx = c * bl + jnp.arange(bl, dtype=jnp.int32)
@@ -94,7 +94,8 @@ def _kernel(q_ref, kv_ref, comp_ref, ws_ref, wok_ref, cs_ref, cok_ref, sink_ref,
             slots = plgpu.load(slots_ref.at[t, idx_safe])
             ok = inside & (plgpu.load(ok_ref.at[t, idx_safe]) != 0)
             k = plgpu.load(rows_ref.at[slots[:, None], d_safe[None, :]]).astype(jnp.float32)
-            k = jnp.where(d_ok[None, :], k, 0.0)                                      # [BL, Ep]
+            # masked rows zeroed: their p is 0, but 0 * a non-finite row would be NaN
+            k = jnp.where(ok[:, None] & d_ok[None, :], k, 0.0)                        # [BL, Ep]
             s = plgpu.dot(q, k, trans_b=True, precision=jax.lax.Precision.HIGHEST) * sm_scale
             s = jnp.where(ok[None, :], s, -jnp.inf)                                   # [BH, BL]
             m_new = jnp.maximum(m, jnp.max(s, axis=1))
@@ -102,13 +103,14 @@ def _kernel(q_ref, kv_ref, comp_ref, ws_ref, wok_ref, cs_ref, cok_ref, sink_ref,
             alpha = jnp.exp(m - m_new)
             acc = acc * alpha[:, None] + plgpu.dot(p, k, precision=jax.lax.Precision.HIGHEST)
             return m_new, l * alpha + jnp.sum(p, axis=1), acc
-        return jax.lax.fori_loop(0, pl.cdiv(n, bl), chunk, carry)
+        return jax.lax.fori_loop(0, steps, chunk, carry)
 
     carry = (jnp.full((bh,), _NEG, jnp.float32), jnp.zeros((bh,), jnp.float32),
              jnp.zeros((bh, e_p), jnp.float32))
-    carry = source(kv_ref, ws_ref, wok_ref, lengths[0], carry)
-    if comp_ref is not None:
-        carry = source(comp_ref, cs_ref, cok_ref, lengths[1], carry)
+    carry = source(kv_ref, ws_ref, wok_ref, lengths[0], pl.cdiv(lengths[0], bl), carry)
+    if comp_ref is not None:    # only the chunks up to the token's last visitable row
+        visit = jnp.clip(plgpu.load(clen_ref.at[t]), 0, lengths[1])
+        carry = source(comp_ref, cs_ref, cok_ref, lengths[1], (visit + bl - 1) // bl, carry)
     m, l, acc = carry
     sink = plgpu.load(sink_ref.at[h_safe]).astype(jnp.float32)
     top = jnp.maximum(m, sink)
@@ -121,12 +123,15 @@ def _kernel(q_ref, kv_ref, comp_ref, ws_ref, wok_ref, cs_ref, cok_ref, sink_ref,
 @functools.partial(jax.jit, static_argnames=("sm_scale", "impl", "heads_per_program",
                                              "rows_per_step", "num_warps", "interpret"))
 def sparse_sink_attention(q_THE, kv_NPE, comp_NPE, win_slots_TW, win_ok_TW, comp_slots_TK,
-                          comp_ok_TK, sinks_H, *, sm_scale: float, impl: str = "auto",
+                          comp_ok_TK, sinks_H, comp_len_T=None, *, sm_scale: float, impl: str = "auto",
                           heads_per_program: int = 16, rows_per_step: int = 32,
                           num_warps: int = 4, interpret: bool | None = None):
     """f32[T, H, E]: see the module docstring. impl "pallas" (this kernel; interpreted on a
     CPU), "xla" (the reference) or "auto". heads_per_program (BH) and rows_per_step (BL):
-    powers of two >= 16. comp_NPE None: the window only (comp_slots / comp_ok unused)."""
+    powers of two >= 16. comp_NPE None: the window only (comp_slots / comp_ok unused).
+    comp_len_T (optional i32[T]): rows past it are all masked for that token, so the kernel
+    does not visit their chunks (HCA's visible entries are a prefix: its decode reads its
+    context's entries, not the block table's); the reference ignores it."""
     _validate(q_THE, kv_NPE, comp_NPE, win_slots_TW, win_ok_TW, comp_slots_TK, comp_ok_TK, sinks_H)
     impl, on_gpu = resolve_impl(impl)
     if impl == "xla":
@@ -150,15 +155,16 @@ def sparse_sink_attention(q_THE, kv_NPE, comp_NPE, win_slots_TW, win_ok_TW, comp
     args += [win_slots_TW.astype(jnp.int32), win_ok_TW.astype(jnp.int32)]
     specs += [whole(t, w), whole(t, w)]
     if has_comp:
-        args += [comp_slots_TK.astype(jnp.int32), comp_ok_TK.astype(jnp.int32)]
-        specs += [whole(t, k), whole(t, k)]
+        clen = jnp.full((t,), k, jnp.int32) if comp_len_T is None else comp_len_T.astype(jnp.int32)
+        args += [comp_slots_TK.astype(jnp.int32), comp_ok_TK.astype(jnp.int32), clen]
+        specs += [whole(t, k), whole(t, k), whole(t)]
     args.append(sinks_H.astype(jnp.float32))
     specs.append(whole(h))
-    if not has_comp:       # the kernel's comp_ref, cs_ref, cok_ref are absent
+    if not has_comp:       # the kernel's comp_ref, cs_ref, cok_ref, clen_ref are absent
         inner = kernel
 
         def kernel(q_ref, kv_ref, ws_ref, wok_ref, sink_ref, o_ref):
-            inner(q_ref, kv_ref, None, ws_ref, wok_ref, None, None, sink_ref, o_ref)
+            inner(q_ref, kv_ref, None, ws_ref, wok_ref, None, None, None, sink_ref, o_ref)
     return pl.pallas_call(
         kernel,
         grid=(t, pl.cdiv(h, bh)),

@@ -65,3 +65,21 @@ def test_lowers_for_cuda_at_v4_flash_shapes():
         sds((4, 64, 512), bf), sds((300, 64, 512), bf), sds((300, 16, 512), bf), sds((4, 128), i32),
         sds((4, 128), jnp.bool_), sds((4, 512), i32), sds((4, 512), jnp.bool_), sds((64,), jnp.float32))
     assert triton_kernel_names(exported) == ["sparse_sink_attention"]
+
+
+def test_rows_past_comp_len_are_not_visited():
+    """With comp_len_T the kernel stops after each token's last visitable row's chunk (here
+    lengths on chunk boundaries): rows past it, even unmasked, add nothing, as if masked; and
+    masked rows that are not finite add nothing either."""
+    q, kv, comp, ws, wok, cs, cok, sinks = operands(np.random.default_rng(6), k=40)
+    lens = jnp.asarray([0, 16, 32, 40, 16], jnp.int32)
+    visible = jnp.arange(40)[None, :] < lens[:, None]
+    got = ssa.sparse_sink_attention(q, kv, comp, ws, wok, cs, cok, sinks, lens, sm_scale=0.2,
+                                    impl="pallas", rows_per_step=16)
+    want = ssa.ref_sparse_sink_attention(q, kv, comp, ws, wok, cs, cok & visible, sinks, sm_scale=0.2)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+    bad = comp.at[0].set(jnp.nan)
+    cs = jnp.where(cok, jnp.maximum(cs, 1), 0)         # only masked rows read block 0
+    got = ssa.sparse_sink_attention(q, kv, bad, ws, wok, cs, cok, sinks, sm_scale=0.2, impl="pallas")
+    want = ssa.ref_sparse_sink_attention(q, kv, comp, ws, wok, cs, cok, sinks, sm_scale=0.2)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
