@@ -26,6 +26,8 @@ indexer's heads and head dim, k index_topk.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -33,6 +35,7 @@ from jaxserve.core.step_input import StepInput
 from jaxserve.pallas_kernels.indexer_scores import indexer_scores
 from jaxserve.pallas_kernels.sparse_sink_attention import sparse_sink_attention
 from jaxserve.pallas_kernels.topk import topk
+from jaxserve.sharding import kernels as sharded
 
 NEG_INF = float("-inf")
 
@@ -156,9 +159,12 @@ def index_select(q_TIJ: jax.Array, w_TI: jax.Array, icomp, x: StepInput, *, rate
     TopK kernel selects; otherwise the jnp path below (index_topk)."""
     if impl == "pallas" and rate <= block_size:
         last_T = (x.positions + 1) // rate - 1
-        scores = indexer_scores(q_TIJ, w_TI, icomp, x.block_tables, x.token_seq_ids, last_T,
-                                scale=q_TIJ.shape[-1] ** -0.5, impl=impl)
-        vals, idx = topk(scores, min(top_k, scores.shape[1]), impl=impl)
+        # replicated under a mesh, as V3.2's indexer: every rank scores and selects alike
+        score = functools.partial(indexer_scores, scale=q_TIJ.shape[-1] ** -0.5, impl=impl)
+        args = (q_TIJ, w_TI, icomp, x.block_tables, x.token_seq_ids, last_T)
+        scores = sharded.replicated(score, len(args))(*args)
+        select = functools.partial(topk, k=min(top_k, scores.shape[1]), impl=impl)
+        vals, idx = sharded.replicated(select, 1, 2)(scores)
         return idx, vals > NEG_INF
     slots, visible = entry_slots(x, rate=rate, block_size=block_size, rows=icomp.shape[1],
                                  num_entries=num_entries)
@@ -198,5 +204,14 @@ def attend(q_THE: jax.Array, kv_cache, comp_cache, x: StepInput, sinks_H: jax.Ar
             idx_Tk, comp_ok = selected
             comp_slots = jnp.take_along_axis(comp_slots, idx_Tk, axis=1)
             comp_len = None
-    return sparse_sink_attention(q_THE, kv_cache, comp_cache, win_slots, win_TW >= 0, comp_slots,
-                                 comp_ok, sinks_H, comp_len, sm_scale=q_THE.shape[-1] ** -0.5, impl=impl)
+    def kernel(q, sinks, *rest):
+        return sparse_sink_attention(q, *rest[:6], sinks, rest[6], sm_scale=q_THE.shape[-1] ** -0.5,
+                                     impl=impl)
+    args = (kv_cache, comp_cache, win_slots, win_TW >= 0, comp_slots, comp_ok, comp_len)
+    if impl == "xla" or sharded.model_axis_size() == 1:
+        return kernel(q_THE, sinks_H, *args)
+    # under tensor parallelism each rank attends with its own heads (and their sinks) over the
+    # replicated rows: the kernel per model shard (a pallas_call is opaque to the partitioner)
+    sharded.check_divides("the sparse sink attention kernel", heads=q_THE.shape[1])
+    return sharded.per_model_shard(kernel, (sharded.HEADS_TNE, sharded.VECTOR_C) + (sharded.REPLICATED,) * 7,
+                                   sharded.HEADS_TNE)(q_THE, sinks_H, *args)
