@@ -22,7 +22,6 @@ O o_lora_rank, X experts, F expert dim, I / J indexer heads / head dim.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -195,9 +194,6 @@ def param_shapes(cfg: DeepseekV4Config) -> dict:
     return {"embed": (cfg.vocab_size, d), "lm_head": (d, cfg.vocab_size), "final_norm": (d,),
             "hc_head_fn": (hc * d, hc), "hc_head_base": (hc,), "hc_head_scale": (1,),
             "layers": [_layer_shapes(cfg, i) for i in range(cfg.num_layers)]}
-
-
-INT_PARAMS = ("tid2eid",)          # integer tables: never cast to the load dtype
 
 
 @dataclass(frozen=True)
@@ -387,8 +383,3 @@ def compute_logits(cfg: DeepseekV4Config, params: dict, hidden_SD, kernels=None)
     del kernels
     return layers.lm_head(hidden_SD, params, cfg.tie_word_embeddings)
 
-
-def with_layers(cfg: DeepseekV4Config, n: int) -> DeepseekV4Config:
-    """The config's first n layers (reduced-depth runs)."""
-    return dataclasses.replace(cfg, num_layers=n, layer_types=cfg.layer_types[:n],
-                               mlp_layer_types=cfg.mlp_layer_types[:n])

@@ -78,6 +78,24 @@ def test_config_fields():
     assert specs[2].rows("comp", 4) == 1
 
 
+def test_bad_configs_name_the_field():
+    from jaxserve.models.loaders.hf import read_hf_config
+    hf = read_hf_config(os.path.join(GOLDEN_DIR, "ckpt", "deepseek_v4"))
+    for bad, field in ((dict(scoring_func="tanh"), "scoring_func"),
+                       (dict(layer_types=["sliding_attention"] * 3), "layer_types"),
+                       (dict(mlp_layer_types=["dense"] * 4), "mlp_layer_types"),
+                       (dict(o_groups=3), "o_groups"),
+                       (dict(rope_parameters={"main": {"rope_theta": 1e4},
+                                              "compress": {"rope_type": "longrope", "rope_theta": 4e4}}),
+                        "rope type")):
+        with pytest.raises(ValueError, match=field):
+            v4.config_from_hf({**hf, **bad})
+    # the released configs' per-layer compress_ratios (an MTP entry past the layers)
+    cfg = v4.config_from_hf({**{k: v for k, v in hf.items() if k != "layer_types"},
+                             "compress_ratios": [0, 4, 128, 4, 0]})
+    assert cfg.layer_types == (v4.SLIDING, v4.CSA, v4.HCA, v4.CSA)
+
+
 def test_matches_transformers_batched_then_decode():
     golden, cfg, params, prompts = _load()
     tables = scattered_block_tables(3, BLOCKS_PER_SEQ, NUM_BLOCKS, seed=5)
