@@ -274,12 +274,12 @@ def attention(cfg: DeepseekV4Config, i: int, lp: dict, cache: dict, h_TD, x: Ste
         entries = x.block_tables.shape[1] * p // rate
         cache.update(attn.compress(cache, ("ckv", "cgate", "comp"), layers.linear(h_TD, lp["wc_kv"]),
                                    layers.linear(h_TD, lp["wc_gate"]), lp["c_ape"], lp["c_norm"], x,
-                                   rate=rate, overlap=t_kind == CSA, inv_freq=inv, eps=eps))
+                                   rate=rate, overlap=t_kind == CSA, inv_freq=inv, eps=eps, impl=impl))
         comp = cache["comp"]
     if t_kind == CSA:
         cache.update(attn.compress(cache, ("ikv", "igate", "icomp"), layers.linear(h_TD, lp["wi_kv"]),
                                    layers.linear(h_TD, lp["wi_gate"]), lp["i_ape"], lp["i_norm"], x,
-                                   rate=rate, overlap=True, inv_freq=inv, eps=eps))
+                                   rate=rate, overlap=True, inv_freq=inv, eps=eps, impl=impl))
         qi = layers.linear(q_res, lp["wi_q"]).reshape(-1, cfg.index_n_heads, cfg.index_head_dim)
         qi = attn.rope_interleaved(qi, x.positions, inv)
         w_TI = layers.linear(h_TD, lp["wi_w"]).astype(jnp.float32) * cfg.index_n_heads ** -0.5
@@ -355,8 +355,8 @@ def decoder_layer(cfg, i, lp, cache, streams_TND, x: StepInput, ropes: Ropes, im
 def make_kernels(cfg: DeepseekV4Config, backend, plan=None, kernel_plan: KernelPlan = KernelPlan()) -> str:
     """One impl name, the runner's requested attention impl ("auto" is Pallas on a GPU): under
     "pallas" the attention's gathers and sink softmax are sparse_sink_attention's kernel, CSA's
-    indexer V3.2's indexer_scores and TopK kernels, the routed experts the grouped matmul's;
-    the compressors are plain jnp under every impl."""
+    indexer V3.2's indexer_scores and TopK kernels, the compressors of windows up to 32 rows
+    window_compress's, the routed experts the grouped matmul's."""
     del cfg, plan, kernel_plan
     return resolve_impl(backend if isinstance(backend, str) else backend.requested)[0]
 

@@ -16,8 +16,9 @@ ARCHITECTURE.md "DeepSeek V4's caches"):
   block); `entry_slots` is the one place that layout shows;
 - CSA also "ikv" / "igate" f[2J] and "icomp" f[J]: the indexer's own compressor, alike.
 
-Under impl "pallas" the attention's gathers and softmax are pallas_kernels/sparse_sink_attention
-and CSA's indexer V3.2's indexer_scores and TopK kernels; the compressors stay jnp.
+Under impl "pallas" the attention's gathers and softmax are pallas_kernels/sparse_sink_attention,
+CSA's indexer V3.2's indexer_scores and TopK kernels, CSA's compressors
+pallas_kernels/window_compress (HCA's 128-row windows stay jnp).
 
 Legend: T tokens, H heads, E head dim, R rope dims (the trailing R of a head, pairs
 interleaved), W sliding window, m compression rate, N entries a sequence can hold, I / J the
@@ -35,6 +36,7 @@ from jaxserve.core.step_input import StepInput
 from jaxserve.pallas_kernels.indexer_scores import indexer_scores
 from jaxserve.pallas_kernels.sparse_sink_attention import sparse_sink_attention
 from jaxserve.pallas_kernels.topk import topk
+from jaxserve.pallas_kernels.window_compress import window_compress
 from jaxserve.sharding import kernels as sharded
 
 NEG_INF = float("-inf")
@@ -100,12 +102,14 @@ def max_new_entries(num_tokens: int, num_seqs: int, rate: int) -> int:
 
 def compress(cache: dict, names: tuple[str, str, str], kv_TC: jax.Array, gate_TC: jax.Array,
              ape_MC: jax.Array, norm_w: jax.Array, x: StepInput, *, rate: int, overlap: bool,
-             inv_freq: jax.Array, eps: float) -> dict:
+             inv_freq: jax.Array, eps: float, impl: str = "xla") -> dict:
     """Write each token's compressor rows (gate + its in-window bias), then, for each token that
     completes a window (position + 1 a multiple of m), the window's entry: a per-channel softmax
     over the window's gates weighting its kv rows (with `overlap`, CSA's: the previous window's
     Ca half beside this one's Cb half, 2m rows; the first window's Ca rows weigh 0), RMSNorm,
-    rotary at the window's first position. Returns the updated arrays."""
+    rotary at the window's first position. Returns the updated arrays. Under "pallas" the
+    entries of windows of up to 32 rows (CSA's 2m) come from the window_compress kernel
+    (replicated under a mesh); HCA's 128-row windows stay in XLA."""
     kv_name, gate_name, comp_name = names
     p = cache[kv_name].shape[1]
     pos_T = x.positions
@@ -122,19 +126,24 @@ def compress(cache: dict, names: tuple[str, str, str], kv_TC: jax.Array, gate_TC
     first_K = end_K + 1 - rate                                   # the window's first position
     win = jnp.arange(rate)
     cur_KM = first_K[:, None] + win[None, :]
-    kv_KMC = read_rows(ckv, slots_of(x, seq_K, cur_KM, p)).astype(jnp.float32)
-    g_KMC = read_rows(cgate, slots_of(x, seq_K, cur_KM, p)).astype(jnp.float32)
-    if overlap:
-        e = kv_KMC.shape[-1] // 2
-        prev_KM = cur_KM - rate
-        pkv = read_rows(ckv, slots_of(x, seq_K, prev_KM, p)).astype(jnp.float32)[..., :e]
-        pg = read_rows(cgate, slots_of(x, seq_K, prev_KM, p)).astype(jnp.float32)[..., :e]
-        pg = jnp.where((prev_KM >= 0)[..., None], pg, NEG_INF)
-        kv_KMC = jnp.concatenate([pkv, kv_KMC[..., e:]], axis=1)
-        g_KMC = jnp.concatenate([pg, g_KMC[..., e:]], axis=1)
-    w_KMC = jax.nn.softmax(g_KMC, axis=1)
-    entry_KC = rms_norm(jnp.sum(kv_KMC * w_KMC, axis=1), norm_w, eps)
-    entry_KC = rope_interleaved(entry_KC, first_K, inv_freq)
+    rows_KM = cur_KM if not overlap else jnp.concatenate([cur_KM - rate, cur_KM], axis=1)
+    slots_KM = slots_of(x, seq_K, rows_KM, p)
+    if impl == "pallas" and rows_KM.shape[1] <= 32:
+        n = ckv.shape[0] * p
+        args = (ckv.reshape(n, -1), cgate.reshape(n, -1), slots_KM, first_K, valid_K, norm_w, inv_freq)
+        run = functools.partial(window_compress, overlap=overlap, eps=eps, impl=impl)
+        entry_KC = sharded.replicated(run, len(args))(*args)
+    else:
+        kv_KMC = read_rows(ckv, slots_KM).astype(jnp.float32)
+        g_KMC = read_rows(cgate, slots_KM).astype(jnp.float32)
+        if overlap:
+            e = kv_KMC.shape[-1] // 2
+            g_prev = jnp.where((first_K > 0)[:, None, None], g_KMC[:, :rate, :e], NEG_INF)
+            kv_KMC = jnp.concatenate([kv_KMC[:, :rate, :e], kv_KMC[:, rate:, e:]], axis=1)
+            g_KMC = jnp.concatenate([g_prev, g_KMC[:, rate:, e:]], axis=1)
+        w_KMC = jax.nn.softmax(g_KMC, axis=1)
+        entry_KC = rms_norm(jnp.sum(kv_KMC * w_KMC, axis=1), norm_w, eps)
+        entry_KC = rope_interleaved(entry_KC, first_K, inv_freq)
     dest_K, _ = entry_rows(x, seq_K, (end_K + 1) // rate - 1, rate=rate, block_size=p,
                            rows=cache[comp_name].shape[1])
     dest_K = jnp.where(valid_K, dest_K, 0)

@@ -145,8 +145,11 @@ def kernel_regions(cfg, tp):
     scores and top-k (all three run replicated)."""
     if tp == 1:
         return 0
-    if hasattr(cfg, "hc_mult"):     # DeepSeek V4: attention a layer, CSA's indexer scores and top-k
-        return cfg.num_layers + 2 * sum(t == "compressed_sparse_attention" for t in cfg.layer_types)
+    if hasattr(cfg, "hc_mult"):     # DeepSeek V4: attention a layer; a CSA layer's indexer scores,
+        # top-k and two compressors; an HCA layer's compressor where its window fits the kernel
+        csa = sum(t == "compressed_sparse_attention" for t in cfg.layer_types)
+        hca = sum(t == "heavily_compressed_attention" for t in cfg.layer_types)
+        return cfg.num_layers + 4 * csa + (hca if cfg.hca_rate <= 32 else 0)
     mla_writes = 1 if hasattr(cfg, "kv_lora_rank") else 0
     indexer = 2 if getattr(cfg, "index_topk", 0) else 0
     return cfg.num_layers * (1 + mla_writes + indexer)
