@@ -5,7 +5,7 @@ import pytest as _pytest
 
 GOLDEN_DIR = _os.path.join(_os.path.dirname(_os.path.abspath(__file__)), "golden")
 TINY_CHECKPOINTS = ("llama", "llama_tied", "llama3_rope", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe",
-                    "deepseek_v3", "deepseek_v32", "deepseek_v3_noqlora", "qwen3_next", "qwen3_5_moe", "qwen3_5")
+                    "deepseek_v3", "deepseek_v32", "deepseek_v3_noqlora", "qwen3_next", "qwen3_5_moe", "qwen3_5", "deepseek_v4")
 
 
 @_pytest.fixture

@@ -29,16 +29,21 @@ logical names to mesh axes; this file only says what each dimension *is*). Why e
 - Router weights and DeepSeek's e_score_correction_bias: replicated (every rank scores every
   expert); experts over `expert`, their F over `model`; shared experts and dense MLPs like a
   dense MLP; Qwen's shared-expert gate [D, 1] replicated.
+- DeepSeek V4: heads split (wq_b columns, sinks, wo_a's groups and wo_b's rows: each rank's
+  heads form whole output groups, so o_groups must divide too, one all-reduce after wo_b). The
+  single K=V head, its compressors and the indexer (as V3.2's), the mHC projections and the
+  hash table are replicated, as are all of its caches (one row per token every head reads).
 - MiniMax-M2 normalises q / k over the whole projection, so its norm weights span the heads.
 """
 
 from __future__ import annotations
 
 from jaxserve.config import ModelConfig
-from jaxserve.models import deepseek, llama, minimax_m2, moe, qwen3_next
+from jaxserve.models import deepseek, deepseek_v4, llama, minimax_m2, moe, qwen3_next
 from jaxserve.models.interface import DENSE_AXES, ModelFamily
 from jaxserve.pallas_kernels.policy import KernelPlan
 from jaxserve.models.loaders import deepseek as deepseek_loader
+from jaxserve.models.loaders import deepseek_v4 as deepseek_v4_loader
 from jaxserve.models.loaders import hf as hf_loader
 from jaxserve.models.loaders import minimax_m2 as minimax_m2_loader
 from jaxserve.models.loaders import qwen3_next as qwen3_next_loader
@@ -256,4 +261,59 @@ class Qwen3NextFamily(ModelFamily):
         return qwen3_next.compute_logits(cfg, params, hidden_SD, kernels)
 
 
+_V4_REPLICATED = ("hc_attn_fn", "hc_ffn_fn", "hc_head_fn", "wkv", "wc_kv", "wc_gate", "wi_kv",
+                  "wi_gate", "wi_w", "c_ape", "i_ape")
+
+
+class DeepseekV4Family(ModelFamily):
+    """DeepSeek V4: sliding / CSA / HCA attention, mHC, hash-routed and sqrtsoftplus MoE
+    (models/deepseek_v4.py; loaders/deepseek_v4.py). MTP layers are not run (supports_mtp
+    False; transformers skips them too)."""
+    name = "deepseek_v4"
+    param_axes = {
+        **DENSE_AXES, **_SHARED_EXPERT_AXES, "router_bias": ("router",),
+        **{n: ("lora", "lora") for n in _V4_REPLICATED},
+        "hc_attn_base": ("one",), "hc_attn_scale": ("one",), "hc_ffn_base": ("one",),
+        "hc_ffn_scale": ("one",), "hc_head_base": ("one",), "hc_head_scale": ("one",),
+        "wq_a": ("embed", "lora"), "q_a_norm": ("lora",), "wq_b": ("lora", "heads"),
+        "kv_norm": ("lora",), "c_norm": ("lora",), "i_norm": ("lora",), "wi_q": ("lora", "lora"),
+        "wo_a": ("heads", "lora", "lora"), "wo_b": ("heads", "embed"), "sinks": ("heads",),
+        "tid2eid": ("one", "one"),
+    }
+    cache_axes = {name: ("kv_blocks", "block_tokens", "lora")
+                  for name in ("kv", "ckv", "cgate", "comp", "ikv", "igate", "icomp")}
+
+    def config_from_hf(self, hf: dict) -> ModelConfig:
+        return deepseek_v4.config_from_hf(hf)
+
+    def param_shapes(self, cfg):
+        return deepseek_v4.param_shapes(cfg)
+
+    def divisible_dims(self, cfg):
+        return [("num_attention_heads", cfg.num_heads, "heads"), ("o_groups", cfg.o_groups, "heads"),
+                ("moe_intermediate_size", cfg.moe_intermediate_size, "mlp"),
+                ("n_routed_experts", cfg.num_experts, "experts")]
+
+    def load_hf(self, path, cfg, dtype="float32", mesh=None, quantization=None):
+        if quantization is not None:
+            raise ValueError(f"DeepSeek V4 loads dequantized; quantization {quantization!r} is not built")
+        return deepseek_v4_loader.load_hf(self, path, cfg, dtype, mesh)
+
+    def dummy_params(self, cfg, dtype="float32", mesh=None, seed=0):
+        return deepseek_v4_loader.dummy_params(self, cfg, dtype, mesh, seed)
+
+    def cache_specs(self, cfg):
+        return deepseek_v4.cache_specs(cfg)
+
+    def make_kernels(self, cfg, backend, plan=None, kernel_plan=KernelPlan()):
+        return deepseek_v4.make_kernels(cfg, backend, plan, kernel_plan)
+
+    def forward(self, cfg, params, caches, x, kernels="xla", aux_layers=()):
+        return deepseek_v4.forward(cfg, params, caches, x, kernels, aux_layers)
+
+    def compute_logits(self, cfg, params, hidden_SD, kernels=None):
+        return deepseek_v4.compute_logits(cfg, params, hidden_SD, kernels)
+
+
 LLAMA, DEEPSEEK, MINIMAX_M2, QWEN3_NEXT = LlamaFamily(), DeepseekFamily(), MiniMaxM2Family(), Qwen3NextFamily()
+DEEPSEEK_V4 = DeepseekV4Family()

@@ -9,7 +9,7 @@ V3.2 (MLA, group-limited MoE, sparse attention) have their own module, deepseek.
 
 from __future__ import annotations
 
-from jaxserve.models.families import DEEPSEEK, LLAMA, MINIMAX_M2, QWEN3_NEXT
+from jaxserve.models.families import DEEPSEEK, DEEPSEEK_V4, LLAMA, MINIMAX_M2, QWEN3_NEXT
 from jaxserve.models.interface import ModelFamily
 
 ARCHITECTURES: dict[str, ModelFamily] = {
@@ -22,6 +22,8 @@ ARCHITECTURES: dict[str, ModelFamily] = {
     # own module: MLA latent cache, group-limited MoE; config_from_hf / load_hf of their own
     "DeepseekV3ForCausalLM": DEEPSEEK,
     "DeepseekV32ForCausalLM": DEEPSEEK,
+    # own module: sliding / compressed sparse / heavily compressed attention, mHC, hash MoE
+    "DeepseekV4ForCausalLM": DEEPSEEK_V4,
     # own module: full-width q/k norm, partial rotary, biased sigmoid routing (deepseek's)
     "MiniMaxM2ForCausalLM": MINIMAX_M2,
 }

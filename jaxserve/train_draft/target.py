@@ -46,9 +46,9 @@ def _scratch_caches(specs, num_blocks: int, num_slots: int, dtype):
     caches = []
     for spec in specs:
         paged = isinstance(spec, PagedSpec)     # else a StateSpec, whose float32 names stay f32
-        lead = (num_blocks, BLOCK_SIZE) if paged else (num_slots,)
         f32 = () if paged else spec.float32
-        caches.append({name: jnp.zeros(lead + tuple(shape), jnp.float32 if name in f32 else dtype)
+        caches.append({name: jnp.zeros(((num_blocks, spec.rows(name, BLOCK_SIZE)) if paged else (num_slots,))
+                                       + tuple(shape), jnp.float32 if name in f32 else dtype)
                        for name, shape in spec.arrays})
     return caches
 

@@ -148,9 +148,9 @@ def _num_cached_states(config: EngineConfig, specs, kinds, itemsize: int, budget
 def _cache_arrays(specs, num_blocks: int, num_slots: int, block_size: int, dtype, sharding_of):
     """(layer index, name, shape, dtype, sharding) of every cache array."""
     for i, spec in enumerate(specs):
-        lead = (num_blocks, block_size) if isinstance(spec, PagedSpec) else (num_slots,)
+        paged = isinstance(spec, PagedSpec)
         for name, shape in spec.arrays:
-            full = lead + tuple(shape)
+            full = ((num_blocks, spec.rows(name, block_size)) if paged else (num_slots,)) + tuple(shape)
             kind = jnp.float32 if name in getattr(spec, "float32", ()) else dtype
             yield i, name, full, jnp.dtype(kind), sharding_of(name, full) if sharding_of else None
 

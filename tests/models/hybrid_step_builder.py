@@ -30,7 +30,7 @@ def empty_caches(specs, num_blocks: int, block_size: int, num_slots: int, dtype=
     out = []
     for spec in specs:
         if isinstance(spec, PagedSpec):
-            out.append({n: jnp.zeros((num_blocks, block_size) + s, dtype) for n, s in spec.arrays})
+            out.append({n: jnp.zeros((num_blocks, spec.rows(n, block_size)) + s, dtype) for n, s in spec.arrays})
         elif isinstance(spec, StateSpec):
             out.append({n: jnp.zeros((num_slots,) + s, state_dtype if n == "ssm" else dtype)
                         for n, s in spec.arrays})

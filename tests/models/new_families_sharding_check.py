@@ -9,7 +9,7 @@ state by head), the compiled step's collectives (no weight or cache gathered), t
 an uneven split, MTP layers and dummy weights on a mesh, and the engine on a TP 2 x EP 2 mesh
 against transformers' greedy tokens. Exits non-zero with a message on the first failure.
 
-Usage: new_families_sharding_check.py deepseek | qwen3_next   (one family per process)
+Usage: new_families_sharding_check.py deepseek | qwen3_next | deepseek_v4   (one family per process)
 """
 
 from __future__ import annotations
@@ -61,9 +61,10 @@ def empty_caches(cfg, mesh):
     model = registry.get_family(cfg.architecture)
     out = []
     for spec in model.cache_specs(cfg):
-        lead = (NUM_BLOCKS, BLOCK) if isinstance(spec, PagedSpec) else (NUM_SLOTS,)
+        paged = isinstance(spec, PagedSpec)
         layer = {}
         for name, shape in spec.arrays:
+            lead = (NUM_BLOCKS, spec.rows(name, BLOCK)) if paged else (NUM_SLOTS,)
             a = jnp.zeros(lead + tuple(shape), jnp.float32)
             layer[name] = a if mesh is None else jax.device_put(
                 a, rules.cache_array_sharding(registry.get_family(cfg.architecture), cfg, mesh, name, a.shape))
@@ -112,7 +113,7 @@ def run(cfg, params, mesh, impl="xla"):
     return out
 
 
-def check_matches(source, meshes, load_format="auto", pallas_meshes=()):
+def check_matches(source, meshes, load_format="auto", pallas_meshes=(), atol=ATOL):
     """Each (tp, ep) mesh's logits equal one device's (XLA) within ATOL, with the XLA path on
     `meshes` and the Pallas kernels per shard on `pallas_meshes`: (cfg, {(tp, ep): params})."""
     cfg, ref, _ = load_model(source, load_format)
@@ -124,13 +125,15 @@ def check_matches(source, meshes, load_format="auto", pallas_meshes=()):
         cfg, params, _ = load_model(source, load_format, mesh=mesh)
         t0 = time.perf_counter()
         got = run(cfg, params, mesh, impl)
-        want_maps = kernel_regions(cfg, tp) + moe_regions(params, tp, ep)
+        # (V4's routed experts are split by XLA's partitioner, in no shard_map)
+        experts = 0 if hasattr(cfg, "hc_mult") else moe_regions(params, tp, ep)
+        want_maps = kernel_regions(cfg, tp) + experts
         if impl == "pallas" and SHARD_MAPS[0] != want_maps:
             sys.exit(f"{label} TP={tp} EP={ep}: {SHARD_MAPS[0]} kernels per shard, not {want_maps}")
         for i, (g, w) in enumerate(zip(got, want)):
             err = float(np.max(np.abs(g - w)))
-            if err > ATOL:
-                sys.exit(f"{label} TP={tp} EP={ep} {impl}: step {i} logits differ by {err} (> {ATOL})")
+            if err > atol:
+                sys.exit(f"{label} TP={tp} EP={ep} {impl}: step {i} logits differ by {err} (> {atol})")
         print(f"ok {label} TP={tp} EP={ep} {impl} ({time.perf_counter() - t0:.1f} s)")
         placed[tp, ep] = params
     return cfg, placed
@@ -142,6 +145,11 @@ def kernel_regions(cfg, tp):
     scores and top-k (all three run replicated)."""
     if tp == 1:
         return 0
+    if hasattr(cfg, "hc_mult"):     # DeepSeek V4: attention a layer; a CSA layer's indexer scores,
+        # top-k and two compressors; an HCA layer's compressor where its window fits the kernel
+        csa = sum(t == "compressed_sparse_attention" for t in cfg.layer_types)
+        hca = sum(t == "heavily_compressed_attention" for t in cfg.layer_types)
+        return cfg.num_layers + 4 * csa + (hca if cfg.hca_rate <= 32 else 0)
     mla_writes = 1 if hasattr(cfg, "kv_lora_rank") else 0
     indexer = 2 if getattr(cfg, "index_topk", 0) else 0
     return cfg.num_layers * (1 + mla_writes + indexer)
@@ -468,8 +476,19 @@ def main(family):
         check_random(cfg, [(4, 1)], impls=("xla", "pallas"))
         check_qwen35_mtp_loads_sharded()
         check_engine("qwen3_next", tp=2, ep=2)
+    elif family == "deepseek_v4":
+        # 4e-5: the all-reduces' order over four mHC streams and 20 Sinkhorn steps a block
+        check_matches(ckpt("deepseek_v4"), [(2, 1), (1, 2), (2, 2)], atol=4e-5, pallas_meshes=[(2, 1)])
+        # the last run, TP 2 with the kernels per shard: nothing gathered (XLA's partitioner
+        # splits the experts' grouped matmuls; an EP run adds only the s32[X] group sizes)
+        found = collectives(LAST_HLO[0])
+        gathered = set(found["all-gather"]) - {"s32[4]"}
+        if gathered or found["all-to-all"] or not found["all-reduce"]:
+            sys.exit(f"deepseek_v4 on TP 2 x EP 2: unexpected collectives {found}")
+        print(f"ok collectives {dict(found['all-reduce'])}")
+        check_dummy(ckpt("deepseek_v4"), tp=2, ep=2)
     else:
-        sys.exit(f"unknown family {family!r}: deepseek | qwen3_next")
+        sys.exit(f"unknown family {family!r}: deepseek | qwen3_next | deepseek_v4")
 
 
 if __name__ == "__main__":

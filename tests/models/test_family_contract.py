@@ -25,7 +25,7 @@ from hybrid_step_builder import Chunk, build_hybrid_step, empty_caches, scattere
 
 CKPT = os.path.join(os.path.dirname(__file__), os.pardir, "golden", "ckpt")
 # one checkpoint per family object at least (test_every_family_has_a_case)
-CASES = ["llama", "qwen3_moe", "deepseek_v32", "minimax_m2", "qwen3_next", "qwen3_5"]
+CASES = ["llama", "qwen3_moe", "deepseek_v32", "minimax_m2", "qwen3_next", "qwen3_5", "deepseek_v4"]
 BLOCK, NUM_BLOCKS, NUM_SLOTS = 4, 16, 3
 
 

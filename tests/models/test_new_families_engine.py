@@ -1,5 +1,6 @@
-"""DeepSeek V3/V3.2 (MLA latent cache, indexer keys) and Qwen3-Next/Qwen3.5 (paged K/V beside
-per-request state slots) through the whole engine: cache specs -> cache manager -> runner ->
+"""DeepSeek V3/V3.2 (MLA latent cache, indexer keys), Qwen3-Next/Qwen3.5 (paged K/V beside
+per-request state slots) and DeepSeek V4 (window rows, compressor carry and compressed entries,
+all per token: a prefix hit resumes mid-window) through the whole engine: cache specs -> cache manager -> runner ->
 model. Greedy tokens equal transformers' (the goldens) batched, prefilled in small chunks,
 on prefix-cache hits and under preemption; every block and state slot is free afterwards."""
 
@@ -13,7 +14,7 @@ import pytest
 from jaxserve import LLM, SamplingParams
 
 GOLDEN = os.path.join(os.path.dirname(__file__), os.pardir, "golden")
-FAMILIES = ["deepseek_v3", "deepseek_v32", "qwen3_next", "qwen3_5_moe"]
+FAMILIES = ["deepseek_v3", "deepseek_v32", "qwen3_next", "qwen3_5_moe", "deepseek_v4"]
 STEPS = 8
 
 
@@ -53,7 +54,7 @@ def test_engine_matches_transformers_batched_and_chunked(name, tiny_checkpoint):
     assert_all_free(llm)
 
 
-@pytest.mark.parametrize("name", ["deepseek_v32", "qwen3_next"])
+@pytest.mark.parametrize("name", ["deepseek_v32", "qwen3_next", "deepseek_v4"])
 def test_engine_matches_transformers_under_preemption(name, tiny_checkpoint):
     prompts, want = golden(name)
     longest = max(len(p) for p in prompts) + STEPS

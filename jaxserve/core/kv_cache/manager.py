@@ -35,10 +35,6 @@ NULL_SLOT = 0
 PAGED, STATE = "paged", "state"
 
 
-def _elements(arrays) -> int:
-    return sum(math.prod(shape) for _, shape in arrays)
-
-
 def group_kinds(specs: Sequence[PagedSpec | StateSpec]) -> list[str]:
     """The cache groups a model's layers form, in a fixed order (paged first)."""
     kinds = {PAGED if isinstance(s, PagedSpec) else STATE for s in specs}
@@ -50,7 +46,7 @@ def group_kinds(specs: Sequence[PagedSpec | StateSpec]) -> list[str]:
 
 def bytes_per_block(specs, block_size: int, itemsize: int) -> int:
     """Bytes one block takes over every paged layer."""
-    return block_size * itemsize * sum(_elements(s.arrays) for s in specs if isinstance(s, PagedSpec))
+    return itemsize * sum(s.elements_per_block(block_size) for s in specs if isinstance(s, PagedSpec))
 
 
 def bytes_per_slot(specs, itemsize: int) -> int:

@@ -1,13 +1,25 @@
 """What one layer keeps between steps: its cache spec (DESIGN.md §3)."""
 from __future__ import annotations
+import math
 from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class PagedSpec:
     """Per-token arrays in the paged cache, all on the request's block table: name -> per-token
-    shape; each array is [num_blocks, P, *shape] and token t is written at slot_mapping[t]."""
+    shape; each array is [num_blocks, P, *shape] and token t is written at slot_mapping[t].
+    An array named in `tokens_per_row` holds one row per m tokens instead (DeepSeek V4's
+    compressed entries): [num_blocks, max(1, P // m), *shape], where the model places rows."""
     arrays: tuple[tuple[str, tuple[int, ...]], ...]   # e.g. (("k", (K, E)), ("v", (K, E)))
     sliding_window: int | None = None
+    tokens_per_row: tuple[tuple[str, int], ...] = ()   # e.g. (("comp", 4),)
+
+    def rows(self, name: str, block_size: int) -> int:
+        """Rows of array `name` in one block of block_size tokens."""
+        m = dict(self.tokens_per_row).get(name, 1)
+        return max(1, block_size // m)
+
+    def elements_per_block(self, block_size: int) -> int:
+        return sum(self.rows(name, block_size) * math.prod(shape) for name, shape in self.arrays)
 
 @dataclass(frozen=True)
 class StateSpec:

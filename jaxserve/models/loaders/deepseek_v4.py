@@ -1,0 +1,149 @@
+"""Load DeepSeek V4 from a HF directory (sharded safetensors), and its dummy weights.
+
+The tensor names are the released checkpoints' (DeepSeek's own: `layers.{i}.attn.wq_a.weight`,
+`layers.{i}.ffn.experts.{j}.w1.weight`, `hc_head_fn`, ...), which transformers also writes
+back on save_pretrained (its conversion mapping reversed), with or without a leading
+`model.`. Linear weights [out, in] are transposed to [in, out]; the grouped output projection
+wo_a [G*O, H*E/G] becomes [G, H*E/G, O]; experts are stacked [X, in, out] (read lazily per
+device, loaders/deepseek._ExpertStack). FP8 tensors with a `weight_scale_inv` beside them
+are dequantized on load (loaders/deepseek.SafetensorsDir.weight, 128 x 128 blocks, or the
+config's weight_block_size); any other quantized format raises naming the tensor.
+
+Kept in f32 whatever the load dtype, as transformers keeps them: the mHC projections, the
+sinks, the compressors' position biases, the router bias (they feed softmaxes, sigmoids and
+the Sinkhorn normalisation). tid2eid stays int32.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxserve.models import deepseek_v4 as v4
+from jaxserve.models.loaders import dummy
+from jaxserve.models.loaders.deepseek import SafetensorsDir, _ExpertStack
+from jaxserve.models.loaders.progress import LayerProgress
+from jaxserve.sharding import rules
+
+F32_PARAMS = ("hc_attn_fn", "hc_attn_base", "hc_attn_scale", "hc_ffn_fn", "hc_ffn_base",
+              "hc_ffn_scale", "hc_head_fn", "hc_head_base", "hc_head_scale", "sinks", "c_ape",
+              "i_ape", "router_bias")
+
+# ours -> the checkpoint's name inside "layers.{i}." ("T": stored [out, in], transposed)
+_LAYER_NAMES = {
+    "attn_norm": ("attn_norm.weight", ""), "mlp_norm": ("ffn_norm.weight", ""),
+    "hc_attn_fn": ("hc_attn_fn", "T"), "hc_attn_base": ("hc_attn_base", ""),
+    "hc_attn_scale": ("hc_attn_scale", ""), "hc_ffn_fn": ("hc_ffn_fn", "T"),
+    "hc_ffn_base": ("hc_ffn_base", ""), "hc_ffn_scale": ("hc_ffn_scale", ""),
+    "wq_a": ("attn.wq_a.weight", "T"), "q_a_norm": ("attn.q_norm.weight", ""),
+    "wq_b": ("attn.wq_b.weight", "T"), "wkv": ("attn.wkv.weight", "T"),
+    "kv_norm": ("attn.norm.weight", ""), "wo_b": ("attn.wo_b.weight", "T"),
+    "sinks": ("attn.attn_sink", ""),
+    "wc_kv": ("attn.compressor.wkv.weight", "T"), "wc_gate": ("attn.compressor.wgate.weight", "T"),
+    "c_ape": ("attn.compressor.ape", ""), "c_norm": ("attn.compressor.norm.weight", ""),
+    "wi_kv": ("attn.indexer.compressor.wkv.weight", "T"),
+    "wi_gate": ("attn.indexer.compressor.wgate.weight", "T"),
+    "i_ape": ("attn.indexer.compressor.ape", ""), "i_norm": ("attn.indexer.compressor.norm.weight", ""),
+    "wi_q": ("attn.indexer.wq_b.weight", "T"), "wi_w": ("attn.indexer.weights_proj.weight", "T"),
+    "router": ("ffn.gate.weight", "T"), "router_bias": ("ffn.gate.bias", ""),
+    "ws_gate": ("ffn.shared_experts.w1.weight", "T"), "ws_up": ("ffn.shared_experts.w3.weight", "T"),
+    "ws_down": ("ffn.shared_experts.w2.weight", "T"),
+}
+_EXPERTS = {"w_gate": "w1", "w_up": "w3", "w_down": "w2"}
+_TOP = {"embed": ("embed.weight", "embed_tokens.weight"), "lm_head": ("head.weight", "lm_head.weight"),
+        "final_norm": ("norm.weight",), "hc_head_fn": ("hc_head_fn", "hc_head.hc_fn"),
+        "hc_head_base": ("hc_head_base", "hc_head.hc_base"),
+        "hc_head_scale": ("hc_head_scale", "hc_head.hc_scale")}
+
+
+def _dtype_of(name: str, dtype):
+    if name == "tid2eid":
+        return jnp.int32
+    return jnp.float32 if name in F32_PARAMS else jnp.dtype(dtype)
+
+
+def _first(ck: SafetensorsDir, prefix: str, names: tuple[str, ...]) -> str:
+    """The first of `names` the checkpoint holds, with the prefix or without (transformers
+    writes the LM head outside `model.`)."""
+    for n in names:
+        for full in (prefix + n, n):
+            if full in ck:
+                return full
+    raise ValueError(f"checkpoint has none of {[prefix + n for n in names]}")
+
+
+def load_hf(family, path: str, cfg: v4.DeepseekV4Config, dtype: str = "float32", mesh=None):
+    with open(os.path.join(path, "config.json")) as f:
+        quant = json.load(f).get("quantization_config") or {}
+    block = tuple(quant.get("weight_block_size") or (128, 128))
+    ck = SafetensorsDir(path)
+    prefix = "model." if any(n.startswith("model.") for n in ck.entries) else ""
+    shapes = v4.param_shapes(cfg)
+    place = rules.param_placements(family, cfg, mesh, shapes)
+
+    def put(name, arr, where, placement):
+        if tuple(arr.shape) != tuple(shapes_at(where)[name]):
+            raise ValueError(f"{where}{name}: checkpoint gives shape {tuple(arr.shape)}; the "
+                             f"config.json expects {tuple(shapes_at(where)[name])}")
+        dt = _dtype_of(name, dtype)
+        if isinstance(arr, _ExpertStack):
+            return jax.make_array_from_callback(arr.shape, placement,
+                                                lambda index, a=arr, dt=dt: a[index].astype(dt))
+        return jax.device_put(np.asarray(arr, dt), placement)
+
+    def shapes_at(where):
+        return shapes if where == "" else shapes["layers"][int(where.split(".")[-2])]
+
+    params = {}
+    for name, names in _TOP.items():
+        w = ck.weight(_first(ck, prefix, names), block)
+        params[name] = put(name, w.T if name in ("lm_head", "hc_head_fn") else w, "", place[name])
+    progress = LayerProgress(f"loading {os.path.basename(os.path.normpath(path))}", cfg.num_layers)
+    progress.done(params, layer=False)
+    params["layers"] = []
+    g, o = cfg.o_groups, cfg.o_lora_rank
+    for i, ls in enumerate(shapes["layers"]):
+        lp_prefix = f"{prefix}layers.{i}."
+        tree = {}
+        for ours in ls:
+            if ours in _LAYER_NAMES:
+                theirs, how = _LAYER_NAMES[ours]
+                w = ck.weight(lp_prefix + theirs, block)
+                tree[ours] = w.T if how == "T" else w
+            elif ours in _EXPERTS:
+                tree[ours] = _ExpertStack(ck, [f"{lp_prefix}ffn.experts.{j}.{_EXPERTS[ours]}.weight"
+                                               for j in range(cfg.num_experts)], block)
+            elif ours == "tid2eid":
+                tree[ours] = np.asarray(ck.raw(lp_prefix + "ffn.gate.tid2eid"), np.int32)
+            elif ours == "wo_a":
+                w = ck.weight(lp_prefix + "attn.wo_a.weight", block)      # [G*O, H*E/G]
+                tree[ours] = w.reshape(g, o, -1).transpose(0, 2, 1)
+        where = f"layers.{i}."
+        params["layers"].append({k: put(k, a, where, place["layers"][i][k]) for k, a in tree.items()})
+        progress.done(params["layers"][-1])
+    return cfg, params
+
+
+def dummy_params(family, cfg: v4.DeepseekV4Config, dtype: str = "float32", mesh=None, seed: int = 0) -> dict:
+    """Random weights at the config's shapes (dummy.draw_params), the mHC / sinks / biases in
+    f32 as loaded, tid2eid a random table of distinct experts per token."""
+    shapes = v4.param_shapes(cfg)
+    place = rules.param_placements(family, cfg, mesh, shapes)
+    params = dummy.draw_params(shapes, place, dtype, seed)
+    rng = np.random.default_rng(seed)
+    for i, lp in enumerate(params["layers"]):
+        for name in list(lp):
+            if name == "tid2eid":
+                v, k = shapes["layers"][i][name]
+                table = np.argsort(rng.random((v, cfg.num_experts)), axis=1)[:, :k].astype(np.int32)
+                lp[name] = jax.device_put(table, place["layers"][i][name])
+            elif name in F32_PARAMS:
+                lp[name] = lp[name].astype(jnp.float32)
+    for name in F32_PARAMS:
+        if name in params:
+            params[name] = params[name].astype(jnp.float32)
+    return params
