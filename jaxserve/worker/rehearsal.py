@@ -32,7 +32,7 @@ def rehearse(runner) -> tuple[int, float]:
     empty = SchedulerOutput(new_requests=[], scheduled=[], finished_req_ids=[], num_tokens=0,
                             preempted_ids=[], num_cached_tokens=0)
     steps = runner.config.scheduler.num_scheduler_steps
-    ran = 0
+    ran, first = 0, None
     for t in runner.buckets:
         x, _, _ = runner._build(dataclasses.replace(empty, num_tokens=t))
         packed, layout = packing.pack(x)
@@ -44,6 +44,10 @@ def rehearse(runner) -> tuple[int, float]:
             exe = runner._executables.get((layout, variant))
             if exe is not None:
                 runner.launch(exe, packed)
-                ran += 1
+                first, ran = first or (exe, packed), ran + 1
+    if first is not None:
+        # NOTE: again: its first run took the caches and last ids as allocated, and JAX's call
+        # fast path, keyed by its arguments, missed on the steps' own outputs after (~50 ms)
+        runner.launch(*first)
     jax.block_until_ready(runner.kv_cache)
     return ran, time.perf_counter() - t0
