@@ -14,9 +14,28 @@ from jaxserve.engine.checks import StartupError
 from jaxserve.server.startup import start_engine
 
 
+class _FakeTokenizer:
+    """The Tokenizer calls start-up makes (trial_render), recorded."""
+    def __init__(self):
+        self.hf = SimpleNamespace(chat_template="the model's")
+        self.calls = []
+
+    def apply_chat_template(self, messages):
+        self.calls.append(("template", self.hf.chat_template))
+        return "rendered"
+
+    def encode(self, text):
+        self.calls.append(("encode", text))
+        return [1, 2]
+
+    def decode(self, ids):
+        self.calls.append(("decode", ids))
+        return "text"
+
+
 class _FakeEngine:
     def __init__(self, num_blocks: int):
-        self.tokenizer = SimpleNamespace(hf=SimpleNamespace(chat_template="the model's"))
+        self.tokenizer = _FakeTokenizer()
         self.config = SimpleNamespace(cache=SimpleNamespace(block_size=16, num_kv_blocks=num_blocks),
                                       scheduler=SimpleNamespace(max_model_len=256))
         self.engine = SimpleNamespace(runner=SimpleNamespace(num_blocks=num_blocks),
@@ -54,6 +73,9 @@ def _args(tmp_path, *flags):
 def test_chat_template_reaches_the_tokenizer(tmp_path, built):
     engine, defaults = start_engine(_args(tmp_path, "--num-kv-blocks", "17", "--chat-template", "{{ x }}"))
     assert engine.tokenizer.hf.chat_template == "{{ x }}" and defaults == {} and not engine.stopped
+    # the template, tokenizer and detokenizer ran once at start-up, with the template given
+    # (trial_render: their first-use costs are not the first request's)
+    assert engine.tokenizer.calls == [("template", "{{ x }}"), ("encode", "rendered"), ("decode", [1, 2])]
     assert engine.logging_stats        # vLLM's periodic statistics line, unless turned off
     engine, _ = start_engine(_args(tmp_path, "--num-kv-blocks", "17", "--disable-log-stats"))
     assert not engine.logging_stats
@@ -77,3 +99,22 @@ def test_flag_problems_come_before_loading(tmp_path, built):
 def test_a_load_failure_is_a_startup_error(tmp_path, built):
     with pytest.raises(StartupError, match="max_position_embeddings"):
         start_engine(_args(tmp_path, "--max-model-len", "999"))
+
+
+def test_log_lines_go_to_the_stderr_of_the_moment(monkeypatch):
+    """jaxserve's handler writes to sys.stderr as it is when a line is logged: a notebook or a
+    test that swapped it and closed the old one gets no "--- Logging error ---" lines."""
+    import io
+    import logging
+    import sys
+
+    from jaxserve.server.startup import configure_logging
+
+    first = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", first)
+    configure_logging("info")
+    first.close()
+    now = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", now)
+    logging.getLogger("jaxserve.test").info("a line")
+    assert "a line" in now.getvalue() and "Logging error" not in now.getvalue()

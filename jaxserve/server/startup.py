@@ -19,12 +19,26 @@ from jaxserve.engine.vllm_flags import check_vllm_combinations, noop_notes
 logger = logging.getLogger("jaxserve")
 
 
+class _StderrHandler(logging.StreamHandler):
+    """A handler on the sys.stderr of the moment, not the one at set-up: notebooks and tests
+    swap sys.stderr, and a handler kept on a closed one printed "--- Logging error ---" for
+    every line after."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value):      # StreamHandler's __init__ and setStream: the moment's wins
+        pass
+
+
 def configure_logging(level: str = "info") -> None:
     """jaxserve's log lines to stderr at `level`, once (uvicorn configures its own loggers)."""
     root = logging.getLogger("jaxserve")
     root.setLevel("DEBUG" if level == "trace" else level.upper())
     if not any(getattr(h, "_jaxserve", False) for h in root.handlers):
-        handler = logging.StreamHandler(sys.stderr)
+        handler = _StderrHandler()
         handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s %(name)s: %(message)s",
                                                "%H:%M:%S"))
         handler._jaxserve = True
