@@ -371,8 +371,7 @@ class ModelRunner:
             self.copy_states(out.state_loads)
         for slot, int_id in out.lora_loads:    # the step's new adapters into their slots
             self.params = lora_weights.write_slot(self.params, slot, self.lora_store.get(int_id))
-        self.batch.apply(out)
-        x, plan, variant = self._build(out)
+        x, plan, variant = self.prepare(out)     # masks below: late or now (bench's timer wraps it)
         fill = grammar_masks and (lambda t: and_grammar_masks(t.allowed_mask, plan, grammar_masks()))
         if fill and self.masks_late(variant):
             result, prompt, after = self.late_sampling.run(self, x, variant, fill), None, None
