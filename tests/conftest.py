@@ -1,6 +1,19 @@
-# --- tiny HF checkpoints (tests/golden/ckpt, made by tests/golden/make_golden.py) ---
 import os as _os
 
+# --- JAX's persistent compilation cache off in CPU test runs ---
+# XLA:CPU's executable (de)serialization in jax 0.11.2 crashed test processes that build many
+# engines (a segfault in compilation_cache.put/get_executable_and_time, twice in full runs
+# beside the new families' and late sampling's programs; the same bug class keeps the CPU out of
+# ProgramStore: worker/compiling.py STORE_PLATFORMS). The environment variable reaches the
+# subprocesses tests start; JAX reads it when imported.
+if _os.environ.get("JAX_PLATFORMS", "").strip().lower() == "cpu":
+    _os.environ.setdefault("JAX_ENABLE_COMPILATION_CACHE", "false")
+    import sys as _sys
+    if "jax" in _sys.modules:             # imported before this file (a plugin): tell it directly
+        _sys.modules["jax"].config.update("jax_enable_compilation_cache", False)
+
+
+# --- tiny HF checkpoints (tests/golden/ckpt, made by tests/golden/make_golden.py) ---
 import pytest as _pytest
 
 GOLDEN_DIR = _os.path.join(_os.path.dirname(_os.path.abspath(__file__)), "golden")
