@@ -78,8 +78,7 @@ def _replay_run(model, ps, want, proposer, pacing: bool):
     core = llm.engine.core
     core.proposer = proposer({tuple(p["prompt_token_ids"]): w[0] for p, w in zip(ps, want)},
                              3, model[0].vocab_size, False)
-    if not pacing:
-        core.pacing = None
+    core.pacing = DraftPacing() if pacing else None      # off by default (engine/core.py)
     got = token_ids(llm.generate(ps, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
                                  use_tqdm=False))
     sched = llm.engine.scheduler
@@ -107,6 +106,7 @@ def test_a_waited_step_launches_the_next_before_its_outputs_are_processed(model,
     ps = prompts(2)
     llm = make_llm(model, max_len=MAX_LEN)
     core, in_flight = llm.engine.core, []
+    core.launch_after_wait = True        # off by default (engine/core.py)
     real = core.step
 
     def step():
