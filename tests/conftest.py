@@ -42,3 +42,33 @@ def pytest_collection_modifyitems(config, items):
     skip = _pytest.mark.skip(reason=f"needs an NVIDIA GPU (JAX backend: {jax.default_backend()})")
     for item in gpu_items:
         item.add_marker(skip)
+
+
+# --- each test module's compiled programs freed before the next module ---
+# XLA:CPU maps a few memory regions per compiled executable, and Linux allows a process 65,530
+# (vm.max_map_count). A worker running a quarter of the suite kept every module's programs
+# alive through JAX's jit caches (and the engines those caches and leaked server threads held),
+# passed ~65k maps and died inside XLA's compiler or executable cache with a segfault (four
+# full runs, always late in a worker). Clearing JAX's caches once a module is done keeps a
+# worker's maps at what one module needs. JAXSERVE_TEST_MAPS_LOG=FILE records the count per module.
+def _mapped_regions() -> int:
+    try:
+        with open("/proc/self/maps") as f:
+            return sum(1 for _ in f)
+    except OSError:
+        return 0
+
+
+@_pytest.fixture(autouse=True, scope="module")
+def _free_compiled_programs(request):
+    yield
+    import gc
+    import sys
+    gc.collect()
+    if "jax" in sys.modules:
+        sys.modules["jax"].clear_caches()
+        gc.collect()
+    log = _os.environ.get("JAXSERVE_TEST_MAPS_LOG")
+    if log:
+        with open(log, "a") as f:
+            f.write(f"{_os.getpid()} {_mapped_regions()} {request.module.__name__}\n")

@@ -9,6 +9,7 @@ import functools
 
 import jax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
 
 
 # SMs of an H100 (SXM) and an H200, and what the tiling rules assume without a GPU
@@ -75,3 +76,15 @@ def absent_refs(kernel, *positions: int):
             refs.insert(i, None)
         return kernel(*refs)
     return call
+
+
+def per_token_call(kernel, t: int, ins: list, in_specs: list, outs: list, out_specs: list,
+                   aliases: dict, *, num_warps: int, interpret: bool, name: str):
+    """`kernel` as a Triton pallas_call with one program per token (grid (t,)), single-stage
+    (the MLA cache-write kernels: each program's loads are one token's rows, nothing to
+    pipeline); `aliases` update caches in place where the caller donates them."""
+    return pl.pallas_call(
+        kernel, grid=(t,), in_specs=in_specs, out_specs=out_specs, out_shape=outs,
+        input_output_aliases=aliases,
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
+        interpret=interpret, name=name)(*ins)

@@ -41,7 +41,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jaxserve.models import layers
-from jaxserve.pallas_kernels.dispatch import absent_refs, resolve_impl, whole
+from jaxserve.pallas_kernels.dispatch import absent_refs, per_token_call, resolve_impl, whole
 from jaxserve.pallas_kernels.mla_latent_write import (ref_mla_latent_write, rms_normed, rotary,
                                                       write_index_key, write_latent)
 
@@ -172,17 +172,9 @@ def mla_input_prep(a_TM, kv_norm_C, positions_T, slot_mapping_T, latent_NPW, inv
     absent = ([] if has_q else [5, 12]) + ([] if has_index else [6, 7, 9, 11, 13])
     if absent:
         kernel = absent_refs(kernel, *sorted(absent))
-    out = pl.pallas_call(
-        kernel,
-        grid=(t,),
-        in_specs=specs,
-        out_specs=out_specs,
-        out_shape=outs,
-        input_output_aliases=aliases,
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
-        interpret=(not on_gpu) if interpret is None else interpret,
-        name="mla_input_prep" + ("_index" if has_index else ""),
-    )(*ins)
+    out = per_token_call(kernel, t, ins, specs, outs, out_specs, aliases, num_warps=num_warps,
+                         interpret=(not on_gpu) if interpret is None else interpret,
+                         name="mla_input_prep" + ("_index" if has_index else ""))
     out = list(out)
     latent = out.pop(0).reshape(latent_NPW.shape)
     index = out.pop(0).reshape(index_cache_NPJ.shape) if has_index else None

@@ -38,7 +38,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from jaxserve.models import layers
 from jaxserve.models.layers import mla
-from jaxserve.pallas_kernels.dispatch import absent_refs, resolve_impl, whole
+from jaxserve.pallas_kernels.dispatch import absent_refs, per_token_call, resolve_impl, whole
 
 # ---------------------------------------------------------------------------------------------
 # Reference: the model's own XLA building blocks, in the model's order
@@ -233,16 +233,8 @@ def mla_latent_write(kv_TW, kv_norm_C, positions_T, slot_mapping_T, latent_NPW, 
         aliases[len(ins) - 1] = 1
     else:   # no indexer: its refs (three inputs, the cache in and out) are absent
         kernel = absent_refs(kernel, 5, 6, 7, 9, 11)
-    out = pl.pallas_call(
-        kernel,
-        grid=(t,),
-        in_specs=specs,
-        out_specs=out_specs,
-        out_shape=outs,
-        input_output_aliases=aliases,
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
-        interpret=(not on_gpu) if interpret is None else interpret,
-        name="mla_latent_index_write" if has_index else "mla_latent_write",
-    )(*ins)
+    out = per_token_call(kernel, t, ins, specs, outs, out_specs, aliases, num_warps=num_warps,
+                         interpret=(not on_gpu) if interpret is None else interpret,
+                         name="mla_latent_index_write" if has_index else "mla_latent_write")
     latent = out[0].reshape(latent_NPW.shape)
     return latent, (out[1].reshape(index_cache_NPJ.shape) if has_index else None)
