@@ -2,7 +2,8 @@
 MTP layer in DeepSeek's checkpoint names (mtp.0.*, tests/golden/make_golden_deepseek_v4.py
 --mtp): its logits over a sequence equal the torch reference's (DeepSeek's MTPBlock maths around
 transformers' V4 block); as the "mtp" proposer, greedy outputs equal those without speculation,
-batched and alone, with chained drafts, drafts counted, every block free afterwards."""
+batched and alone, with chained drafts, drafts counted, every block free afterwards; each
+draft is what the layer predicts over the whole sequence."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from jaxserve.models import deepseek_v4_mtp as v4_mtp
 from jaxserve.models import loader
 from model_step_builder import Chunk, build_step, scattered_block_tables
 from test_deepseek_v4_golden import ATOL, BLOCK_SIZE, GOLDEN_DIR, NUM_BLOCKS, S, STEP_T, empty_caches
-from tests.spec_helpers import make_llm, spec_counts, token_ids
+from tests.spec_helpers import make_llm, record_drafts, spec_counts, token_ids
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 
@@ -43,35 +44,72 @@ def model(tmp_path_factory):
     return loader.load_model(str(path), dtype="float32")
 
 
+def _passes(cfg):
+    """Jitted (target's streams over x, (MTP logits, its output streams) over x with hidden h),
+    each from empty caches on 1-sequence steps."""
+    @jax.jit
+    def streams(params, x):
+        with jax.default_matmul_precision("highest"):
+            return v4.forward(cfg, params, empty_caches(cfg), x, "xla", (cfg.num_layers,))[2][0]
+
+    @jax.jit
+    def mtp(params, x, h):
+        with jax.default_matmul_precision("highest"):
+            caches = [{n: jnp.zeros((NUM_BLOCKS, spec.rows(n, BLOCK_SIZE), *shape)) for n, shape in spec.arrays}
+                      for spec in v4_mtp.mtp_cache_specs(cfg)]
+            return v4_mtp.mtp_forward(cfg, params, caches, x, h)[1:]
+
+    tables = scattered_block_tables(1, 16, NUM_BLOCKS, seed=3)
+    return streams, mtp, lambda tokens: build_step([Chunk(0, tokens, 0)], tables, BLOCK_SIZE, STEP_T, S)
+
+
 def test_mtp_logits_match_the_torch_reference(model):
     cfg, params, _ = model
     golden = np.load(os.path.join(GOLDEN_DIR, "deepseek_v4_mtp.npz"))
     tokens = golden["prompt"].tolist()
     assert cfg.mtp_layer_types == (v4.SLIDING,) and len(params["mtp"]) == 1
-    tables = scattered_block_tables(1, 16, NUM_BLOCKS, seed=3)
-
-    @jax.jit
-    def run(params, x_main, x_mtp):
-        with jax.default_matmul_precision("highest"):
-            _, _, (streams,) = v4.forward(cfg, params, empty_caches(cfg), x_main, "xla", (cfg.num_layers,))
-            mtp_caches = [{n: jnp.zeros((NUM_BLOCKS, spec.rows(n, BLOCK_SIZE), *shape))
-                           for n, shape in spec.arrays} for spec in v4_mtp.mtp_cache_specs(cfg)]
-            return v4_mtp.mtp_forward(cfg, params, mtp_caches, x_mtp, streams)[1]
-
+    streams, mtp, step = _passes(cfg)
     # position i: token i + 1 with the target's streams at token i (the proposer's pairing)
-    logits = run(params, build_step([Chunk(0, tokens[:-1], 0)], tables, BLOCK_SIZE, STEP_T, S),
-                 build_step([Chunk(0, tokens[1:], 0)], tables, BLOCK_SIZE, STEP_T, S))
+    logits, _ = mtp(params, step(tokens[1:]), streams(params, step(tokens[:-1])))
     np.testing.assert_allclose(np.asarray(logits)[:len(tokens) - 1], golden["logits"], atol=ATOL, rtol=0)
 
 
-def test_chained_mtp_drafts_change_no_greedy_output(model):
+PROMPTS = [{"prompt_token_ids": p} for p in ([5, 9, 5, 9, 5], [17, 30, 17, 30, 17, 30, 4], [7, 7, 8])]
+
+
+@pytest.fixture(scope="module")
+def spec(model):
+    return make_llm(model, {"method": "mtp", "num_speculative_tokens": 2}, max_len=32)
+
+
+def test_chained_mtp_drafts_change_no_greedy_output(model, spec):
     """Two drafts a step: the first from the target's streams, the second chained on the
     layer's own output streams."""
-    prompts = [{"prompt_token_ids": p} for p in ([5, 9, 5, 9, 5], [17, 30, 17, 30, 17, 30, 4], [7, 7, 8])]
-    want = token_ids(make_llm(model, max_len=32).generate(prompts, GREEDY, use_tqdm=False))
-    spec = make_llm(model, {"method": "mtp", "num_speculative_tokens": 2}, max_len=32)
-    assert token_ids(spec.generate(prompts, GREEDY, use_tqdm=False)) == want
-    assert [token_ids(spec.generate(p, GREEDY, use_tqdm=False))[0] for p in prompts[:2]] == want[:2]
+    want = token_ids(make_llm(model, max_len=32).generate(PROMPTS, GREEDY, use_tqdm=False))
+    assert token_ids(spec.generate(PROMPTS, GREEDY, use_tqdm=False)) == want
+    assert [token_ids(spec.generate(p, GREEDY, use_tqdm=False))[0] for p in PROMPTS[:2]] == want[:2]
     c = spec_counts(spec)
     assert c["spec_decode_num_draft_tokens_total"] > c["spec_decode_num_drafts_total"] > 0
     assert spec.engine.scheduler.pool.num_used == 0
+
+
+def test_each_mtp_chain_is_the_layers_continuation_over_the_whole_sequence(model, spec):
+    """The proposer's incremental passes (its own cache, the target's streams from the steps)
+    draft what the layer predicts over the request's whole sequence: draft 1 at the last token
+    with the target's streams, draft 2 with draft 1 appended and the layer's own output
+    streams at the position before."""
+    cfg, params, _ = model
+    streams, mtp, step = _passes(cfg)
+    seen = record_drafts(spec, PROMPTS[:2], max_tokens=4)
+    assert len(seen) >= 4
+    for tokens, drafts in seen:
+        n = len(tokens) - 1
+        h = streams(params, step(tokens[:-1])).at[n:].set(0)
+        inputs, want = list(tokens[1:]), []
+        for _ in range(2):
+            logits, out = mtp(params, step(inputs), h)
+            last = len(inputs) - 1
+            want.append(int(np.argmax(np.asarray(logits[last]))))
+            inputs.append(want[-1])
+            h = h.at[last + 1].set(out[last])
+        assert drafts == want, (tokens, drafts, want)
