@@ -69,8 +69,8 @@ class DeepseekV4Config(ModelConfig):
     n_shared_experts: int = 1
     score_func: str = "sqrtsoftplus"
     num_mtp_layers: int = 0
-    # the MTP layers' attention: DeepSeek's compress_ratios carries one entry per MTP layer
-    # after the decoder's (the released ones 0: sliding, no compressor weights)
+    # the MTP layers' attention: the entries of DeepSeek's compress_ratios past the decoder's
+    # (sliding where there are none: models/deepseek_v4_mtp.py)
     mtp_layer_types: tuple[str, ...] = ()
 
     def rate(self, i: int) -> int:

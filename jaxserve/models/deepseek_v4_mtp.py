@@ -6,7 +6,8 @@ MTP layer m at a token whose previous token's hidden state is h (the target's hc
 its last layer, before the hyper head: f[hc, D]):
   x = e_proj(enorm(embed(token))) + h_proj(hnorm(h))   (hnorm per stream, e_proj's row added
                                                         to every stream)
-  x = one V4 block (mHC, attention of mtp_layer_types[m], score-routed MoE) on those streams
+  x = one V4 block (mHC, attention of mtp_layer_types[m] (sliding if none), score-routed MoE)
+      on those streams
   logits = lm_head(head_norm(hyper head with the layer's own hc_head_* weights(x)))
 The embedding and the LM head are the target's (the checkpoint has none of its own).
 """
@@ -25,12 +26,17 @@ from jaxserve.models import layers
 from jaxserve.pallas_kernels.dispatch import resolve_impl
 
 
+def _mtp_types(cfg: v4.DeepseekV4Config) -> tuple[str, ...]:
+    """Each MTP layer's attention: mtp_layer_types', sliding past them."""
+    m = cfg.num_mtp_layers
+    return (cfg.mtp_layer_types + (v4.SLIDING,) * m)[:m]
+
+
 def _with_mtp_layers(cfg: v4.DeepseekV4Config) -> v4.DeepseekV4Config:
     """cfg with the MTP layers appended as layers num_layers + m (DeepSeek numbers them so;
     never hash-routed: its hash layers are the first ones)."""
-    m = cfg.num_mtp_layers
-    return dataclasses.replace(cfg, layer_types=cfg.layer_types + cfg.mtp_layer_types,
-                               mlp_layer_types=cfg.mlp_layer_types + ("moe",) * m)
+    return dataclasses.replace(cfg, layer_types=cfg.layer_types + _mtp_types(cfg),
+                               mlp_layer_types=cfg.mlp_layer_types + ("moe",) * cfg.num_mtp_layers)
 
 
 def mtp_param_shapes(cfg: v4.DeepseekV4Config) -> list[dict]:
@@ -47,7 +53,7 @@ def mtp_param_shapes(cfg: v4.DeepseekV4Config) -> list[dict]:
 def mtp_cache_specs(cfg: v4.DeepseekV4Config) -> list[PagedSpec]:
     """The MTP layers' caches, each as a decoder layer's of its type (apart from cache_specs so
     that only an engine that runs the proposer allocates them)."""
-    return v4.cache_specs(dataclasses.replace(cfg, layer_types=cfg.mtp_layer_types))
+    return v4.cache_specs(dataclasses.replace(cfg, layer_types=_mtp_types(cfg)))
 
 
 def mtp_forward(cfg: v4.DeepseekV4Config, params: dict, caches: list[dict], x: StepInput,

@@ -113,3 +113,15 @@ def test_each_mtp_chain_is_the_layers_continuation_over_the_whole_sequence(model
             inputs.append(want[-1])
             h = h.at[last + 1].set(out[last])
         assert drafts == want, (tokens, drafts, want)
+
+
+def test_mtp_layer_types_come_from_compress_ratios_past_the_layers():
+    from jaxserve.models.loaders.hf import read_hf_config
+    hf = {k: v for k, v in read_hf_config(os.path.join(GOLDEN_DIR, "ckpt", "deepseek_v4")).items()
+          if k != "layer_types"}
+    cfg = v4.config_from_hf({**hf, "num_nextn_predict_layers": 1, "compress_ratios": [0, 4, 128, 4, 128]})
+    assert cfg.layer_types == (v4.SLIDING, v4.CSA, v4.HCA, v4.CSA) and cfg.mtp_layer_types == (v4.HCA,)
+    assert [len(s.arrays) for s in v4_mtp.mtp_cache_specs(cfg)] == [4]
+    assert "wc_kv" in v4_mtp.mtp_param_shapes(cfg)[0] and "router_bias" in v4_mtp.mtp_param_shapes(cfg)[0]
+    # no entry for it (transformers' layer_types, or the released 0): sliding
+    assert v4.config_from_hf({**hf, "num_nextn_predict_layers": 1}).mtp_layer_types == (v4.SLIDING,)
