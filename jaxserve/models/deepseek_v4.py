@@ -69,6 +69,9 @@ class DeepseekV4Config(ModelConfig):
     n_shared_experts: int = 1
     score_func: str = "sqrtsoftplus"
     num_mtp_layers: int = 0
+    # the MTP layers' attention: the entries of DeepSeek's compress_ratios past the decoder's
+    # (sliding where there are none: models/deepseek_v4_mtp.py)
+    mtp_layer_types: tuple[str, ...] = ()
 
     def rate(self, i: int) -> int:
         return {SLIDING: 0, CSA: self.csa_rate, HCA: self.hca_rate}[self.layer_types[i]]
@@ -82,6 +85,9 @@ class DeepseekV4Config(ModelConfig):
         types = hf.get("layer_types") or [_RATIO_TYPES[r] for r in hf.get("compress_ratios", [])]
         if not types:   # transformers' default: 2 HCA, then CSA / HCA alternating
             types = [HCA] * min(n, 2) + [CSA if i % 2 else HCA for i in range(max(n - 2, 0))]
+        mtp_n = hf.get("num_nextn_predict_layers", 0) or 0
+        mtp_types = [_RATIO_TYPES[r] for r in hf.get("compress_ratios", [])[n:n + mtp_n]]
+        mtp_types = tuple(mtp_types + [SLIDING] * (mtp_n - len(mtp_types)))
         types = tuple(types[:n])
         mlp = hf.get("mlp_layer_types")
         if not mlp:
@@ -136,7 +142,7 @@ class DeepseekV4Config(ModelConfig):
             o_lora_rank=hf.get("o_lora_rank", 1024), index_n_heads=hf.get("index_n_heads", 64),
             index_head_dim=hf.get("index_head_dim", 128), index_topk=hf.get("index_topk", 512),
             n_shared_experts=hf.get("n_shared_experts", 1), score_func=score,
-            num_mtp_layers=hf.get("num_nextn_predict_layers", 0) or 0)
+            num_mtp_layers=mtp_n, mtp_layer_types=mtp_types)
         if (cfg.num_heads * head_dim) % cfg.o_groups:
             raise ValueError(f"{arch}: num_attention_heads * head_dim must split into o_groups ({cfg.o_groups})")
         return cfg
@@ -163,7 +169,7 @@ def cache_specs(cfg: DeepseekV4Config) -> list[PagedSpec]:
     return specs
 
 
-def _layer_shapes(cfg: DeepseekV4Config, i: int) -> dict:
+def layer_shapes(cfg: DeepseekV4Config, i: int) -> dict:
     d, h, e, q = cfg.hidden_size, cfg.num_heads, cfg.head_dim, cfg.q_lora_rank
     g, o, x, f, hc = cfg.o_groups, cfg.o_lora_rank, cfg.num_experts, cfg.moe_intermediate_size, cfg.hc_mult
     mix = (2 + hc) * hc
@@ -193,7 +199,7 @@ def param_shapes(cfg: DeepseekV4Config) -> dict:
     d, hc = cfg.hidden_size, cfg.hc_mult
     return {"embed": (cfg.vocab_size, d), "lm_head": (d, cfg.vocab_size), "final_norm": (d,),
             "hc_head_fn": (hc * d, hc), "hc_head_base": (hc,), "hc_head_scale": (1,),
-            "layers": [_layer_shapes(cfg, i) for i in range(cfg.num_layers)]}
+            "layers": [layer_shapes(cfg, i) for i in range(cfg.num_layers)]}
 
 
 @dataclass(frozen=True)
@@ -364,7 +370,8 @@ def make_kernels(cfg: DeepseekV4Config, backend, plan=None, kernel_plan: KernelP
 def forward(cfg: DeepseekV4Config, params: dict, caches: list[dict], x: StepInput, kernels: str = "xla",
             aux_layers: tuple[int, ...] = ()):
     """(updated caches, final hidden f[T, D] (hyper head, then the norm), the streams' mean
-    after each layer in aux_layers)."""
+    after each layer in aux_layers; aux layer num_layers: the last layer's hc streams before
+    the hyper head, flattened f[T, hc * D], what the MTP layer reads: deepseek_v4_mtp.py)."""
     impl = resolve_impl(kernels)[0]
     ropes = make_ropes(cfg)
     e_TD = params["embed"][x.token_ids]
@@ -375,6 +382,8 @@ def forward(cfg: DeepseekV4Config, params: dict, caches: list[dict], x: StepInpu
         new_caches.append(cache)
         if i in aux_layers:
             aux.append(jnp.mean(streams, axis=1))
+    if cfg.num_layers in aux_layers:
+        aux.append(streams.reshape(streams.shape[0], -1))
     hidden = layers.rms_norm(hc_head(cfg, params, streams), params["final_norm"], cfg.rms_norm_eps)
     return new_caches, hidden, tuple(aux)
 

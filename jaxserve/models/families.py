@@ -39,7 +39,7 @@ logical names to mesh axes; this file only says what each dimension *is*). Why e
 from __future__ import annotations
 
 from jaxserve.config import ModelConfig
-from jaxserve.models import deepseek, deepseek_v4, llama, minimax_m2, moe, qwen3_next
+from jaxserve.models import deepseek, deepseek_v4, deepseek_v4_mtp, llama, minimax_m2, moe, qwen3_next
 from jaxserve.models.interface import DENSE_AXES, ModelFamily
 from jaxserve.pallas_kernels.policy import KernelPlan
 from jaxserve.models.loaders import deepseek as deepseek_loader
@@ -267,8 +267,8 @@ _V4_REPLICATED = ("hc_attn_fn", "hc_ffn_fn", "hc_head_fn", "wkv", "wc_kv", "wc_g
 
 class DeepseekV4Family(ModelFamily):
     """DeepSeek V4: sliding / CSA / HCA attention, mHC, hash-routed and sqrtsoftplus MoE
-    (models/deepseek_v4.py; loaders/deepseek_v4.py). MTP layers are not run (supports_mtp
-    False; transformers skips them too)."""
+    (models/deepseek_v4.py; loaders/deepseek_v4.py), its MTP layers (models/deepseek_v4_mtp.py:
+    DeepSeek's checkpoint keys mtp.{m}.*, which transformers skips)."""
     name = "deepseek_v4"
     param_axes = {
         **DENSE_AXES, **_SHARED_EXPERT_AXES, "router_bias": ("router",),
@@ -279,7 +279,11 @@ class DeepseekV4Family(ModelFamily):
         "kv_norm": ("lora",), "c_norm": ("lora",), "i_norm": ("lora",), "wi_q": ("lora", "lora"),
         "wo_a": ("heads", "lora", "lora"), "wo_b": ("heads", "embed"), "sinks": ("heads",),
         "tid2eid": ("one", "one"),
+        # MTP (params["mtp"][m]): its decoder layer as above, and
+        "enorm": ("embed",), "hnorm": ("embed",), "head_norm": ("embed",),
+        "e_proj": ("embed", "embed"), "h_proj": ("embed", "embed"),
     }
+    supports_mtp = True
     cache_axes = {name: ("kv_blocks", "block_tokens", "lora")
                   for name in ("kv", "ckv", "cgate", "comp", "ikv", "igate", "icomp")}
 
@@ -313,6 +317,15 @@ class DeepseekV4Family(ModelFamily):
 
     def compute_logits(self, cfg, params, hidden_SD, kernels=None):
         return deepseek_v4.compute_logits(cfg, params, hidden_SD, kernels)
+
+    def mtp_cache_specs(self, cfg):
+        return deepseek_v4_mtp.mtp_cache_specs(cfg)
+
+    def mtp_forward(self, cfg, params, caches, x, prev_hidden, *, attention_impl):
+        return deepseek_v4_mtp.mtp_forward(cfg, params, caches, x, prev_hidden, attention_impl=attention_impl)
+
+    def mtp_hidden_layers(self, cfg):
+        return (cfg.num_layers,)    # the last layer's hc streams, before the hyper head
 
 
 LLAMA, DEEPSEEK, MINIMAX_M2, QWEN3_NEXT = LlamaFamily(), DeepseekFamily(), MiniMaxM2Family(), Qwen3NextFamily()

@@ -146,6 +146,11 @@ class ModelFamily(abc.ABC):
     def mtp_forward(self, cfg: ModelConfig, params, caches, x, prev_hidden, *, attention_impl: str):
         raise NotImplementedError(f"{self.name} has no MTP layers to run (supports_mtp is False)")
 
+    def mtp_hidden_layers(self, cfg: ModelConfig) -> tuple[int, ...]:
+        """The target step's aux_layers whose hidden states mtp_forward reads as prev_hidden
+        (StepVariant.aux_layers); () is forward's final hidden states."""
+        return ()
+
 
 def _axes_of(tree, table: dict, expert_table: dict, where: str):
     """Logical axes at every shape leaf of a parameter shape tree; a dict holding a router is an

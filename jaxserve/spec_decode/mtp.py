@@ -1,13 +1,14 @@
 """The MTP proposer: the target's own multi-token-prediction layer (DeepSeek V3's
-`params["mtp"]`, models/deepseek.py `mtp_forward`) proposes k drafts per request: the first
-MTP layer, chained k times as vLLM does (hidden_steps.chain_drafts).
+`params["mtp"]`, models/deepseek.py `mtp_forward`; V4's, models/deepseek_v4_mtp.py) proposes
+k drafts per request: the first MTP layer, chained k times as vLLM does
+(hidden_steps.chain_drafts).
 
 After each target step, on the device and queued behind it, the MTP layer runs over that
 step's positions (hidden_steps.py): at position p it reads embed(token p + 1) with the
-target's final hidden state at p, which stayed on the device (the runner returns it:
-StepVariant.hidden), over its own latent cache on the target's block tables. The logits at
-a sampling chunk's last kept position propose the token after the one just sampled: the
-draft of the request's next step.
+target's final hidden state at p (V4: its hc streams; the family's mtp_hidden_layers), which
+stayed on the device (the runner returns it: StepVariant.hidden), over its own cache on the
+target's block tables. The logits at a sampling chunk's last kept position propose the token
+after the one just sampled: the draft of the request's next step.
 """
 
 from __future__ import annotations
@@ -51,12 +52,14 @@ class MtpProposer(hidden_steps.AfterStepProposer):
         if layers and not model.supports_mtp:
             raise ValueError(f"speculative_config['method'] 'mtp' is not built for {cfg.architecture} "
                              f"yet: its MTP layers load, but jaxserve has no forward for them "
-                             f"(DeepSeek V3 / V3.2 have one)")
+                             f"(DeepSeek V3 / V3.2 / V4 have one)")
         if not layers:
             raise ValueError(f"speculative_config['method'] 'mtp' needs a model with MTP layers "
                              f"(DeepSeek V3's num_nextn_predict_layers, loaded with the checkpoint); "
                              f"{cfg.architecture} here has none")
         super().__init__(spec_config.num_speculative_tokens)
+        # what the layer reads beside each token (V3: the final hidden; V4: its hc streams)
+        self.aux_layers = tuple(model.mtp_hidden_layers(cfg))
         # its cache on the target's block tables; its weights are the target's, loaded already
         self.target_cache_specs = tuple(model.mtp_cache_specs(cfg))
 

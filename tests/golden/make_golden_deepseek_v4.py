@@ -1,6 +1,7 @@
 """A tiny random DeepSeek V4 checkpoint and its transformers goldens.
 
     /work/ref311/bin/python tests/golden/make_golden_deepseek_v4.py
+    /work/ref311/bin/python tests/golden/make_golden_deepseek_v4.py --mtp   # the MTP layer's golden
 
 Made with transformers' own DeepseekV4ForCausalLM (versions in deepseek_v4_versions.json),
 saved in bf16 into ckpt/deepseek_v4/ and loaded back in f32; deepseek_v4.npz holds every
@@ -27,6 +28,7 @@ import sys
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 import transformers as tf
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -127,7 +129,83 @@ def topk_gaps(model, sequences: list[list[int]]) -> float:
     return min(gaps)
 
 
+def make_mtp_golden() -> None:
+    """deepseek_v4_mtp.npz: a random MTP layer for the tiny checkpoint in DeepSeek's checkpoint
+    names (mtp.0.*: enorm, hnorm, e_proj, h_proj, norm, hc_head_fn / base / scale, and a V4
+    block's tensors: a sliding, score-routed layer, as compress_ratios' MTP entry 0 of the
+    released configs), and its logits on prompt 2 by DeepSeek's inference/model.py MTPBlock
+    maths written here around transformers' own V4 block: at position i, e_proj(enorm(embed(
+    token i + 1))) + h_proj(hnorm(streams i)) (streams: the main model's last layer's output,
+    before its hyper head), the block, the layer's own hyper head, norm, the shared LM head.
+    The block is layer 4 of a 5-layer copy of the model (layers 0-3 the checkpoint's): its
+    save_pretrained writes the block's tensors in DeepSeek's names, and running that copy on
+    tokens 0..n-2 with a hook swapping layer 4's input gives the block its positions, mask and
+    rotary. The test writes the tensors beside the checkpoint and loads them."""
+    import tempfile
+
+    from safetensors.torch import load_file
+
+    gen = torch.Generator().manual_seed(SEED + 1)
+    path = os.path.join(CKPT_DIR, NAME)
+    main_model = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    cfg5 = dict(CONFIG, num_hidden_layers=5, layer_types=CONFIG["layer_types"] + ["sliding_attention"],
+                mlp_layer_types=CONFIG["mlp_layer_types"] + ["moe"])
+    big = tf.DeepseekV4ForCausalLM(tf.DeepseekV4Config(**cfg5)).eval()
+    randomize(big, gen)
+    missing, unexpected = big.load_state_dict(main_model.state_dict(), strict=False)
+    assert not unexpected and all(".layers.4." in k for k in missing), (missing, unexpected)
+    with tempfile.TemporaryDirectory() as tmp:
+        big.to(torch.bfloat16).save_pretrained(tmp)
+        saved = load_file(os.path.join(tmp, "model.safetensors"))
+        big = tf.AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32,
+                                                      attn_implementation="eager").eval()
+    d, hc, eps = CONFIG["hidden_size"], CONFIG["hc_mult"], CONFIG["rms_norm_eps"]
+    bf = lambda t: t.to(torch.bfloat16).float()  # noqa: E731  (stored as the checkpoint is)
+    rnd = lambda shape, scale: bf(scale * torch.randn(shape, generator=gen))  # noqa: E731
+    own = {"enorm.weight": 1.0 + rnd((d,), 0.2), "hnorm.weight": 1.0 + rnd((d,), 0.2),
+           "norm.weight": 1.0 + rnd((d,), 0.2), "e_proj.weight": rnd((d, d), 0.15),
+           "h_proj.weight": rnd((d, d), 0.15), "hc_head_fn": rnd((hc, hc * d), 0.3),
+           "hc_head_base": rnd((hc,), 0.5), "hc_head_scale": 1.0 + rnd((1,), 0.3)}
+
+    def rms(x, w):
+        return x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps) * w
+
+    ids = torch.tensor([np.load(os.path.join(HERE, f"{NAME}.npz"))["prompt_2"].tolist()])
+    block, out = big.model.layers[4], {}
+
+    def mtp_input(_module, args, kwargs):      # DeepSeek's MTPBlock.forward, before the block
+        streams = args[0] if args else kwargs.pop("hidden_states")
+        e = rms(big.model.embed_tokens(ids[:, 1:]), own["enorm.weight"])
+        x = F.linear(e, own["e_proj.weight"]).unsqueeze(2) + F.linear(rms(streams, own["hnorm.weight"]),
+                                                                      own["h_proj.weight"])
+        return (x, *args[1:]), kwargs
+
+    hooks = [block.register_forward_pre_hook(mtp_input, with_kwargs=True),
+             block.register_forward_hook(lambda _m, _a, y: out.update(streams=y))]
+    with torch.no_grad():
+        big(ids[:, :-1], use_cache=False)
+        for h in hooks:
+            h.remove()
+        x = out["streams"]                     # DeepSeek's ParallelHead.hc_head with the MTP's weights
+        flat = x.flatten(2)
+        mixes = F.linear(flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + eps), own["hc_head_fn"])
+        pre = torch.sigmoid(mixes * own["hc_head_scale"] + own["hc_head_base"]) + CONFIG["hc_eps"]
+        logits = big.lm_head(rms((pre.unsqueeze(-1) * x).sum(2), own["norm.weight"]))[0].numpy()
+    tensors = {"mtp.0." + k[len("model.layers.4."):]: v.float() for k, v in saved.items()
+               if k.startswith("model.layers.4.")}
+    tensors.update({"mtp.0." + k: v for k, v in own.items()})
+    arrays = {f"tensor:{k}": v.numpy().astype(np.float32) for k, v in tensors.items()}
+    np.savez_compressed(os.path.join(HERE, f"{NAME}_mtp.npz"), logits=logits.astype(np.float32),
+                        prompt=ids[0].numpy().astype(np.int32), **arrays)
+    top2 = np.sort(logits, axis=-1)[:, -2:]
+    print(f"{NAME}_mtp: {len(tensors)} tensors, logits {logits.shape}, "
+          f"min top-2 margin {np.min(top2[:, 1] - top2[:, 0]):.4f}")
+
+
 def main() -> None:
+    if "--mtp" in sys.argv:       # only the MTP golden (it reads the deepseek_v4 checkpoint)
+        make_mtp_golden()
+        return
     torch.manual_seed(SEED)
     gen = torch.Generator().manual_seed(SEED)
     model = tf.DeepseekV4ForCausalLM(tf.DeepseekV4Config(**CONFIG)).eval()

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.models import deepseek_v4 as v4
+from jaxserve.models import deepseek_v4_mtp as mtp
 from jaxserve.models.loaders import dummy
 from jaxserve.models.loaders.deepseek import SafetensorsDir, _ExpertStack
 from jaxserve.models.loaders.progress import LayerProgress
@@ -52,6 +53,13 @@ _LAYER_NAMES = {
     "router": ("ffn.gate.weight", "T"), "router_bias": ("ffn.gate.bias", ""),
     "ws_gate": ("ffn.shared_experts.w1.weight", "T"), "ws_up": ("ffn.shared_experts.w3.weight", "T"),
     "ws_down": ("ffn.shared_experts.w2.weight", "T"),
+}
+# an MTP layer's own, besides a decoder layer's (models/deepseek_v4_mtp.py)
+_MTP_NAMES = {
+    "enorm": ("enorm.weight", ""), "hnorm": ("hnorm.weight", ""), "head_norm": ("norm.weight", ""),
+    "e_proj": ("e_proj.weight", "T"), "h_proj": ("h_proj.weight", "T"),
+    "hc_head_fn": ("hc_head_fn", "T"), "hc_head_base": ("hc_head_base", ""),
+    "hc_head_scale": ("hc_head_scale", ""),
 }
 _EXPERTS = {"w_gate": "w1", "w_up": "w3", "w_down": "w2"}
 _TOP = {"embed": ("embed.weight", "embed_tokens.weight"), "lm_head": ("head.weight", "lm_head.weight"),
@@ -85,47 +93,62 @@ def load_hf(family, path: str, cfg: v4.DeepseekV4Config, dtype: str = "float32",
     shapes = v4.param_shapes(cfg)
     place = rules.param_placements(family, cfg, mesh, shapes)
 
-    def put(name, arr, where, placement):
-        if tuple(arr.shape) != tuple(shapes_at(where)[name]):
+    def put(name, arr, where, placement, want):
+        if tuple(arr.shape) != tuple(want):
             raise ValueError(f"{where}{name}: checkpoint gives shape {tuple(arr.shape)}; the "
-                             f"config.json expects {tuple(shapes_at(where)[name])}")
+                             f"config.json expects {tuple(want)}")
         dt = _dtype_of(name, dtype)
         if isinstance(arr, _ExpertStack):
             return jax.make_array_from_callback(arr.shape, placement,
                                                 lambda index, a=arr, dt=dt: a[index].astype(dt))
         return jax.device_put(np.asarray(arr, dt), placement)
 
-    def shapes_at(where):
-        return shapes if where == "" else shapes["layers"][int(where.split(".")[-2])]
+    def load_layer(where, ls, placements):
+        tree = _layer_tree(ck, cfg, where, ls, block)
+        return {k: put(k, a, where, placements[k], ls[k]) for k, a in tree.items()}
 
     params = {}
     for name, names in _TOP.items():
         w = ck.weight(_first(ck, prefix, names), block)
-        params[name] = put(name, w.T if name in ("lm_head", "hc_head_fn") else w, "", place[name])
+        params[name] = put(name, w.T if name in ("lm_head", "hc_head_fn") else w, "", place[name],
+                           shapes[name])
     progress = LayerProgress(f"loading {os.path.basename(os.path.normpath(path))}", cfg.num_layers)
     progress.done(params, layer=False)
     params["layers"] = []
-    g, o = cfg.o_groups, cfg.o_lora_rank
     for i, ls in enumerate(shapes["layers"]):
-        lp_prefix = f"{prefix}layers.{i}."
-        tree = {}
-        for ours in ls:
-            if ours in _LAYER_NAMES:
-                theirs, how = _LAYER_NAMES[ours]
-                w = ck.weight(lp_prefix + theirs, block)
-                tree[ours] = w.T if how == "T" else w
-            elif ours in _EXPERTS:
-                tree[ours] = _ExpertStack(ck, [f"{lp_prefix}ffn.experts.{j}.{_EXPERTS[ours]}.weight"
-                                               for j in range(cfg.num_experts)], block)
-            elif ours == "tid2eid":
-                tree[ours] = np.asarray(ck.raw(lp_prefix + "ffn.gate.tid2eid"), np.int32)
-            elif ours == "wo_a":
-                w = ck.weight(lp_prefix + "attn.wo_a.weight", block)      # [G*O, H*E/G]
-                tree[ours] = w.reshape(g, o, -1).transpose(0, 2, 1)
-        where = f"layers.{i}."
-        params["layers"].append({k: put(k, a, where, place["layers"][i][k]) for k, a in tree.items()})
+        params["layers"].append(load_layer(f"{prefix}layers.{i}.", ls, place["layers"][i]))
         progress.done(params["layers"][-1])
+    # the MTP layers (DeepSeek's `mtp.{m}.`) up to the first one missing (transformers' saves
+    # drop them)
+    mtp_shapes = mtp.mtp_param_shapes(cfg)
+    wheres = [next((p for p in (f"{prefix}mtp.{m}.", f"mtp.{m}.") if p + "enorm.weight" in ck), None)
+              for m in range(len(mtp_shapes))]
+    found = wheres.index(None) if None in wheres else len(wheres)
+    if found:
+        mtp_place = rules.param_placements(family, cfg, mesh, {"mtp": mtp_shapes[:found]})["mtp"]
+        params["mtp"] = [load_layer(wheres[m], mtp_shapes[m], mtp_place[m]) for m in range(found)]
     return cfg, params
+
+
+def _layer_tree(ck: SafetensorsDir, cfg: v4.DeepseekV4Config, where: str, ls: dict, block) -> dict:
+    """The checkpoint's arrays of one decoder (or MTP) layer `where` ("layers.{i}." or
+    "mtp.{m}."), in our names and layouts, for the names in ls."""
+    g, o = cfg.o_groups, cfg.o_lora_rank
+    tree = {}
+    for ours in ls:
+        if ours in _LAYER_NAMES or ours in _MTP_NAMES:
+            theirs, how = _LAYER_NAMES.get(ours) or _MTP_NAMES[ours]
+            w = ck.weight(where + theirs, block)
+            tree[ours] = w.T if how == "T" else w
+        elif ours in _EXPERTS:
+            tree[ours] = _ExpertStack(ck, [f"{where}ffn.experts.{j}.{_EXPERTS[ours]}.weight"
+                                           for j in range(cfg.num_experts)], block)
+        elif ours == "tid2eid":
+            tree[ours] = np.asarray(ck.raw(where + "ffn.gate.tid2eid"), np.int32)
+        elif ours == "wo_a":
+            w = ck.weight(where + "attn.wo_a.weight", block)      # [G*O, H*E/G]
+            tree[ours] = w.reshape(g, o, -1).transpose(0, 2, 1)
+    return tree
 
 
 def dummy_params(family, cfg: v4.DeepseekV4Config, dtype: str = "float32", mesh=None, seed: int = 0) -> dict:
