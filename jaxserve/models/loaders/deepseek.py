@@ -43,6 +43,7 @@ from jaxserve.sharding import expert_parallel, rules
 
 _DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
            "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2,
+           "F8_E8M0": ml_dtypes.float8_e8m0fnu,
            "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
            "BOOL": np.bool_}
 
@@ -65,6 +66,11 @@ class SafetensorsDir:
 
     def __contains__(self, name: str) -> bool:
         return name in self.entries
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The tensor's shape as `weight` returns it (the stored one here; a packed format's
+        reader widens it: loaders/quantized.py)."""
+        return tuple(self.entries[name][2]["shape"])
 
     def raw(self, name: str) -> np.ndarray:
         if name not in self.entries:
@@ -156,7 +162,7 @@ class _ExpertStack:
         for name in names:
             if name not in ck:
                 raise ValueError(f"checkpoint is missing tensor {name!r}")
-        per_expert = {tuple(ck.entries[n][2]["shape"]) for n in names}
+        per_expert = {ck.shape(n) for n in names}
         if len(per_expert) != 1:
             raise ValueError(f"experts {names[0]!r} ... have different shapes {sorted(per_expert)}")
         out_dim, in_dim = per_expert.pop()

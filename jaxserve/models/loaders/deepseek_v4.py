@@ -5,9 +5,12 @@ The tensor names are the released checkpoints' (DeepSeek's own: `layers.{i}.attn
 back on save_pretrained (its conversion mapping reversed), with or without a leading
 `model.`. Linear weights [out, in] are transposed to [in, out]; the grouped output projection
 wo_a [G*O, H*E/G] becomes [G, H*E/G, O]; experts are stacked [X, in, out] (read lazily per
-device, loaders/deepseek._ExpertStack). FP8 tensors with a `weight_scale_inv` beside them
-are dequantized on load (loaders/deepseek.SafetensorsDir.weight, 128 x 128 blocks, or the
-config's weight_block_size); any other quantized format raises naming the tensor.
+device, loaders/deepseek._ExpertStack). Quantized tensors are dequantized on load, one at a
+time, by their stored dtype (loaders/quantized.QuantizedSafetensorsDir): the released
+checkpoints' FP8 weights with UE8M0 (or f32) block scales in `<module>.scale` and packed FP4
+routed experts with UE8M0 scales per 32 inputs, and FP8 with a `weight_scale_inv` beside it
+(f32 scales); FP8 blocks are 128 x 128 or the config's weight_block_size. Any other quantized
+format raises naming the tensor.
 
 Kept in f32 whatever the load dtype, as transformers keeps them: the mHC projections, the
 sinks, the compressors' position biases, the router bias (they feed softmaxes, sigmoids and
@@ -28,6 +31,7 @@ from jaxserve.models import deepseek_v4_mtp as mtp
 from jaxserve.models.loaders import dummy
 from jaxserve.models.loaders.deepseek import SafetensorsDir, _ExpertStack
 from jaxserve.models.loaders.progress import LayerProgress
+from jaxserve.models.loaders.quantized import QuantizedSafetensorsDir
 from jaxserve.sharding import rules
 
 F32_PARAMS = ("hc_attn_fn", "hc_attn_base", "hc_attn_scale", "hc_ffn_fn", "hc_ffn_base",
@@ -88,7 +92,7 @@ def load_hf(family, path: str, cfg: v4.DeepseekV4Config, dtype: str = "float32",
     with open(os.path.join(path, "config.json")) as f:
         quant = json.load(f).get("quantization_config") or {}
     block = tuple(quant.get("weight_block_size") or (128, 128))
-    ck = SafetensorsDir(path)
+    ck = QuantizedSafetensorsDir(path)
     prefix = "model." if any(n.startswith("model.") for n in ck.entries) else ""
     shapes = v4.param_shapes(cfg)
     place = rules.param_placements(family, cfg, mesh, shapes)
