@@ -1,18 +1,5 @@
 import os as _os
 
-# --- JAX's persistent compilation cache off in CPU test runs ---
-# XLA:CPU's executable (de)serialization in jax 0.11.2 crashed test processes that build many
-# engines (a segfault in compilation_cache.put/get_executable_and_time, twice in full runs
-# beside the new families' and late sampling's programs; the same bug class keeps the CPU out of
-# ProgramStore: worker/compiling.py STORE_PLATFORMS). The environment variable reaches the
-# subprocesses tests start; JAX reads it when imported.
-if _os.environ.get("JAX_PLATFORMS", "").strip().lower() == "cpu":
-    _os.environ.setdefault("JAX_ENABLE_COMPILATION_CACHE", "false")
-    import sys as _sys
-    if "jax" in _sys.modules:             # imported before this file (a plugin): tell it directly
-        _sys.modules["jax"].config.update("jax_enable_compilation_cache", False)
-
-
 # --- tiny HF checkpoints (tests/golden/ckpt, made by tests/golden/make_golden.py) ---
 import pytest as _pytest
 
@@ -44,13 +31,18 @@ def pytest_collection_modifyitems(config, items):
         item.add_marker(skip)
 
 
-# --- each test module's compiled programs freed before the next module ---
-# XLA:CPU maps a few memory regions per compiled executable, and Linux allows a process 65,530
-# (vm.max_map_count). A worker running a quarter of the suite kept every module's programs
-# alive through JAX's jit caches (and the engines those caches and leaked server threads held),
-# passed ~65k maps and died inside XLA's compiler or executable cache with a segfault (four
-# full runs, always late in a worker). Clearing JAX's caches once a module is done keeps a
-# worker's maps at what one module needs. JAXSERVE_TEST_MAPS_LOG=FILE records the count per module.
+# --- a worker's compiled programs freed before it runs out of memory mappings ---
+# XLA:CPU maps a few memory regions per compiled (or cache-loaded) executable, and Linux allows
+# a process 65,530 (vm.max_map_count). A worker running half the suite kept every module's
+# programs alive through JAX's jit caches (and the engines those caches held), passed ~65k maps
+# and died inside XLA with a segfault ("LLVM compilation error: Cannot allocate memory" first;
+# seen in backend_compile_and_load and in the persistent cache's get/put of executables:
+# reproduced by lowering the limit). After a module, past a third of the limit, JAX's caches
+# are cleared (not after every module: recompiling what later modules share cost minutes).
+# JAXSERVE_TEST_MAPS_LOG=FILE records the count per module.
+MAPS_TO_CLEAR_AT = 20_000
+
+
 def _mapped_regions() -> int:
     try:
         with open("/proc/self/maps") as f:
@@ -64,8 +56,8 @@ def _free_compiled_programs(request):
     yield
     import gc
     import sys
-    gc.collect()
-    if "jax" in sys.modules:
+    if _mapped_regions() > MAPS_TO_CLEAR_AT and "jax" in sys.modules:
+        gc.collect()
         sys.modules["jax"].clear_caches()
         gc.collect()
     log = _os.environ.get("JAXSERVE_TEST_MAPS_LOG")
