@@ -11,12 +11,14 @@ import json
 import os
 from types import SimpleNamespace
 
+import jax
 import pytest
 
 from jaxserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from jaxserve.core.kv_cache import manager as cache_manager
 from jaxserve.models import loader, registry
 from jaxserve.worker import compiling, memory_plan
+from jaxserve.worker import cache_sizing
 from jaxserve.worker.cache_sizing import Measured, plan_caches
 from jaxserve.worker.memory_plan import CacheDoesNotFit, DeviceMemory
 from jaxserve.worker.runner import ModelRunner
@@ -126,14 +128,29 @@ def test_runner_profiles_the_largest_program_then_sizes(tiny, monkeypatch):
                           in_use=_weights_leaving(3 << 20, 64 * GiB, 0, headroom))
     monkeypatch.setattr(memory_plan, "measure", lambda device: memory)
     monkeypatch.setattr(memory_plan, "headroom_bytes", lambda params: headroom)
-    compiled = []
+    compiled, held = [], []
     original = compiling.StepCompiler._compile_fresh
     monkeypatch.setattr(compiling.StepCompiler, "_compile_fresh",
-                        lambda self, layout, variant, n: compiled.append(variant) or original(self, layout, variant, n))
+                        lambda self, layout, variant, n: compiled.append((variant, held[-1][0].held))
+                        or original(self, layout, variant, n))
+    hold = cache_sizing.CacheReservation.hold
+
+    def spy(self, plan):
+        out = hold(self, plan)
+        held.append((self, plan, jax.tree.leaves(self._held)))
+        return out
+    monkeypatch.setattr(cache_sizing.CacheReservation, "hold", spy)
     config = _config(tiny[0], max_len=256, max_seqs=32)   # useful: 2049 blocks
     runner = _runner(tiny, config)
     report = runner.memory
-    assert len(compiled) == 1 and compiled[0].full        # the largest bucket's full program, once
+    assert len(compiled) == 1 and compiled[0][0].full     # the largest bucket's full program, once
+    # ... compiled while the memory of the caches at a peak of 0 was held (issue 62: the
+    # compiles fragmented the free memory), released only for the real caches
+    (reservation, plan0, arrays), = held
+    assert compiled[0][1] and plan0.num_blocks > runner.num_blocks
+    assert arrays[0].shape[0] == plan0.num_blocks and not any(a.is_deleted() for a in arrays)
+    runner.kv_cache
+    assert all(a.is_deleted() for a in arrays) and not reservation.held
     assert 0 < report.peak_bytes < 3 << 20 and report.headroom_bytes == headroom
     budget = memory_plan.cache_budget(0.9, memory, report.peak_bytes, report.headroom_bytes)
     assert runner.num_blocks == budget // runner.bytes_per_block < 2049
@@ -182,11 +199,16 @@ def test_a_peak_that_leaves_no_room_fails_after_the_profile_only(tiny, monkeypat
     monkeypatch.setattr(memory_plan, "measure", lambda device: memory)
     monkeypatch.setattr(memory_plan, "headroom_bytes", lambda params: headroom)
     monkeypatch.setattr(memory_plan, "program_peak_bytes", lambda compiled: 99 * per_block)
-    allocated = []
+    allocated, released = [], []
     monkeypatch.setattr("jaxserve.worker.runner.allocate_caches", lambda *a: allocated.append(a))
+    monkeypatch.setattr(cache_sizing, "allocate_caches", lambda *a: allocated.append(("held",) + a) or [])
+    release = cache_sizing.CacheReservation.release
+    monkeypatch.setattr(cache_sizing.CacheReservation, "release",
+                        lambda self: released.append(self.held) or release(self))
     with pytest.raises(CacheDoesNotFit, match="step programs' peak [0-9.]+ MiB"):
         _runner(tiny, _config(tiny[0]))
-    assert allocated == []
+    # only the reservation (the caches at a peak of 0: the 65 blocks of 4 requests at full length), released on the error
+    assert [a[0] for a in allocated] == ["held"] and allocated[0][2] == 65 and released[-1]
 
 
 def test_cpu_keeps_its_byte_budget_and_reports_no_device(tiny):

@@ -39,7 +39,8 @@ from jaxserve.core.step_messages import (GrammarMasks, PromptLogprobs, RunnerOut
 from jaxserve.models.attention import AttentionBackend, AttentionPlan
 from jaxserve.sample import rejection_sampler, sampler
 from jaxserve.worker import memory_plan, packing, verify_rows, warmup
-from jaxserve.worker.cache_sizing import CachePlan, Measured, abstract_caches, allocate_caches, plan_caches
+from jaxserve.worker.cache_sizing import (CachePlan, CacheReservation, Measured, abstract_caches,
+                                          allocate_caches, plan_caches)
 from jaxserve.lora import weights as lora_weights
 from jaxserve.lora.store import AdapterStore
 from jaxserve.worker.compiling import StepCompiler, abstract, wait_all
@@ -148,15 +149,14 @@ class ModelRunner:
         self._identity = repr((model.name, self.cfg, self.backend.impl, repr(mesh), kernel_plan))
         # A proposer's cache on the target's block tables (MTP, EAGLE3) is sized with it;
         # on a GPU after measuring the largest step program (memory_plan.py).
+        self._reservation = CacheReservation(self.cache_specs, self.block_size, self.dtype, sharding_of)
         plan = self._plan_caches(proposer, device, num_blocks, sharding_of)
         self.memory = plan.memory
         self.num_blocks, self.num_slots = plan.num_blocks, plan.num_slots
         self.num_cached_states, self.num_state_snapshots = plan.num_cached_states, plan.num_state_snapshots
         self.bytes_per_block = plan.bytes_per_block
-        # NOTE: allocated on first use (kv_cache): warm-up compiles the plain programs against
-        # their shapes first, so XLA's GEMM autotuner, which allocates operands of its own,
-        # runs while the cache's memory is still free (it ran out at warm-up on an H100 when
-        # the cache came first: issue 62)
+        # NOTE: allocated on first use (kv_cache), into the memory _reservation holds: warm-up
+        # compiles the plain programs first, with the memory outside it (issue 62)
         self._kv_cache = None
         self._cache_layout = (self.cache_specs, self.num_blocks, self.num_slots + self.num_state_snapshots,
                               self.block_size, self.dtype, sharding_of)
@@ -185,7 +185,7 @@ class ModelRunner:
         """The caches' plan (cache_sizing.plan_caches). On a device that reports its memory
         and without a fixed size: the weights alone must leave room for one request of
         max_model_len (CacheDoesNotFit before any compile), then the largest step program is
-        measured (_profile_peak) and the caches take what the budget leaves."""
+        measured (_profile_peak): the caches take what the budget leaves."""
         config = self.config
         args = (config, self.cache_specs, list(proposer.cache_specs), proposer.weight_bytes,
                 self.max_blocks_per_seq)
@@ -203,22 +203,23 @@ class ModelRunner:
                                config.cache.kv_cache_cpu_bytes)
             return plan_caches(*args)
         measured = Measured(memory, None, memory_plan.headroom_bytes(self.params))
+        # held until the caches take its place; raises if even a peak of 0 leaves too little
+        plan = self._reservation.hold(plan_caches(*args, measured))
         if config.cache.kv_cache_memory_bytes:       # the size is given: nothing to measure
-            return plan_caches(*args, measured)
-        plan_caches(*args, measured)     # raises if even a peak of 0 leaves too little
-        return plan_caches(*args, dataclasses.replace(measured, peak_bytes=self._profile_peak(sharding_of)))
+            return plan
+        try:
+            return plan_caches(*args, dataclasses.replace(measured, peak_bytes=self._profile_peak(sharding_of)))
+        except BaseException:
+            self._reservation.release()
+            raise
 
     def _profile_peak(self, sharding_of) -> int:
         """The peak (memory_plan.program_peak_bytes) of the largest step programs
-        (warmup.profile_jobs), compiled against caches of a provisional size: one request of
-        max_model_len. Why provisional: the real programs take the caches as arguments, so
-        they can only be compiled once the caches' size is known, and that size depends on
-        this peak; a step's temporaries depend on its tokens and sequences, not on the number
-        of blocks (the attention reads each request's blocks through its block table), so a
-        small cache gives the same peak. The cost is one more compile of these programs; its
-        GEMMs are autotuned now, while the memory is free, and XLA reuses those results when
-        warm-up compiles the real ones. With a program store the peak is noted there, and a
-        warm start reads it instead of compiling (StepCompiler.peak_bytes)."""
+        (warmup.profile_jobs), compiled against caches of one request of max_model_len: the
+        real caches' size depends on this peak, and a step's temporaries depend on its tokens
+        and sequences, not on the blocks. XLA reuses this compile's GEMM autotuning when
+        warm-up compiles the real programs. With a program store the peak is noted there, and
+        a warm start reads it instead of compiling (StepCompiler.peak_bytes)."""
         provisional = abstract_caches(self.cache_specs, self.max_blocks_per_seq + 1,
                                       self.config.scheduler.max_num_seqs + 2, self.block_size,
                                       self.dtype, sharding_of)
@@ -236,13 +237,13 @@ class ModelRunner:
 
     @property
     def kv_cache(self) -> list[dict[str, jax.Array]]:
-        """The caches, one dict of arrays per layer; allocated on first use (warm-up allocates
-        them once its plain programs are compiled)."""
+        """The caches, one dict of arrays per layer; allocated on first use (warm-up's)."""
         self._allocate_caches()
         return self._kv_cache
 
     def _allocate_caches(self) -> None:
         if self._kv_cache is None:
+            self._reservation.release()
             self._kv_cache = allocate_caches(*self._cache_layout)
 
     @kv_cache.setter
