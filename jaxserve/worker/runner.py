@@ -150,7 +150,7 @@ class ModelRunner:
         # on a GPU after measuring the largest step program (memory_plan.py).
         plan = self._plan_caches(proposer, device, num_blocks, sharding_of)
         self.memory = plan.memory
-        self.num_blocks, self.num_slots = plan.num_blocks, plan.num_slots
+        self.num_blocks, self.num_slots, self.num_window_blocks = plan.num_blocks, plan.num_slots, plan.num_window_blocks
         self.num_cached_states, self.num_state_snapshots = plan.num_cached_states, plan.num_state_snapshots
         self.bytes_per_block = plan.bytes_per_block
         # NOTE: allocated on first use (kv_cache): warm-up compiles the plain programs against
@@ -159,7 +159,7 @@ class ModelRunner:
         # the cache came first: issue 62)
         self._kv_cache = None
         self._cache_layout = (self.cache_specs, self.num_blocks, self.num_slots + self.num_state_snapshots,
-                              self.block_size, self.dtype, sharding_of)
+                              self.block_size, self.dtype, sharding_of, self.num_window_blocks)
         # Hybrid prefix caching and speculation: saved states and snapshots in and out of the
         # live slots (state_copies.py)
         self.state_copier = None
@@ -221,7 +221,7 @@ class ModelRunner:
         warm start reads it instead of compiling (StepCompiler.peak_bytes)."""
         provisional = abstract_caches(self.cache_specs, self.max_blocks_per_seq + 1,
                                       self.config.scheduler.max_num_seqs + 2, self.block_size,
-                                      self.dtype, sharding_of)
+                                      self.dtype, sharding_of, self.max_blocks_per_seq + 1)
         compiler = StepCompiler(self._step, self.params, provisional, self.prev_ids, self.input_sharding,
                                 store=self.config.program_cache_dir, identity=self._identity)
         peaks = [compiler.peak_bytes(*job) for job in warmup.profile_jobs(self)]
@@ -273,6 +273,7 @@ class ModelRunner:
         """What a proposer bound to this runner may read of it (target_view.py)."""
         return TargetView(cfg=self.cfg, family=self.model, params=self.params,
                           block_size=self.block_size, num_blocks=self.num_blocks,
+                          num_window_blocks=self.num_window_blocks,
                           buckets=tuple(self.buckets), dtype=self.dtype,
                           attention_impl=self.attention_impl, last_ids=abstract(self.prev_ids),
                           hidden_spec=self.hidden_spec, empty_step=self.empty_step)

@@ -1,0 +1,97 @@
+"""DeepSeek V4's sliding-window cache group through the engine (kv_cache/manager.py): prompts
+much longer than the window (8 tokens on the tiny checkpoint, 4-token blocks) give the same
+greedy tokens as an engine that never frees a window block, while the window pool's blocks in
+use stay bounded; a chat's next turns hit the prefix cache after their windows' blocks were
+freed; drafts right and wrong (pipelined past them) keep the tokens too."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from jaxserve import LLM
+from jaxserve.core.kv_cache import manager as cache_manager
+from jaxserve.core.kv_cache.window_group import WindowGroup
+from test_hybrid_speculation import NGRAM, Replay, counts, generate, make_llm
+from test_new_families_engine import assert_all_free
+
+RNG = np.random.default_rng(0)
+PROMPTS = [RNG.integers(3, 256, n).tolist() for n in (150, 190)]
+STEPS, P, WINDOW, BUDGET = 24, 4, 8, 16
+
+
+def _llm(tiny_checkpoint):
+    return LLM(tiny_checkpoint("deepseek_v4"), dtype="float32", max_num_seqs=2,
+               max_num_batched_tokens=BUDGET, max_model_len=256, block_size=P, num_kv_blocks=128,
+               warmup=False)
+
+
+def _peak_window_use(llm) -> list[int]:
+    """The window pool's most blocks in use after any schedule(), as it runs (a list of one)."""
+    s, peak = llm.engine.scheduler, [0]
+    schedule = s.schedule
+
+    def watched():
+        out = schedule()
+        peak[0] = max(peak[0], s.kv.window.pool.num_used)
+        return out
+    s.schedule = watched
+    return peak
+
+
+def test_long_prompts_free_their_window_blocks_and_keep_the_tokens(tiny_checkpoint, monkeypatch):
+    with monkeypatch.context() as m:     # the reference: every window block kept
+        m.setattr(WindowGroup, "slide", lambda self, request_id, start: None)
+        m.setattr(cache_manager, "window_blocks", lambda *a, num_blocks=None, **k: num_blocks)
+        keep = _llm(tiny_checkpoint)
+        kept_peak = _peak_window_use(keep)
+        want = generate(keep, PROMPTS, STEPS)
+        turns = [p + w + [5, 6, 7] for p, w in zip(PROMPTS, want)]   # a chat's next turns
+        want_turns = generate(keep, turns, STEPS)
+    llm = _llm(tiny_checkpoint)
+    assert llm.engine.runner.num_window_blocks < llm.engine.runner.num_blocks
+    peak = _peak_window_use(llm)
+    assert generate(llm, PROMPTS, STEPS) == want
+    # each request: its window back from the start of its chunk in flight, that chunk and
+    # the one scheduled (two steps' budgets between them), two partial blocks
+    bound = 2 * (-(-WINDOW // P) + 2) + 2 * BUDGET // P
+    assert peak[0] <= bound < kept_peak[0]
+    assert_all_free(llm)
+    # the next turns: a hit in both groups, every block but the last windows' freed long ago
+    # (those went back last, so the pool reuses them last)
+    hits = llm.get_metrics()["prefix_cache_hits_total"]
+    assert generate(llm, turns, STEPS) == want_turns
+    assert llm.get_metrics()["prefix_cache_hits_total"] - hits >= sum(len(t) - 2 * P for t in turns)
+    assert_all_free(llm)
+
+
+class AheadReplay(Replay):
+    """Replay's drafts, proposed ahead of the step on the device (the engine pipelines past
+    them: a rejection sends a request back into a chunk still in flight)."""
+    pipelines = True
+
+    def propose(self, requests, limits, tails=None):
+        out = []
+        for i, (req, limit) in enumerate(zip(requests, limits)):
+            m = len(req.output_token_ids) + (len(tails[i]) if tails else 0)
+            drafts = np.array(self.cont[tuple(req.prompt_token_ids)][m:m + min(self.k, limit)])
+            wrong = self.rng.random(len(drafts)) >= self.p
+            drafts[wrong] = (drafts[wrong] + 1) % 256
+            out.append(drafts.tolist())
+        return out
+
+
+def test_drafts_over_freed_windows_keep_the_tokens(tiny_checkpoint):
+    # without prefix caching a freed block goes to the front of the free queue: the next
+    # allocation reuses it, so a block freed too early is overwritten before it is read
+    llm = make_llm(tiny_checkpoint, "deepseek_v4", None, max_num_seqs=2, max_model_len=256,
+                   num_kv_blocks=128, caching=False)
+    want = generate(llm, PROMPTS, STEPS)
+    llm = make_llm(tiny_checkpoint, "deepseek_v4", NGRAM, max_num_seqs=2, max_model_len=256,
+                   num_kv_blocks=128, caching=False)
+    llm.engine.core.proposer = AheadReplay(PROMPTS, want, k=3, p=0.6)
+    peak = _peak_window_use(llm)
+    assert generate(llm, PROMPTS, STEPS) == want
+    c = counts(llm)
+    assert 0 < c["accepted"] < c["drafted"] and llm.engine.scheduler.num_void_chunks > 0
+    assert peak[0] < llm.engine.runner.num_window_blocks - 1
+    assert_all_free(llm)
