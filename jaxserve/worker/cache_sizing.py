@@ -35,6 +35,7 @@ class CachePlan:
     bytes_per_block: int      # one block on each device, the proposer's caches included
     memory: MemoryReport | None = None    # how they were sized (the start-up block)
     num_window_blocks: int = 0  # the sliding-window group's blocks (0: the model has none)
+    bytes_per_window_block: int = 0   # one of those on each device
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,7 +97,7 @@ def plan_caches(config: EngineConfig, specs: list, proposer_specs: list, propose
         windows = window(num_blocks=num_blocks)
         return CachePlan(num_blocks, num_slots, cached, snapshots, per_block,
                          _report(config, source, num_blocks, num_slots + snapshots, per_block, per_slot,
-                                 measured, windows * per_window), windows)
+                                 measured, windows * per_window), windows, per_window)
     # No use holding more than every sequence at full length.
     useful = max_seqs * max_blocks_per_seq + 1
     blocks, slots = cache_manager.size_caches(
@@ -106,7 +107,7 @@ def plan_caches(config: EngineConfig, specs: list, proposer_specs: list, propose
     windows = window(num_blocks=blocks)
     return CachePlan(blocks, slots - snapshots, cached, snapshots, per_block,
                      _report(config, source, blocks, slots, per_block, per_slot, measured,
-                             windows * per_window), windows)
+                             windows * per_window), windows, per_window)
 
 
 def _check_one_request_fits(config: EngineConfig, budget: int, per_block: int, per_slot: int,

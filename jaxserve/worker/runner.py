@@ -152,7 +152,7 @@ class ModelRunner:
         self.memory = plan.memory
         self.num_blocks, self.num_slots, self.num_window_blocks = plan.num_blocks, plan.num_slots, plan.num_window_blocks
         self.num_cached_states, self.num_state_snapshots = plan.num_cached_states, plan.num_state_snapshots
-        self.bytes_per_block = plan.bytes_per_block
+        self.bytes_per_block, self.bytes_per_window_block = plan.bytes_per_block, plan.bytes_per_window_block
         # NOTE: allocated on first use (kv_cache): warm-up compiles the plain programs against
         # their shapes first, so XLA's GEMM autotuner, which allocates operands of its own,
         # runs while the cache's memory is still free (it ran out at warm-up on an H100 when

@@ -11,6 +11,7 @@ import numpy as np
 from jaxserve import LLM
 from jaxserve.core.kv_cache import manager as cache_manager
 from jaxserve.core.kv_cache.window_group import WindowGroup
+from jaxserve.engine.startup_report import startup_lines
 from test_hybrid_speculation import NGRAM, Replay, counts, generate, make_llm
 from test_new_families_engine import assert_all_free
 
@@ -48,7 +49,13 @@ def test_long_prompts_free_their_window_blocks_and_keep_the_tokens(tiny_checkpoi
         turns = [p + w + [5, 6, 7] for p, w in zip(PROMPTS, want)]   # a chat's next turns
         want_turns = generate(keep, turns, STEPS)
     llm = _llm(tiny_checkpoint)
-    assert llm.engine.runner.num_window_blocks < llm.engine.runner.num_blocks
+    runner = llm.engine.runner
+    assert runner.num_window_blocks < runner.num_blocks
+    # the start-up block: the tokens the full group holds, the window pool apart
+    lines = startup_lines(llm.engine.config, runner.num_blocks, P, runner.bytes_per_block, on_cpu=True,
+                          window=(runner.num_window_blocks, runner.bytes_per_window_block))
+    assert f"KV cache: 128 blocks of 4 tokens, {127 * P} tokens" in lines[1]
+    assert lines[2].startswith(f"sliding-window cache: {runner.num_window_blocks} blocks of 4 tokens")
     peak = _peak_window_use(llm)
     assert generate(llm, PROMPTS, STEPS) == want
     # each request: its window back from the start of its chunk in flight, that chunk and
