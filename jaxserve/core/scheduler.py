@@ -209,7 +209,7 @@ class Scheduler:
             if self._align and n > 1:
                 n = self._aligned(req, req.num_computed_tokens, n)
             end = self._with_lookahead(req, req.num_computed_tokens + n, steps - 1)
-            if self.kv.window is not None:       # its window blocks no later step reads go
+            if self.kv.window is not None:    # give back the window blocks no later step reads
                 self.kv.slide(req.request_id, self._floor(req))
             while self.kv.lacks(req.request_id, end) and self.running[-1] is not req:
                 preempted.append(self._preempt(self.running.pop()).request_id)

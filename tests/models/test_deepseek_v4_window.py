@@ -1,23 +1,67 @@
-"""DeepSeek V4's sliding-window cache group through the engine (kv_cache/manager.py): prompts
-much longer than the window (8 tokens on the tiny checkpoint, 4-token blocks) give the same
-greedy tokens as an engine that never frees a window block, while the window pool's blocks in
-use stay bounded; a chat's next turns hit the prefix cache after their windows' blocks were
-freed; drafts right and wrong (pipelined past them) keep the tokens too."""
+"""DeepSeek V4's sliding-window cache group (kv_cache/manager.py). On the model step: the
+goldens with the per-token rows on window tables whose entries before what a chunk may read
+hold garbage. Through the engine: prompts much longer than the window (8 tokens on the tiny
+checkpoint, 4-token blocks) give the same greedy tokens as an engine that never frees a
+window block, while the window pool's blocks in use stay bounded; a chat's next turns hit
+the prefix cache after their windows' blocks were freed; drafts right and wrong (pipelined
+past them) keep the tokens too."""
 
 from __future__ import annotations
 
+import dataclasses
+
+import jax.numpy as jnp
 import numpy as np
 
+import test_deepseek_v4_golden as gold
 from jaxserve import LLM
 from jaxserve.core.kv_cache import manager as cache_manager
 from jaxserve.core.kv_cache.window_group import WindowGroup
 from jaxserve.engine.startup_report import startup_lines
+from jaxserve.models import deepseek_v4 as v4
+from model_step_builder import Chunk, build_step, scattered_block_tables
 from test_hybrid_speculation import NGRAM, Replay, counts, generate, make_llm
 from test_new_families_engine import assert_all_free
 
 RNG = np.random.default_rng(0)
 PROMPTS = [RNG.integers(3, 256, n).tolist() for n in (150, 190)]
 STEPS, P, WINDOW, BUDGET = 24, 4, 8, 16
+
+
+def test_goldens_on_window_tables_whose_freed_entries_hold_garbage():
+    """The model on the two groups' layout: the long golden prompt in chunks of 2, 3 and 5 tokens,
+    its per-token rows on a pool of their own, every window entry before what a chunk may read
+    (deepseek_v4.tokens_back) pointing at a block of NaN, as a freed and reused block holds
+    garbage: the logits are still transformers'."""
+    golden, cfg, params, prompts = gold._load()
+    back = max(v4.tokens_back(cfg, t) for t in cfg.layer_types)
+    blocks, window_blocks = gold.NUM_BLOCKS, 24
+    tables = scattered_block_tables(1, gold.BLOCKS_PER_SEQ, blocks, seed=9)
+    window = scattered_block_tables(1, gold.BLOCKS_PER_SEQ, window_blocks - 1, seed=4)
+    garbage = window_blocks - 1                 # in no table
+    caches = []
+    for spec in v4.cache_specs(cfg):
+        layer = {}
+        for name, shape in spec.arrays:
+            n = window_blocks if name in spec.window_arrays else blocks
+            a = jnp.zeros((n, spec.rows(name, gold.BLOCK_SIZE), *shape), jnp.float32)
+            layer[name] = a.at[garbage].set(jnp.nan) if name in spec.window_arrays else a
+        caches.append(layer)
+    prompt, start, got = prompts[2], 0, []
+    for n in [2, 3, 5] * 5 + [100]:     # (starts 10, 30, ...: a block falls out right there)
+        chunk = [Chunk(0, prompt[start:start + n], start)]
+        freed = max(0, start - back + 1) // gold.BLOCK_SIZE
+        step_window = np.zeros((gold.S, window.shape[1]), np.int32)
+        step_window[0] = window[0]
+        step_window[0, :freed] = garbage
+        x = build_step(chunk, tables, gold.BLOCK_SIZE, gold.STEP_T, gold.S)
+        x = dataclasses.replace(x, window_block_tables=jnp.asarray(step_window))
+        caches, logits_TV = gold._step(cfg, params, caches, x)
+        got.append(np.asarray(logits_TV)[:len(chunk[0].token_ids)])
+        start += len(chunk[0].token_ids)
+        if start >= len(prompt):
+            break
+    np.testing.assert_allclose(np.concatenate(got), golden["prefill_logits_2"], atol=gold.ATOL, rtol=0)
 
 
 def _llm(tiny_checkpoint):
