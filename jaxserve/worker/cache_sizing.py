@@ -86,6 +86,7 @@ def plan_caches(config: EngineConfig, specs: list, proposer_specs: list, propose
             budget -= proposer_weight_bytes
         budget = hosts.agree_min(budget)     # every host sizes the same cache
         if source != "cpu":
+            _check_windows_fit(config, budget, window() * per_window)
             _check_one_request_fits(config, budget - window() * per_window, per_block, per_slot,
                                     max_blocks_per_seq,
                                     (max_seqs + 1 + snapshots) if cache_manager.STATE in kinds else 0,
@@ -131,6 +132,19 @@ def _check_one_request_fits(config: EngineConfig, budget: int, per_block: int, p
         utilization=config.cache.gpu_memory_utilization, peak=measured.peak_bytes,
         headroom=measured.headroom_bytes, fits_tokens=fits_tokens,
         tensor_parallel_size=config.parallel.tensor_parallel_size)
+
+
+def _check_windows_fit(config: EngineConfig, budget: int, window_bytes: int) -> None:
+    """CacheDoesNotFit when the sliding-window group's blocks alone take the budget (one
+    device's): their count follows max_num_seqs and the step's token budget, not the memory."""
+    if window_bytes and window_bytes >= budget:
+        s = config.scheduler
+        raise memory_plan.CacheDoesNotFit(
+            f"the sliding-window cache ({window_bytes} bytes per device: the windows of max_num_seqs "
+            f"{s.max_num_seqs} requests and two steps of max_num_batched_tokens "
+            f"{s.max_num_batched_tokens}, and as much again for prefix hits) takes all of the KV "
+            f"cache budget ({budget} bytes per device): lower --max-num-seqs or "
+            f"--max-num-batched-tokens, or give the cache more memory")
 
 
 def _report(config: EngineConfig, source: str, num_blocks: int, num_slots: int, per_block: int,

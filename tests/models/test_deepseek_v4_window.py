@@ -14,11 +14,16 @@ import jax.numpy as jnp
 import numpy as np
 
 import test_deepseek_v4_golden as gold
+import pytest
+
 from jaxserve import LLM
+from jaxserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from jaxserve.core.kv_cache import manager as cache_manager
 from jaxserve.core.kv_cache.window_group import WindowGroup
 from jaxserve.engine.startup_report import startup_lines
 from jaxserve.models import deepseek_v4 as v4
+from jaxserve.worker.cache_sizing import plan_caches
+from jaxserve.worker.memory_plan import CacheDoesNotFit
 from model_step_builder import Chunk, build_step, scattered_block_tables
 from test_hybrid_speculation import NGRAM, Replay, counts, generate, make_llm
 from test_new_families_engine import assert_all_free
@@ -62,6 +67,28 @@ def test_goldens_on_window_tables_whose_freed_entries_hold_garbage():
         if start >= len(prompt):
             break
     np.testing.assert_allclose(np.concatenate(got), golden["prefill_logits_2"], atol=gold.ATOL, rtol=0)
+
+
+def test_one_budget_split_between_the_groups():
+    _, cfg, _, _ = gold._load()
+    specs = v4.cache_specs(cfg)
+
+    def plan(budget):
+        config = EngineConfig(model=cfg, cache=CacheConfig(block_size=P, kv_cache_memory_bytes=budget),
+                              scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=BUDGET,
+                                                        max_model_len=256), dtype="float32", warmup=False)
+        return plan_caches(config, specs, [], 0, 256 // P)
+    windows = cache_manager.window_blocks(specs, block_size=P, max_num_seqs=4,
+                                          max_num_batched_tokens=BUDGET, lookahead=1)
+    per_window = cache_manager.bytes_per_block(specs, P, 4, window=True)
+    per_block = cache_manager.bytes_per_block(specs, P, 4)
+    assert per_window > 10 * per_block           # the rows; the entries on the full group
+    budget = windows * per_window + 100 * per_block
+    p = plan(budget)
+    assert (p.num_window_blocks, p.bytes_per_window_block, p.num_blocks) == (windows, per_window, 100)
+    assert p.memory.cache_bytes == budget
+    with pytest.raises(CacheDoesNotFit, match="the sliding-window cache .* lower --max-num-seqs"):
+        plan(windows * p.bytes_per_window_block)
 
 
 def _llm(tiny_checkpoint):
