@@ -35,7 +35,7 @@ def startup_lines(config: EngineConfig, num_blocks: int, block_size: int, bytes_
     if window[0]:
         lines.append(f"sliding-window cache: {window[0]} blocks of {block_size} tokens, "
                      f"{_bytes(window[0] * window[1])} per device (the running requests' windows, "
-                     "freed as they advance, and as many again kept for prefix hits)")
+                     "freed as they advance, and a window a sequence kept for prefix hits)")
     lines.append(f"maximum concurrency at max_model_len ({max_len} tokens per request): "
                  f"{tokens / max_len:.2f}x")
     if config.cache.num_kv_blocks:

@@ -142,7 +142,7 @@ def _check_windows_fit(config: EngineConfig, budget: int, window_bytes: int) -> 
         raise memory_plan.CacheDoesNotFit(
             f"the sliding-window cache ({window_bytes} bytes per device: the windows of max_num_seqs "
             f"{s.max_num_seqs} requests and two steps of max_num_batched_tokens "
-            f"{s.max_num_batched_tokens}, and as much again for prefix hits) takes all of the KV "
+            f"{s.max_num_batched_tokens}, and a window a sequence for prefix hits) takes all of the KV "
             f"cache budget ({budget} bytes per device): lower --max-num-seqs or "
             f"--max-num-batched-tokens, or give the cache more memory")
 

@@ -26,9 +26,9 @@ compressor inputs, ~95 % of its bytes per token, read only `window` tokens back)
   the window table starts with null entries below them;
 - sizing (`window_blocks`): what max_num_seqs running requests hold at once (each its window,
   lookahead and two partial blocks; all together two steps' token budgets of chunks: the one
-  in flight and the one being scheduled) plus as
-  much again of retention for prefix hits (a finished request's last windows: a chat's next
-  turn), never more than the full group's count; the full group takes the rest of the budget.
+  in flight and the one being scheduled), plus one window (and a partial block) a sequence
+  of retention for prefix hits (a finished request's last window: a chat's next turn), never
+  more than the full group's count; the full group takes the rest of the budget.
 
 Prefix caching of a model with a state group (vLLM's "align" mode): a hit must be a hit in
 every group, and a state cannot be rebuilt from blocks, so a hit resumes only at a block
