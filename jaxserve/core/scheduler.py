@@ -4,7 +4,9 @@ There is no prefill/decode split. Each request has `num_computed_tokens` catchin
 `num_tokens` (its draft tokens included); one token budget per step is filled with running
 requests first (oldest first), then waiting ones, chunking long prompts. A prefix-cache hit
 simply starts `num_computed_tokens` further on. When blocks run out the newest running
-request is preempted: its blocks are freed and it recomputes later.
+request is preempted: its blocks are freed and it recomputes later. A model with a sliding-
+window group (kv_cache/manager.py) gives back a running request's window blocks that no later
+step of it can read before its chunk is scheduled (`_floor`: drafts in flight may send it back).
 
 A hybrid model's prefix hit needs a state saved at a block boundary (kv_cache/manager.py), so
 with prefix caching its chunks are cut to end on one where they can (vLLM's "align" mode):
@@ -50,6 +52,7 @@ from jaxserve.config import CacheConfig, SchedulerConfig
 from jaxserve.core.kv_cache.manager import KVCacheManager
 from jaxserve.core.kv_cache.specs import PagedSpec
 from jaxserve.core.request import Request, RequestStatus
+from jaxserve.core.scheduled_step import ScheduledStep
 from jaxserve.lora.slots import LoRASlots
 from jaxserve.core.step_messages import (NewRequestData, RunnerOutput, ScheduledRequest,
                                     SchedulerOutput)
@@ -58,23 +61,6 @@ from jaxserve.core.step_messages import (NewRequestData, RunnerOutput, Scheduled
 # Smallest step size a prefill chunk is cut to fit (Scheduler._fit): below ~128-256 tokens a
 # step costs its weight reads on a GPU, so padding costs little there.
 FIT_MIN_STEP = 128
-
-
-@dataclass(slots=True)
-class _ScheduledStep:
-    """A scheduled step not yet updated: its requests (an id may be reused after an abort, so
-    update() must not look requests up by id), their chunks, and those made void."""
-    requests: list[Request]
-    scheduled: list[ScheduledRequest]
-    void: set[int]                      # id() of requests whose chunk is void (module doc)
-    _rows: dict[int, int] | None = None     # id() of each request -> its place, when asked
-
-    def chunk_of(self, req: Request) -> ScheduledRequest | None:
-        """The request's live chunk of this step (None: it has none, or it was made void)."""
-        if self._rows is None:
-            self._rows = {id(r): i for i, r in enumerate(self.requests)}
-        i = self._rows.get(id(req))     # (the list keeps its requests alive: ids stay theirs)
-        return None if i is None or id(req) in self.void else self.scheduled[i]
 
 
 @dataclass(slots=True)     # one per running request per step: slots, not frozen (step_messages.py)
@@ -91,7 +77,7 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, cache: CacheConfig, num_blocks: int,
                  step_sizes: tuple[int, ...] = (), cache_specs=None, num_slots: int = 0,
                  num_cached_states: int = 0, num_lookahead_tokens: int = 0,
-                 state_snapshots: bool = False, max_loras: int = 0):
+                 state_snapshots: bool = False, max_loras: int = 0, num_window_blocks: int = 0):
         """step_sizes: the token counts the runner pads a step to (its buckets), if any; a
         step that would spill a little past one is cut to end there (see _fit). cache_specs:
         the model's per-layer specs (default: plain paged K/V). num_slots: state slots, of
@@ -100,7 +86,8 @@ class Scheduler:
         scheduled chunk (a proposer that chains drafts on the target's block tables writes
         there after the step: spec_decode/hidden_steps.py), never past what the request can
         reach. state_snapshots: the runner holds a snapshot slot past num_slots for each
-        request's live slot (speculation with recurrent state: rollback in the module docstring)."""
+        request's live slot (speculation with recurrent state: rollback in the module docstring).
+        num_window_blocks: the sliding-window group's blocks (a model with one: kv_cache/manager.py)."""
         self.config = config
         self.num_lookahead_tokens = num_lookahead_tokens
         self.step_sizes = sorted(step_sizes)
@@ -108,6 +95,7 @@ class Scheduler:
         self.kv = KVCacheManager(cache_specs or [PagedSpec((("k", (1,)),))],
                                  block_size=cache.block_size, num_blocks=num_blocks,
                                  num_slots=num_slots, num_cached_states=num_cached_states,
+                                 num_window_blocks=num_window_blocks,
                                  enable_prefix_caching=cache.enable_prefix_caching)
         self.pool = self.kv.pool
         self._align = self.kv.saves_states     # cut chunks to block boundaries (module doc)
@@ -123,7 +111,7 @@ class Scheduler:
         self._finished_ids: list[str] = []       # for the next step's finished_req_ids
         self._unsent: set[str] = set()           # running requests the runner does not hold
         self.lora_slots = LoRASlots(max_loras)   # running requests' adapters: max_loras at once
-        self._in_flight: deque[_ScheduledStep] = deque()     # oldest first
+        self._in_flight: deque[ScheduledStep] = deque()     # oldest first
         # Counters (cumulative) for metrics.
         self.prefix_queries = 0     # prompt tokens looked up in the prefix cache
         self.prefix_hits = 0        # of those, found
@@ -221,13 +209,14 @@ class Scheduler:
             if self._align and n > 1:
                 n = self._aligned(req, req.num_computed_tokens, n)
             end = self._with_lookahead(req, req.num_computed_tokens + n, steps - 1)
-            need = self.kv.blocks_needed(req.request_id, end)
-            while self.kv.num_free_blocks < need and self.running[-1] is not req:
+            if self.kv.window is not None:    # give back the window blocks no later step reads
+                self.kv.slide(req.request_id, self._floor(req))
+            while self.kv.lacks(req.request_id, end) and self.running[-1] is not req:
                 preempted.append(self._preempt(self.running.pop()).request_id)
-            if self.kv.num_free_blocks < need:   # even alone it does not fit: preempt itself
+            if self.kv.lacks(req.request_id, end):   # even alone it does not fit: preempt itself
                 preempted.append(self._preempt(self.running.pop()).request_id)
                 break
-            added[req.request_id] = self.kv.new_group_ids(self.kv.grow(req.request_id, end, need))
+            added[req.request_id] = self.kv.grow_groups(req.request_id, end)
             chunks.append((req, n))
             budget -= n
             i += 1
@@ -253,8 +242,7 @@ class Scheduler:
             if self._align:
                 n = self._aligned(req, computed, n)
             end = self._with_lookahead(req, computed + n)
-            need = -(-end // self.block_size) - len(hits)
-            if self.kv.free_blocks_after_hits(hits) - need < reserve:
+            if not self.kv.can_admit(req.request_id, hits, end, reserve):
                 break
             self.waiting.popleft()
             self.lora_slots.take(req.request_id, lora)    # (written before the step if new)
@@ -300,7 +288,7 @@ class Scheduler:
         finished = []
         if chunks:          # an empty step is never run: it carries nothing, not even these
             finished, self._finished_ids = self._finished_ids, []
-            self._in_flight.append(_ScheduledStep([req for req, _ in chunks], scheduled, set()))
+            self._in_flight.append(ScheduledStep([req for req, _ in chunks], scheduled, set()))
         return SchedulerOutput(new_requests=new_requests, scheduled=scheduled,
                                finished_req_ids=finished, num_tokens=sum(r.num_tokens for r in scheduled),
                                preempted_ids=preempted, num_cached_tokens=cached_tokens,
@@ -452,6 +440,11 @@ class Scheduler:
             req.inflight_drafts = before.spec_token_ids if before else []
 
     # -- helpers ---------------------------------------------------------------------------
+    def _floor(self, req: Request) -> int:
+        """The oldest position a later step of `req` can start at: a rejected draft sends it
+        back into a chunk in flight (its start + kept tokens), a step taken back to its start."""
+        starts = [c.start_position for st in self._in_flight if (c := st.chunk_of(req))]
+        return min(starts, default=req.num_computed_tokens)
     def _with_lookahead(self, req: Request, end: int, more: int = 0) -> int:
         """Tokens the request's blocks must hold once `end` are computed: num_lookahead_tokens
         (and `more`: a multi-step's later positions) more, but no more than its longest

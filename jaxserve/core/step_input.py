@@ -35,6 +35,11 @@ class StepInput:
     prev_token_rows: jax.Array | None = None  # i32[T] row of the previous step's output holding this
                                               # token (it was sampled there); -1: token_ids has it
     state_slots: jax.Array | None = None  # i32[S] state slot of each sequence (0: null slot)
+    # Only for a model with a sliding-window cache group (kv_cache/manager.py: DeepSeek V4): its
+    # arrays' blocks, by the same logical blocks as block_tables; entries before a sequence's
+    # window may be stale (freed: nothing reads them). A token's slot there is found as in
+    # block_tables, and it writes none where slot_mapping is the null slot.
+    window_block_tables: jax.Array | None = None  # i32[S, B]
     # Only in a multi-step decode step where some sequence saves its state (hybrid prefix
     # caching): the loop copies it there after its step ending on its last block boundary.
     state_save_slots: jax.Array | None = None  # i32[S] saved-state slot (0: no save)

@@ -49,7 +49,8 @@ def build_engine(config: EngineConfig, params, tokenizer, family, model_name: st
                           num_slots=runner.num_slots, num_cached_states=runner.num_cached_states,
                           state_snapshots=runner.num_state_snapshots > 0,
                           num_lookahead_tokens=proposer.num_lookahead_tokens if proposer is not None else 0,
-                          max_loras=config.lora.max_loras if config.lora is not None else 0)
+                          max_loras=config.lora.max_loras if config.lora is not None else 0,
+                          num_window_blocks=runner.num_window_blocks)
     return LLMEngine(config, tokenizer, runner, scheduler, proposer, model_name, startup_seconds)
 
 

@@ -101,7 +101,8 @@ class LLMEngine:
             logger.info("warm-up took %.1f s", self.startup_seconds["warmup"])
         logger.info("%s", "\n  ".join(["engine built:"] + startup_lines(
             config, self.runner.num_blocks, self.runner.block_size, self.runner.bytes_per_block,
-            on_cpu=jax.default_backend() == "cpu", memory=self.runner.memory)))
+            on_cpu=jax.default_backend() == "cpu", memory=self.runner.memory,
+            window=(self.runner.num_window_blocks, self.runner.bytes_per_window_block))))
         self._update_gauges()
 
     def wait_for_warmup(self, raise_errors: bool = True) -> None:

@@ -18,10 +18,12 @@ def _bytes(n: int) -> str:
 
 
 def startup_lines(config: EngineConfig, num_blocks: int, block_size: int, bytes_per_block: int,
-                  on_cpu: bool, memory: MemoryReport | None = None) -> list[str]:
-    """One line each: max_model_len, KV cache, concurrency, the cache budget (on a GPU the
-    memory plan: device total, weights, step programs' peak, headroom; memory_plan.py),
-    speculation."""
+                  on_cpu: bool, memory: MemoryReport | None = None,
+                  window: tuple[int, int] = (0, 0)) -> list[str]:
+    """One line each: max_model_len, KV cache (the full group's blocks: what bounds the tokens
+    held), a sliding-window group's blocks (`window`: their count and bytes each; kv_cache/
+    manager.py), concurrency, the cache budget (on a GPU the memory plan: device total,
+    weights, step programs' peak, headroom; memory_plan.py), speculation."""
     max_len = config.scheduler.max_model_len
     # block 0 is the null block (cache_sizing.CachePlan): it holds no request's tokens
     tokens = (num_blocks - 1) * block_size
@@ -29,9 +31,13 @@ def startup_lines(config: EngineConfig, num_blocks: int, block_size: int, bytes_
     lines = [f"max_model_len: {max_len} tokens (the model's maximum: "
              f"{config.model.max_position_embeddings})",
              f"KV cache: {num_blocks} blocks of {block_size} tokens, {tokens} tokens, "
-             f"{_bytes(cache_bytes)} ({cache_bytes} bytes) per device",
-             f"maximum concurrency at max_model_len ({max_len} tokens per request): "
-             f"{tokens / max_len:.2f}x"]
+             f"{_bytes(cache_bytes)} ({cache_bytes} bytes) per device"]
+    if window[0]:
+        lines.append(f"sliding-window cache: {window[0]} blocks of {block_size} tokens, "
+                     f"{_bytes(window[0] * window[1])} per device (the running requests' windows, "
+                     "freed as they advance, and a window a sequence kept for prefix hits)")
+    lines.append(f"maximum concurrency at max_model_len ({max_len} tokens per request): "
+                 f"{tokens / max_len:.2f}x")
     if config.cache.num_kv_blocks:
         lines.append(f"KV cache budget: num_kv_blocks={config.cache.num_kv_blocks} set explicitly")
     elif config.cache.kv_cache_memory_bytes:

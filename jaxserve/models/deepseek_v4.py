@@ -153,20 +153,37 @@ def config_from_hf(hf: dict[str, Any]) -> DeepseekV4Config:
 
 
 def cache_specs(cfg: DeepseekV4Config) -> list[PagedSpec]:
-    """Per layer, per-token arrays on the block table (deepseek_v4_attention's module doc)."""
+    """Per layer, its paged arrays (deepseek_v4_attention's module doc): the per-token rows
+    ("kv", the compressors' "ckv" / "cgate" / "ikv" / "igate") in the sliding-window group,
+    the compressed entries ("comp", "icomp") on the full group's block table."""
     e, j = cfg.head_dim, cfg.index_head_dim
     specs = []
     for t in cfg.layer_types:
-        arrays, per_row = (("kv", (e,)),), ()
+        arrays, per_row, window = (("kv", (e,)),), (), ("kv",)
         if t != SLIDING:
             c = 2 if t == CSA else 1
             arrays += (("ckv", (c * e,)), ("cgate", (c * e,)), ("comp", (e,)))
             per_row += (("comp", cfg.csa_rate if t == CSA else cfg.hca_rate),)
+            window += ("ckv", "cgate")
         if t == CSA:
             arrays += (("ikv", (2 * j,)), ("igate", (2 * j,)), ("icomp", (j,)))
             per_row += (("icomp", cfg.csa_rate),)
-        specs.append(PagedSpec(arrays, tokens_per_row=per_row))
+            window += ("ikv", "igate")
+        specs.append(PagedSpec(arrays, sliding_window=tokens_back(cfg, t), tokens_per_row=per_row,
+                               window_arrays=window))
     return specs
+
+
+def tokens_back(cfg: DeepseekV4Config, layer_type: str) -> int:
+    """Tokens a position of this layer type reads back in its per-token rows, itself included:
+    the window's W K=V rows; a compressor completing a window at position p reads that
+    window's rows p - m + 1 .. p, CSA's (and its indexer's) the previous window's Ca half too
+    (2m rows back), HCA's m' rows. A step starting at s completes windows only at p >= s, so
+    max(W, 2m) (CSA) or max(W, m') (HCA) back from s covers them, the carry of a window still
+    open at s included (it began at most m - 1 tokens before s). V4-Flash: 128 for every type."""
+    if layer_type == SLIDING:
+        return cfg.window
+    return max(cfg.window, 2 * cfg.csa_rate if layer_type == CSA else cfg.hca_rate)
 
 
 def layer_shapes(cfg: DeepseekV4Config, i: int) -> dict:
@@ -272,26 +289,27 @@ def attention(cfg: DeepseekV4Config, i: int, lp: dict, cache: dict, h_TD, x: Ste
     q_THE = attn.rope_interleaved(q_THE, x.positions, inv)
     kv_TE = attn.rope_interleaved(attn.rms_norm(layers.linear(h_TD, lp["wkv"]), lp["kv_norm"], eps),
                                   x.positions, inv)
-    cache = {**cache, "kv": attn.write_rows(cache["kv"], kv_TE, x.slot_mapping)}
+    p = cache["kv"].shape[1]
+    xw = attn.window_view(x, p)       # the per-token rows' slots (the sliding-window group's)
+    cache = {**cache, "kv": attn.write_rows(cache["kv"], kv_TE, xw.slot_mapping)}
     comp, selected, rate, entries = None, None, 0, 0
     if t_kind != SLIDING:
         rate = cfg.rate(i)
-        p = cache["kv"].shape[1]
         entries = x.block_tables.shape[1] * p // rate
         cache.update(attn.compress(cache, ("ckv", "cgate", "comp"), layers.linear(h_TD, lp["wc_kv"]),
-                                   layers.linear(h_TD, lp["wc_gate"]), lp["c_ape"], lp["c_norm"], x,
+                                   layers.linear(h_TD, lp["wc_gate"]), lp["c_ape"], lp["c_norm"], x, xw,
                                    rate=rate, overlap=t_kind == CSA, inv_freq=inv, eps=eps, impl=impl))
         comp = cache["comp"]
     if t_kind == CSA:
         cache.update(attn.compress(cache, ("ikv", "igate", "icomp"), layers.linear(h_TD, lp["wi_kv"]),
-                                   layers.linear(h_TD, lp["wi_gate"]), lp["i_ape"], lp["i_norm"], x,
+                                   layers.linear(h_TD, lp["wi_gate"]), lp["i_ape"], lp["i_norm"], x, xw,
                                    rate=rate, overlap=True, inv_freq=inv, eps=eps, impl=impl))
         qi = layers.linear(q_res, lp["wi_q"]).reshape(-1, cfg.index_n_heads, cfg.index_head_dim)
         qi = attn.rope_interleaved(qi, x.positions, inv)
         w_TI = layers.linear(h_TD, lp["wi_w"]).astype(jnp.float32) * cfg.index_n_heads ** -0.5
         selected = attn.index_select(qi, w_TI, cache["icomp"], x, rate=rate, block_size=cache["kv"].shape[1],
                                      num_entries=entries, top_k=cfg.index_topk, impl=impl)
-    o_THE = attn.attend(q_THE, cache["kv"], comp, x, lp["sinks"], window=cfg.window, rate=rate,
+    o_THE = attn.attend(q_THE, cache["kv"], comp, x, xw, lp["sinks"], window=cfg.window, rate=rate,
                         num_entries=entries, selected=selected, impl=impl)
     o_THE = attn.rope_interleaved(o_THE, x.positions, -inv).astype(h_TD.dtype)
     g = cfg.o_groups

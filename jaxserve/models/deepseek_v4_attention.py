@@ -4,8 +4,11 @@ the compressed branches: CSA (an entry every m tokens from two overlapping windo
 lightning indexer choosing index_topk of them per query) and HCA (an entry every m' tokens,
 all of them visible).
 
-Cache layout (every array on the request's block table, [num_blocks, P, width]; why:
-ARCHITECTURE.md "DeepSeek V4's caches"):
+Cache layout ([num_blocks, P, width]; why: ARCHITECTURE.md "DeepSeek V4's caches"). The
+per-token rows ("kv", "ckv", "cgate", "ikv", "igate") are the sliding-window group's: on its
+blocks and tables (StepInput.window_block_tables: `window_view` gives a step's slots there),
+freed as they fall out of the window (deepseek_v4.tokens_back); the entries ("comp", "icomp")
+stay on the full group's block table, as a sequence's every entry stays visible:
 - "kv" f[E]: each token's roped, normed K=V row (the window reads the last W of them);
 - "ckv" / "cgate" f[c*E]: each token's compressor projections (the gate with its in-window
   position bias added), c = 2 for CSA (the Ca | Cb series), 1 for HCA: the carry of a window
@@ -27,6 +30,7 @@ indexer's heads and head dim, k index_topk.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -60,6 +64,20 @@ def rms_norm(x: jax.Array, w: jax.Array | None, eps: float) -> jax.Array:
     xf = x.astype(jnp.float32)
     y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
     return (y if w is None else y * w.astype(jnp.float32)).astype(x.dtype)
+
+
+def window_view(x: StepInput, block_size: int) -> StepInput:
+    """x on the sliding-window group's tables: its block_tables those, its slot_mapping each
+    token's slot there (none where x writes the null slot: padding, a multi-step or chained
+    position past the table). x itself for a step built without the group (the model tests'
+    own steps keep every array on one table)."""
+    tables = x.window_block_tables
+    if tables is None:
+        return x
+    blk = jnp.clip(x.positions // block_size, 0, tables.shape[1] - 1)
+    slots = tables[x.token_seq_ids, blk] * block_size + x.positions % block_size
+    return dataclasses.replace(x, block_tables=tables, window_block_tables=None,
+                               slot_mapping=jnp.where(x.slot_mapping > 0, slots, 0))
 
 
 def slots_of(x: StepInput, seq_T: jax.Array, pos: jax.Array, block_size: int) -> jax.Array:
@@ -101,21 +119,22 @@ def max_new_entries(num_tokens: int, num_seqs: int, rate: int) -> int:
 
 
 def compress(cache: dict, names: tuple[str, str, str], kv_TC: jax.Array, gate_TC: jax.Array,
-             ape_MC: jax.Array, norm_w: jax.Array, x: StepInput, *, rate: int, overlap: bool,
-             inv_freq: jax.Array, eps: float, impl: str = "xla") -> dict:
+             ape_MC: jax.Array, norm_w: jax.Array, x: StepInput, xw: StepInput, *, rate: int,
+             overlap: bool, inv_freq: jax.Array, eps: float, impl: str = "xla") -> dict:
     """Write each token's compressor rows (gate + its in-window bias), then, for each token that
     completes a window (position + 1 a multiple of m), the window's entry: a per-channel softmax
     over the window's gates weighting its kv rows (with `overlap`, CSA's: the previous window's
     Ca half beside this one's Cb half, 2m rows; the first window's Ca rows weigh 0), RMSNorm,
     rotary at the window's first position. Returns the updated arrays. Under "pallas" the
     entries of windows of up to 32 rows (CSA's 2m) come from the window_compress kernel
-    (replicated under a mesh); HCA's 128-row windows stay in XLA."""
+    (replicated under a mesh); HCA's 128-row windows stay in XLA. xw: x on the window group (window_view), where the
+    per-token rows are; the entries go by x's block table."""
     kv_name, gate_name, comp_name = names
     p = cache[kv_name].shape[1]
     pos_T = x.positions
     gate_TC = gate_TC.astype(jnp.float32) + ape_MC[pos_T % rate].astype(jnp.float32)
-    ckv = write_rows(cache[kv_name], kv_TC, x.slot_mapping)
-    cgate = write_rows(cache[gate_name], gate_TC, x.slot_mapping)
+    ckv = write_rows(cache[kv_name], kv_TC, xw.slot_mapping)
+    cgate = write_rows(cache[gate_name], gate_TC, xw.slot_mapping)
     t, s = pos_T.shape[0], x.seq_lens.shape[0]
     real_T = jnp.arange(t) < x.query_start_loc[-1]
     done_T = real_T & ((pos_T + 1) % rate == 0)
@@ -127,7 +146,7 @@ def compress(cache: dict, names: tuple[str, str, str], kv_TC: jax.Array, gate_TC
     win = jnp.arange(rate)
     cur_KM = first_K[:, None] + win[None, :]
     rows_KM = cur_KM if not overlap else jnp.concatenate([cur_KM - rate, cur_KM], axis=1)
-    slots_KM = slots_of(x, seq_K, rows_KM, p)
+    slots_KM = slots_of(xw, seq_K, rows_KM, p)
     if impl == "pallas" and rows_KM.shape[1] <= 32:
         n = ckv.shape[0] * p
         args = (ckv.reshape(n, -1), cgate.reshape(n, -1), slots_KM, first_K, valid_K, norm_w, inv_freq)
@@ -194,16 +213,16 @@ def index_topk(q_TIJ: jax.Array, w_TI: jax.Array, icomp, slots_TN, visible_TN, t
     return idx, vals > NEG_INF
 
 
-def attend(q_THE: jax.Array, kv_cache, comp_cache, x: StepInput, sinks_H: jax.Array, *,
+def attend(q_THE: jax.Array, kv_cache, comp_cache, x: StepInput, xw: StepInput, sinks_H: jax.Array, *,
            window: int, rate: int, num_entries: int, selected=None, impl: str = "xla"):
     """Attention of each token over its window's K=V rows and (compressed layers) the visible
     compressed entries, or only the `selected` (entry indices, valid) ones under CSA; the per-
     head sink joins the softmax's denominator. f32[T, H, E]. The slots are built here (integer
     ops); the gathers and the softmax are pallas_kernels/sparse_sink_attention.py (impl
-    "pallas") or its jnp reference ("xla")."""
+    "pallas") or its jnp reference ("xla"). xw: x on the window group (window_view)."""
     p = kv_cache.shape[1]
     win_TW = x.positions[:, None] - jnp.arange(window)[None, :]
-    win_slots = slots_of(x, x.token_seq_ids, win_TW, p)
+    win_slots = slots_of(xw, x.token_seq_ids, win_TW, p)
     comp_slots = comp_ok = comp_len = None
     if comp_cache is not None:
         comp_slots, comp_ok = entry_slots(x, rate=rate, block_size=p, rows=comp_cache.shape[1],

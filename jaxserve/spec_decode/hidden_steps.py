@@ -66,7 +66,7 @@ def pass_input(x: StepInput, plan) -> tuple[StepInput, np.ndarray]:
     return StepInput(token_ids=ids_T, positions=x.positions, slot_mapping=x.slot_mapping,
                      token_seq_ids=x.token_seq_ids, query_start_loc=qsl, seq_lens=x.seq_lens,
                      block_tables=x.block_tables, logits_indices=x.logits_indices[:s],
-                     sampling=None), sample_S
+                     window_block_tables=x.window_block_tables, sampling=None), sample_S
 
 
 def empty_pass_input(target: TargetView, bucket: int) -> StepInput:
@@ -104,6 +104,8 @@ def chained_input(x: StepInput, sample_S, order_S, step, block_size: int) -> Ste
     want_S = jnp.where(live_S, x.positions[x.logits_indices[order_S]] + step, 0)
     pos_S = jnp.minimum(want_S, b * block_size - 1)
     tables_SB = jnp.where(live_S[:, None], x.block_tables[order_S], 0)
+    window_SB = (None if x.window_block_tables is None    # (a sliding-window group's, reordered alike)
+                 else jnp.where(live_S[:, None], x.window_block_tables[order_S], 0))
     block_S = tables_SB[jnp.arange(s), pos_S // block_size]
     slots_S = jnp.where(live_S & (want_S == pos_S), block_S * block_size + pos_S % block_size, 0)
     seq_S = jnp.where(live_S, jnp.arange(s, dtype=jnp.int32), 0)
@@ -112,7 +114,8 @@ def chained_input(x: StepInput, sample_S, order_S, step, block_size: int) -> Ste
                      query_start_loc=jnp.concatenate([jnp.zeros(1, jnp.int32),
                                                       jnp.cumsum(live_S, dtype=jnp.int32)]),
                      seq_lens=jnp.where(live_S, pos_S + 1, 0).astype(jnp.int32),
-                     block_tables=tables_SB, logits_indices=seq_S, sampling=x.sampling)
+                     block_tables=tables_SB, logits_indices=seq_S, sampling=x.sampling,
+                     window_block_tables=window_SB)
 
 
 def chain_drafts(first, next_step, cache, x, sample_S, k: int, block_size: int):

@@ -67,7 +67,8 @@ class MtpProposer(hidden_steps.AfterStepProposer):
         self.target = target
         self.weights = target.params
         self.cache = allocate_caches(list(self.target_cache_specs), target.num_blocks, 0,
-                                     target.block_size, target.dtype)
+                                     target.block_size, target.dtype,
+                                     num_window_blocks=target.num_window_blocks)
         self.forward = functools.partial(_mtp_step, model=target.family, cfg=target.cfg,
                                          attention_impl=target.attention_impl, k=self.k,
                                          block_size=target.block_size)

@@ -3,7 +3,9 @@
 One place sizes them (`plan_caches`) and one allocates them (`allocate_caches`): the
 target's paged blocks and a proposer's caches on the same block tables (MTP, EAGLE3) are
 paid from one budget, the state slots of a hybrid model first (live ones, saved states for
-prefix hits, snapshots for speculation's rollback). The budget is what --gpu-memory-
+prefix hits, snapshots for speculation's rollback), then a sliding-window group's blocks
+(kv_cache/manager.py window_blocks: what the running requests' windows need, and as much
+again for prefix hits), the full group taking the rest. The budget is what --gpu-memory-
 utilization x the device's total memory leaves after the weights, the step programs' measured
 peak and a headroom (memory_plan.py), or --kv-cache-memory-bytes, or on the CPU a fixed byte
 count; a proposer's weights that load after the sizing are paid from it first.
@@ -12,6 +14,7 @@ count; a proposer's weights that load after the sizing are paid from it first.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 
 import jax
@@ -34,6 +37,8 @@ class CachePlan:
     num_state_snapshots: int  # slots past those: a request's state before its verifying step
     bytes_per_block: int      # one block on each device, the proposer's caches included
     memory: MemoryReport | None = None    # how they were sized (the start-up block)
+    num_window_blocks: int = 0  # the sliding-window group's blocks (0: the model has none)
+    bytes_per_window_block: int = 0   # one of those on each device
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,7 +68,12 @@ def plan_caches(config: EngineConfig, specs: list, proposer_specs: list, propose
     all_specs = specs + proposer_specs
     per_block = cache_manager.bytes_per_block(all_specs, config.cache.block_size, itemsize) // tp
     per_slot = cache_manager.bytes_per_slot(all_specs, itemsize) // tp
+    per_window = cache_manager.bytes_per_block(all_specs, config.cache.block_size, itemsize, window=True) // tp
     num_blocks = num_blocks or config.cache.num_kv_blocks
+    window = functools.partial(
+        cache_manager.window_blocks, all_specs, block_size=config.cache.block_size, max_num_seqs=max_seqs,
+        max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
+        lookahead=2 * config.num_speculative_tokens + config.scheduler.num_scheduler_steps)
     budget, source = None, "num_kv_blocks"
     if not num_blocks:
         if config.cache.kv_cache_memory_bytes:
@@ -79,24 +89,29 @@ def plan_caches(config: EngineConfig, specs: list, proposer_specs: list, propose
             budget -= proposer_weight_bytes
         budget = hosts.agree_min(budget)     # every host sizes the same cache
         if source != "cpu":
-            _check_one_request_fits(config, budget, per_block, per_slot, max_blocks_per_seq,
+            _check_windows_fit(config, budget, window() * per_window)
+            _check_one_request_fits(config, budget - window() * per_window, per_block, per_slot,
+                                    max_blocks_per_seq,
                                     (max_seqs + 1 + snapshots) if cache_manager.STATE in kinds else 0,
                                     measured)
         budget *= tp
     cached = _num_cached_states(config, specs, kinds, itemsize, budget)
     if num_blocks:
         num_slots = max_seqs + 1 + cached if cache_manager.STATE in kinds else 0
+        windows = window(num_blocks=num_blocks)
         return CachePlan(num_blocks, num_slots, cached, snapshots, per_block,
                          _report(config, source, num_blocks, num_slots + snapshots, per_block, per_slot,
-                                 measured))
+                                 measured, windows * per_window), windows, per_window)
     # No use holding more than every sequence at full length.
     useful = max_seqs * max_blocks_per_seq + 1
     blocks, slots = cache_manager.size_caches(
         all_specs, block_size=config.cache.block_size, itemsize=itemsize,
         budget_bytes=budget, max_num_seqs=max_seqs, useful_blocks=useful,
-        cached_states=cached + snapshots)
+        cached_states=cached + snapshots, num_window_blocks=window())
+    windows = window(num_blocks=blocks)
     return CachePlan(blocks, slots - snapshots, cached, snapshots, per_block,
-                     _report(config, source, blocks, slots, per_block, per_slot, measured))
+                     _report(config, source, blocks, slots, per_block, per_slot, measured,
+                             windows * per_window), windows, per_window)
 
 
 def _check_one_request_fits(config: EngineConfig, budget: int, per_block: int, per_slot: int,
@@ -122,11 +137,24 @@ def _check_one_request_fits(config: EngineConfig, budget: int, per_block: int, p
         tensor_parallel_size=config.parallel.tensor_parallel_size)
 
 
+def _check_windows_fit(config: EngineConfig, budget: int, window_bytes: int) -> None:
+    """CacheDoesNotFit when the sliding-window group's blocks alone take the budget (one
+    device's): their count follows max_num_seqs and the step's token budget, not the memory."""
+    if window_bytes and window_bytes >= budget:
+        s = config.scheduler
+        raise memory_plan.CacheDoesNotFit(
+            f"the sliding-window cache ({window_bytes} bytes per device: the windows of max_num_seqs "
+            f"{s.max_num_seqs} requests and two steps of max_num_batched_tokens "
+            f"{s.max_num_batched_tokens}, and a window a sequence for prefix hits) takes all of the KV "
+            f"cache budget ({budget} bytes per device): lower --max-num-seqs or "
+            f"--max-num-batched-tokens, or give the cache more memory")
+
+
 def _report(config: EngineConfig, source: str, num_blocks: int, num_slots: int, per_block: int,
-            per_slot: int, measured: Measured | None) -> MemoryReport:
+            per_slot: int, measured: Measured | None, window_bytes: int = 0) -> MemoryReport:
     memory = measured.memory if measured is not None else None
     return MemoryReport(
-        source=source, cache_bytes=num_blocks * per_block + num_slots * per_slot,
+        source=source, cache_bytes=num_blocks * per_block + num_slots * per_slot + window_bytes,
         num_blocks=num_blocks, block_size=config.cache.block_size,
         max_model_len=config.scheduler.max_model_len,
         device_total_bytes=memory.total if memory else None,
@@ -148,33 +176,36 @@ def _num_cached_states(config: EngineConfig, specs, kinds, itemsize: int, budget
                                             max_num_seqs=config.scheduler.max_num_seqs)
 
 
-def _cache_arrays(specs, num_blocks: int, num_slots: int, block_size: int, dtype, sharding_of):
+def _cache_arrays(specs, num_blocks: int, num_slots: int, block_size: int, dtype, sharding_of,
+                  num_window_blocks: int):
     """(layer index, name, shape, dtype, sharding) of every cache array."""
     for i, spec in enumerate(specs):
         paged = isinstance(spec, PagedSpec)
         for name, shape in spec.arrays:
-            full = ((num_blocks, spec.rows(name, block_size)) if paged else (num_slots,)) + tuple(shape)
+            n = num_window_blocks if paged and name in spec.window_arrays else num_blocks
+            full = ((n, spec.rows(name, block_size)) if paged else (num_slots,)) + tuple(shape)
             kind = jnp.float32 if name in getattr(spec, "float32", ()) else dtype
             yield i, name, full, jnp.dtype(kind), sharding_of(name, full) if sharding_of else None
 
 
 def abstract_caches(specs, num_blocks: int, num_slots: int, block_size: int, dtype,
-                    sharding_of=None) -> list[dict[str, jax.ShapeDtypeStruct]]:
+                    sharding_of=None, num_window_blocks: int = 0) -> list[dict[str, jax.ShapeDtypeStruct]]:
     """allocate_caches' arrays as shapes only (what a program is compiled against)."""
     caches = [{} for _ in specs]
     for i, name, full, kind, out in _cache_arrays(specs, num_blocks, num_slots, block_size, dtype,
-                                                  sharding_of):
+                                                  sharding_of, num_window_blocks):
         caches[i][name] = jax.ShapeDtypeStruct(full, kind, sharding=out)
     return caches
 
 
 def allocate_caches(specs, num_blocks: int, num_slots: int, block_size: int, dtype,
-                    sharding_of=None) -> list[dict[str, jax.Array]]:
-    """Zeroed device arrays of every layer's cache spec: paged arrays [num_blocks, P, *shape],
-    state arrays [num_slots, *shape]; `sharding_of(name, shape)` places them (None: default)."""
+                    sharding_of=None, num_window_blocks: int = 0) -> list[dict[str, jax.Array]]:
+    """Zeroed device arrays of every layer's cache spec: paged arrays [num_blocks, P, *shape]
+    ([num_window_blocks, P, *shape] for a spec's window_arrays), state arrays [num_slots,
+    *shape]; `sharding_of(name, shape)` places them (None: default)."""
     caches, makers = [{} for _ in specs], {}
     for i, name, full, kind, out in _cache_arrays(specs, num_blocks, num_slots, block_size, dtype,
-                                                  sharding_of):
+                                                  sharding_of, num_window_blocks):
         # One compiled zeros per distinct array (not per layer: 4 s of start-up at 8B)
         key = (full, kind.name, out)
         if key not in makers:
@@ -208,7 +239,7 @@ class CacheReservation:
         self.release()
         try:
             self._held = allocate_caches(specs, plan.num_blocks, plan.num_slots + plan.num_state_snapshots,
-                                         block_size, dtype, sharding_of)
+                                         block_size, dtype, sharding_of, plan.num_window_blocks)
             jax.block_until_ready(self._held)
         except jax.errors.JaxRuntimeError as error:
             if "RESOURCE_EXHAUSTED" not in str(error):

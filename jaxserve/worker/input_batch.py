@@ -2,8 +2,8 @@
 
 The scheduler sends a request's prompt and parameters once (`NewRequestData`) and after that
 only diffs (`ScheduledRequest`: how many tokens, new block ids); the runner appends the tokens
-it samples itself. Block tables live in one numpy array, a row per request, written only
-where blocks are added, so a step's tables are one fancy-index, not rebuilt from lists.
+it samples itself. Block tables live in one numpy array (a sliding-window group's in a
+second: kv_cache/manager.py), a row per request, written only where blocks are added, so a step's tables are one fancy-index, not rebuilt from lists.
 
 A token the previous step sampled and the host has not read yet (the engine dispatches step
 N+1 before it reads step N's tokens) is taken on the device from that step's output: its
@@ -21,7 +21,7 @@ import dataclasses
 
 import numpy as np
 
-from jaxserve.core.kv_cache.manager import PAGED, STATE
+from jaxserve.core.kv_cache.manager import PAGED, STATE, WINDOW
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.sample.tensors import SamplingRow, make_sampling_tensors, needs_extras
 from jaxserve.worker import verify_rows
@@ -40,6 +40,7 @@ class CachedRequest:
     eos_token_ids: tuple[int, ...]
     row: int                        # its row of InputBatch.block_table
     num_blocks: int = 0             # filled entries of that row
+    num_window_blocks: int = 0      # filled entries of its row of InputBatch.window_table
     state_slot: int = 0             # its state slot (0: the model keeps no state)
     lora_slot: int = 0              # its LoRA adapter's device slot (0: none)
 
@@ -89,6 +90,8 @@ class InputBatch:
         self.max_model_len = max_model_len
         self.group_kinds = group_kinds
         self.block_table = np.zeros((max_num_seqs, max_blocks_per_seq), np.int32)   # i32[R, B]
+        # the sliding-window group's tables (kv_cache/manager.py), when the model has one
+        self.window_table = np.zeros_like(self.block_table) if WINDOW in group_kinds else None
         self.free_rows = list(range(max_num_seqs - 1, -1, -1))
         self.requests: dict[str, CachedRequest] = {}
         self.prev_rows: dict[str, int] = {}     # req -> its sampled id's index in the last step's
@@ -109,12 +112,18 @@ class InputBatch:
                     req.num_blocks += len(ids)
                 elif kind == STATE and ids:
                     req.state_slot = ids[0]
+                elif kind == WINDOW and ids:
+                    n = req.num_window_blocks
+                    self.window_table[req.row, n:n + len(ids)] = ids
+                    req.num_window_blocks += len(ids)
 
     def add(self, new: NewRequestData) -> None:
         if new.req_id in self.requests:      # resumed after preemption: start again
             self.remove(new.req_id)
         row = self.free_rows.pop()
         self.block_table[row] = 0
+        if self.window_table is not None:
+            self.window_table[row] = 0
         self.requests[new.req_id] = CachedRequest(
             new.req_id, list(new.prompt_token_ids), list(new.output_token_ids),
             new.sampling_params, new.seed, tuple(new.eos_token_ids), row, lora_slot=new.lora_slot)
@@ -208,6 +217,10 @@ class InputBatch:
         positions_T = np.array(positions + [0] * pad, np.int32)
         tables_SB = self.block_table[rows]
         tables_SB[len(out.scheduled):] = 0
+        window_SB = None
+        if self.window_table is not None:
+            window_SB = self.window_table[rows]
+            window_SB[len(out.scheduled):] = 0
         seq_T = np.array(seq_ids + [0] * pad, np.int32)
         # Padding tokens write slot 0 of the null block (step_input.py's conventions).
         slots_T = tables_SB[seq_T, positions_T // p] * p + positions_T % p
@@ -227,6 +240,7 @@ class InputBatch:
                       logits_indices=logits_idx, next_token_ids=next_ids,
                       prev_token_rows=prev_rows, sampling=sampling,
                       state_slots=slots_S if STATE in self.group_kinds else None,
+                      window_block_tables=window_SB,
                       state_save_slots=loop_saves(out, num_seqs),
                       lora_slots=np.array(lora_T + [0] * pad, np.int32) if self.lora else None,
                       draft_token_ids=spec.draft_token_ids if spec else None,

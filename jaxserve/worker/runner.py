@@ -147,19 +147,18 @@ class ModelRunner:
         # NOTE: the identity names what the jitted step closes over: a stored program is
         # loaded only for the same ones (compiling.ProgramStore)
         self._identity = repr((model.name, self.cfg, self.backend.impl, repr(mesh), kernel_plan))
-        # A proposer's cache on the target's block tables (MTP, EAGLE3) is sized with it;
-        # on a GPU after measuring the largest step program (memory_plan.py).
+        # A proposer's caches on the target's block tables (MTP, EAGLE3) are sized with these
         self._reservation = CacheReservation(self.cache_specs, self.block_size, self.dtype, sharding_of)
         plan = self._plan_caches(proposer, device, num_blocks, sharding_of)
         self.memory = plan.memory
-        self.num_blocks, self.num_slots = plan.num_blocks, plan.num_slots
+        self.num_blocks, self.num_slots, self.num_window_blocks = plan.num_blocks, plan.num_slots, plan.num_window_blocks
         self.num_cached_states, self.num_state_snapshots = plan.num_cached_states, plan.num_state_snapshots
-        self.bytes_per_block = plan.bytes_per_block
+        self.bytes_per_block, self.bytes_per_window_block = plan.bytes_per_block, plan.bytes_per_window_block
         # NOTE: allocated on first use (kv_cache), into the memory _reservation holds: warm-up
         # compiles the plain programs first, with the memory outside it (issue 62)
         self._kv_cache = None
         self._cache_layout = (self.cache_specs, self.num_blocks, self.num_slots + self.num_state_snapshots,
-                              self.block_size, self.dtype, sharding_of)
+                              self.block_size, self.dtype, sharding_of, self.num_window_blocks)
         # Hybrid prefix caching and speculation: saved states and snapshots in and out of the
         # live slots (state_copies.py)
         self.state_copier = None
@@ -222,7 +221,7 @@ class ModelRunner:
         a warm start reads it instead of compiling (StepCompiler.peak_bytes)."""
         provisional = abstract_caches(self.cache_specs, self.max_blocks_per_seq + 1,
                                       self.config.scheduler.max_num_seqs + 2, self.block_size,
-                                      self.dtype, sharding_of)
+                                      self.dtype, sharding_of, self.max_blocks_per_seq + 1)
         compiler = StepCompiler(self._step, self.params, provisional, self.prev_ids, self.input_sharding,
                                 store=self.config.program_cache_dir, identity=self._identity)
         peaks = [compiler.peak_bytes(*job) for job in warmup.profile_jobs(self)]
@@ -274,6 +273,7 @@ class ModelRunner:
         """What a proposer bound to this runner may read of it (target_view.py)."""
         return TargetView(cfg=self.cfg, family=self.model, params=self.params,
                           block_size=self.block_size, num_blocks=self.num_blocks,
+                          num_window_blocks=self.num_window_blocks,
                           buckets=tuple(self.buckets), dtype=self.dtype,
                           attention_impl=self.attention_impl, last_ids=abstract(self.prev_ids),
                           hidden_spec=self.hidden_spec, empty_step=self.empty_step)

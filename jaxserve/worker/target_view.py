@@ -45,3 +45,4 @@ class TargetView:
     hidden_spec: Callable[[int], jax.ShapeDtypeStruct | None]
     # (StepInput, StepPlan) of an empty step of this bucket: the shapes a pass compiles for
     empty_step: Callable[[int], tuple[StepInput, Any]]
+    num_window_blocks: int = 0       # its sliding-window group's blocks (kv_cache/manager.py)

@@ -1,7 +1,7 @@
 """Speculative decoding on DeepSeek V4: a verifying step writes every draft's rows, and a draft
 that completes a compression window writes that window's entry; a rejected draft's rows and
-entry are overwritten when the kept tokens reach them (no rollback: every V4 cache array is on
-the block table, and a token reads only entries whose windows are complete at its position).
+entry are overwritten when the kept tokens reach them (no rollback: every V4 cache array is
+paged, and a token reads only entries whose windows are complete at its position).
 Greedy tokens equal transformers' with drafts right and wrong, batched and alone."""
 
 from __future__ import annotations

@@ -30,9 +30,11 @@ def run(llm, prompts):
 
 
 def assert_all_free(llm):
-    """No block, live slot or planned state save is held once every request has ended."""
+    """No block (of either paged group), live slot or planned state save is held once every
+    request has ended."""
     s = llm.engine.scheduler
     assert not s.requests and s.pool.num_used == 0 and not s.kv.slots
+    assert s.kv.window is None or s.kv.window.pool.num_used == 0    # (DeepSeek V4's window group)
     assert len(s.kv.free_slots) == max(0, s.kv.num_live_slots - 1)
     assert s.kv.states is None or s.kv.states.num_reserved == 0
 

@@ -4,8 +4,31 @@ Layers whose spec is a `PagedSpec` (K/V, an MLA latent, an indexer's keys) form 
 group: one block table per request, blocks from one `BlockPool`, prefix caching over full
 blocks (a hash chain, LRU). Layers whose spec is a `StateSpec` (linear attention's conv and
 recurrent state) form the state group: one slot per running request, slot 0 the null slot
-that padding sequences point at. All paged layers share the block table, sliding-window ones
-included (they keep every block: simple, and no model mixes the two kinds yet).
+that padding sequences point at. Arrays a spec names in `window_arrays` form the sliding-window
+group (kv_cache/window_group.py), below.
+
+The sliding-window group (vLLM's "KV cache groups"; DeepSeek V4's window K=V rows and
+compressor inputs, ~95 % of its bytes per token, read only `window` tokens back):
+- its own BlockPool and num_window_blocks, and a window table per request over the same
+  logical blocks as the full table (StepInput.window_block_tables), so a slot is found alike;
+- freeing: before a running request's chunk is scheduled, `slide(request, floor)` returns the
+  blocks wholly before floor - window + 1 and sets their entries to the null block. floor is
+  the oldest position any later step of the request can start at: its computed count, or the
+  start of a chunk still in flight (a rejected draft sends it back to that chunk's start plus
+  its kept tokens; a step taken back, to its start). So a request holds about
+  ceil((window + chunk) / P) + 1 window blocks however long it runs. The runner's copy of the
+  table keeps the old ids of freed entries: nothing reads or writes there any more;
+- prefix caching: the window blocks are registered under the same hash chain as the full
+  group's (its own pool's index) and, once freed, stay findable until reused (LRU). A hit
+  must be a hit in every group: resuming after L blocks reads window blocks
+  first_needed(L * P) .. L - 1, so the full group's run of hits is cut back to the longest L
+  whose window blocks are all cached (vLLM's sliding-window manager does the same search);
+  the window table starts with null entries below them;
+- sizing (`window_blocks`): what max_num_seqs running requests hold at once (each its window,
+  lookahead and two partial blocks; all together two steps' token budgets of chunks: the one
+  in flight and the one being scheduled), plus one window (and a partial block) a sequence
+  of retention for prefix hits (a finished request's last window: a chat's next turn), never
+  more than the full group's count; the full group takes the rest of the budget.
 
 Prefix caching of a model with a state group (vLLM's "align" mode): a hit must be a hit in
 every group, and a state cannot be rebuilt from blocks, so a hit resumes only at a block
@@ -30,23 +53,51 @@ from jaxserve.core.kv_cache.block_pool import BlockPool
 from jaxserve.core.kv_cache.prefix_cache import ROOT_HASH, extend_block_hashes, root_hash
 from jaxserve.core.kv_cache.specs import PagedSpec, StateSpec
 from jaxserve.core.kv_cache.state_cache import NO_SLOT, StateCache
+from jaxserve.core.kv_cache.window_group import WindowGroup
 
 NULL_SLOT = 0
-PAGED, STATE = "paged", "state"
+PAGED, WINDOW, STATE = "paged", "window", "state"
 
 
 def group_kinds(specs: Sequence[PagedSpec | StateSpec]) -> list[str]:
-    """The cache groups a model's layers form, in a fixed order (paged first)."""
-    kinds = {PAGED if isinstance(s, PagedSpec) else STATE for s in specs}
+    """The cache groups a model's layers form, in a fixed order (paged, window, state)."""
     for s in specs:
         if not isinstance(s, (PagedSpec, StateSpec)):
             raise TypeError(f"a layer's cache spec must be a PagedSpec or a StateSpec; got {s!r}")
-    return [k for k in (PAGED, STATE) if k in kinds]
+    kinds = {PAGED if isinstance(s, PagedSpec) else STATE for s in specs}
+    if window_of(specs):
+        kinds.add(WINDOW)
+    return [k for k in (PAGED, WINDOW, STATE) if k in kinds]
 
 
-def bytes_per_block(specs, block_size: int, itemsize: int) -> int:
-    """Bytes one block takes over every paged layer."""
-    return itemsize * sum(s.elements_per_block(block_size) for s in specs if isinstance(s, PagedSpec))
+def window_of(specs) -> int:
+    """Tokens back the window group's arrays are read (the most any layer reads), 0: no group."""
+    return max((s.sliding_window for s in specs if isinstance(s, PagedSpec) and s.window_arrays),
+               default=0)
+
+
+def bytes_per_block(specs, block_size: int, itemsize: int, window: bool = False) -> int:
+    """Bytes one block of the full group (window: of the window group) takes over every layer."""
+    return itemsize * sum(s.elements_per_block(block_size, window) for s in specs
+                          if isinstance(s, PagedSpec))
+
+
+def window_blocks(specs, *, block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
+                  lookahead: int, num_blocks: int | None = None) -> int:
+    """The window group's blocks (module doc), the null block included; 0 without the group.
+    lookahead: positions a request may hold past its chunk (drafts, a proposer's chained
+    writes, a multi-step decode's later steps). At most num_blocks (the full group's: a
+    request's window table never holds more than its full one)."""
+    window = window_of(specs)
+    if not window:
+        return 0
+    # (two steps' budgets: a chunk scheduled while the step before is in flight keeps the
+    # window back from that step's chunk, whose drafts may yet be rejected)
+    live = (max_num_seqs * (-(-(window + lookahead) // block_size) + 2)
+            + 2 * -(-max_num_batched_tokens // block_size))
+    retained = max_num_seqs * (-(-window // block_size) + 1)
+    want = live + retained + 1
+    return want if num_blocks is None else max(2, min(want, num_blocks))
 
 
 def bytes_per_slot(specs, itemsize: int) -> int:
@@ -76,13 +127,15 @@ def auto_cached_states(specs, *, itemsize: int, budget_bytes: int | None, max_nu
 
 
 def size_caches(specs, *, block_size: int, itemsize: int, budget_bytes: int, max_num_seqs: int,
-                useful_blocks: int, cached_states: int = 0) -> tuple[int, int]:
+                useful_blocks: int, cached_states: int = 0, num_window_blocks: int = 0) -> tuple[int, int]:
     """(num_blocks, num_slots) for one memory budget: the state slots first (live ones and
-    `cached_states` saved ones), then as many blocks as fit, but no more than `useful_blocks`
-    (every sequence at full length) and at least 2."""
+    `cached_states` saved ones) and the window group's `num_window_blocks` (window_blocks),
+    then as many full-group blocks as fit, but no more than `useful_blocks` (every sequence at
+    full length) and at least 2."""
     kinds = group_kinds(specs)
     num_slots = max_num_seqs + 1 + cached_states if STATE in kinds else 0
-    left = budget_bytes - num_slots * bytes_per_slot(specs, itemsize)
+    left = (budget_bytes - num_slots * bytes_per_slot(specs, itemsize)
+            - num_window_blocks * bytes_per_block(specs, block_size, itemsize, window=True))
     if PAGED not in kinds:
         return 2, num_slots          # a stub pool: nothing pages
     per_block = bytes_per_block(specs, block_size, itemsize)
@@ -91,10 +144,21 @@ def size_caches(specs, *, block_size: int, itemsize: int, budget_bytes: int, max
 
 class KVCacheManager:
     def __init__(self, specs, *, block_size: int, num_blocks: int, num_slots: int = 0,
-                 enable_prefix_caching: bool = True, num_cached_states: int = 0):
+                 enable_prefix_caching: bool = True, num_cached_states: int = 0,
+                 num_window_blocks: int = 0):
         """num_slots: every state slot, the null one and the last `num_cached_states` (saved
-        states for prefix hits) included."""
+        states for prefix hits) included. num_window_blocks: the window group's (a model
+        with one: window_blocks)."""
         self.kinds = group_kinds(specs)
+        self.window: WindowGroup | None = None
+        if WINDOW in self.kinds:
+            self.window = WindowGroup(window_of(specs), block_size, num_window_blocks,
+                                      enable_prefix_caching)
+            if STATE in self.kinds and enable_prefix_caching:
+                # NOTE: a hit would have to end where a state was saved AND have its window
+                # blocks cached: no model has both kinds yet, so the search is not built
+                raise ValueError("prefix caching of a model with both a sliding-window group and "
+                                 "per-request state is not supported")
         self.block_size = block_size
         self.has_state = STATE in self.kinds
         live = num_slots - num_cached_states
@@ -128,9 +192,22 @@ class KVCacheManager:
         return self.pool.usage
 
     def blocks_needed(self, request_id: str, num_tokens: int) -> int:
-        """Blocks the request lacks to hold `num_tokens` tokens."""
+        """Blocks the request lacks to hold `num_tokens` tokens (the full group's)."""
         have = len(self.blocks.get(request_id, ()))
         return max(0, -(-num_tokens // self.block_size) - have)
+
+    def lacks(self, request_id: str, num_tokens: int) -> bool:
+        """Whether some group has too few free blocks for the request to hold `num_tokens`."""
+        if self.blocks_needed(request_id, num_tokens) > self.pool.num_free:
+            return True
+        w = self.window
+        return w is not None and w.needed(request_id, num_tokens) > w.pool.num_free
+
+    def slide(self, request_id: str, floor: int) -> None:
+        """Free the request's window blocks wholly before what a step starting at `floor` reads
+        (floor: the oldest position any later step of it can start at; module doc)."""
+        if self.window is not None:
+            self.window.slide(request_id, floor)
 
     # -- prefix hits -----------------------------------------------------------------------
     def prefix_hits(self, request_id: str, token_ids: list[int]) -> list[int]:
@@ -146,6 +223,8 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
+        if self.window is not None:  # the longest run whose window blocks are cached too
+            del hits[self.window.cut_hits(request_id, hashes, len(hits)):]
         if self.has_state:           # the longest run that ends where a state was saved
             n = len(hits)
             while n and not self.states.has(hashes[n - 1]):
@@ -163,6 +242,15 @@ class KVCacheManager:
         """Free blocks left once `hits` are taken (unreferenced cached blocks count as free)."""
         return self.pool.num_free - self.pool.num_reclaimable(hits)
 
+    def can_admit(self, request_id: str, hits: list[int], num_tokens: int, reserve: int) -> bool:
+        """Whether every group keeps `reserve` blocks free once the request, its prefix_hits
+        `hits` taken, holds `num_tokens` tokens."""
+        need = -(-num_tokens // self.block_size) - len(hits)
+        if self.free_blocks_after_hits(hits) - need < reserve:
+            return False
+        w = self.window
+        return w is None or w.free_after_hits(request_id, len(hits)) - need >= reserve
+
     # -- allocation ------------------------------------------------------------------------
     def admit(self, request_id: str, hits: list[int], num_tokens: int) -> tuple[int, int] | None:
         """Start a request's tables: take its prefix hits, blocks for `num_tokens` tokens and a
@@ -171,6 +259,8 @@ class KVCacheManager:
         self.pool.touch(hits)
         need = max(0, -(-num_tokens // self.block_size) - len(hits))
         self.blocks[request_id] = hits + self.pool.allocate(need)
+        if self.window is not None:
+            self.window.admit(request_id, len(hits), num_tokens)
         if not self.has_state:
             return None
         slot = self.slots[request_id] = self.free_slots.pop()
@@ -225,6 +315,8 @@ class KVCacheManager:
 
     def reset_prefix_cache(self) -> None:
         self.pool.reset_prefix_cache()     # drops the saved states too (pool.on_evict)
+        if self.window is not None:
+            self.window.pool.reset_prefix_cache()
 
     def grow(self, request_id: str, num_tokens: int, need: int | None = None) -> list[int]:
         """Blocks so the request holds `num_tokens` tokens (`need`: blocks_needed of that,
@@ -237,17 +329,21 @@ class KVCacheManager:
         self.blocks[request_id] += new
         return new
 
-    def new_group_ids(self, new_blocks: list[int]) -> list[list[int]]:
-        """Per group, the ids a running request gained: `grow`'s new blocks in each paged
-        group; nothing in a state group (its slot was sent at admission)."""
+    def grow_groups(self, request_id: str, num_tokens: int) -> list[list[int]]:
+        """`grow` in every group (the caller checked `lacks`): per group, the ids the request
+        gained, nothing in a state group (its slot was sent at admission)."""
+        new = self.grow(request_id, num_tokens)
         if self.kinds == [PAGED]:        # the common case, at every step of every request
-            return [new_blocks]
-        return [new_blocks if k == PAGED else [] for k in self.kinds]
+            return [new]
+        return [new if k == PAGED else self.window.grow(request_id, num_tokens) if k == WINDOW
+                else [] for k in self.kinds]
 
     def group_block_ids(self, request_id: str) -> list[list[int]]:
-        """The request's ids per group, in self.kinds order: its block table, its [state slot]."""
-        return [list(self.blocks.get(request_id, ())) if k == PAGED else [self.slots[request_id]]
-                for k in self.kinds]
+        """The request's ids per group, in self.kinds order: its block table, its window table
+        (null entries where freed), its [state slot]."""
+        return [list(self.blocks.get(request_id, ())) if k == PAGED else
+                list(self.window.tables.get(request_id, ())) if k == WINDOW
+                else [self.slots[request_id]] for k in self.kinds]
 
     def cache_full_blocks(self, request_id: str, token_slice: Callable[[int, int], list[int]],
                           num_computed: int) -> None:
@@ -269,6 +365,8 @@ class KVCacheManager:
             self.pool.cache_block(blocks[j], hashes[j])
         if end > first:
             self.registered[request_id] = end
+        if self.window is not None:
+            self.window.cache_full_blocks(request_id, hashes, full)
 
     def free(self, request_id: str, forget: bool = True) -> None:
         """Give back the request's blocks and slot (preemption keeps its hashes: forget=False)."""
@@ -276,6 +374,8 @@ class KVCacheManager:
         self.registered.pop(request_id, None)
         if blocks:
             self.pool.free(blocks)
+        if self.window is not None:
+            self.window.free(request_id)
         slot = self.slots.pop(request_id, None)
         if slot is not None:
             self.free_slots.append(slot)
