@@ -445,6 +445,7 @@ class Scheduler:
         back into a chunk in flight (its start + kept tokens), a step taken back to its start."""
         starts = [c.start_position for st in self._in_flight if (c := st.chunk_of(req))]
         return min(starts, default=req.num_computed_tokens)
+
     def _with_lookahead(self, req: Request, end: int, more: int = 0) -> int:
         """Tokens the request's blocks must hold once `end` are computed: num_lookahead_tokens
         (and `more`: a multi-step's later positions) more, but no more than its longest
