@@ -55,7 +55,7 @@ from jaxserve.core.step_input import StepInput  # noqa: E402
 
 BLOCK = 16
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SMOKE = ("deepseek_v3", "deepseek_v32", "qwen3_5_moe", "minimax_m2")   # tests/golden/ckpt/
+SMOKE = ("deepseek_v3", "deepseek_v32", "deepseek_v4", "qwen3_5_moe", "minimax_m2")   # tests/golden/ckpt/
 
 
 def layer_bytes(layers: list[dict], specs, hf: dict, batch: int, context: int) -> float:
@@ -72,8 +72,9 @@ def layer_bytes(layers: list[dict], specs, hf: dict, batch: int, context: int) -
     return total
 
 
-def decode_input(batch: int, context: int, per_seq: int, with_state: bool) -> StepInput:
-    """B decode tokens, sequence s at position `context` over its own blocks (and state slot s + 1)."""
+def decode_input(batch: int, context: int, per_seq: int, with_state: bool, with_window: bool) -> StepInput:
+    """B decode tokens, sequence s at position `context` over its own blocks (and state slot s + 1;
+    a sliding-window group's table equal to the full one: every window block still held)."""
     tables = (1 + np.arange(batch * per_seq, dtype=np.int32)).reshape(batch, per_seq)
     pos = np.full(batch, context, np.int32)
     slots = tables[:, context // BLOCK] * BLOCK + context % BLOCK
@@ -83,7 +84,8 @@ def decode_input(batch: int, context: int, per_seq: int, with_state: bool) -> St
                      query_start_loc=a(np.arange(batch + 1, dtype=np.int32)),
                      seq_lens=a(np.full(batch, context + 1, np.int32)), block_tables=a(tables),
                      logits_indices=a(np.arange(batch, dtype=np.int32)), sampling=None,
-                     state_slots=a(np.arange(1, batch + 1, dtype=np.int32)) if with_state else None)
+                     state_slots=a(np.arange(1, batch + 1, dtype=np.int32)) if with_state else None,
+                     window_block_tables=a(tables) if with_window else None)
 
 
 def step_program(model, cfg, batch: int, context: int, impl: str,
@@ -92,11 +94,13 @@ def step_program(model, cfg, batch: int, context: int, impl: str,
     per_seq = -(-(context + 1) // BLOCK)
     specs = model.cache_specs(cfg)
     with_state = any(not isinstance(s, PagedSpec) for s in specs)
-    caches = allocate_caches(specs, batch * per_seq + 1, batch + 1, BLOCK, jnp.bfloat16)
+    with_window = any(isinstance(s, PagedSpec) and s.window_arrays for s in specs)
+    caches = allocate_caches(specs, batch * per_seq + 1, batch + 1, BLOCK, jnp.bfloat16,
+                             num_window_blocks=batch * per_seq + 1 if with_window else 0)
     backend = AttentionBackend(cfg, impl, context=per_seq * BLOCK, itemsize=2)
     plan = backend.plan(batch, batch, batch, np.full(batch, context + 1))
     kernels = model.make_kernels(cfg, backend, plan, kernel_plan)
-    x = decode_input(batch, context, per_seq, with_state)
+    x = decode_input(batch, context, per_seq, with_state, with_window)
 
     def step(p, kv):
         kv, hidden, _ = model.forward(cfg, p, kv, x, kernels)
