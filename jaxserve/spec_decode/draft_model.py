@@ -28,7 +28,7 @@ import math
 
 import numpy as np
 
-from jaxserve.core.kv_cache.manager import PAGED, KVCacheManager
+from jaxserve.core.kv_cache.manager import PAGED, WINDOW, KVCacheManager
 from jaxserve.core.step_messages import NewRequestData, ScheduledRequest, SchedulerOutput
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.spec_decode.proposer import Proposer
@@ -118,8 +118,11 @@ class DraftModelProposer(Proposer):
                                                                enable_prefix_caching=False))
         self.runner = ModelRunner(config, params, registry.get_family(cfg.architecture))
         if any(kind != PAGED for kind in self.runner.group_kinds):
-            raise ValueError(f"speculative_config['model'] must be an attention-only model; "
-                             f"{cfg.architecture} keeps per-request state")
+            # (its KVCacheManager below hands out the paged group's blocks alone)
+            kept = ("a sliding-window cache group (its own blocks, freed as a request advances)"
+                    if WINDOW in self.runner.group_kinds else "per-request state")
+            raise ValueError(f"speculative_config['model'] must be an attention-only model with "
+                             f"one paged cache group; {cfg.architecture} keeps {kept}")
         self.kv = KVCacheManager(self.runner.cache_specs, block_size=bs, num_blocks=blocks,
                                  enable_prefix_caching=False)
 
