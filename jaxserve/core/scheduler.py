@@ -444,7 +444,7 @@ class Scheduler:
         """The oldest position a later step of `req` can start at: a rejected draft sends it
         back into a chunk in flight (its start + kept tokens), a step taken back to its start."""
         starts = [c.start_position for st in self._in_flight if (c := st.chunk_of(req))]
-        return min(starts, default=req.num_computed_tokens)
+        return min(starts + [req.num_computed_tokens])     # (the least: never frees too much)
 
     def _with_lookahead(self, req: Request, end: int, more: int = 0) -> int:
         """Tokens the request's blocks must hold once `end` are computed: num_lookahead_tokens
