@@ -40,13 +40,22 @@ def prompts(n):
 
 
 @pytest.fixture(scope="module")
-def alone(model):
-    llm = make_llm(model)
-    return {p: llm.generate(p, GREEDY, use_tqdm=False)[0].outputs[0].token_ids for p in prompts(32)}
+def shared(model):
+    """One engine of make_llm's defaults for the tests that only need some engine: a fresh one
+    of the same config recompiles (from the disk cache) its step programs, ~3 s on 2 cores.
+    Each test leaves it idle (no request, no used block); counters are compared as deltas."""
+    return make_llm(model)
+
+
+@pytest.fixture(scope="module")
+def alone(shared):
+    return {p: shared.generate(p, GREEDY, use_tqdm=False)[0].outputs[0].token_ids for p in prompts(32)}
 
 
 def test_batch_equals_alone(model, alone):
-    llm = make_llm(model, max_tokens=64)            # forces chunking and several steps
+    # forces chunking and several steps; its programs are the shared engine's smaller buckets
+    # (the same shapes: loaded from the compilation cache, not compiled again)
+    llm = make_llm(model, max_tokens=64)
     outs = llm.generate(prompts(32), GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [alone[p] for p in prompts(32)]
     assert [o.prompt for o in outs] == prompts(32)  # input order
@@ -62,8 +71,8 @@ def test_preemption_keeps_outputs_and_frees_everything(model, alone):
     assert llm.engine.scheduler.pool.num_used == 0 and m["num_requests_running"] == 0
 
 
-def test_shared_prefix_computes_only_new_tokens(model):
-    llm = make_llm(model)
+def test_shared_prefix_computes_only_new_tokens(model, shared):
+    llm = shared                                   # no other test prompts with this text
     tok = llm.get_tokenizer()
     base = tok.encode("In a quiet village by the sea there lived an old fisherman who " * 3)
     assert len(base) >= 40
@@ -78,8 +87,8 @@ def test_shared_prefix_computes_only_new_tokens(model):
     assert second.outputs[0].token_ids == fresh.outputs[0].token_ids
 
 
-def test_chat_answers_paris(model):
-    llm = make_llm(model)
+def test_chat_answers_paris(shared):
+    llm = shared
     out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
                    SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)[0]
     assert "Paris" in out.outputs[0].text
@@ -95,8 +104,8 @@ def test_an_engine_that_never_finishes_fails_in_steps_naming_its_requests(model,
     assert not llm.engine.has_unfinished_requests()                  # generate aborted it
 
 
-def test_abort_frees_blocks(model):
-    llm = make_llm(model)
+def test_abort_frees_blocks(shared):
+    llm = shared
     eng = llm.engine
     eng.add_request("x", list(range(100, 140)), SamplingParams(max_tokens=50, temperature=0))
     eng.step()
@@ -119,8 +128,8 @@ def test_invalid_requests_name_the_field(model):
     assert not llm.engine.has_unfinished_requests()
 
 
-def test_n_samples_share_the_prompt(model):
-    llm = make_llm(model)
+def test_n_samples_share_the_prompt(shared):
+    llm = shared
     out = llm.generate("A story about a dragon:", SamplingParams(n=3, temperature=1.0, seed=1, max_tokens=5),
                        use_tqdm=False)[0]
     assert [c.index for c in out.outputs] == [0, 1, 2]
@@ -178,8 +187,8 @@ def test_async_engine_streams_and_cancels(model):
         engine.shutdown()
 
 
-def test_a_failure_in_one_request_fails_it_alone(model):
-    llm = make_llm(model)
+def test_a_failure_in_one_request_fails_it_alone(shared):
+    llm = shared
     eng = llm.engine
     eng.add_request("good", list(range(100, 110)), SamplingParams(temperature=0, max_tokens=4))
     eng.add_request("bad", list(range(200, 210)), SamplingParams(temperature=0, max_tokens=4))
@@ -189,6 +198,7 @@ def test_a_failure_in_one_request_fails_it_alone(model):
         raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "planted")
 
     bad.detokenizer.add = broken
+    failures = eng.get_metrics()["request_failure_total"]
     finished = {}
     while eng.has_unfinished_requests():
         for out in eng.step():
@@ -197,11 +207,11 @@ def test_a_failure_in_one_request_fails_it_alone(model):
     assert finished["good"].outputs[0].finish_reason == "length" and finished["good"].error is None
     assert finished["bad"].outputs[0].finish_reason == "error" and "planted" in finished["bad"].error
     assert eng.scheduler.pool.num_used == 0 and not eng.scheduler.requests
-    assert eng.get_metrics()["request_failure_total"] == 1
+    assert eng.get_metrics()["request_failure_total"] == failures + 1
 
 
-def test_a_request_whose_step_inputs_cannot_be_built_fails_alone(model):
-    llm = make_llm(model)
+def test_a_request_whose_step_inputs_cannot_be_built_fails_alone(shared):
+    llm = shared
     eng = llm.engine
     eng.add_request("good", list(range(100, 110)), SamplingParams(temperature=0, max_tokens=4))
     eng.add_request("bad", list(range(200, 210)), SamplingParams(temperature=1.0, top_k=5, max_tokens=4))
@@ -222,8 +232,8 @@ def test_a_request_whose_step_inputs_cannot_be_built_fails_alone(model):
     assert finished["good"].outputs[0].token_ids == alone.outputs[0].token_ids
 
 
-def test_failure_while_pipelined_is_delivered_once(model):
-    llm = make_llm(model)
+def test_failure_while_pipelined_is_delivered_once(shared):
+    llm = shared
     eng = llm.engine
     eng.add_request("good", list(range(100, 110)), SamplingParams(temperature=0, max_tokens=2))
     outs = eng.step()                          # good's prefill runs; its decode is dispatched
@@ -239,8 +249,8 @@ def test_failure_while_pipelined_is_delivered_once(model):
     assert eng.scheduler.pool.num_used == 0
 
 
-def test_stop_string_on_the_last_allowed_token_wins(model):
-    llm = make_llm(model)
+def test_stop_string_on_the_last_allowed_token_wins(shared):
+    llm = shared
     free = llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=8),
                         use_tqdm=False)[0].outputs[0]
     stop = free.text[-3:]
@@ -250,8 +260,8 @@ def test_stop_string_on_the_last_allowed_token_wins(model):
     assert out.finish_reason == "stop" and out.stop_reason == stop and out.text == free.text[:-3]
 
 
-def test_request_ids_that_collide_are_refused_cleanly(model):
-    llm = make_llm(model)
+def test_request_ids_that_collide_are_refused_cleanly(shared):
+    llm = shared
     eng = llm.engine
     eng.add_request("x#0", [5, 6, 7], SamplingParams(temperature=0, max_tokens=3))
     with pytest.raises(ValueError, match="collides"):
@@ -264,8 +274,8 @@ def test_request_ids_that_collide_are_refused_cleanly(model):
     assert done == ["x#0"] and eng.scheduler.pool.num_used == 0
 
 
-def test_a_reused_id_is_not_confused_with_the_aborted_one(model):
-    llm = make_llm(model)
+def test_a_reused_id_is_not_confused_with_the_aborted_one(shared):
+    llm = shared
     eng = llm.engine
     eng.add_request("x", list(range(100, 110)), SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
     eng.step()
@@ -284,8 +294,8 @@ def test_a_reused_id_is_not_confused_with_the_aborted_one(model):
     assert final.outputs[0].token_ids == alone.outputs[0].token_ids
 
 
-def test_final_only_requests_report_once_and_match_cumulative_ones(model):
-    llm = make_llm(model)
+def test_final_only_requests_report_once_and_match_cumulative_ones(shared):
+    llm = shared
     eng = llm.engine
     tok = eng.tokenizer
     ids = tok.encode(prompts(1)[0])
@@ -302,8 +312,8 @@ def test_final_only_requests_report_once_and_match_cumulative_ones(model):
         eng.add_request("bad", ids, SamplingParams(output_kind="streaming"))
 
 
-def test_detokenize_false_gives_the_same_tokens_and_no_text(model):
-    llm = make_llm(model)
+def test_detokenize_false_gives_the_same_tokens_and_no_text(shared):
+    llm = shared
     prompt = {"prompt_token_ids": llm.get_tokenizer().encode("Once upon a time")}
     with_text = llm.generate(prompt, GREEDY, use_tqdm=False)[0].outputs[0]
     ids_only = llm.generate(prompt, GREEDY.clone(detokenize=False), use_tqdm=False)[0].outputs[0]

@@ -14,7 +14,10 @@ OTHERS = ["Once upon a time", "def fibonacci(n):", "My favourite colour"]
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(model=None, dtype="float32", max_num_seqs=8, max_model_len=128, max_num_batched_tokens=32)
+    # no warm-up: it compiled every program (~20 s on 2 cores, plus background compiles beside
+    # the first tests) where these tests run a handful; nothing here checks compilation
+    return LLM(model=None, dtype="float32", max_num_seqs=8, max_model_len=128, max_num_batched_tokens=32,
+               warmup=False)
 
 
 def generate(llm, prompts, params):

@@ -75,19 +75,33 @@ def perturbed_head(cfg, params, draft_ids) -> head.Eagle3Head:
     return h
 
 
-def test_loss_goes_down_and_the_head_runs_in_the_engine(target, dataset, tmp_path):
+def test_loss_goes_down_the_head_runs_in_the_engine_and_the_walk_predicts_its_acceptance(
+        target, dataset, tmp_path, monkeypatch):
+    """One training run (two before, each compiling the trainer's and the engine's programs)
+    on the target's own greedy replies: the loss goes down; the written head is the HF EAGLE3
+    format the engine loads and keeps its greedy output; walking the held-out chain lengths as
+    the engine drafts (train.walk_acceptance) gives exactly the engine's measured mean
+    acceptance length: the trained head and the engine's head agree at every chained step (a
+    wrong position, token or cache entry anywhere would change which drafts are kept)."""
     out = tmp_path / "head"
-    assert train_draft(target, dataset, out, "--num-steps", "60", "--log-every", "5", "--num-eval", "6",
-                       "--eval-prompts", "4", "--eval-max-tokens", "12") == 0
+    # NOTE: the walk is the pipelined core's chain. Paced by acceptance (spec_decode/pacing.py)
+    # the core waits at low acceptance, and its mean length then differs (1.590 against the
+    # walk's 1.602 here, greedy output the same): a difference not yet explained (issue 67)
+    monkeypatch.setattr(DraftPacing, "pipelines", lambda self, running: True)
+    assert train_draft(target, dataset, out, "--regenerate", "--regenerate-seqs", "8", "--num-steps", "60",
+                       "--log-every", "5", "--num-eval", "6", "--eval-prompts", "6",
+                       "--eval-max-tokens", "24") == 0
     losses = [r["loss"] for r in log_of(out)]
     assert len(losses) == 12 and losses[-1] < 0.5 * losses[0], losses
     report = json.load(open(out / "report.json"))
-    held = report["held_out"]
+    engine, held = report["engine"], report["held_out"]
     assert len(held["acceptance_per_position"]) == 3 and held["positions"] > 0
     assert held["acceptance_per_position"][0] > 0.25, held
     assert held["mean_acceptance_length_estimate"] == pytest.approx(1 + sum(held["acceptance_per_position"]))
-    engine = report["engine"]
-    assert engine["greedy_equal"] is True and engine["eagle3"] >= 1.0 and engine["ngram"] is not None
+    assert engine["greedy_equal"] is True and engine["eagle3"] > 1.2 and engine["ngram"] is not None, engine
+    assert engine["eagle3_walk_estimate"] == pytest.approx(engine["eagle3"]), engine
+    # Every position's estimate over-states the walk's: the walk lingers where drafts miss.
+    assert held["mean_acceptance_length_walk"] < held["mean_acceptance_length_estimate"]
     # The written head is the HF EAGLE3 format the engine loads, its d2t the draft vocabulary.
     cfg = loader.load_model(target, dtype="float32")[0]
     head_cfg, params, aux = eagle3.load_head(str(out), cfg, "float32")
@@ -239,27 +253,6 @@ def test_resume_reads_back_the_regenerated_examples(target, dataset, tmp_path, m
     again = json.load(open(out / "report.json"))
     assert again["steps"] == 4 and again["train_examples"] == first["train_examples"]
     assert again["held_out"]["positions"] == first["held_out"]["positions"]
-
-
-def test_the_offline_walk_predicts_the_engines_acceptance(target, dataset, tmp_path, monkeypatch):
-    """On the target's own greedy replies, walking the held-out chain lengths as the engine
-    drafts (train.walk_acceptance) gives exactly the engine's measured mean acceptance
-    length: the trained head and the engine's head agree at every chained step (a wrong
-    position, token or cache entry anywhere would change which drafts are kept)."""
-    out = tmp_path / "head"
-    # NOTE: the walk is the pipelined core's chain. Paced by acceptance (spec_decode/pacing.py)
-    # the core waits at low acceptance, and its mean length then differs (1.590 against the
-    # walk's 1.602 here, greedy output the same): a difference not yet explained (issue 67)
-    monkeypatch.setattr(DraftPacing, "pipelines", lambda self, running: True)
-    assert train_draft(target, dataset, out, "--regenerate", "--regenerate-seqs", "8", "--num-steps", "40",
-                       "--log-every", "10", "--num-eval", "6", "--eval-prompts", "6",
-                       "--eval-max-tokens", "24") == 0
-    report = json.load(open(out / "report.json"))
-    engine, held = report["engine"], report["held_out"]
-    assert engine["greedy_equal"] is True and engine["eagle3"] > 1.2, engine
-    assert engine["eagle3_walk_estimate"] == pytest.approx(engine["eagle3"]), engine
-    # Every position's estimate over-states the walk's: the walk lingers where drafts miss.
-    assert held["mean_acceptance_length_walk"] < held["mean_acceptance_length_estimate"]
 
 
 def test_training_leaves_out_the_held_out_prompts():

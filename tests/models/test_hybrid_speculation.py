@@ -7,11 +7,14 @@ proposers change no output; every block, slot and saved state is free afterwards
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.spec_decode.proposer import Proposer
+from tests.conftest import GOLDEN_DIR
 from tests.step_bound import bound_steps
 from test_new_families_engine import assert_all_free, golden
 
@@ -51,29 +54,66 @@ def make_llm(tiny_checkpoint, name, spec, caching=True, **kw):
     return llm
 
 
+def checkpoint(name: str) -> str:
+    """The tiny checkpoint's path (conftest's tiny_checkpoint, for the module's fixtures)."""
+    return os.path.join(GOLDEN_DIR, "ckpt", name)
+
+
+@pytest.fixture(scope="module")
+def ngram_engines():
+    """name -> (engine with n-gram drafts and prefix caching, its own proposer), built once for
+    the two tests of that config (a fresh engine re-traces its step programs: seconds on 2
+    cores); each test sets the proposer it needs and counts from what the engine had done."""
+    engines = {}
+
+    def get(name):
+        if name not in engines:
+            llm = make_llm(checkpoint, name, NGRAM)
+            engines[name] = (llm, llm.engine.core.proposer)
+        return engines[name]
+    return get
+
+
+@pytest.fixture(scope="module")
+def plain_greedy():
+    """(name, prompts) -> the greedy tokens of the engine without drafts (one per family)."""
+    memo = {}
+
+    def get(name, prompts, max_tokens):
+        key = (name, tuple(map(tuple, prompts)), max_tokens)
+        if key not in memo:
+            memo[key] = generate(make_llm(checkpoint, name, None), prompts, max_tokens)
+        return memo[key]
+    return get
+
+
 def generate(llm, prompts, max_tokens):
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     return [o.outputs[0].token_ids for o in outs]
 
 
-def counts(llm) -> dict:
+def counts(llm, since: dict | None = None) -> dict:
+    """The engine's rollbacks and drafts (since the `since` counts: a shared engine's)."""
     m = llm.get_metrics()
     assert m["num_state_rollbacks_total"] == llm.engine.scheduler.num_state_rollbacks
-    return {"rollbacks": llm.engine.scheduler.num_state_rollbacks,
-            "accepted": m["spec_decode_num_accepted_tokens_total"],
-            "drafted": m["spec_decode_num_draft_tokens_total"]}
+    now = {"rollbacks": llm.engine.scheduler.num_state_rollbacks,
+           "accepted": m["spec_decode_num_accepted_tokens_total"],
+           "drafted": m["spec_decode_num_draft_tokens_total"]}
+    return {k: v - (since or {}).get(k, 0) for k, v in now.items()}
 
 
 @pytest.mark.parametrize("caching", [False, True])
 @pytest.mark.parametrize("name", HYBRID)
-def test_right_and_wrong_drafts_keep_the_greedy_tokens_of_transformers(name, caching, tiny_checkpoint):
+def test_right_and_wrong_drafts_keep_the_greedy_tokens_of_transformers(name, caching, tiny_checkpoint,
+                                                                      ngram_engines):
     prompts, want = golden(name)
-    llm = make_llm(tiny_checkpoint, name, NGRAM, caching)
+    llm = ngram_engines(name)[0] if caching else make_llm(tiny_checkpoint, name, NGRAM, caching)
+    before = counts(llm)
     llm.engine.core.proposer = Replay(prompts, want, k=3, p=0.6)
     assert generate(llm, prompts, len(want[0])) == want
     assert [generate(llm, [p], len(w))[0] for p, w in zip(prompts, want)] == want
-    c = counts(llm)
+    c = counts(llm, before)
     assert c["rollbacks"] > 0 and 0 < c["accepted"] < c["drafted"]     # both ways exercised
     assert_all_free(llm)
 
@@ -92,15 +132,20 @@ def test_preempted_speculating_requests_resume_with_the_right_state(name, tiny_c
 @pytest.mark.parametrize("spec", [NGRAM, {"method": "draft_model", "num_speculative_tokens": 2}],
                          ids=["ngram", "draft_model"])
 @pytest.mark.parametrize("name", HYBRID)
-def test_proposers_change_no_greedy_output(name, spec, tiny_checkpoint):
+def test_proposers_change_no_greedy_output(name, spec, tiny_checkpoint, ngram_engines, plain_greedy):
     """On repetitive prompts (n-gram proposes from them) and with a tiny Llama on the same
     vocabulary as the draft model."""
     if spec["method"] == "draft_model":
         spec = {**spec, "model": tiny_checkpoint("llama")}
     rng = np.random.default_rng(1)
     prompts = [(rng.integers(3, 256, size=3).tolist() * 4)[:n] for n in (7, 12, 9)]
-    want = generate(make_llm(tiny_checkpoint, name, None), prompts, 20)
-    llm = make_llm(tiny_checkpoint, name, spec)
+    want = plain_greedy(name, prompts, 20)
+    if spec["method"] == "ngram":        # the engine of the test above, its n-gram proposer back
+        llm, proposer = ngram_engines(name)
+        llm.engine.core.proposer = proposer
+    else:
+        llm = make_llm(tiny_checkpoint, name, spec)
+    before = counts(llm)
     assert generate(llm, prompts, 20) == want
-    assert counts(llm)["drafted"] > 0
+    assert counts(llm, before)["drafted"] > 0
     assert_all_free(llm)

@@ -35,6 +35,12 @@ CASES = [  # (qlens, tokens already computed, state slots); padding sequences at
     ([16, 2, 0, 0], [32, 0, 0, 0], [7, 2, 0, 0]),
     ([23, 7, 33, 16, 1], [0, 5, 40, 0, 2], [3, 1, 6, 2, 5]),   # unaligned partial chunks
 ]
+# The CPU suite runs one or two cases of each sweep below (each case compiles its own
+# interpreted kernel, seconds on 2 cores); the *_GPU cases run in
+# tests/gpu/test_gpu_interpret_sweeps.py under `-m gpu`.
+# On CPU: the mixed batch and the unaligned one (decode rows, fresh and continuing prefills,
+# padding); decode only, one long prefill and the aligned continuation on the GPU.
+CASES_CPU, CASES_GPU = [CASES[2], CASES[4]], [CASES[0], CASES[1], CASES[3]]
 
 
 def _correlated_keys(k, seed):
@@ -46,7 +52,7 @@ def _correlated_keys(k, seed):
     return gdn.l2norm(jnp.asarray(base + 0.01 * rng.standard_normal((t, g, kd)), jnp.float32))
 
 
-@pytest.mark.parametrize("qlens, starts, slots", CASES)
+@pytest.mark.parametrize("qlens, starts, slots", CASES_CPU)
 def test_chunked_kernel_matches_recurrence(qlens, starts, slots, chunk=L, correlated=False):
     q, k, v, g, beta, qsl, seq_lens, slots_S, state = _batch(qlens, starts, slots, seed=sum(qlens))
     if correlated:

@@ -54,7 +54,16 @@ def check(args, *, impl="pallas", atol=2e-5, **kw):
     return out
 
 
-@pytest.mark.parametrize("n,kh", [(4, 4), (8, 2), (16, 2)])   # GQA ratios 1, 4, 8
+# The CPU suite runs one or two cases of each sweep below (each case compiles its own
+# interpreted kernel, seconds on 2 cores); the *_GPU cases run in
+# tests/gpu/test_gpu_interpret_sweeps.py under `-m gpu`.
+DECODE_GQA, DECODE_GQA_GPU = [(8, 2)], [(4, 4), (16, 2)]           # GQA ratios 4; 1 and 8
+ONE_TOKEN_GQA, ONE_TOKEN_GQA_GPU = [(4, 4)], [(8, 2), (16, 2)]     # GQA ratios 1; 4 and 8
+TILE_ORDER, TILE_ORDER_GPU = [(True, True)], [(True, False), (False, True)]   # both; each alone
+HEADS_INNER_SPLITS, HEADS_INNER_SPLITS_GPU = [3], [1]
+
+
+@pytest.mark.parametrize("n,kh", DECODE_GQA)
 def test_decode_only_gqa(n, kh):
     check(paged_batch([1] * 5, [1, 9, 16, 23, 40], n=n, kh=kh, seed=n))
 
@@ -71,7 +80,7 @@ def test_mixed_chunked_prefill_decode_and_padding_sequences():
     check(args, block_q=16, block_k=32)          # larger tiles than the sequences
 
 
-@pytest.mark.parametrize("heavy_first,prefetch_slots", [(True, False), (False, True), (True, True)])
+@pytest.mark.parametrize("heavy_first,prefetch_slots", TILE_ORDER)
 def test_tile_order_and_prefetched_slots(heavy_first, prefetch_slots):
     # the launch order of query tiles and looking up the next step's slots one step early
     # (the last step looks one step past the context) change no output
@@ -163,7 +172,7 @@ def test_lowers_for_cuda(num_splits, block_q):
     assert exported.out_avals[0].shape == args[0].shape
 
 
-@pytest.mark.parametrize("n,kh", [(4, 4), (8, 2), (16, 2)])
+@pytest.mark.parametrize("n,kh", ONE_TOKEN_GQA)
 def test_one_token_tiles(n, kh):
     # BQ = 1: one tile per token, rows padded up to 16 and masked; decode rows, a chunk and
     # padding sequences, with and without key splits
@@ -379,7 +388,7 @@ def test_unsplit_decode_grids_launch_kv_heads_side_by_side():
     assert grid(32, t=40) == (34, 8, 1)                # more tokens than slots: 34 tiles
 
 
-@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("num_splits", HEADS_INNER_SPLITS)
 def test_kv_heads_inner_launch_order_changes_no_output(num_splits):
     args = paged_batch([9, 1, 0, 1, 17, 0], [25, 33, 0, 8, 17, 0], seed=7)
     for heads_inner in (True, False):

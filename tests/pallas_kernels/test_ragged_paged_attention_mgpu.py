@@ -40,23 +40,27 @@ def batch(qlens, ctxs, *, n=8, kh=2, e=64, p=8, seed=0, pad_tokens=3):
 
 
 TILINGS = ["sequence", "flat"]
+# The CPU suite runs each test below at one or two of its cases (every branch, tiling and edge
+# case at least once); interpret mode compiles each shape in seconds. The other cases of each
+# sweep (the *_GPU lists) run in tests/gpu/test_gpu_mgpu_interpret_sweep.py under `-m gpu`.
+PREFILL_GQA = [(8, 2, "sequence"), (16, 2, "flat")]
+PREFILL_GQA_GPU = [(4, 4, "sequence"), (4, 4, "flat"), (8, 2, "flat"), (16, 2, "sequence")]
 
 
-@pytest.mark.parametrize("tiling", TILINGS)
-@pytest.mark.parametrize("n,kh", [(4, 4), (8, 2), (16, 2)])   # GQA ratios 1, 4, 8
+@pytest.mark.parametrize("n,kh,tiling", PREFILL_GQA)   # GQA ratios 1, 4, 8 over the sweep
 def test_prefill_gqa(n, kh, tiling):
     # a long prompt (several tiles, the last past T) then a short one starting mid-tile at an
     # odd token (not 8-aligned)
     check(batch([70, 5], [70, 90], n=n, kh=kh, seed=n), block_kv=64, tiling=tiling)
 
 
-@pytest.mark.parametrize("tiling", TILINGS)
+@pytest.mark.parametrize("tiling", ["flat"])            # "sequence": the GPU sweep
 def test_chunked_prefill_odd_lengths_three_stages(tiling):
     # prompts with earlier context; tiles straddle sequence ends; 3-deep K/V ring
     check(batch([13, 29, 7], [77, 29, 40], seed=1), block_kv=64, num_stages=3, tiling=tiling)
 
 
-@pytest.mark.parametrize("tiling", TILINGS)
+@pytest.mark.parametrize("tiling", ["sequence"])        # "flat": the GPU sweep
 def test_mixed_with_decode_rows_and_padding_sequences(tiling):
     # chunk of a longer prompt, decodes, padding sequences (qlen 0, seq_len 0) in between
     args = batch([9, 1, 0, 1, 17, 0], [25, 33, 0, 8, 17, 0], seed=2)
@@ -119,7 +123,7 @@ def test_small_inputs_get_a_buffer_of_their_own(n):
 # --- the decode configuration: one compute warpgroup, key-range splits merged by log-sum-exp
 
 
-@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("splits", [3])                 # 1: the GPU sweep
 def test_decode_rows_one_warpgroup_and_splits(splits):
     # decodes with contexts of 1 to 200 keys (some splits see no key at all), a padding
     # sequence, padding tokens after the last sequence
@@ -127,7 +131,7 @@ def test_decode_rows_one_warpgroup_and_splits(splits):
     check(args, **{**mg.DECODE_CONFIG, "num_splits": splits})
 
 
-@pytest.mark.parametrize("n,kh", [(4, 4), (16, 2)])   # GQA 1 and 8
+@pytest.mark.parametrize("n,kh", [(16, 2)])   # GQA 8; GQA 1 (4, 4): the GPU sweep
 def test_splits_with_prefill_chunks_and_two_warpgroups(n, kh):
     # split key ranges under causal masks that start mid-split, with the prefill tiles
     check(batch([9, 1, 0, 1, 17, 0], [25, 33, 0, 8, 17, 0], n=n, kh=kh, seed=2), block_kv=64,
@@ -181,7 +185,10 @@ def expected_tiles(qsl, num_tokens, ct):
             for k in range(-(-(e - (b & -8)) // ct))]
 
 
-@pytest.mark.parametrize("seed", range(6))
+TILE_MAP_SEEDS, TILE_MAP_SEEDS_GPU = [1, 4], [0, 2, 3, 5]   # tiles of 16 and 32; 64 and 32
+
+
+@pytest.mark.parametrize("seed", TILE_MAP_SEEDS)
 def test_tile_map_lists_every_tile_in_order_within_the_grid_bound(seed):
     rng = np.random.default_rng(seed)
     ct = 8 * int(rng.choice([1, 2, 4, 8]))
@@ -242,8 +249,7 @@ def check_race_free(args, **kw):
     assert not interpret_pallas_call.get_races().races_found
 
 
-@pytest.mark.parametrize("tiling,q_buffers", [("sequence", 1), ("flat", 1), ("sequence", 2),
-                                               ("flat", 2)])
+@pytest.mark.parametrize("tiling,q_buffers", [("flat", 1), ("sequence", 2)])   # the other two: GPU sweep
 def test_few_ctas_each_loop_over_several_work_items(tiling, q_buffers):
     # 3 CTAs for 2 kv heads x ~10 tiles: several rounds, alternate rounds taken in reverse
     # order, the K/V ring, the barriers, the staging buffers and (with 2 q buffers) the next
@@ -252,7 +258,7 @@ def test_few_ctas_each_loop_over_several_work_items(tiling, q_buffers):
     check_race_free(args, block_kv=64, num_ctas=3, tiling=tiling, q_buffers=q_buffers)
 
 
-@pytest.mark.parametrize("tiling", TILINGS)
+@pytest.mark.parametrize("tiling", ["sequence"])        # "flat": the GPU sweep
 def test_ctas_without_a_work_item_store_nothing(tiling):
     # 2 tiles x 2 kv heads = 4 items for 5 CTAs: the last one's item index is past the end (it
     # reads a clamped, real item's tile and must not write it: on the GPU that write races)
@@ -265,8 +271,11 @@ def test_few_ctas_with_key_range_splits():
     check_race_free(args, **{**mg.DECODE_CONFIG, "num_splits": 3}, num_ctas=5)
 
 
-@pytest.mark.parametrize("bt_ahead,n,kh", [(0, 8, 2), (1, 8, 2), (3, 8, 2), (2, 4, 4),
-                                           (2, 16, 2)])
+BT_AHEAD = [(0, 8, 2), (3, 8, 2)]                        # none ahead; 3 ahead at GQA 4
+BT_AHEAD_GPU = [(1, 8, 2), (2, 4, 4), (2, 16, 2)]        # 1 ahead; two q buffers at GQA 1 and 8
+
+
+@pytest.mark.parametrize("bt_ahead,n,kh", BT_AHEAD)
 def test_block_table_entries_loaded_ahead_over_many_key_steps(bt_ahead, n, kh):
     # items of 2-5 key steps of 64 keys (8 cache blocks of 8 each), several items per CTA:
     # the FIFO carries entries from step to step; two q buffers at GQA 4, 1 and 8
