@@ -127,8 +127,8 @@ def compress(cache: dict, names: tuple[str, str, str], kv_TC: jax.Array, gate_TC
     Ca half beside this one's Cb half, 2m rows; the first window's Ca rows weigh 0), RMSNorm,
     rotary at the window's first position. Returns the updated arrays. Under "pallas" the
     entries of windows of up to 32 rows (CSA's 2m) come from the window_compress kernel
-    (replicated under a mesh); HCA's 128-row windows stay in XLA. xw: x on the window group (window_view), where the
-    per-token rows are; the entries go by x's block table."""
+    (replicated under a mesh); HCA's 128-row windows stay in XLA. xw: x on the window group
+    (window_view), where the per-token rows are; the entries go by x's block table."""
     kv_name, gate_name, comp_name = names
     p = cache[kv_name].shape[1]
     pos_T = x.positions

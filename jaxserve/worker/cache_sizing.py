@@ -89,8 +89,9 @@ def plan_caches(config: EngineConfig, specs: list, proposer_specs: list, propose
             budget -= proposer_weight_bytes
         budget = hosts.agree_min(budget)     # every host sizes the same cache
         if source != "cpu":
-            _check_windows_fit(config, budget, window() * per_window)
-            _check_one_request_fits(config, budget - window() * per_window, per_block, per_slot,
+            window_bytes = window() * per_window
+            _check_windows_fit(config, budget, window_bytes)
+            _check_one_request_fits(config, budget - window_bytes, per_block, per_slot,
                                     max_blocks_per_seq,
                                     (max_seqs + 1 + snapshots) if cache_manager.STATE in kinds else 0,
                                     measured)

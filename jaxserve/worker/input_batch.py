@@ -3,7 +3,8 @@
 The scheduler sends a request's prompt and parameters once (`NewRequestData`) and after that
 only diffs (`ScheduledRequest`: how many tokens, new block ids); the runner appends the tokens
 it samples itself. Block tables live in one numpy array (a sliding-window group's in a
-second: kv_cache/manager.py), a row per request, written only where blocks are added, so a step's tables are one fancy-index, not rebuilt from lists.
+second: kv_cache/manager.py), a row per request, written only where blocks are added, so a
+step's tables are one fancy-index, not rebuilt from lists.
 
 A token the previous step sampled and the host has not read yet (the engine dispatches step
 N+1 before it reads step N's tokens) is taken on the device from that step's output: its
